@@ -1,0 +1,1 @@
+//! levee-client: retry and backoff policy for clients of levee.

@@ -1,0 +1,86 @@
+//! The `levee` binary: a thin command-line layer over the levee crates.
+
+use clap::{Parser, Subcommand};
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+#[derive(Parser)]
+#[command(name = "levee", version, about = "Overload protection for LLM inference")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the gateway.
+    Serve(levee_gateway::ServeArgs),
+    /// Run one simulated GPU inference server.
+    Engine(levee_engine::EngineArgs),
+    /// Flood a target with a scenario and write reports.
+    Sim(levee_sim::SimArgs),
+    /// Configuration tools.
+    Config {
+        #[command(subcommand)]
+        command: ConfigCommand,
+    },
+}
+
+#[derive(Subcommand)]
+enum ConfigCommand {
+    /// Validate a configuration file and explain every error by its path.
+    Check {
+        /// The TOML file to check.
+        file: PathBuf,
+    },
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    if let Command::Config {
+        command: ConfigCommand::Check { file },
+    } = &cli.command
+    {
+        return match levee_gateway::check_config_file(file) {
+            Ok(summary) => {
+                println!("{}: ok\n{summary}", file.display());
+                ExitCode::SUCCESS
+            }
+            Err(errors) => {
+                for e in &errors {
+                    eprintln!("{}: {e}", file.display());
+                }
+                ExitCode::FAILURE
+            }
+        };
+    }
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("levee: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let result = runtime.block_on(async move {
+        match cli.command {
+            Command::Serve(args) => levee_gateway::serve_cli(args).await,
+            Command::Engine(args) => levee_engine::run_cli(args).await,
+            Command::Sim(args) => levee_sim::run_cli(args).await,
+            Command::Config { .. } => Ok(()),
+        }
+    });
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("levee: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
