@@ -1,4 +1,48 @@
 //! levee-policy: every overload decision levee makes, as pure code.
 //!
 //! Nothing here does I/O or spawns tasks; time is injected through [`Clock`] so that every
-//! decision can be replayed with a manual clock in tests.
+//! decision can be replayed with a manual clock in tests. State that the gateway mutates per
+//! request (`Admission`, `FairQueue`, limiters, `Breaker`, planners) takes `&mut self` and is
+//! meant to sit behind one lock; concurrency [`Permit`]s are atomics and can be dropped
+//! anywhere.
+//!
+//! See `docs/policy.md` for how the gateway calls this crate.
+
+#![warn(missing_docs)]
+
+mod adaptive;
+mod admission;
+mod breaker;
+mod clock;
+mod concurrency;
+mod degrade;
+mod gcra;
+mod keyed;
+mod queue;
+mod retry;
+mod tokens;
+mod watermark;
+
+pub use adaptive::{AdaptiveConfig, AdaptiveLimit};
+pub use admission::{
+    Admission, AdmissionConfig, AdmissionRequest, AdmissionStats, Admit, Dispatched, Expired,
+    Grant, HeavyRule, LimitSpec, RateLimitHeaders, Refusal, RefusalReason, Scope, TenantSpec,
+};
+pub use breaker::{
+    Breaker, BreakerConfig, BreakerOpen, BreakerState, BreakerStats, BreakerTicket, Outcome,
+};
+pub use clock::{Clock, ManualClock, SystemClock, Timestamp};
+pub use concurrency::{ConcurrencyLimit, KeyedConcurrency, Permit, Saturated};
+pub use degrade::{
+    DegradeConfig, DegradeLevel, DegradePlan, DegradePlanner, DegradeStep, LoadSignals,
+};
+pub use gcra::{Gcra, KeyedGcra, NotUntil, Quota, RateLimitInfo};
+pub use queue::{
+    Entry, FairQueue, PushRefusal, QueueLimits, QueueStats, Rejected, TenantBacklog, Ticket, Tier,
+    TierStats, VIRTUAL_SCALE,
+};
+pub use retry::{DrainRate, RetryAfter, RetryBounds};
+pub use tokens::{Refused, Reservation, TokenBucket, TokenLimiter, TokenQuota};
+pub use watermark::{
+    ConfigError, LoadZone, WaitBudget, WatermarkAction, WatermarkDecision, Watermarks,
+};
