@@ -198,13 +198,14 @@ impl TokenBucket {
         }
     }
 
-    /// The raw level in internal units, for invariant tests: `0..=capacity·unit` always.
+    /// Internal state for invariant tests: `(debt, capacity)` in internal units, where the
+    /// level is `capacity − debt`. `debt` is never negative by construction; the invariant
+    /// "never below zero" is `debt ≤ capacity`.
     #[doc(hidden)]
-    pub fn level_units(&self, now: Timestamp) -> (u128, u128) {
+    pub fn debt_units(&self, now: Timestamp) -> (u128, u128) {
         let q = &self.quota;
         let t = q.units_at(now);
-        let tat = self.tat.max(t);
-        ((t + q.tolerance()).saturating_sub(tat), q.tolerance())
+        (self.tat.max(t) - t, q.tolerance())
     }
 }
 
