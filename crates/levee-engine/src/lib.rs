@@ -1,14 +1,301 @@
 //! levee-engine: a simulated GPU inference server for tests and drills.
+//!
+//! An OpenAI-compatible server (`/v1/chat/completions`, `/v1/completions`, `/v1/models`)
+//! whose timing and memory follow a model of continuous batching on a GPU with a KV cache
+//! ([`gpu`]), with vLLM's metric names on `/metrics`, `/health`, and an admin API to inject
+//! faults. See `docs/engine.md` for the contract.
+//!
+//! In-process use (tests, the drill):
+//!
+//! ```no_run
+//! # async fn demo() -> anyhow::Result<()> {
+//! let mut config = levee_engine::EngineConfig::profile("tiny-fast")?;
+//! config.time_scale = 10.0;
+//! let engine = levee_engine::spawn(config, "127.0.0.1:0".parse()?).await?;
+//! let url = format!("{}/v1/chat/completions", engine.base_url());
+//! # let _ = url;
+//! println!("running: {}", engine.stats().running);
+//! engine.shutdown().await?;
+//! # Ok(()) }
+//! ```
 
-/// Command-line arguments of `levee engine`.
-#[derive(Debug, Clone, clap::Args)]
-pub struct EngineArgs {
-    /// Port to listen on (127.0.0.1).
-    #[arg(long, default_value_t = 8000)]
-    pub port: u16,
+pub mod config;
+pub mod gpu;
+mod metrics;
+mod scheduler;
+mod server;
+pub mod tokens;
+
+pub use config::{EngineConfig, GpuParams, OverloadMode, PROFILE_NAMES};
+pub use scheduler::{EngineState, EngineStats, Faults, FaultsUpdate};
+pub use server::AdminState;
+pub use tokens::{estimate_chat_prompt_tokens, estimate_prompt_tokens};
+
+use anyhow::Context as _;
+use scheduler::{Command, Shared};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+/// How long [`EngineHandle::shutdown`] waits for connections to close before cutting them.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
+
+/// A running engine: its address, its state, and the way to stop it.
+///
+/// Dropping the handle stops the engine too (without waiting).
+pub struct EngineHandle {
+    addr: SocketAddr,
+    shared: Arc<Shared>,
+    stop_server: Option<tokio::sync::oneshot::Sender<()>>,
+    server: Option<JoinHandle<()>>,
+    scheduler: Option<JoinHandle<()>>,
 }
 
-/// Runs `levee engine` until interrupted.
-pub async fn run_cli(_args: EngineArgs) -> anyhow::Result<()> {
-    anyhow::bail!("levee engine is not built yet")
+impl std::fmt::Debug for EngineHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EngineHandle")
+            .field("addr", &self.addr)
+            .field("profile", &self.shared.config.profile)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Starts an engine listening on `bind` (use `127.0.0.1:0` for an ephemeral port) with its
+/// scheduler task; returns once it accepts connections.
+pub async fn spawn(config: EngineConfig, bind: SocketAddr) -> anyhow::Result<EngineHandle> {
+    config.validate()?;
+    let listener = tokio::net::TcpListener::bind(bind)
+        .await
+        .with_context(|| format!("levee engine: cannot listen on {bind}"))?;
+    let addr = listener
+        .local_addr()
+        .context("levee engine: cannot read the bound address")?;
+    let (shared, scheduler) = scheduler::start(config);
+    let scheduler = tokio::spawn(scheduler);
+    let app = server::router(shared.clone());
+    let (stop_server, stopped) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(async move {
+        let serve = axum::serve(listener, app).with_graceful_shutdown(async move {
+            let _ = stopped.await;
+        });
+        if let Err(e) = serve.await {
+            tracing::error!(error = %e, "levee engine: the HTTP server failed");
+        }
+    });
+    Ok(EngineHandle {
+        addr,
+        shared,
+        stop_server: Some(stop_server),
+        server: Some(server),
+        scheduler: Some(scheduler),
+    })
+}
+
+impl EngineHandle {
+    /// The address the engine listens on.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// `http://ADDR` (without `/v1`).
+    pub fn base_url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// The configuration the engine runs with.
+    pub fn config(&self) -> &EngineConfig {
+        &self.shared.config
+    }
+
+    /// What the engine is doing now (published after every step and command).
+    pub fn stats(&self) -> EngineStats {
+        self.shared.stats.borrow().clone()
+    }
+
+    /// Waits until the published stats satisfy `pred` and returns them; gives up with an
+    /// error if the engine stops first. Use it instead of polling in tests.
+    pub async fn wait_for(
+        &self,
+        mut pred: impl FnMut(&EngineStats) -> bool,
+    ) -> anyhow::Result<EngineStats> {
+        let mut rx: watch::Receiver<EngineStats> = self.shared.stats.clone();
+        let stats = rx
+            .wait_for(|s| pred(s) || s.state == EngineState::Stopped)
+            .await
+            .map_err(|_| anyhow::anyhow!("levee engine: stopped while waiting for a state"))?
+            .clone();
+        anyhow::ensure!(
+            pred(&stats),
+            "levee engine: stopped while waiting for a state"
+        );
+        Ok(stats)
+    }
+
+    /// Simulated time since the engine started.
+    pub fn sim_now(&self) -> Duration {
+        self.shared.clock.now()
+    }
+
+    /// The same JSON `GET /admin/state` answers.
+    pub fn admin_state(&self) -> AdminState {
+        server::admin_state_of(&self.shared)
+    }
+
+    /// Crashes the engine now, as `POST /admin/crash` does.
+    pub fn crash_now(&self) {
+        let _ = self.shared.commands.send(Command::Crash);
+    }
+
+    /// Changes the injected faults, as `POST /admin/faults` does.
+    pub fn set_faults(&self, update: &FaultsUpdate) -> anyhow::Result<Faults> {
+        self.shared.update_faults(update)
+    }
+
+    /// Clears every injected fault (latency, error rate, hang), as `POST /admin/clear` does.
+    pub fn clear_faults(&self) -> anyhow::Result<Faults> {
+        self.shared.update_faults(&FaultsUpdate {
+            added_latency_ms: Some(0.0),
+            error_rate: Some(0.0),
+            hang: Some(false),
+        })
+    }
+
+    /// Stops the engine: in-flight requests fail, connections close, tasks end.
+    pub async fn shutdown(mut self) -> anyhow::Result<()> {
+        let _ = self.shared.commands.send(Command::Shutdown);
+        if let Some(stop) = self.stop_server.take() {
+            let _ = stop.send(());
+        }
+        if let Some(task) = self.scheduler.take() {
+            task.await
+                .context("levee engine: the scheduler task panicked")?;
+        }
+        if let Some(mut task) = self.server.take() {
+            if tokio::time::timeout(SHUTDOWN_GRACE, &mut task)
+                .await
+                .is_err()
+            {
+                // Connections that outlive the grace period (say, a hung client) are cut.
+                task.abort();
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Drop for EngineHandle {
+    fn drop(&mut self) {
+        let _ = self.shared.commands.send(Command::Shutdown);
+        if let Some(stop) = self.stop_server.take() {
+            let _ = stop.send(());
+        }
+    }
+}
+
+/// Command-line arguments of `levee engine`. Every GPU flag overrides the profile's value.
+#[derive(Debug, Clone, clap::Args)]
+pub struct EngineArgs {
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: std::net::IpAddr,
+    /// Port to listen on.
+    #[arg(long, default_value_t = 8000)]
+    pub port: u16,
+    /// Profile: small, a100-7b, tiny-fast, zero.
+    #[arg(long, default_value = "small")]
+    pub profile: String,
+    /// Served model name (default: the profile's).
+    #[arg(long)]
+    pub model: Option<String>,
+    /// Simulated seconds per real second.
+    #[arg(long)]
+    pub time_scale: Option<f64>,
+    /// What happens when KV demand passes capacity.
+    #[arg(long, value_enum)]
+    pub overload: Option<OverloadMode>,
+    /// Simulated seconds a crashed engine stays down.
+    #[arg(long)]
+    pub restart_secs: Option<f64>,
+    /// KV-cache capacity in tokens.
+    #[arg(long)]
+    pub kv_capacity_tokens: Option<u32>,
+    /// Most sequences in the running batch.
+    #[arg(long)]
+    pub max_running_seqs: Option<u32>,
+    /// Most prompt tokens prefilled per step.
+    #[arg(long)]
+    pub max_batched_prefill_tokens: Option<u32>,
+    /// Longest prompt + completion accepted.
+    #[arg(long)]
+    pub max_model_len: Option<u32>,
+    /// Prefill cost per prompt token, simulated microseconds.
+    #[arg(long)]
+    pub prefill_us_per_token: Option<f64>,
+    /// Fixed decode-step cost, simulated milliseconds.
+    #[arg(long)]
+    pub decode_base_ms: Option<f64>,
+    /// Decode-step cost per running sequence, simulated milliseconds.
+    #[arg(long)]
+    pub decode_per_seq_ms: Option<f64>,
+    /// Shortest natural completion, tokens.
+    #[arg(long)]
+    pub output_tokens_min: Option<u32>,
+    /// Longest natural completion, tokens.
+    #[arg(long)]
+    pub output_tokens_max: Option<u32>,
+}
+
+impl EngineArgs {
+    /// The configuration these arguments describe: the profile, then each flag given.
+    pub fn to_config(&self) -> anyhow::Result<EngineConfig> {
+        let mut c = EngineConfig::profile(&self.profile)?;
+        let g = &mut c.gpu;
+        macro_rules! set {
+            ($($dst:expr => $src:expr),* $(,)?) => {$(if let Some(v) = $src.clone() { $dst = v; })*};
+        }
+        set! {
+            c.model => self.model,
+            c.time_scale => self.time_scale,
+            c.output_tokens_min => self.output_tokens_min,
+            c.output_tokens_max => self.output_tokens_max,
+            g.overload => self.overload,
+            g.restart_secs => self.restart_secs,
+            g.kv_capacity_tokens => self.kv_capacity_tokens,
+            g.max_running_seqs => self.max_running_seqs,
+            g.max_batched_prefill_tokens => self.max_batched_prefill_tokens,
+            g.max_model_len => self.max_model_len,
+            g.prefill_us_per_token => self.prefill_us_per_token,
+            g.decode_base_ms => self.decode_base_ms,
+            g.decode_per_seq_ms => self.decode_per_seq_ms,
+        }
+        c.validate()?;
+        Ok(c)
+    }
+}
+
+/// Runs `levee engine` until interrupted (Ctrl-C).
+pub async fn run_cli(args: EngineArgs) -> anyhow::Result<()> {
+    let config = args.to_config()?;
+    let bind = SocketAddr::new(args.host, args.port);
+    let summary = format!(
+        "profile {} model {} overload {:?} kv {} tokens max_seqs {} time_scale {}",
+        config.profile,
+        config.model,
+        config.gpu.overload,
+        config.gpu.kv_capacity_tokens,
+        config.gpu.max_running_seqs,
+        config.time_scale
+    );
+    let engine = spawn(config, bind).await?;
+    tracing::info!(
+        "levee engine listening on {} ({summary})",
+        engine.base_url()
+    );
+    tokio::signal::ctrl_c()
+        .await
+        .context("levee engine: cannot wait for Ctrl-C")?;
+    tracing::info!("levee engine: shutting down");
+    engine.shutdown().await
 }

@@ -1,4 +1,37 @@
 //! levee-gateway: the HTTP server that applies levee's admission pipeline.
+//!
+//! In-process use (tests, the drill):
+//!
+//! ```no_run
+//! # async fn demo() -> anyhow::Result<()> {
+//! let mut cfg = levee_gateway::Config::default();
+//! cfg.listen.public = "127.0.0.1:0".parse()?;
+//! cfg.listen.admin = "127.0.0.1:0".parse()?;
+//! // ... tenants, models ...
+//! let gw = levee_gateway::start(cfg).await?;
+//! println!("gateway at {}", gw.public_url());
+//! gw.shutdown().await;
+//! # Ok(()) }
+//! ```
+
+pub mod admin;
+pub mod clock;
+pub mod config;
+pub mod degrade;
+pub mod error;
+pub mod gateway;
+pub mod lane;
+pub mod limits;
+pub mod metrics;
+pub mod proxy;
+pub mod reload;
+pub mod routes;
+pub mod server;
+pub mod upstream;
+
+pub use config::{hash_key, Config};
+pub use error::{GatewayError, Origin};
+pub use server::{serve_cli, start, GatewayHandle};
 
 use std::path::PathBuf;
 
@@ -10,13 +43,8 @@ pub struct ServeArgs {
     pub config: PathBuf,
 }
 
-/// Runs `levee serve` until SIGTERM/SIGINT.
-pub async fn serve_cli(_args: ServeArgs) -> anyhow::Result<()> {
-    anyhow::bail!("levee serve is not built yet")
-}
-
 /// Validates a configuration file; `Err` holds one human-readable line per problem, each
 /// naming the path of the offending field.
-pub fn check_config_file(_path: &std::path::Path) -> Result<String, Vec<String>> {
-    Err(vec!["levee config check is not built yet".to_string()])
+pub fn check_config_file(path: &std::path::Path) -> Result<String, Vec<String>> {
+    Config::load(path).map(|c| c.summary())
 }

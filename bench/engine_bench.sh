@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Can one simulated engine hold thousands of concurrent streams on this machine while keeping
+# its simulated step time? Starts an engine process and a load process (both the release
+# build of crates/levee-engine/examples/engine_bench.rs) and prints a JSON report per config.
+#
+#   bench/engine_bench.sh [STREAMS] [SECONDS]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+STREAMS=${1:-2000}
+SECONDS_=${2:-20}
+# Each stream is one TCP connection on each side.
+ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
+[ "$(ulimit -n)" -gt $((STREAMS * 2 + 100)) ] || { echo "ulimit -n $(ulimit -n) is too low for $STREAMS streams" >&2; exit 1; }
+
+cargo build --release -p levee-engine --example engine_bench >&2
+BIN=target/release/examples/engine_bench
+PORT=${PORT:-18431}
+
+run() {
+  local name=$1; shift
+  "$BIN" serve --port "$PORT" --profile a100-7b --max-running-seqs 4096 \
+    --kv-capacity-tokens 20000000 --max-model-len 8192 "$@" 2>/dev/null &
+  local pid=$!
+  trap 'kill $pid 2>/dev/null || true' EXIT
+  for _ in $(seq 50); do
+    curl -fs "http://127.0.0.1:$PORT/health" >/dev/null 2>&1 && break
+    sleep 0.1
+  done
+  echo "== $name ($*)"
+  "$BIN" load --url "http://127.0.0.1:$PORT" --streams "$STREAMS" --seconds "$SECONDS_" \
+    --engine-pid "$pid"
+  kill "$pid"
+  wait "$pid" 2>/dev/null || true
+  trap - EXIT
+}
+
+# a100-7b decode cost: 12 ms + 0.1 ms per sequence (212 ms steps at 2,000 streams).
+run "a100-7b timing" --decode-base-ms 12 --decode-per-seq-ms 0.1
+# A much faster GPU: 20 ms + 0.005 ms per sequence (30 ms steps at 2,000 streams): ~6x the
+# token rate, the harder case for the host.
+run "fast GPU timing" --decode-base-ms 20 --decode-per-seq-ms 0.005

@@ -1,0 +1,127 @@
+use levee_client::{
+    Backoff, Decision, GiveUp, Outcome, RetryBudget, RetryBudgetConfig, RetryPolicy,
+};
+use proptest::prelude::*;
+use rand::rngs::SmallRng;
+use rand::SeedableRng;
+use std::time::{Duration, Instant};
+
+fn backoff_strategy() -> impl Strategy<Value = Backoff> {
+    (0u64..5_000, 0u64..60_000, 1.0f64..4.0).prop_map(|(base, cap, multiplier)| Backoff {
+        base: Duration::from_millis(base),
+        cap: Duration::from_millis(cap),
+        multiplier,
+    })
+}
+
+proptest! {
+    #[test]
+    fn delays_stay_within_zero_and_cap(backoff in backoff_strategy(), retry in 0u32..200, seed: u64) {
+        let mut rng = SmallRng::seed_from_u64(seed);
+        let d = backoff.delay(retry, &mut rng);
+        prop_assert!(d <= backoff.cap);
+        prop_assert!(d <= backoff.ceiling(retry));
+    }
+
+    #[test]
+    fn retry_after_is_always_respected(
+        backoff in backoff_strategy(),
+        wait_ms in 0u64..120_000,
+        attempt in 1u32..4,
+        seed: u64,
+    ) {
+        let policy = RetryPolicy { backoff, max_attempts: 10, max_retry_after: Duration::from_secs(60) };
+        let now = Instant::now();
+        let mut budget = RetryBudget::new(RetryBudgetConfig { ratio: 1.0, min_per_sec: 0.0, max_tokens: 100.0 }, now);
+        let mut rng = SmallRng::seed_from_u64(seed);
+        let wait = Duration::from_millis(wait_ms);
+        match policy.decide(attempt, Outcome::Status(429), Some(wait), &mut budget, now, &mut rng) {
+            Decision::Retry(d) => {
+                prop_assert!(d >= wait, "waited {d:?} < asked {wait:?}");
+                prop_assert!(d <= wait.max(backoff.cap));
+            }
+            Decision::GiveUp(GiveUp::RetryAfterTooLong(w)) => prop_assert!(w > policy.max_retry_after),
+            other => prop_assert!(false, "unexpected {other:?}"),
+        }
+    }
+
+    /// Whatever the interleaving of requests, failures and time, retries never exceed
+    /// what the budget earned: initial tokens + ratio × requests + min_per_sec × elapsed.
+    #[test]
+    fn budget_is_never_exceeded(
+        ratio in 0.0f64..0.5,
+        min_per_sec in 0.0f64..5.0,
+        max_tokens in 0.0f64..20.0,
+        events in proptest::collection::vec((any::<bool>(), 0u64..2_000), 1..400),
+    ) {
+        let config = RetryBudgetConfig { ratio, min_per_sec, max_tokens };
+        let start = Instant::now();
+        let mut now = start;
+        let mut budget = RetryBudget::new(config, now);
+        let (mut requests, mut retries) = (0u64, 0u64);
+        for (is_request, advance_ms) in events {
+            now += Duration::from_millis(advance_ms);
+            if is_request {
+                budget.on_request(now);
+                requests += 1;
+            } else if budget.try_retry(now) {
+                retries += 1;
+            }
+            let earned = max_tokens + ratio * requests as f64
+                + min_per_sec * (now - start).as_secs_f64();
+            prop_assert!(retries as f64 <= earned + 1e-9, "{retries} retries > {earned} earned");
+        }
+    }
+}
+
+#[test]
+fn non_retryable_and_attempt_limit() {
+    let policy = RetryPolicy::default();
+    let now = Instant::now();
+    let mut budget = RetryBudget::new(RetryBudgetConfig::default(), now);
+    let mut rng = SmallRng::seed_from_u64(1);
+    assert_eq!(
+        policy.decide(1, Outcome::Status(400), None, &mut budget, now, &mut rng),
+        Decision::GiveUp(GiveUp::NotRetryable)
+    );
+    assert_eq!(
+        policy.decide(
+            policy.max_attempts,
+            Outcome::Timeout,
+            None,
+            &mut budget,
+            now,
+            &mut rng
+        ),
+        Decision::GiveUp(GiveUp::MaxAttempts)
+    );
+    assert!(matches!(
+        policy.decide(1, Outcome::Connect, None, &mut budget, now, &mut rng),
+        Decision::Retry(_)
+    ));
+}
+
+#[test]
+fn ten_percent_budget_under_total_failure() {
+    // 1000 requests that all fail, no time passing: at most 10 (initial) + 100 retries.
+    let now = Instant::now();
+    let config = RetryBudgetConfig {
+        ratio: 0.1,
+        min_per_sec: 0.0,
+        max_tokens: 10.0,
+    };
+    let mut budget = RetryBudget::new(config, now);
+    let policy = RetryPolicy::default();
+    let mut rng = SmallRng::seed_from_u64(7);
+    let mut retries = 0;
+    for _ in 0..1000 {
+        budget.on_request(now);
+        if let Decision::Retry(_) =
+            policy.decide(1, Outcome::Status(503), None, &mut budget, now, &mut rng)
+        {
+            retries += 1;
+        }
+    }
+    assert!(retries <= 110, "{retries}");
+    assert!(retries >= 100, "budget should allow ~10%: {retries}");
+}

@@ -1,0 +1,275 @@
+//! Engine configuration: the GPU model's parameters, named profiles, and validation.
+
+use serde::{Deserialize, Serialize};
+
+/// What the engine does when the running sequences need more KV cache than it has.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum OverloadMode {
+    /// vLLM's behaviour: evict the newest running sequence (its KV is freed and it is
+    /// recomputed later from the front of the queue). Slower, but KV never exceeds capacity.
+    Preempt,
+    /// A simulated CUDA out-of-memory: every in-flight request (running and waiting) fails,
+    /// the engine answers 503 for `restart_secs` simulated seconds, then comes back empty.
+    Crash,
+}
+
+/// Parameters of the simulated GPU (continuous batching over a paged KV cache).
+///
+/// Times are simulated: they are divided by [`EngineConfig::time_scale`] to get wall time.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct GpuParams {
+    /// KV-cache capacity in tokens, summed over all running sequences
+    /// (each holds `prompt + generated so far` tokens).
+    pub kv_capacity_tokens: u32,
+    /// Most sequences in the running batch (vLLM's `max_num_seqs`).
+    pub max_running_seqs: u32,
+    /// Most prompt tokens prefilled in one step (vLLM's `max_num_batched_tokens`); a single
+    /// prompt larger than this is still admitted alone.
+    pub max_batched_prefill_tokens: u32,
+    /// Longest sequence (prompt + completion) accepted; longer requests get a 400.
+    /// Must not exceed `kv_capacity_tokens`.
+    pub max_model_len: u32,
+    /// Prefill cost per prompt token, in simulated microseconds.
+    pub prefill_us_per_token: f64,
+    /// Fixed cost of one decode step, in simulated milliseconds.
+    pub decode_base_ms: f64,
+    /// Extra decode-step cost per running sequence, in simulated milliseconds.
+    pub decode_per_seq_ms: f64,
+    /// What happens when KV demand passes capacity.
+    pub overload: OverloadMode,
+    /// How long a crashed engine stays down, in simulated seconds.
+    pub restart_secs: f64,
+}
+
+impl Default for GpuParams {
+    fn default() -> Self {
+        EngineConfig::small().gpu
+    }
+}
+
+/// Everything that configures one simulated engine.
+///
+/// `Default` is the `small` profile. Build one with [`EngineConfig::profile`] and adjust
+/// fields; [`EngineConfig::validate`] is called by [`crate::spawn`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct EngineConfig {
+    /// Profile this config started from (informational; shown in `/admin/state`).
+    pub profile: String,
+    /// The served model name; requests naming another model get a 404 like vLLM's.
+    pub model: String,
+    /// Simulated seconds per wall-clock second (10 = ten simulated seconds each real second).
+    pub time_scale: f64,
+    /// Shortest natural completion length (tokens) before `max_tokens` caps it.
+    pub output_tokens_min: u32,
+    /// Longest natural completion length (tokens) before `max_tokens` caps it.
+    pub output_tokens_max: u32,
+    /// The GPU model.
+    pub gpu: GpuParams,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self::small()
+    }
+}
+
+/// Names accepted by [`EngineConfig::profile`].
+pub const PROFILE_NAMES: &[&str] = &["small", "a100-7b", "tiny-fast", "zero"];
+
+impl EngineConfig {
+    /// A modest GPU (think an L4 serving a 7B model): 16k KV tokens, 64 sequences,
+    /// decode 20 ms + 0.5 ms per sequence, prefill 150 µs per token, 30 s restart.
+    pub fn small() -> Self {
+        Self {
+            profile: "small".into(),
+            model: "levee-sim-7b".into(),
+            time_scale: 1.0,
+            output_tokens_min: 64,
+            output_tokens_max: 256,
+            gpu: GpuParams {
+                kv_capacity_tokens: 16_384,
+                max_running_seqs: 64,
+                max_batched_prefill_tokens: 4096,
+                max_model_len: 4096,
+                prefill_us_per_token: 150.0,
+                decode_base_ms: 20.0,
+                decode_per_seq_ms: 0.5,
+                overload: OverloadMode::Preempt,
+                restart_secs: 30.0,
+            },
+        }
+    }
+
+    /// An A100-80GB serving a 7B model with vLLM defaults: ~110k KV tokens, 256 sequences,
+    /// decode 12 ms + 0.1 ms per sequence, prefill 50 µs per token, 60 s restart (model load).
+    pub fn a100_7b() -> Self {
+        Self {
+            profile: "a100-7b".into(),
+            model: "levee-sim-7b".into(),
+            time_scale: 1.0,
+            output_tokens_min: 64,
+            output_tokens_max: 512,
+            gpu: GpuParams {
+                kv_capacity_tokens: 110_000,
+                max_running_seqs: 256,
+                max_batched_prefill_tokens: 8192,
+                max_model_len: 8192,
+                prefill_us_per_token: 50.0,
+                decode_base_ms: 12.0,
+                decode_per_seq_ms: 0.1,
+                overload: OverloadMode::Preempt,
+                restart_secs: 60.0,
+            },
+        }
+    }
+
+    /// A tiny engine for tests: 2,048 KV tokens, 8 sequences, decode 10 ms + 1 ms per
+    /// sequence, prefill 100 µs per token, completions of 8–16 tokens, 5 s restart.
+    pub fn tiny_fast() -> Self {
+        Self {
+            profile: "tiny-fast".into(),
+            model: "levee-sim-tiny".into(),
+            time_scale: 1.0,
+            output_tokens_min: 8,
+            output_tokens_max: 16,
+            gpu: GpuParams {
+                kv_capacity_tokens: 2048,
+                max_running_seqs: 8,
+                max_batched_prefill_tokens: 2048,
+                max_model_len: 1024,
+                prefill_us_per_token: 100.0,
+                decode_base_ms: 10.0,
+                decode_per_seq_ms: 1.0,
+                overload: OverloadMode::Preempt,
+                restart_secs: 5.0,
+            },
+        }
+    }
+
+    /// No simulated delay and practically unlimited memory: for benchmarking what sits in
+    /// front of the engine (the gateway), where the engine must cost nothing.
+    pub fn zero() -> Self {
+        Self {
+            profile: "zero".into(),
+            model: "levee-sim-7b".into(),
+            time_scale: 1.0,
+            output_tokens_min: 16,
+            output_tokens_max: 16,
+            gpu: GpuParams {
+                kv_capacity_tokens: u32::MAX / 2,
+                max_running_seqs: 1_000_000,
+                max_batched_prefill_tokens: u32::MAX / 2,
+                max_model_len: 1_000_000,
+                prefill_us_per_token: 0.0,
+                decode_base_ms: 0.0,
+                decode_per_seq_ms: 0.0,
+                overload: OverloadMode::Preempt,
+                restart_secs: 0.0,
+            },
+        }
+    }
+
+    /// The profile with this name (see [`PROFILE_NAMES`]).
+    pub fn profile(name: &str) -> anyhow::Result<Self> {
+        match name {
+            "small" => Ok(Self::small()),
+            "a100-7b" => Ok(Self::a100_7b()),
+            "tiny-fast" => Ok(Self::tiny_fast()),
+            "zero" => Ok(Self::zero()),
+            other => anyhow::bail!(
+                "unknown engine profile {other:?}: choose one of {}",
+                PROFILE_NAMES.join(", ")
+            ),
+        }
+    }
+
+    /// Checks that the parameters describe an engine that can make progress.
+    pub fn validate(&self) -> anyhow::Result<()> {
+        let g = &self.gpu;
+        let finite_non_negative = |name: &str, v: f64| -> anyhow::Result<()> {
+            anyhow::ensure!(
+                v.is_finite() && v >= 0.0,
+                "engine config: {name} must be a finite number >= 0, got {v}"
+            );
+            Ok(())
+        };
+        finite_non_negative("gpu.prefill_us_per_token", g.prefill_us_per_token)?;
+        finite_non_negative("gpu.decode_base_ms", g.decode_base_ms)?;
+        finite_non_negative("gpu.decode_per_seq_ms", g.decode_per_seq_ms)?;
+        finite_non_negative("gpu.restart_secs", g.restart_secs)?;
+        anyhow::ensure!(
+            self.time_scale.is_finite() && self.time_scale > 0.0,
+            "engine config: time_scale must be a finite number > 0, got {}",
+            self.time_scale
+        );
+        anyhow::ensure!(
+            g.max_running_seqs >= 1,
+            "engine config: gpu.max_running_seqs must be at least 1"
+        );
+        anyhow::ensure!(
+            g.max_batched_prefill_tokens >= 1,
+            "engine config: gpu.max_batched_prefill_tokens must be at least 1"
+        );
+        anyhow::ensure!(
+            g.max_model_len >= 2,
+            "engine config: gpu.max_model_len must be at least 2 (one prompt token, one output)"
+        );
+        anyhow::ensure!(
+            g.max_model_len <= g.kv_capacity_tokens,
+            "engine config: gpu.max_model_len ({}) exceeds gpu.kv_capacity_tokens ({}): a \
+             request that long could never be scheduled; raise the capacity or lower the length",
+            g.max_model_len,
+            g.kv_capacity_tokens
+        );
+        anyhow::ensure!(
+            self.output_tokens_min >= 1 && self.output_tokens_min <= self.output_tokens_max,
+            "engine config: need 1 <= output_tokens_min ({}) <= output_tokens_max ({})",
+            self.output_tokens_min,
+            self.output_tokens_max
+        );
+        anyhow::ensure!(!self.model.is_empty(), "engine config: model name is empty");
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_profile_is_valid() {
+        for name in PROFILE_NAMES {
+            let cfg = EngineConfig::profile(name).unwrap();
+            cfg.validate().unwrap();
+            assert_eq!(&cfg.profile, name);
+        }
+        assert!(EngineConfig::profile("h100").is_err());
+    }
+
+    #[test]
+    fn validate_rejects_unschedulable_lengths() {
+        let mut cfg = EngineConfig::tiny_fast();
+        cfg.gpu.max_model_len = cfg.gpu.kv_capacity_tokens + 1;
+        let err = cfg.validate().unwrap_err().to_string();
+        assert!(err.contains("max_model_len"), "{err}");
+        let mut cfg = EngineConfig::tiny_fast();
+        cfg.time_scale = 0.0;
+        assert!(cfg.validate().is_err());
+    }
+
+    #[test]
+    fn config_round_trips_through_json_and_rejects_unknown_fields() {
+        let cfg = EngineConfig::a100_7b();
+        let json = serde_json::to_string(&cfg).unwrap();
+        let back: EngineConfig = serde_json::from_str(&json).unwrap();
+        assert_eq!(back, cfg);
+        let bad = r#"{"modle": "x"}"#;
+        assert!(serde_json::from_str::<EngineConfig>(bad).is_err());
+        let partial: EngineConfig = serde_json::from_str(r#"{"time_scale": 10.0}"#).unwrap();
+        assert_eq!(partial.time_scale, 10.0);
+        assert_eq!(partial.gpu, EngineConfig::small().gpu);
+    }
+}

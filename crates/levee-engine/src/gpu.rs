@@ -1,0 +1,910 @@
+//! The GPU model: continuous batching over a KV cache, as pure logic over simulated time.
+//!
+//! No tokio, no clock: the caller passes the simulated time to every call, so the model can
+//! be driven step by step in unit tests and by the scheduler task in the server.
+//!
+//! One step works like vLLM's scheduler:
+//! 1. **Grow** the running batch: each running sequence needs one more KV slot for the token
+//!    this step produces. If the cache cannot hold them, `preempt` mode evicts the newest
+//!    running sequences (their KV is freed; they go back to the *front* of the queue and will
+//!    be recomputed: prefill of prompt + tokens generated so far), `crash` mode fails every
+//!    request and goes down for `restart_secs`.
+//! 2. **Admit** from the waiting queue, first come first served, while a sequence slot is free,
+//!    the step's prefill budget allows, and the cache holds the sequence's prompt (plus its
+//!    generated tokens, when recomputing) and its first output token. Admission looks only at
+//!    the cache *now*, not at how far the sequences will grow: that optimism is what makes a
+//!    flood overflow the cache later. No admission happens in a step that preempted.
+//! 3. The step lasts `prefill_us_per_token * prefilled_tokens + decode_base_ms +
+//!    decode_per_seq_ms * batch` of simulated time ([`GpuModel::begin_step`]); at its end
+//!    ([`GpuModel::end_step`]) every sequence still running emits one token, and those that
+//!    reached their length finish and free their KV.
+//!
+//! KV demand of a sequence is `prompt + generated` tokens (+1 reserved for the token in
+//! flight during a step). A cancelled sequence leaves the queue or batch and frees its KV at
+//! once, even in the middle of a step.
+
+use crate::config::{GpuParams, OverloadMode};
+use serde::Serialize;
+use std::collections::{HashMap, VecDeque};
+use std::time::Duration;
+
+/// Identifies one request (one sequence) inside an engine.
+pub type SeqId = u64;
+
+/// Why a request failed inside the engine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FailReason {
+    /// The engine crashed (simulated CUDA out of memory or an injected crash).
+    Crash,
+    /// The engine is down (restarting) and refuses new work.
+    Unavailable,
+    /// The engine is shutting down.
+    Shutdown,
+}
+
+/// Something the model did that the server must pass on to a request or a metric.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Event {
+    /// The sequence entered the running batch (first time or after a preemption).
+    Admitted {
+        /// The sequence.
+        id: SeqId,
+        /// Tokens prefilled for it (prompt, plus generated tokens when recomputing).
+        prefill_tokens: u32,
+        /// True the first time, false when recomputing after a preemption.
+        first: bool,
+    },
+    /// The sequence was evicted from the batch to make room; it waits to be recomputed.
+    Preempted {
+        /// The sequence.
+        id: SeqId,
+    },
+    /// The sequence produced token number `index` (0-based).
+    Token {
+        /// The sequence.
+        id: SeqId,
+        /// Index of the token in the completion.
+        index: u32,
+        /// Simulated time from arrival to this token, when it is the first one.
+        ttft: Option<Duration>,
+    },
+    /// The sequence produced all its tokens and left the engine.
+    Finished {
+        /// The sequence.
+        id: SeqId,
+        /// Completion tokens produced.
+        generated: u32,
+        /// Simulated time from arrival to the last token.
+        e2e: Duration,
+    },
+    /// The sequence failed and left the engine.
+    Failed {
+        /// The sequence.
+        id: SeqId,
+        /// Why.
+        reason: FailReason,
+    },
+    /// The engine crashed; `Failed` events for every request follow.
+    Crashed {
+        /// Requests that were in flight (running and waiting).
+        in_flight: usize,
+    },
+    /// The engine came back from a crash, empty.
+    Restarted,
+}
+
+/// Why the model refused a new sequence.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SubmitError {
+    /// The engine is down after a crash.
+    Unavailable,
+    /// prompt + completion exceeds `max_model_len`.
+    TooLong {
+        /// prompt + completion tokens requested.
+        requested: u32,
+        /// The limit.
+        max_model_len: u32,
+    },
+    /// The sequence id is already in use.
+    DuplicateId,
+}
+
+#[derive(Debug, Clone)]
+struct Seq {
+    prompt: u32,
+    target: u32,
+    generated: u32,
+    /// KV tokens held now (0 while waiting).
+    kv: u32,
+    arrived: Duration,
+    first_token: Option<Duration>,
+    admitted_before: bool,
+}
+
+/// Whether the engine serves or is down after a crash.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[serde(rename_all = "snake_case", tag = "state")]
+pub enum Health {
+    /// Serving.
+    Healthy,
+    /// Down after a crash until the given simulated time.
+    Crashed {
+        /// Simulated time at which the engine comes back.
+        until_secs: f64,
+    },
+}
+
+/// A snapshot of the model's counters.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct GpuStats {
+    /// Sequences in the running batch.
+    pub running: usize,
+    /// Sequences in the waiting queue (including preempted ones).
+    pub waiting: usize,
+    /// KV tokens held by running sequences.
+    pub kv_used_tokens: u64,
+    /// KV capacity in tokens.
+    pub kv_capacity_tokens: u64,
+    /// Crashes so far.
+    pub crashes: u64,
+    /// Preemptions so far.
+    pub preemptions: u64,
+    /// Requests that produced all their tokens.
+    pub completed: u64,
+    /// Requests failed by a crash or a shutdown.
+    pub failed: u64,
+    /// Requests cancelled by their client.
+    pub cancelled: u64,
+    /// Steps run.
+    pub steps: u64,
+    /// Sum of the simulated durations of all steps, in seconds.
+    pub busy_secs: f64,
+}
+
+impl GpuStats {
+    /// KV usage as a fraction of capacity, 0..=1 (vLLM's `kv_cache_usage_perc`).
+    pub fn kv_usage(&self) -> f64 {
+        if self.kv_capacity_tokens == 0 {
+            0.0
+        } else {
+            self.kv_used_tokens as f64 / self.kv_capacity_tokens as f64
+        }
+    }
+}
+
+/// Continuous batching over a KV cache, driven step by step in simulated time.
+#[derive(Debug)]
+pub struct GpuModel {
+    params: GpuParams,
+    seqs: HashMap<SeqId, Seq>,
+    waiting: VecDeque<SeqId>,
+    /// Ids in `waiting` whose sequence was cancelled: removed lazily when they reach the
+    /// front, so a mass cancellation of a long queue (clients timing out) costs O(n), not
+    /// O(n²). Ids are never reused, so a stale id cannot be mistaken for a live one.
+    stale_waiting: usize,
+    /// Running sequences, oldest admitted first (preemption takes from the back).
+    running: Vec<SeqId>,
+    kv_used: u64,
+    health: Health,
+    in_step: bool,
+    crashes: u64,
+    preemptions: u64,
+    completed: u64,
+    failed: u64,
+    cancelled: u64,
+    steps: u64,
+    busy: Duration,
+}
+
+impl GpuModel {
+    /// An empty, healthy engine.
+    pub fn new(params: GpuParams) -> Self {
+        Self {
+            params,
+            seqs: HashMap::new(),
+            waiting: VecDeque::new(),
+            stale_waiting: 0,
+            running: Vec::new(),
+            kv_used: 0,
+            health: Health::Healthy,
+            in_step: false,
+            crashes: 0,
+            preemptions: 0,
+            completed: 0,
+            failed: 0,
+            cancelled: 0,
+            steps: 0,
+            busy: Duration::ZERO,
+        }
+    }
+
+    /// The parameters the model runs with.
+    pub fn params(&self) -> &GpuParams {
+        &self.params
+    }
+
+    /// Whether the engine serves or is down.
+    pub fn health(&self) -> Health {
+        self.health
+    }
+
+    /// Counters and gauges now.
+    pub fn stats(&self) -> GpuStats {
+        GpuStats {
+            running: self.running.len(),
+            waiting: self.waiting.len() - self.stale_waiting,
+            kv_used_tokens: self.kv_used,
+            kv_capacity_tokens: u64::from(self.params.kv_capacity_tokens),
+            crashes: self.crashes,
+            preemptions: self.preemptions,
+            completed: self.completed,
+            failed: self.failed,
+            cancelled: self.cancelled,
+            steps: self.steps,
+            busy_secs: self.busy.as_secs_f64(),
+        }
+    }
+
+    /// Whether a step could run now (someone is running or waiting and the engine is up).
+    pub fn has_work(&self) -> bool {
+        self.health == Health::Healthy
+            && !(self.running.is_empty() && self.waiting.len() == self.stale_waiting)
+    }
+
+    /// When a crashed engine comes back, in simulated time.
+    pub fn restart_at(&self) -> Option<Duration> {
+        match self.health {
+            Health::Healthy => None,
+            Health::Crashed { until_secs } => Some(Duration::from_secs_f64(until_secs)),
+        }
+    }
+
+    /// Queues a new sequence of `prompt` tokens that will generate `target` tokens.
+    /// `arrived` is its arrival in simulated time (TTFT is measured from it).
+    pub fn submit(
+        &mut self,
+        id: SeqId,
+        prompt: u32,
+        target: u32,
+        arrived: Duration,
+    ) -> Result<(), SubmitError> {
+        if self.health != Health::Healthy {
+            return Err(SubmitError::Unavailable);
+        }
+        let requested = prompt.saturating_add(target);
+        if requested > self.params.max_model_len || target == 0 {
+            return Err(SubmitError::TooLong {
+                requested,
+                max_model_len: self.params.max_model_len,
+            });
+        }
+        if self.seqs.contains_key(&id) {
+            return Err(SubmitError::DuplicateId);
+        }
+        self.seqs.insert(
+            id,
+            Seq {
+                prompt,
+                target,
+                generated: 0,
+                kv: 0,
+                arrived,
+                first_token: None,
+                admitted_before: false,
+            },
+        );
+        self.waiting.push_back(id);
+        Ok(())
+    }
+
+    /// Removes a sequence whose client went away, freeing its slot and KV at once.
+    /// Returns false when the sequence is not in the engine (finished or failed already).
+    pub fn cancel(&mut self, id: SeqId) -> bool {
+        let Some(seq) = self.seqs.remove(&id) else {
+            return false;
+        };
+        if seq.kv > 0 {
+            self.running.retain(|&r| r != id);
+            self.kv_used -= u64::from(seq.kv);
+        } else {
+            self.stale_waiting += 1;
+        }
+        self.cancelled += 1;
+        true
+    }
+
+    /// Starts a step at simulated time `now`: restarts a crashed engine whose time is up,
+    /// grows the batch (preempting or crashing on overflow), admits waiting sequences, and
+    /// returns how long the step lasts. `None` means no step runs (idle, or down).
+    /// Call [`GpuModel::end_step`] at `now + duration`.
+    pub fn begin_step(&mut self, now: Duration, events: &mut Vec<Event>) -> Option<Duration> {
+        if let Health::Crashed { until_secs } = self.health {
+            if now.as_secs_f64() >= until_secs {
+                self.health = Health::Healthy;
+                events.push(Event::Restarted);
+            } else {
+                return None;
+            }
+        }
+        // 1. Grow: every running sequence needs one more slot for this step's token.
+        let capacity = u64::from(self.params.kv_capacity_tokens);
+        let mut preempted_now = false;
+        while self.kv_used + self.running.len() as u64 > capacity {
+            match self.params.overload {
+                OverloadMode::Crash => {
+                    self.crash(now, events);
+                    return None;
+                }
+                OverloadMode::Preempt => {
+                    let Some(victim) = self.running.pop() else {
+                        break;
+                    };
+                    if let Some(seq) = self.seqs.get_mut(&victim) {
+                        self.kv_used -= u64::from(seq.kv);
+                        seq.kv = 0;
+                    }
+                    self.waiting.push_front(victim);
+                    self.preemptions += 1;
+                    preempted_now = true;
+                    events.push(Event::Preempted { id: victim });
+                }
+            }
+        }
+        for id in &self.running {
+            if let Some(seq) = self.seqs.get_mut(id) {
+                seq.kv += 1;
+                self.kv_used += 1;
+            }
+        }
+        // 2. Admit, unless this step had to preempt (vLLM does the same: no new prefill
+        // while the running batch does not fit).
+        let mut prefill_tokens: u64 = 0;
+        if !preempted_now {
+            while let Some(&id) = self.waiting.front() {
+                if self.running.len() >= self.params.max_running_seqs as usize {
+                    break;
+                }
+                let Some(seq) = self.seqs.get_mut(&id) else {
+                    self.waiting.pop_front();
+                    self.stale_waiting -= 1;
+                    continue;
+                };
+                let prefill = seq.prompt + seq.generated;
+                let budget = u64::from(self.params.max_batched_prefill_tokens);
+                if prefill_tokens > 0 && prefill_tokens + u64::from(prefill) > budget {
+                    break;
+                }
+                let need = u64::from(prefill) + 1;
+                if self.kv_used + need > capacity {
+                    break;
+                }
+                self.waiting.pop_front();
+                seq.kv = prefill + 1;
+                self.kv_used += need;
+                prefill_tokens += u64::from(prefill);
+                let first = !seq.admitted_before;
+                seq.admitted_before = true;
+                self.running.push(id);
+                events.push(Event::Admitted {
+                    id,
+                    prefill_tokens: prefill,
+                    first,
+                });
+            }
+        }
+        if self.running.is_empty() {
+            return None;
+        }
+        // 3. Duration: prefill of the admitted tokens plus one decode over the batch.
+        let secs = prefill_tokens as f64 * self.params.prefill_us_per_token * 1e-6
+            + (self.params.decode_base_ms
+                + self.params.decode_per_seq_ms * self.running.len() as f64)
+                * 1e-3;
+        let duration = Duration::from_secs_f64(secs.max(0.0));
+        self.in_step = true;
+        self.steps += 1;
+        self.busy += duration;
+        Some(duration)
+    }
+
+    /// Ends the step begun by [`GpuModel::begin_step`] at simulated time `now`: every
+    /// sequence still running emits one token; those that reach their length finish.
+    pub fn end_step(&mut self, now: Duration, events: &mut Vec<Event>) {
+        if !self.in_step {
+            return;
+        }
+        self.in_step = false;
+        let mut finished_kv: u64 = 0;
+        let seqs = &mut self.seqs;
+        let mut completed = 0;
+        self.running.retain(|id| {
+            let Some(seq) = seqs.get_mut(id) else {
+                return false;
+            };
+            let index = seq.generated;
+            seq.generated += 1;
+            let ttft = if seq.first_token.is_none() {
+                seq.first_token = Some(now);
+                Some(now.saturating_sub(seq.arrived))
+            } else {
+                None
+            };
+            events.push(Event::Token {
+                id: *id,
+                index,
+                ttft,
+            });
+            if seq.generated >= seq.target {
+                finished_kv += u64::from(seq.kv);
+                events.push(Event::Finished {
+                    id: *id,
+                    generated: seq.generated,
+                    e2e: now.saturating_sub(seq.arrived),
+                });
+                completed += 1;
+                seqs.remove(id);
+                false
+            } else {
+                true
+            }
+        });
+        self.kv_used -= finished_kv;
+        self.completed += completed;
+    }
+
+    /// Crashes the engine now (a simulated CUDA out-of-memory, or an injected crash): every
+    /// request in flight fails, and the engine is down for `restart_secs`.
+    pub fn crash(&mut self, now: Duration, events: &mut Vec<Event>) {
+        let in_flight = self.seqs.len();
+        events.push(Event::Crashed { in_flight });
+        self.fail_all(FailReason::Crash, events);
+        self.crashes += 1;
+        self.health = Health::Crashed {
+            until_secs: now.as_secs_f64() + self.params.restart_secs,
+        };
+    }
+
+    /// Fails every request in flight with `reason` and empties the engine.
+    pub fn fail_all(&mut self, reason: FailReason, events: &mut Vec<Event>) {
+        // Running first, then waiting in queue order: a stable order for tests and logs.
+        for id in self.running.drain(..).chain(self.waiting.drain(..)) {
+            if self.seqs.contains_key(&id) {
+                events.push(Event::Failed { id, reason });
+            }
+        }
+        self.stale_waiting = 0;
+        self.failed += self.seqs.len() as u64;
+        self.seqs.clear();
+        self.kv_used = 0;
+        self.in_step = false;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::EngineConfig;
+
+    fn params() -> GpuParams {
+        GpuParams {
+            kv_capacity_tokens: 1000,
+            max_running_seqs: 4,
+            max_batched_prefill_tokens: 10_000,
+            max_model_len: 1000,
+            prefill_us_per_token: 100.0,
+            decode_base_ms: 10.0,
+            decode_per_seq_ms: 1.0,
+            overload: OverloadMode::Preempt,
+            restart_secs: 5.0,
+        }
+    }
+
+    /// Drives the model until idle, checking invariants after every call; returns events.
+    struct Driver {
+        model: GpuModel,
+        now: Duration,
+        events: Vec<Event>,
+        max_kv: u64,
+    }
+
+    impl Driver {
+        fn new(params: GpuParams) -> Self {
+            Self {
+                model: GpuModel::new(params),
+                now: Duration::ZERO,
+                events: Vec::new(),
+                max_kv: 0,
+            }
+        }
+
+        fn step(&mut self) -> Option<Duration> {
+            let d = self.model.begin_step(self.now, &mut self.events)?;
+            self.check();
+            self.now += d;
+            self.model.end_step(self.now, &mut self.events);
+            self.check();
+            Some(d)
+        }
+
+        fn check(&mut self) {
+            let s = self.model.stats();
+            assert!(s.kv_used_tokens <= s.kv_capacity_tokens, "{s:?}");
+            assert!(s.running <= self.model.params.max_running_seqs as usize);
+            let sum: u64 = self.model.seqs.values().map(|q| u64::from(q.kv)).sum();
+            assert_eq!(sum, s.kv_used_tokens, "KV accounting drifted");
+            assert_eq!(s.running + s.waiting, self.model.seqs.len());
+            self.max_kv = self.max_kv.max(s.kv_used_tokens);
+        }
+
+        fn run_until_idle(&mut self) {
+            for _ in 0..100_000 {
+                if self.step().is_none() {
+                    return;
+                }
+            }
+            panic!("model did not go idle");
+        }
+
+        fn ttft(&self, id: SeqId) -> Duration {
+            self.events
+                .iter()
+                .find_map(|e| match e {
+                    Event::Token {
+                        id: i,
+                        ttft: Some(t),
+                        ..
+                    } if *i == id => Some(*t),
+                    _ => None,
+                })
+                .unwrap()
+        }
+    }
+
+    #[test]
+    fn a_lone_request_costs_prefill_plus_one_decode_per_token() {
+        let mut d = Driver::new(params());
+        d.model.submit(1, 100, 3, Duration::ZERO).unwrap();
+        // First step: prefill 100 tokens (10 ms) + decode with batch 1 (11 ms).
+        assert_eq!(d.step(), Some(Duration::from_millis(21)));
+        assert_eq!(d.ttft(1), Duration::from_millis(21));
+        assert_eq!(d.step(), Some(Duration::from_millis(11)));
+        assert_eq!(d.step(), Some(Duration::from_millis(11)));
+        assert_eq!(d.step(), None);
+        let tokens: Vec<u32> = d
+            .events
+            .iter()
+            .filter_map(|e| match e {
+                Event::Token { index, .. } => Some(*index),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(tokens, vec![0, 1, 2]);
+        assert!(d.events.contains(&Event::Finished {
+            id: 1,
+            generated: 3,
+            e2e: Duration::from_millis(43)
+        }));
+        let s = d.model.stats();
+        assert_eq!(
+            (s.completed, s.running, s.waiting, s.kv_used_tokens),
+            (1, 0, 0, 0)
+        );
+    }
+
+    #[test]
+    fn decode_step_grows_with_batch_size() {
+        let mut d = Driver::new(params());
+        for id in 0..4 {
+            d.model.submit(id, 10, 5, Duration::ZERO).unwrap();
+        }
+        d.step();
+        // Second step: pure decode with 4 sequences: 10 + 4 * 1 ms.
+        assert_eq!(d.step(), Some(Duration::from_millis(14)));
+    }
+
+    #[test]
+    fn ttft_rises_with_queue_length() {
+        let mut d = Driver::new(params());
+        // 12 identical requests, 4 run at once: the rest queue, and later ones wait longer.
+        for id in 0..12 {
+            d.model.submit(id, 50, 10, Duration::ZERO).unwrap();
+        }
+        d.run_until_idle();
+        let ttfts: Vec<Duration> = (0..12).map(|id| d.ttft(id)).collect();
+        // Waves of 4: equal within a wave, strictly rising across waves.
+        for wave in 0..3 {
+            let w = &ttfts[wave * 4..wave * 4 + 4];
+            assert!(w.iter().all(|t| *t == w[0]), "{ttfts:?}");
+        }
+        assert!(ttfts[0] < ttfts[4] && ttfts[4] < ttfts[8], "{ttfts:?}");
+        assert_eq!(d.model.stats().completed, 12);
+    }
+
+    #[test]
+    fn preempt_mode_never_exceeds_capacity_and_finishes_everything() {
+        let mut p = params();
+        p.kv_capacity_tokens = 300;
+        p.max_model_len = 300;
+        p.max_running_seqs = 16;
+        let mut d = Driver::new(p);
+        // Each request fits alone at admission (50 + 1) but 16 of them growing to 150
+        // tokens need 2,400 slots: the model must preempt, and still finish all.
+        for id in 0..16 {
+            d.model.submit(id, 50, 100, Duration::ZERO).unwrap();
+        }
+        d.run_until_idle();
+        let s = d.model.stats();
+        assert!(s.preemptions > 0, "{s:?}");
+        assert_eq!(s.completed, 16);
+        assert_eq!(s.crashes, 0);
+        assert!(d.max_kv <= 300);
+        // Every request got each token index exactly once, in order, despite preemption.
+        for id in 0..16 {
+            let idx: Vec<u32> = d
+                .events
+                .iter()
+                .filter_map(|e| match e {
+                    Event::Token { id: i, index, .. } if *i == id => Some(*index),
+                    _ => None,
+                })
+                .collect();
+            assert_eq!(idx, (0..100).collect::<Vec<_>>(), "seq {id}");
+        }
+        // Recompute re-prefills prompt + generated tokens.
+        assert!(d.events.iter().any(|e| matches!(
+            e,
+            Event::Admitted { first: false, prefill_tokens, .. } if *prefill_tokens > 50
+        )));
+    }
+
+    #[test]
+    fn crash_mode_fails_everything_then_restarts_empty_after_restart_secs() {
+        let mut p = params();
+        p.kv_capacity_tokens = 300;
+        p.max_model_len = 300;
+        p.max_running_seqs = 16;
+        p.overload = OverloadMode::Crash;
+        let mut d = Driver::new(p);
+        for id in 0..16 {
+            d.model.submit(id, 50, 100, Duration::ZERO).unwrap();
+        }
+        while d.step().is_some() {}
+        let crash_at = d.now;
+        let s = d.model.stats();
+        assert_eq!(s.crashes, 1);
+        assert_eq!(s.failed, 16);
+        assert_eq!((s.running, s.waiting, s.kv_used_tokens), (0, 0, 0));
+        assert!(d.max_kv <= 300);
+        let failed = d
+            .events
+            .iter()
+            .filter(|e| {
+                matches!(
+                    e,
+                    Event::Failed {
+                        reason: FailReason::Crash,
+                        ..
+                    }
+                )
+            })
+            .count();
+        assert_eq!(failed, 16);
+        // Down: refuses work until restart_secs have passed.
+        assert_eq!(
+            d.model.submit(99, 10, 10, crash_at),
+            Err(SubmitError::Unavailable)
+        );
+        d.now = crash_at + Duration::from_millis(4_999);
+        assert_eq!(d.step(), None);
+        assert!(matches!(d.model.health(), Health::Crashed { .. }));
+        d.now = crash_at + Duration::from_secs(5);
+        assert_eq!(d.step(), None);
+        assert_eq!(d.model.health(), Health::Healthy);
+        assert!(d.events.contains(&Event::Restarted));
+        d.model.submit(100, 10, 2, d.now).unwrap();
+        d.run_until_idle();
+        assert_eq!(d.model.stats().completed, 1);
+    }
+
+    #[test]
+    fn crash_mode_survives_when_demand_fits() {
+        // The same engine in crash mode never crashes when concurrency is limited so that
+        // sum(prompt + max output) fits: what a protecting gateway does.
+        let mut p = params();
+        p.kv_capacity_tokens = 300;
+        p.max_model_len = 300;
+        p.overload = OverloadMode::Crash;
+        p.max_running_seqs = 2;
+        let mut d = Driver::new(p);
+        for id in 0..16 {
+            d.model.submit(id, 50, 100, Duration::ZERO).unwrap();
+        }
+        d.run_until_idle();
+        assert_eq!(d.model.stats().crashes, 0);
+        assert_eq!(d.model.stats().completed, 16);
+    }
+
+    #[test]
+    fn cancel_frees_slot_and_kv_at_once() {
+        let mut p = params();
+        p.max_running_seqs = 1;
+        let mut d = Driver::new(p);
+        d.model.submit(1, 100, 1000 - 100, Duration::ZERO).unwrap();
+        d.model.submit(2, 10, 5, Duration::ZERO).unwrap();
+        d.step();
+        assert_eq!(d.model.stats().running, 1);
+        assert_eq!(d.model.stats().waiting, 1);
+        // Mid-step cancel: the KV is freed before the step ends and no token is emitted.
+        let started = d.model.begin_step(d.now, &mut d.events).unwrap();
+        assert!(d.model.cancel(1));
+        assert!(!d.model.cancel(1));
+        let s = d.model.stats();
+        assert_eq!((s.running, s.kv_used_tokens, s.cancelled), (0, 0, 1));
+        d.now += started;
+        let before = d.events.len();
+        d.model.end_step(d.now, &mut d.events);
+        assert_eq!(d.events.len(), before);
+        // The waiting request is admitted on the next step.
+        d.run_until_idle();
+        assert_eq!(d.model.stats().completed, 1);
+        // Cancelling a waiting request removes it from the queue.
+        d.model.submit(3, 10, 5, d.now).unwrap();
+        assert!(d.model.cancel(3));
+        assert_eq!(d.model.stats().waiting, 0);
+    }
+
+    #[test]
+    fn prefill_budget_spreads_admission_over_steps() {
+        let mut p = params();
+        p.max_batched_prefill_tokens = 100;
+        let mut d = Driver::new(p);
+        for id in 0..3 {
+            d.model.submit(id, 60, 5, Duration::ZERO).unwrap();
+        }
+        d.step();
+        assert_eq!(d.model.stats().running, 1);
+        d.step();
+        assert_eq!(d.model.stats().running, 2);
+    }
+
+    #[test]
+    fn rejects_requests_longer_than_max_model_len() {
+        let mut m = GpuModel::new(params());
+        assert_eq!(
+            m.submit(1, 900, 101, Duration::ZERO),
+            Err(SubmitError::TooLong {
+                requested: 1001,
+                max_model_len: 1000
+            })
+        );
+        m.submit(1, 900, 100, Duration::ZERO).unwrap();
+        assert_eq!(
+            m.submit(1, 1, 1, Duration::ZERO),
+            Err(SubmitError::DuplicateId)
+        );
+    }
+
+    #[test]
+    fn injected_crash_fails_in_flight_requests() {
+        let mut d = Driver::new(params());
+        d.model.submit(1, 10, 50, Duration::ZERO).unwrap();
+        d.step();
+        let mut ev = Vec::new();
+        d.model.crash(d.now, &mut ev);
+        assert!(ev.contains(&Event::Failed {
+            id: 1,
+            reason: FailReason::Crash
+        }));
+        assert_eq!(d.model.stats().crashes, 1);
+    }
+
+    #[test]
+    fn zero_profile_steps_take_no_time() {
+        let mut d = Driver::new(EngineConfig::zero().gpu);
+        d.model.submit(1, 1000, 4, Duration::ZERO).unwrap();
+        assert_eq!(d.step(), Some(Duration::ZERO));
+    }
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Submit { prompt: u32, target: u32 },
+        Cancel(u64),
+        Step,
+        Crash,
+    }
+
+    fn op() -> impl proptest::strategy::Strategy<Value = Op> {
+        use proptest::prelude::*;
+        prop_oneof![
+            3 => (1u32..120, 1u32..80).prop_map(|(prompt, target)| Op::Submit { prompt, target }),
+            1 => (0u64..40).prop_map(Op::Cancel),
+            6 => Just(Op::Step),
+            1 => (0u8..20).prop_map(|_| Op::Step),
+        ]
+        .boxed()
+        .prop_union(Just(Op::Crash).boxed())
+        .or(Just(Op::Step).boxed())
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(200))]
+
+        /// Under any interleaving of submissions, cancellations, steps and crashes: KV stays
+        /// within capacity (preempt mode never crashes on its own), accounting never drifts,
+        /// each request gets its tokens in order with no gaps, and every request ends exactly
+        /// once (finished, cancelled or failed).
+        #[test]
+        fn model_invariants_hold(
+            ops in proptest::collection::vec(op(), 1..200),
+            capacity in 200u32..600,
+            max_seqs in 1u32..12,
+            crash_mode in proptest::bool::ANY,
+        ) {
+            let mut p = params();
+            p.kv_capacity_tokens = capacity;
+            p.max_model_len = 200;
+            p.max_running_seqs = max_seqs;
+            p.overload = if crash_mode { OverloadMode::Crash } else { OverloadMode::Preempt };
+            let mut d = Driver::new(p);
+            let mut next = 0u64;
+            let mut ended: HashMap<SeqId, &str> = HashMap::new();
+            let mut next_index: HashMap<SeqId, u32> = HashMap::new();
+            let mut injected_crashes = 0;
+            for op in ops {
+                match op {
+                    Op::Submit { prompt, target } => {
+                        if d.model.submit(next, prompt, target, d.now).is_ok() {
+                            next_index.insert(next, 0);
+                        }
+                        next += 1;
+                    }
+                    Op::Cancel(id) => {
+                        if d.model.cancel(id) {
+                            assert!(ended.insert(id, "cancelled").is_none());
+                        }
+                    }
+                    Op::Step => {
+                        if d.step().is_none() {
+                            d.now += Duration::from_secs(1);
+                        }
+                    }
+                    Op::Crash => {
+                        if d.model.health() == Health::Healthy {
+                            injected_crashes += 1;
+                            d.model.crash(d.now, &mut d.events);
+                        }
+                    }
+                }
+                d.check();
+                for e in d.events.drain(..) {
+                    match e {
+                        Event::Token { id, index, .. } => {
+                            let expect = next_index.get_mut(&id).unwrap();
+                            assert_eq!(index, *expect, "token gap for {id}");
+                            *expect += 1;
+                            assert!(!ended.contains_key(&id));
+                        }
+                        Event::Finished { id, generated, .. } => {
+                            assert_eq!(next_index[&id], generated);
+                            assert!(ended.insert(id, "finished").is_none());
+                        }
+                        Event::Failed { id, .. } => {
+                            assert!(ended.insert(id, "failed").is_none());
+                        }
+                        _ => {}
+                    }
+                }
+            }
+            let s = d.model.stats();
+            if !crash_mode {
+                assert_eq!(s.crashes, injected_crashes);
+            }
+            assert_eq!(
+                s.completed + s.cancelled + s.failed + (s.running + s.waiting) as u64,
+                next_index.len() as u64
+            );
+            assert_eq!(ended.len() + s.running + s.waiting, next_index.len());
+        }
+    }
+}

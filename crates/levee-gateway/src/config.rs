@@ -1,0 +1,806 @@
+//! The gateway's configuration: TOML, every field defaulted, unknown fields refused.
+//!
+//! Parsing goes through `serde_path_to_error` so a type error names the exact path
+//! (`models[1].backends[0].max_in_flight`); [`Config::validate`] then adds the semantic
+//! checks a type system cannot make (unknown tier, missing fallback model, duplicate keys,
+//! watermarks out of order). `levee config check` prints both kinds.
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use std::collections::{BTreeMap, HashSet};
+use std::net::SocketAddr;
+use std::path::Path;
+
+/// The whole configuration of one gateway.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct Config {
+    /// Where the public and admin listeners bind.
+    pub listen: ListenConfig,
+    /// HTTP server limits: body size, header timeouts, deadlines, shutdown grace.
+    pub server: ServerConfig,
+    /// The per-IP guard that runs before authentication.
+    pub ip_guard: IpGuardConfig,
+    /// Tiers by name. A tier sets priority (0 is served first) and queue wait budget.
+    pub tiers: BTreeMap<String, TierConfig>,
+    /// Tenants: who may call, with which keys, in which tier, under which quotas.
+    pub tenants: Vec<TenantConfig>,
+    /// Limits shared by every tenant.
+    pub limits: GlobalLimits,
+    /// Rules that give long prompts and large `max_tokens` their own, tighter limit.
+    pub heavy: HeavyConfig,
+    /// Models and the backends that serve each.
+    pub models: Vec<ModelConfig>,
+    /// Queue watermarks and bounds.
+    pub queue: QueueConfig,
+    /// Circuit breaker settings applied to every backend.
+    pub breaker: BreakerConfig,
+    /// Degradation (load shedding short of refusal) settings.
+    pub degrade: DegradeConfig,
+    /// How often backends' Prometheus metrics are read.
+    pub scrape: ScrapeConfig,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        let mut tiers = BTreeMap::new();
+        tiers.insert(
+            "premium".to_string(),
+            TierConfig {
+                priority: 0,
+                queue_wait_ms: 30_000,
+                soft_queue_wait_ms: 15_000,
+                sheddable: false,
+            },
+        );
+        tiers.insert(
+            "standard".to_string(),
+            TierConfig {
+                priority: 1,
+                queue_wait_ms: 10_000,
+                soft_queue_wait_ms: 2_000,
+                sheddable: false,
+            },
+        );
+        tiers.insert(
+            "free".to_string(),
+            TierConfig {
+                priority: 2,
+                queue_wait_ms: 5_000,
+                soft_queue_wait_ms: 0,
+                sheddable: true,
+            },
+        );
+        Config {
+            listen: ListenConfig::default(),
+            server: ServerConfig::default(),
+            ip_guard: IpGuardConfig::default(),
+            tiers,
+            tenants: Vec::new(),
+            limits: GlobalLimits::default(),
+            heavy: HeavyConfig::default(),
+            models: Vec::new(),
+            queue: QueueConfig::default(),
+            breaker: BreakerConfig::default(),
+            degrade: DegradeConfig::default(),
+            scrape: ScrapeConfig::default(),
+        }
+    }
+}
+
+/// Listener addresses. Port 0 asks the OS for a free port (tests use this).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct ListenConfig {
+    /// The public, OpenAI-compatible listener.
+    pub public: SocketAddr,
+    /// The admin listener: metrics, state, degrade, drain, dashboard.
+    pub admin: SocketAddr,
+}
+
+impl Default for ListenConfig {
+    fn default() -> Self {
+        ListenConfig {
+            public: SocketAddr::from(([127, 0, 0, 1], 8080)),
+            admin: SocketAddr::from(([127, 0, 0, 1], 9090)),
+        }
+    }
+}
+
+/// HTTP server settings that protect the gateway itself.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct ServerConfig {
+    /// Largest accepted request body; larger bodies get 413.
+    pub max_body_bytes: usize,
+    /// A client must send its full header block within this time, or the connection is cut.
+    pub header_read_timeout_ms: u64,
+    /// Largest header block (bytes) the server buffers; larger ones are cut off.
+    pub max_header_bytes: usize,
+    /// Whole-request deadline (queue + upstream) for non-streaming requests, and the
+    /// time-to-first-byte deadline for streaming ones.
+    pub request_timeout_ms: u64,
+    /// After SIGTERM or drain, in-flight requests get this long to finish.
+    pub shutdown_grace_ms: u64,
+    /// Completion tokens assumed when a request omits `max_tokens` (used for token
+    /// estimates and limits before the real usage is known).
+    pub default_max_tokens: u32,
+    /// Retry-After given with 503s while draining or shutting down.
+    pub drain_retry_after_ms: u64,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig {
+            max_body_bytes: 1 << 20,
+            header_read_timeout_ms: 5_000,
+            max_header_bytes: 16 * 1024,
+            request_timeout_ms: 300_000,
+            shutdown_grace_ms: 30_000,
+            default_max_tokens: 256,
+            drain_retry_after_ms: 5_000,
+        }
+    }
+}
+
+/// Per-client-IP request rate guard. It runs before authentication so floods of bad keys
+/// cost one hash-map lookup each.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct IpGuardConfig {
+    /// Turn the guard off (behind a trusted load balancer that already does this).
+    pub enabled: bool,
+    /// Sustained requests per second per IP.
+    pub requests_per_second: f64,
+    /// Burst allowance (requests) per IP.
+    pub burst: u32,
+}
+
+impl Default for IpGuardConfig {
+    fn default() -> Self {
+        IpGuardConfig {
+            enabled: true,
+            requests_per_second: 1_000.0,
+            burst: 2_000,
+        }
+    }
+}
+
+/// One tier: strict priority across tiers, a wait budget in the queue.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct TierConfig {
+    /// 0 is served first; larger numbers wait behind smaller ones.
+    pub priority: u8,
+    /// Longest a request of this tier waits in the queue (load between the `safe` and
+    /// `soft` watermarks) before `queue_timeout`.
+    pub queue_wait_ms: u64,
+    /// Longest wait when the load is between `soft` and `hard`; 0 refuses this tier there
+    /// at once with `capacity_overload`.
+    pub soft_queue_wait_ms: u64,
+    /// Whether degradation level 3 may shed this tier.
+    pub sheddable: bool,
+}
+
+impl Default for TierConfig {
+    fn default() -> Self {
+        TierConfig {
+            priority: 1,
+            queue_wait_ms: 10_000,
+            soft_queue_wait_ms: 2_000,
+            sheddable: false,
+        }
+    }
+}
+
+/// One tenant: its keys, tier and quotas. A quota of 0 means unlimited.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct TenantConfig {
+    /// Unique tenant name (appears in metrics and admin state).
+    pub name: String,
+    /// Tier name; must be one of `[tiers]`.
+    pub tier: String,
+    /// SHA-256 of each API key, lowercase hex. The plain key never sits in the config.
+    pub key_sha256: Vec<String>,
+    /// Environment variables whose values are API keys (hashed at load).
+    pub key_env: Vec<String>,
+    /// Requests per minute (0 = unlimited).
+    pub requests_per_minute: u32,
+    /// LLM tokens (prompt + completion) per minute (0 = unlimited).
+    pub tokens_per_minute: u64,
+    /// Requests in flight or queued at once (0 = unlimited).
+    pub max_concurrency: u32,
+    /// Share of the tier's capacity under contention (fairness weight).
+    pub weight: f64,
+}
+
+impl Default for TenantConfig {
+    fn default() -> Self {
+        TenantConfig {
+            name: String::new(),
+            tier: "standard".to_string(),
+            key_sha256: Vec::new(),
+            key_env: Vec::new(),
+            requests_per_minute: 0,
+            tokens_per_minute: 0,
+            max_concurrency: 0,
+            weight: 1.0,
+        }
+    }
+}
+
+/// Limits that apply to everyone together. 0 means unlimited.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct GlobalLimits {
+    /// Requests per minute across all tenants.
+    pub requests_per_minute: u32,
+    /// Tokens per minute across all tenants.
+    pub tokens_per_minute: u64,
+    /// Requests admitted (queued or in flight) at once across all tenants.
+    pub max_concurrency: u32,
+}
+
+/// Heavy-request rules. A request is heavy when its estimated prompt or its `max_tokens`
+/// passes a threshold; heavy requests also pass a per-tenant limit of their own.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct HeavyConfig {
+    /// Estimated prompt tokens above which a request is heavy (0 = never).
+    pub prompt_tokens_over: u64,
+    /// `max_tokens` above which a request is heavy (0 = never).
+    pub max_tokens_over: u64,
+    /// Heavy requests per minute per tenant (0 = unlimited).
+    pub requests_per_minute: u32,
+    /// Heavy tokens per minute per tenant (0 = unlimited).
+    pub tokens_per_minute: u64,
+}
+
+impl Default for HeavyConfig {
+    fn default() -> Self {
+        HeavyConfig {
+            prompt_tokens_over: 8_000,
+            max_tokens_over: 4_096,
+            requests_per_minute: 10,
+            tokens_per_minute: 0,
+        }
+    }
+}
+
+/// One model and the backends serving it.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct ModelConfig {
+    /// The model name clients send.
+    pub name: String,
+    /// Model to route to under degradation (must be another configured model).
+    pub fallback: Option<String>,
+    /// Requests per minute for this model across tenants (0 = unlimited).
+    pub requests_per_minute: u32,
+    /// Tokens per minute for this model across tenants (0 = unlimited).
+    pub tokens_per_minute: u64,
+    /// The backends; at least one.
+    pub backends: Vec<BackendConfig>,
+}
+
+impl Default for ModelConfig {
+    fn default() -> Self {
+        ModelConfig {
+            name: String::new(),
+            fallback: None,
+            requests_per_minute: 0,
+            tokens_per_minute: 0,
+            backends: Vec::new(),
+        }
+    }
+}
+
+/// The metrics dialect a backend speaks.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum BackendKind {
+    /// vLLM (and the simulated engine): `vllm:num_requests_running` and friends.
+    #[default]
+    Vllm,
+    /// llama.cpp's llama-server: `llamacpp:requests_processing` and friends.
+    Llamacpp,
+}
+
+/// One upstream inference server.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct BackendConfig {
+    /// Metrics dialect.
+    pub kind: BackendKind,
+    /// Base URL, e.g. `http://127.0.0.1:8000` (the gateway appends `/v1/...`).
+    pub url: String,
+    /// Most requests levee sends to this backend at once; more wait in levee's queue.
+    pub max_in_flight: u32,
+    /// Model name to send upstream, if it differs from the public name.
+    pub upstream_model: Option<String>,
+}
+
+impl Default for BackendConfig {
+    fn default() -> Self {
+        BackendConfig {
+            kind: BackendKind::Vllm,
+            url: "http://127.0.0.1:8000".to_string(),
+            max_in_flight: 64,
+            upstream_model: None,
+        }
+    }
+}
+
+/// Watermarks over the gateway's load (requests queued + in flight, all models): below
+/// `safe` a request is dispatched at once (if a backend slot is free), from `safe` to `soft`
+/// it may wait its tier's `queue_wait_ms`, from `soft` to `hard` only its tier's
+/// `soft_queue_wait_ms`, and at `hard` it is refused with `capacity_overload`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct QueueConfig {
+    /// Below this the gateway is healthy.
+    pub safe: u32,
+    /// From here only the tiers' soft wait budgets apply.
+    pub soft: u32,
+    /// At this load nothing more is admitted (`capacity_overload`).
+    pub hard: u32,
+    /// Bound on the estimated tokens waiting in the queue (0 = unbounded).
+    pub max_queued_tokens: u64,
+}
+
+impl Default for QueueConfig {
+    fn default() -> Self {
+        QueueConfig {
+            safe: 256,
+            soft: 1_024,
+            hard: 4_096,
+            max_queued_tokens: 0,
+        }
+    }
+}
+
+/// Circuit breaker settings (one breaker per backend). Only backend failures count: 5xx,
+/// connect errors, timeouts. A backend's own 429/503 is backpressure, not failure.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct BreakerConfig {
+    /// Sliding window for the failure rate.
+    pub window_ms: u64,
+    /// Buckets the window is split into.
+    pub buckets: u32,
+    /// The failure rate is judged only once the window holds this many requests.
+    pub min_requests: u32,
+    /// Failure rate (0..=1] at which the breaker opens.
+    pub failure_rate: f64,
+    /// Consecutive failures that open the breaker (0 = rule off).
+    pub consecutive_failures: u32,
+    /// How long the breaker stays open before letting a probe through.
+    pub open_ms: u64,
+    /// Probes allowed at once in half-open.
+    pub half_open_probes: u32,
+    /// Successful probes needed in half-open to close again.
+    pub half_open_successes: u32,
+}
+
+impl Default for BreakerConfig {
+    fn default() -> Self {
+        BreakerConfig {
+            window_ms: 10_000,
+            buckets: 10,
+            min_requests: 20,
+            failure_rate: 0.5,
+            consecutive_failures: 5,
+            open_ms: 5_000,
+            half_open_probes: 1,
+            half_open_successes: 1,
+        }
+    }
+}
+
+impl BreakerConfig {
+    /// The policy crate's breaker settings.
+    pub fn to_policy(&self) -> levee_policy::BreakerConfig {
+        levee_policy::BreakerConfig {
+            window: std::time::Duration::from_millis(self.window_ms),
+            buckets: self.buckets,
+            min_requests: self.min_requests,
+            failure_rate: self.failure_rate,
+            consecutive_failures: self.consecutive_failures,
+            cooldown: std::time::Duration::from_millis(self.open_ms),
+            half_open_probes: self.half_open_probes,
+            success_threshold: self.half_open_successes,
+        }
+    }
+}
+
+/// Degradation: serve worse before refusing. The load score is the largest of the
+/// signals (queued + in flight over the `hard` watermark; optionally the worst backend
+/// KV-cache use), each 0..1. A level is entered when the score reaches its `enter` and
+/// left when it falls below its `exit` after `min_dwell_ms` (hysteresis: no flapping).
+/// `/admin/degrade` can force a level.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct DegradeConfig {
+    /// Automatic degradation on (a forced level applies either way).
+    pub enabled: bool,
+    /// Least time at a level before stepping down one.
+    pub min_dwell_ms: u64,
+    /// Also use the worst backend's scraped KV-cache use as a load signal.
+    pub kv_signal: bool,
+    /// Levels in increasing severity; `levels[0]` is level 1.
+    pub levels: Vec<DegradeLevelConfig>,
+}
+
+impl Default for DegradeConfig {
+    fn default() -> Self {
+        DegradeConfig {
+            enabled: true,
+            min_dwell_ms: 5_000,
+            kv_signal: false,
+            levels: vec![
+                DegradeLevelConfig {
+                    enter: 0.25,
+                    exit: 0.15,
+                    max_tokens_cap: Some(512),
+                    use_fallback: false,
+                    shed_from_priority: None,
+                },
+                DegradeLevelConfig {
+                    enter: 0.5,
+                    exit: 0.35,
+                    max_tokens_cap: Some(256),
+                    use_fallback: true,
+                    shed_from_priority: None,
+                },
+                DegradeLevelConfig {
+                    enter: 0.75,
+                    exit: 0.6,
+                    max_tokens_cap: Some(256),
+                    use_fallback: true,
+                    shed_from_priority: Some(2),
+                },
+            ],
+        }
+    }
+}
+
+/// One degradation level.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct DegradeLevelConfig {
+    /// Enter at or above this load score.
+    pub enter: f64,
+    /// Leave below this score (must be < `enter`).
+    pub exit: f64,
+    /// Cap each request's `max_tokens`.
+    pub max_tokens_cap: Option<u32>,
+    /// Route requests to their model's `fallback` (models without one are unchanged).
+    pub use_fallback: bool,
+    /// Shed (refuse with `capacity_overload`) tiers with this priority number or larger,
+    /// when they are `sheddable`.
+    pub shed_from_priority: Option<u8>,
+}
+
+impl Default for DegradeLevelConfig {
+    fn default() -> Self {
+        DegradeLevelConfig {
+            enter: 1.0,
+            exit: 0.9,
+            max_tokens_cap: None,
+            use_fallback: false,
+            shed_from_priority: None,
+        }
+    }
+}
+
+impl DegradeConfig {
+    /// The policy crate's planner settings.
+    pub fn to_policy(&self) -> levee_policy::DegradeConfig {
+        levee_policy::DegradeConfig {
+            levels: self
+                .levels
+                .iter()
+                .map(|l| levee_policy::DegradeLevel {
+                    enter: l.enter,
+                    exit: l.exit,
+                    step: levee_policy::DegradeStep {
+                        max_tokens_cap: l.max_tokens_cap,
+                        // Fallback is per model in levee's config; the gateway resolves it.
+                        fallback_model: None,
+                        skip_optional: false,
+                        shed_from_tier: l.shed_from_priority.map(levee_policy::Tier),
+                    },
+                })
+                .collect(),
+            min_dwell: std::time::Duration::from_millis(self.min_dwell_ms),
+        }
+    }
+}
+
+/// Backend metrics scraping.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct ScrapeConfig {
+    /// Interval between scrapes of each backend's `/metrics` (0 = never scrape).
+    pub interval_ms: u64,
+    /// Scrape timeout; a backend that misses this many scrapes in a row is unhealthy.
+    pub timeout_ms: u64,
+    /// Failed scrapes in a row after which a backend counts as unhealthy.
+    pub unhealthy_after: u32,
+}
+
+impl Default for ScrapeConfig {
+    fn default() -> Self {
+        ScrapeConfig {
+            interval_ms: 1_000,
+            timeout_ms: 500,
+            unhealthy_after: 3,
+        }
+    }
+}
+
+/// Hex SHA-256 of an API key, as stored in `key_sha256`.
+pub fn hash_key(key: &str) -> String {
+    hex::encode(Sha256::digest(key.as_bytes()))
+}
+
+impl Config {
+    /// Parses TOML text; errors name the path of the offending field.
+    pub fn from_toml_str(text: &str) -> Result<Config, Vec<String>> {
+        let de = toml::Deserializer::new(text);
+        let cfg: Config = serde_path_to_error::deserialize(de).map_err(|e| {
+            let path = e.path().to_string();
+            let inner = e.into_inner();
+            // toml's own message carries a line/column snippet; keep it, but lead with the path.
+            let msg = inner.message().to_string();
+            let at = inner
+                .span()
+                .map(|s| {
+                    let line = text[..s.start.min(text.len())].matches('\n').count() + 1;
+                    format!(" (line {line})")
+                })
+                .unwrap_or_default();
+            if path == "." || path.is_empty() {
+                vec![format!("{msg}{at}")]
+            } else {
+                vec![format!("{path}: {msg}{at}")]
+            }
+        })?;
+        let errors = cfg.validate();
+        if errors.is_empty() {
+            Ok(cfg)
+        } else {
+            Err(errors)
+        }
+    }
+
+    /// Reads and parses a file, then validates it.
+    pub fn load(path: &Path) -> Result<Config, Vec<String>> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| vec![format!("cannot read {}: {e}", path.display())])?;
+        Config::from_toml_str(&text)
+    }
+
+    /// Semantic checks; one line per problem, each starting with the field's path.
+    pub fn validate(&self) -> Vec<String> {
+        let mut errs = Vec::new();
+        if self.tiers.is_empty() {
+            errs.push("tiers: at least one tier is required".to_string());
+        }
+        for (name, t) in &self.tiers {
+            if t.queue_wait_ms == 0 {
+                errs.push(format!(
+                    "tiers.{name}.queue_wait_ms: must be > 0 (use a small value to refuse fast)"
+                ));
+            }
+        }
+        let mut tenant_names = HashSet::new();
+        let mut seen_keys: BTreeMap<String, String> = BTreeMap::new();
+        for (i, t) in self.tenants.iter().enumerate() {
+            let p = format!("tenants[{i}]");
+            if t.name.is_empty() {
+                errs.push(format!("{p}.name: must not be empty"));
+            } else if !tenant_names.insert(t.name.clone()) {
+                errs.push(format!("{p}.name: duplicate tenant name {:?}", t.name));
+            }
+            if !self.tiers.contains_key(&t.tier) {
+                let known: Vec<&str> = self.tiers.keys().map(String::as_str).collect();
+                errs.push(format!(
+                    "{p}.tier: unknown tier {:?} (known tiers: {})",
+                    t.tier,
+                    known.join(", ")
+                ));
+            }
+            if !(t.weight.is_finite() && t.weight > 0.0) {
+                errs.push(format!("{p}.weight: must be a positive number"));
+            }
+            if t.key_sha256.is_empty() && t.key_env.is_empty() {
+                errs.push(format!(
+                    "{p}: no keys (set key_sha256 = [\"<sha256 hex>\"] or key_env = [\"VAR\"])"
+                ));
+            }
+            for (j, k) in t.key_sha256.iter().enumerate() {
+                let kp = format!("{p}.key_sha256[{j}]");
+                let lower = k.to_ascii_lowercase();
+                if lower.len() != 64 || !lower.bytes().all(|b| b.is_ascii_hexdigit()) {
+                    errs.push(format!(
+                        "{kp}: not a SHA-256 hex digest (64 hex characters); \
+                         compute one with `printf %s KEY | sha256sum`"
+                    ));
+                    continue;
+                }
+                if let Some(prev) = seen_keys.insert(lower, kp.clone()) {
+                    errs.push(format!("{kp}: duplicate key, already used at {prev}"));
+                }
+            }
+            for (j, var) in t.key_env.iter().enumerate() {
+                let kp = format!("{p}.key_env[{j}]");
+                match std::env::var(var) {
+                    Ok(v) if !v.is_empty() => {
+                        if let Some(prev) = seen_keys.insert(hash_key(&v), kp.clone()) {
+                            errs.push(format!("{kp}: duplicate key, already used at {prev}"));
+                        }
+                    }
+                    _ => errs.push(format!(
+                        "{kp}: environment variable {var:?} is not set or empty"
+                    )),
+                }
+            }
+        }
+        let model_names: HashSet<&str> = self.models.iter().map(|m| m.name.as_str()).collect();
+        let mut seen_models = HashSet::new();
+        for (i, m) in self.models.iter().enumerate() {
+            let p = format!("models[{i}]");
+            if m.name.is_empty() {
+                errs.push(format!("{p}.name: must not be empty"));
+            } else if !seen_models.insert(m.name.as_str()) {
+                errs.push(format!("{p}.name: duplicate model {:?}", m.name));
+            }
+            if let Some(fb) = &m.fallback {
+                if fb == &m.name {
+                    errs.push(format!("{p}.fallback: a model cannot fall back to itself"));
+                } else if !model_names.contains(fb.as_str()) {
+                    errs.push(format!(
+                        "{p}.fallback: fallback model {fb:?} is not configured under [[models]]"
+                    ));
+                }
+            }
+            if m.backends.is_empty() {
+                errs.push(format!("{p}.backends: at least one backend is required"));
+            }
+            let mut urls = HashSet::new();
+            for (j, b) in m.backends.iter().enumerate() {
+                let bp = format!("{p}.backends[{j}]");
+                match b.url.parse::<http::Uri>() {
+                    Ok(u) if u.scheme_str() == Some("http") && u.authority().is_some() => {}
+                    Ok(_) => errs.push(format!(
+                        "{bp}.url: {:?} must be an http:// URL with a host",
+                        b.url
+                    )),
+                    Err(e) => errs.push(format!("{bp}.url: {:?} is not a URL: {e}", b.url)),
+                }
+                if !urls.insert(b.url.trim_end_matches('/')) {
+                    errs.push(format!("{bp}.url: duplicate backend {:?} for this model", b.url));
+                }
+                if b.max_in_flight == 0 {
+                    errs.push(format!("{bp}.max_in_flight: must be > 0"));
+                }
+            }
+        }
+        let q = &self.queue;
+        if !(q.safe < q.soft && q.soft < q.hard) {
+            errs.push(format!(
+                "queue: watermarks must satisfy safe < soft < hard (got safe={}, soft={}, hard={})",
+                q.safe, q.soft, q.hard
+            ));
+        }
+        if self.ip_guard.enabled
+            && !(self.ip_guard.requests_per_second.is_finite()
+                && self.ip_guard.requests_per_second > 0.0)
+        {
+            errs.push("ip_guard.requests_per_second: must be > 0 when enabled".to_string());
+        }
+        if let Err(e) = self.breaker.to_policy().validate() {
+            errs.push(format!("breaker: {e}"));
+        }
+        if let Err(e) = self.degrade.to_policy().validate() {
+            errs.push(e.to_string());
+        }
+        if self.server.max_body_bytes == 0 {
+            errs.push("server.max_body_bytes: must be > 0".to_string());
+        }
+        if self.server.max_header_bytes < 8192 {
+            // hyper refuses smaller read buffers; say so here rather than at bind time.
+            errs.push("server.max_header_bytes: must be >= 8192".to_string());
+        }
+        errs
+    }
+
+    /// A short human summary for `levee config check`.
+    pub fn summary(&self) -> String {
+        let backends: usize = self.models.iter().map(|m| m.backends.len()).sum();
+        format!(
+            "public {} admin {}; {} tiers, {} tenants, {} models, {} backends; queue safe/soft/hard {}/{}/{}",
+            self.listen.public,
+            self.listen.admin,
+            self.tiers.len(),
+            self.tenants.len(),
+            self.models.len(),
+            backends,
+            self.queue.safe,
+            self.queue.soft,
+            self.queue.hard
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_config_round_trips_through_toml() {
+        let cfg = Config::default();
+        let text = toml::to_string(&cfg).unwrap();
+        let back: Config = toml::from_str(&text).unwrap();
+        assert_eq!(cfg, back);
+    }
+
+    #[test]
+    fn unknown_field_is_named_with_its_path() {
+        let errs = Config::from_toml_str(
+            "[[models]]\nname = \"m\"\n[[models.backends]]\nurl = \"http://127.0.0.1:1\"\nmax_inflight = 3\n",
+        )
+        .unwrap_err();
+        assert_eq!(errs.len(), 1);
+        assert!(errs[0].starts_with("models[0].backends[0]"), "{errs:?}");
+        assert!(errs[0].contains("max_inflight"), "{errs:?}");
+    }
+
+    #[test]
+    fn wrong_type_is_named_with_its_path() {
+        let errs = Config::from_toml_str("[queue]\nhard = \"lots\"\n").unwrap_err();
+        assert!(errs[0].starts_with("queue.hard"), "{errs:?}");
+    }
+
+    #[test]
+    fn semantic_errors_each_name_a_path() {
+        let k = hash_key("k1");
+        let text = format!(
+            r#"
+[queue]
+safe = 10
+soft = 5
+hard = 20
+[[tenants]]
+name = "a"
+tier = "gold"
+key_sha256 = ["{k}"]
+[[tenants]]
+name = "b"
+tier = "free"
+key_sha256 = ["{k}"]
+[[models]]
+name = "m"
+fallback = "nope"
+[[models.backends]]
+url = "http://127.0.0.1:1"
+"#
+        );
+        let errs = Config::from_toml_str(&text).unwrap_err();
+        let joined = errs.join("\n");
+        assert!(joined.contains("tenants[0].tier: unknown tier \"gold\""), "{joined}");
+        assert!(joined.contains("tenants[1].key_sha256[0]: duplicate key"), "{joined}");
+        assert!(joined.contains("models[0].fallback"), "{joined}");
+        assert!(joined.contains("safe < soft < hard"), "{joined}");
+        assert_eq!(errs.len(), 4, "{joined}");
+    }
+
+    #[test]
+    fn example_config_is_valid() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../levee.example.toml");
+        let cfg = Config::load(&path).unwrap();
+        assert!(!cfg.models.is_empty());
+    }
+}

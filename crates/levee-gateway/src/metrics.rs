@@ -1,0 +1,244 @@
+//! Prometheus metrics, all named `levee_*` (the list with meanings is in docs/gateway.md).
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+use std::sync::atomic::AtomicU64;
+
+/// Labels of `levee_requests_total`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RequestLabels {
+    /// Tenant name (`-` before authentication).
+    pub tenant: String,
+    /// Requested model (`-` when unknown).
+    pub model: String,
+    /// `ok`, `upstream_error`, or the refusal code (`rate_limit_exceeded`, ...).
+    pub outcome: String,
+}
+
+/// A single `tier` label.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TierLabel {
+    /// Tier name.
+    pub tier: String,
+}
+
+/// A single `tenant` label.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TenantLabel {
+    /// Tenant name.
+    pub tenant: String,
+}
+
+/// Labels for per-tenant, per-kind series (tokens: prompt/completion; limits: requests/tokens).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TenantKindLabels {
+    /// Tenant name.
+    pub tenant: String,
+    /// What is counted.
+    pub kind: String,
+}
+
+/// A single `backend` label.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct BackendLabel {
+    /// `model@url`.
+    pub backend: String,
+}
+
+/// Labels of the refusal counters.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReasonLabels {
+    /// Tier of the request (`-` before authentication).
+    pub tier: String,
+    /// The refusal code or degradation measure.
+    pub reason: String,
+}
+
+/// Every metric the gateway exports.
+pub struct Metrics {
+    /// The registry `/metrics` encodes.
+    pub registry: Registry,
+    /// `levee_requests_total{tenant,model,outcome}`.
+    pub requests: Family<RequestLabels, Counter>,
+    /// `levee_admitted_total{tier}`: requests that reached a backend.
+    pub admitted: Family<TierLabel, Counter>,
+    /// `levee_rejected_total{tier,reason}`: refusals by code.
+    pub rejected: Family<ReasonLabels, Counter>,
+    /// `levee_degraded_total{tier,reason}`: requests served degraded, by measure.
+    pub degraded: Family<ReasonLabels, Counter>,
+    /// `levee_shed_total{tier}`: requests shed by degradation.
+    pub shed: Family<TierLabel, Counter>,
+    /// `levee_queue_depth{tier}`.
+    pub queue_depth: Family<TierLabel, Gauge>,
+    /// `levee_queue_wait_seconds{tier}`.
+    pub queue_wait: Family<TierLabel, Histogram>,
+    /// `levee_ttft_seconds{tier}`: time from dispatch to the first response byte.
+    pub ttft: Family<TierLabel, Histogram>,
+    /// `levee_tokens_total{tenant,kind}` (kind = prompt | completion).
+    pub tokens: Family<TenantKindLabels, Counter>,
+    /// `levee_backend_in_flight{backend}`.
+    pub backend_in_flight: Family<BackendLabel, Gauge>,
+    /// `levee_backend_load{backend}`: last scraped running + waiting.
+    pub backend_load: Family<BackendLabel, Gauge<f64, AtomicU64>>,
+    /// `levee_backend_kv_usage{backend}`: last scraped KV-cache use (0..1).
+    pub backend_kv: Family<BackendLabel, Gauge<f64, AtomicU64>>,
+    /// `levee_backend_healthy{backend}`: 1 healthy, 0 not.
+    pub backend_healthy: Family<BackendLabel, Gauge>,
+    /// `levee_breaker_state{backend}`: 0 closed, 1 half-open, 2 open.
+    pub breaker_state: Family<BackendLabel, Gauge>,
+    /// `levee_limiter_remaining{tenant,kind}` (kind = requests | tokens).
+    pub limiter_remaining: Family<TenantKindLabels, Gauge>,
+    /// `levee_degrade_level`: 0 normal .. 3 shedding.
+    pub degrade_level: Gauge,
+    /// `levee_in_flight`: requests being proxied now.
+    pub in_flight: Gauge,
+    /// `levee_queued`: requests waiting in the queue now (all tiers).
+    pub queued: Gauge,
+}
+
+fn latency_buckets() -> impl Iterator<Item = f64> {
+    [
+        0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+    ]
+    .into_iter()
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    /// Creates and registers every metric.
+    pub fn new() -> Self {
+        let mut registry = Registry::with_prefix("levee");
+        let requests = Family::<RequestLabels, Counter>::default();
+        registry.register("requests", "Requests by tenant, model and outcome", requests.clone());
+        let admitted = Family::<TierLabel, Counter>::default();
+        registry.register("admitted", "Requests dispatched to a backend", admitted.clone());
+        let rejected = Family::<ReasonLabels, Counter>::default();
+        registry.register("rejected", "Requests refused, by code", rejected.clone());
+        let degraded = Family::<ReasonLabels, Counter>::default();
+        registry.register("degraded", "Requests served degraded, by measure", degraded.clone());
+        let shed = Family::<TierLabel, Counter>::default();
+        registry.register("shed", "Requests shed by degradation", shed.clone());
+        let queue_depth = Family::<TierLabel, Gauge>::default();
+        registry.register("queue_depth", "Requests waiting per tier", queue_depth.clone());
+        let queue_wait = Family::<TierLabel, Histogram>::new_with_constructor(|| {
+            Histogram::new(latency_buckets())
+        });
+        registry.register("queue_wait_seconds", "Time spent queued", queue_wait.clone());
+        let ttft = Family::<TierLabel, Histogram>::new_with_constructor(|| {
+            Histogram::new(latency_buckets())
+        });
+        registry.register(
+            "ttft_seconds",
+            "Time from dispatch to first response byte",
+            ttft.clone(),
+        );
+        let tokens = Family::<TenantKindLabels, Counter>::default();
+        registry.register("tokens", "LLM tokens by tenant and kind", tokens.clone());
+        let backend_in_flight = Family::<BackendLabel, Gauge>::default();
+        registry.register(
+            "backend_in_flight",
+            "Requests levee has outstanding at each backend",
+            backend_in_flight.clone(),
+        );
+        let backend_load = Family::<BackendLabel, Gauge<f64, AtomicU64>>::default();
+        registry.register(
+            "backend_load",
+            "Scraped running + waiting sequences per backend",
+            backend_load.clone(),
+        );
+        let backend_kv = Family::<BackendLabel, Gauge<f64, AtomicU64>>::default();
+        registry.register(
+            "backend_kv_usage",
+            "Scraped KV-cache usage per backend (0..1)",
+            backend_kv.clone(),
+        );
+        let backend_healthy = Family::<BackendLabel, Gauge>::default();
+        registry.register(
+            "backend_healthy",
+            "1 if the backend answers its metrics scrape",
+            backend_healthy.clone(),
+        );
+        let breaker_state = Family::<BackendLabel, Gauge>::default();
+        registry.register(
+            "breaker_state",
+            "Circuit breaker: 0 closed, 1 half-open, 2 open",
+            breaker_state.clone(),
+        );
+        let limiter_remaining = Family::<TenantKindLabels, Gauge>::default();
+        registry.register(
+            "limiter_remaining",
+            "Remaining tenant quota (requests or tokens) at the last decision",
+            limiter_remaining.clone(),
+        );
+        let degrade_level = Gauge::default();
+        registry.register(
+            "degrade_level",
+            "Degradation level: 0 normal, 1 cap max_tokens, 2 fallback model, 3 shed",
+            degrade_level.clone(),
+        );
+        let in_flight = Gauge::default();
+        registry.register("in_flight", "Requests being proxied now", in_flight.clone());
+        let queued = Gauge::default();
+        registry.register("queued", "Requests waiting in the queue now", queued.clone());
+        Metrics {
+            registry,
+            requests,
+            admitted,
+            rejected,
+            degraded,
+            shed,
+            queue_depth,
+            queue_wait,
+            ttft,
+            tokens,
+            backend_in_flight,
+            backend_load,
+            backend_kv,
+            backend_healthy,
+            breaker_state,
+            limiter_remaining,
+            degrade_level,
+            in_flight,
+            queued,
+        }
+    }
+
+    /// Renders the text exposition.
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        if prometheus_client::encoding::text::encode(&mut out, &self.registry).is_err() {
+            out.clear();
+        }
+        out
+    }
+
+    /// Counts one finished request.
+    pub fn request(&self, tenant: &str, model: &str, outcome: &str) {
+        self.requests
+            .get_or_create(&RequestLabels {
+                tenant: tenant.to_string(),
+                model: model.to_string(),
+                outcome: outcome.to_string(),
+            })
+            .inc();
+    }
+
+    /// Counts one refusal.
+    pub fn reject(&self, tier: &str, reason: &str) {
+        self.rejected
+            .get_or_create(&ReasonLabels {
+                tier: tier.to_string(),
+                reason: reason.to_string(),
+            })
+            .inc();
+    }
+}

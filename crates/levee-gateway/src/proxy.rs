@@ -1,0 +1,383 @@
+//! Forwarding one admitted request to its backend: non-streaming bodies are read whole
+//! (to learn the usage), SSE streams are forwarded chunk by chunk as they arrive.
+//!
+//! The backend slot and the token reservation travel with the response body inside a
+//! [`Settlement`]; when the body finishes — or the client goes away and axum drops the
+//! body — the settlement runs exactly once: it frees the slot, reconciles the tokens and
+//! feeds the breaker. Dropping the upstream body closes the upstream connection, which is
+//! how a client disconnect cancels the GPU work at once.
+
+use crate::error::GatewayError;
+use crate::upstream::HttpClient;
+use axum::body::Body;
+use axum::response::Response;
+use bytes::{Bytes, BytesMut};
+use http::{HeaderValue, StatusCode};
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use serde::Deserialize;
+use std::time::Duration;
+use tokio::time::Instant;
+
+/// Token usage reported by the backend.
+#[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq, Eq, serde::Serialize)]
+pub struct Usage {
+    /// Prompt tokens.
+    #[serde(default)]
+    pub prompt_tokens: u64,
+    /// Completion tokens.
+    #[serde(default)]
+    pub completion_tokens: u64,
+    /// Total tokens.
+    #[serde(default)]
+    pub total_tokens: u64,
+}
+
+impl Usage {
+    /// Total, falling back to the sum when a backend omits `total_tokens`.
+    pub fn total(&self) -> u64 {
+        if self.total_tokens > 0 {
+            self.total_tokens
+        } else {
+            self.prompt_tokens + self.completion_tokens
+        }
+    }
+}
+
+/// How a proxied request ended, as far as the gateway can tell.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Outcome {
+    /// Usage from the response, if the backend sent it.
+    pub usage: Option<Usage>,
+    /// Upstream status (0 if no response arrived).
+    pub status: u16,
+    /// Connect error, timeout, or a body that broke off.
+    pub transport_error: bool,
+    /// The client went away before the response finished.
+    pub client_gone: bool,
+    /// Time from sending to the first body byte.
+    pub ttft: Option<Duration>,
+}
+
+impl Outcome {
+    /// Whether the backend misbehaved (for the breaker). Client errors (4xx) are the client's
+    /// fault and do not count against a backend; a client leaving early does not either.
+    pub fn backend_failed(&self) -> bool {
+        self.transport_error
+            || self.status >= 500
+            || self.status == 429
+            || (self.status == 0 && !self.client_gone)
+    }
+}
+
+/// Whoever admitted the request: told once how it ended.
+pub trait Settle: Send + 'static {
+    /// Frees the slot, reconciles tokens, feeds the breaker and metrics.
+    fn settle(self: Box<Self>, outcome: Outcome);
+}
+
+/// Runs the settlement exactly once, on finish or on drop (client disconnect).
+pub struct Settlement {
+    inner: Option<Box<dyn Settle>>,
+    /// The outcome so far; updated as the response progresses.
+    pub outcome: Outcome,
+}
+
+impl Settlement {
+    /// Wraps a settle target.
+    pub fn new(inner: Box<dyn Settle>) -> Self {
+        Settlement {
+            inner: Some(inner),
+            outcome: Outcome::default(),
+        }
+    }
+
+    /// Settles now with the outcome so far.
+    pub fn finish(mut self) {
+        if let Some(s) = self.inner.take() {
+            s.settle(self.outcome);
+        }
+    }
+}
+
+impl Drop for Settlement {
+    fn drop(&mut self) {
+        if let Some(s) = self.inner.take() {
+            // Dropped before `finish`: the response never completed, so the client left.
+            self.outcome.client_gone = true;
+            s.settle(self.outcome);
+        }
+    }
+}
+
+/// Sends the request upstream and waits for the response head until `deadline`.
+pub async fn send(
+    client: &HttpClient,
+    base: &str,
+    path: &str,
+    body: Bytes,
+    deadline: Instant,
+) -> Result<http::Response<Incoming>, GatewayError> {
+    let uri: http::Uri = format!("{base}{path}")
+        .parse()
+        .map_err(|e| GatewayError::upstream(format!("bad backend URL {base}{path}: {e}")))?;
+    let req = http::Request::post(uri)
+        .header(http::header::CONTENT_TYPE, "application/json")
+        .body(Full::new(body))
+        .map_err(|e| GatewayError::upstream(format!("cannot build upstream request: {e}")))?;
+    let started = Instant::now();
+    match tokio::time::timeout_at(deadline, client.request(req)).await {
+        Ok(Ok(resp)) => Ok(resp),
+        Ok(Err(e)) => Err(GatewayError::upstream(format!(
+            "backend {base} failed: {e}"
+        ))),
+        Err(_) => Err(GatewayError::upstream_timeout(started.elapsed())),
+    }
+}
+
+/// Reads a whole non-streaming response, learning its usage.
+pub async fn finish_buffered(
+    resp: http::Response<Incoming>,
+    mut settlement: Settlement,
+    deadline: Instant,
+    sent_at: Instant,
+    extra: &[(&'static str, HeaderValue)],
+) -> Result<Response, GatewayError> {
+    let (parts, body) = resp.into_parts();
+    settlement.outcome.status = parts.status.as_u16();
+    let bytes = match tokio::time::timeout_at(deadline, body.collect()).await {
+        Ok(Ok(c)) => c.to_bytes(),
+        Ok(Err(e)) => {
+            settlement.outcome.transport_error = true;
+            settlement.finish();
+            return Err(GatewayError::upstream(format!(
+                "backend response broke off: {e}"
+            )));
+        }
+        Err(_) => {
+            settlement.outcome.transport_error = true;
+            settlement.finish();
+            return Err(GatewayError::upstream_timeout(sent_at.elapsed()));
+        }
+    };
+    settlement.outcome.ttft = Some(sent_at.elapsed());
+    #[derive(Deserialize)]
+    struct WithUsage {
+        usage: Option<Usage>,
+    }
+    if parts.status.is_success() {
+        settlement.outcome.usage = serde_json::from_slice::<WithUsage>(&bytes)
+            .ok()
+            .and_then(|w| w.usage);
+    }
+    settlement.finish();
+    let mut out = Response::new(Body::from(bytes));
+    *out.status_mut() = parts.status;
+    copy_content_type(&parts.headers, out.headers_mut());
+    for (k, v) in extra {
+        out.headers_mut().insert(*k, v.clone());
+    }
+    Ok(out)
+}
+
+fn copy_content_type(from: &http::HeaderMap, to: &mut http::HeaderMap) {
+    let ct = from
+        .get(http::header::CONTENT_TYPE)
+        .cloned()
+        .unwrap_or(HeaderValue::from_static("application/json"));
+    to.insert(http::header::CONTENT_TYPE, ct);
+}
+
+struct StreamState {
+    body: Incoming,
+    settlement: Settlement,
+    pending: BytesMut,
+    strip_usage: bool,
+    sent_at: Instant,
+    done: bool,
+}
+
+/// Turns an upstream SSE response into a client response that forwards each event as it
+/// arrives. When `strip_usage` is set (levee asked for `include_usage`, the client did
+/// not), the usage-only final chunk is read for reconciliation and not forwarded.
+pub fn stream_response(
+    resp: http::Response<Incoming>,
+    mut settlement: Settlement,
+    strip_usage: bool,
+    sent_at: Instant,
+    extra: &[(&'static str, HeaderValue)],
+) -> Response {
+    let (parts, body) = resp.into_parts();
+    settlement.outcome.status = parts.status.as_u16();
+    let state = StreamState {
+        body,
+        settlement,
+        pending: BytesMut::new(),
+        strip_usage,
+        sent_at,
+        done: false,
+    };
+    let stream = futures::stream::unfold(state, |mut st| async move {
+        loop {
+            if st.done {
+                return None;
+            }
+            match st.body.frame().await {
+                Some(Ok(frame)) => {
+                    let Ok(data) = frame.into_data() else {
+                        continue; // trailers: nothing to forward for SSE
+                    };
+                    if st.settlement.outcome.ttft.is_none() {
+                        st.settlement.outcome.ttft = Some(st.sent_at.elapsed());
+                    }
+                    let out = st.process(data);
+                    if !out.is_empty() {
+                        return Some((Ok::<Bytes, std::io::Error>(out), st));
+                    }
+                }
+                Some(Err(e)) => {
+                    st.settlement.outcome.transport_error = true;
+                    st.done = true;
+                    let st_settle = std::mem::replace(
+                        &mut st.settlement,
+                        Settlement {
+                            inner: None,
+                            outcome: Outcome::default(),
+                        },
+                    );
+                    st_settle.finish();
+                    return Some((Err(std::io::Error::other(e)), st));
+                }
+                None => {
+                    st.done = true;
+                    let rest = st.pending.split().freeze();
+                    let st_settle = std::mem::replace(
+                        &mut st.settlement,
+                        Settlement {
+                            inner: None,
+                            outcome: Outcome::default(),
+                        },
+                    );
+                    st_settle.finish();
+                    if rest.is_empty() {
+                        return None;
+                    }
+                    return Some((Ok(rest), st));
+                }
+            }
+        }
+    });
+    let mut out = Response::new(Body::from_stream(stream));
+    *out.status_mut() = parts.status;
+    copy_content_type(&parts.headers, out.headers_mut());
+    out.headers_mut().insert(
+        http::header::CACHE_CONTROL,
+        HeaderValue::from_static("no-cache"),
+    );
+    for (k, v) in extra {
+        out.headers_mut().insert(*k, v.clone());
+    }
+    out
+}
+
+impl StreamState {
+    /// Splits complete SSE events out of the buffer; returns what to forward now.
+    fn process(&mut self, data: Bytes) -> Bytes {
+        // Fast path: a chunk of whole events with no usage in it goes straight through.
+        if self.pending.is_empty() && data.ends_with(b"\n\n") && !contains(&data, b"\"usage\"") {
+            return data;
+        }
+        self.pending.extend_from_slice(&data);
+        let Some(end) = rfind(&self.pending, b"\n\n") else {
+            return Bytes::new();
+        };
+        let complete = self.pending.split_to(end + 2).freeze();
+        if !contains(&complete, b"\"usage\"") {
+            return complete;
+        }
+        let mut out = BytesMut::with_capacity(complete.len());
+        for event in split_events(&complete) {
+            if let Some(usage) = usage_of(event) {
+                self.settlement.outcome.usage = Some(usage.0);
+                if self.strip_usage && usage.1 {
+                    continue;
+                }
+            }
+            out.extend_from_slice(event);
+        }
+        out.freeze()
+    }
+}
+
+/// Splits a buffer of whole events into events (each keeping its `\n\n`).
+fn split_events(buf: &[u8]) -> impl Iterator<Item = &[u8]> {
+    let mut rest = buf;
+    std::iter::from_fn(move || {
+        if rest.is_empty() {
+            return None;
+        }
+        let n = find(rest, b"\n\n").map(|i| i + 2).unwrap_or(rest.len());
+        let (ev, r) = rest.split_at(n);
+        rest = r;
+        Some(ev)
+    })
+}
+
+/// If the event carries usage, returns it and whether the chunk is usage-only (no
+/// choices), i.e. the extra chunk `include_usage` adds.
+fn usage_of(event: &[u8]) -> Option<(Usage, bool)> {
+    #[derive(Deserialize)]
+    struct Chunk {
+        usage: Option<Usage>,
+        #[serde(default)]
+        choices: Vec<serde::de::IgnoredAny>,
+    }
+    let text = std::str::from_utf8(event).ok()?;
+    let data = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data:"))
+        .map(str::trim_start)
+        .collect::<Vec<_>>()
+        .join("\n");
+    let chunk: Chunk = serde_json::from_str(&data).ok()?;
+    chunk.usage.map(|u| (u, chunk.choices.is_empty()))
+}
+
+fn find(h: &[u8], n: &[u8]) -> Option<usize> {
+    h.windows(n.len()).position(|w| w == n)
+}
+
+fn rfind(h: &[u8], n: &[u8]) -> Option<usize> {
+    h.windows(n.len()).rposition(|w| w == n)
+}
+
+fn contains(h: &[u8], n: &[u8]) -> bool {
+    find(h, n).is_some()
+}
+
+/// Status for a backend that answered with a non-success code but whose body we pass on.
+pub fn is_backend_failure(status: StatusCode) -> bool {
+    status.is_server_error() || status == StatusCode::TOO_MANY_REQUESTS
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn usage_chunk_is_recognised() {
+        let ev = b"data: {\"id\":\"x\",\"choices\":[],\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":5,\"total_tokens\":8}}\n\n";
+        let (u, only) = usage_of(ev).unwrap();
+        assert_eq!(u.total(), 8);
+        assert!(only);
+        let ev2 = b"data: {\"id\":\"x\",\"choices\":[{\"delta\":{}}],\"usage\":null}\n\n";
+        assert!(usage_of(ev2).is_none());
+        assert!(usage_of(b"data: [DONE]\n\n").is_none());
+    }
+
+    #[test]
+    fn split_events_keeps_separators() {
+        let v: Vec<&[u8]> = split_events(b"data: a\n\ndata: b\n\n").collect();
+        assert_eq!(v, vec![&b"data: a\n\n"[..], &b"data: b\n\n"[..]]);
+    }
+}

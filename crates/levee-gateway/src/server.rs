@@ -1,0 +1,213 @@
+//! Listeners, connection handling, graceful shutdown and the in-process handle.
+//!
+//! Connections are served by hyper's HTTP/1 server directly (not `axum::serve`) because the
+//! gateway must cut off slow or huge header blocks (`header_read_timeout`, `max_buf_size`)
+//! and must know each peer's IP for the per-IP guard.
+
+use crate::config::Config;
+use crate::gateway::Gateway;
+use crate::{admin, routes};
+use axum::extract::ConnectInfo;
+use hyper::body::Incoming;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::server::graceful::GracefulShutdown;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+use tower::Service;
+
+/// A running gateway started in-process (tests, the drill) or by `levee serve`.
+pub struct GatewayHandle {
+    public: SocketAddr,
+    admin: SocketAddr,
+    gateway: Arc<Gateway>,
+    stop_accepting: CancellationToken,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl GatewayHandle {
+    /// Address of the public (OpenAI-compatible) listener.
+    pub fn public_addr(&self) -> SocketAddr {
+        self.public
+    }
+
+    /// Address of the admin listener.
+    pub fn admin_addr(&self) -> SocketAddr {
+        self.admin
+    }
+
+    /// `http://<public addr>`.
+    pub fn public_url(&self) -> String {
+        format!("http://{}", self.public)
+    }
+
+    /// `http://<admin addr>`.
+    pub fn admin_url(&self) -> String {
+        format!("http://{}", self.admin)
+    }
+
+    /// The shared gateway state (admin operations, reload).
+    pub fn gateway(&self) -> &Arc<Gateway> {
+        &self.gateway
+    }
+
+    /// Replaces the configuration without dropping in-flight or queued requests. A config
+    /// that fails validation is refused and the old one kept; the errors are returned.
+    pub fn reload(&self, cfg: Config) -> Result<(), Vec<String>> {
+        self.gateway.reload(cfg)
+    }
+
+    /// Graceful shutdown: stop accepting, answer queued requests with 503 + Retry-After,
+    /// let in-flight requests finish within `server.shutdown_grace_ms`, then return.
+    pub async fn shutdown(self) {
+        let grace = Duration::from_millis(self.gateway.config().server.shutdown_grace_ms);
+        self.gateway.drain();
+        self.stop_accepting.cancel();
+        let all = futures::future::join_all(self.tasks);
+        if tokio::time::timeout(grace + Duration::from_millis(500), all)
+            .await
+            .is_err()
+        {
+            tracing::warn!("shutdown grace period passed with connections still open");
+        }
+        self.gateway.stop();
+    }
+}
+
+/// Binds both listeners from `config.listen` (port 0 allowed) and starts serving.
+pub async fn start(config: Config) -> anyhow::Result<GatewayHandle> {
+    let errors = config.validate();
+    if !errors.is_empty() {
+        anyhow::bail!("invalid configuration:\n  {}", errors.join("\n  "));
+    }
+    let public_listener = TcpListener::bind(config.listen.public)
+        .await
+        .map_err(|e| anyhow::anyhow!("cannot bind public {}: {e}", config.listen.public))?;
+    let admin_listener = TcpListener::bind(config.listen.admin)
+        .await
+        .map_err(|e| anyhow::anyhow!("cannot bind admin {}: {e}", config.listen.admin))?;
+    let public = public_listener.local_addr()?;
+    let admin = admin_listener.local_addr()?;
+    let gateway = Gateway::new(config)?;
+    gateway.spawn_background();
+    let stop_accepting = CancellationToken::new();
+    let public_router = routes::router(gateway.clone());
+    let admin_router = admin::router(gateway.clone());
+    let tasks = vec![
+        tokio::spawn(accept_loop(
+            public_listener,
+            public_router,
+            gateway.clone(),
+            stop_accepting.clone(),
+        )),
+        tokio::spawn(accept_loop(
+            admin_listener,
+            admin_router,
+            gateway.clone(),
+            stop_accepting.clone(),
+        )),
+    ];
+    tracing::info!(%public, %admin, "levee gateway listening");
+    Ok(GatewayHandle {
+        public,
+        admin,
+        gateway,
+        stop_accepting,
+        tasks,
+    })
+}
+
+async fn accept_loop(
+    listener: TcpListener,
+    router: axum::Router,
+    gateway: Arc<Gateway>,
+    stop: CancellationToken,
+) {
+    let graceful = GracefulShutdown::new();
+    loop {
+        let accepted = tokio::select! {
+            _ = stop.cancelled() => break,
+            r = listener.accept() => r,
+        };
+        let (stream, peer) = match accepted {
+            Ok(x) => x,
+            Err(e) => {
+                // EMFILE and friends: back off briefly instead of spinning.
+                tracing::warn!("accept failed: {e}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let _ = stream.set_nodelay(true);
+        let server_cfg = gateway.config().server.clone();
+        let router = router.clone();
+        let svc = hyper::service::service_fn(move |mut req: http::Request<Incoming>| {
+            req.extensions_mut().insert(ConnectInfo(peer));
+            let mut r = router.clone();
+            async move { r.call(req).await }
+        });
+        let mut builder = hyper::server::conn::http1::Builder::new();
+        builder
+            .timer(TokioTimer::new())
+            .header_read_timeout(Duration::from_millis(server_cfg.header_read_timeout_ms))
+            .max_buf_size(server_cfg.max_header_bytes.max(8192))
+            .keep_alive(true);
+        let conn = builder.serve_connection(TokioIo::new(stream), svc);
+        let conn = graceful.watch(conn);
+        tokio::spawn(async move {
+            if let Err(e) = conn.await {
+                tracing::debug!(%peer, "connection ended: {e}");
+            }
+        });
+    }
+    drop(listener);
+    let grace = Duration::from_millis(gateway.config().server.shutdown_grace_ms);
+    if tokio::time::timeout(grace, graceful.shutdown()).await.is_err() {
+        tracing::warn!("connections still open after the grace period; closing them");
+    }
+}
+
+/// Runs `levee serve`: load the config, serve, reload on SIGHUP and file change, shut down
+/// gracefully on SIGTERM / Ctrl-C.
+pub async fn serve_cli(args: crate::ServeArgs) -> anyhow::Result<()> {
+    let cfg = Config::load(&args.config).map_err(|errs| {
+        anyhow::anyhow!(
+            "{}: invalid configuration:\n  {}",
+            args.config.display(),
+            errs.join("\n  ")
+        )
+    })?;
+    let handle = start(cfg).await?;
+    let gw = handle.gateway().clone();
+    crate::reload::watch(gw.clone(), args.config.clone())?;
+    wait_for_termination().await;
+    tracing::info!("shutting down: draining queue, letting in-flight requests finish");
+    handle.shutdown().await;
+    Ok(())
+}
+
+#[cfg(unix)]
+async fn wait_for_termination() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let term = signal(SignalKind::terminate());
+    let ctrl_c = tokio::signal::ctrl_c();
+    match term {
+        Ok(mut term) => {
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = ctrl_c => {}
+            }
+        }
+        Err(_) => {
+            let _ = ctrl_c.await;
+        }
+    }
+}
+
+#[cfg(not(unix))]
+async fn wait_for_termination() {
+    let _ = tokio::signal::ctrl_c().await;
+}

@@ -1,0 +1,252 @@
+//! Shared test fixtures: a controllable mock OpenAI backend and config helpers.
+#![allow(dead_code)]
+
+use axum::extract::State;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use levee_gateway::config::{BackendConfig, ModelConfig, TenantConfig};
+use levee_gateway::{hash_key, Config};
+use parking_lot::Mutex;
+use serde_json::Value;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::Semaphore;
+
+/// What the mock does with each request.
+pub struct MockState {
+    /// Bodies received, in arrival order.
+    pub received: Mutex<Vec<Value>>,
+    /// Requests being handled now.
+    pub in_flight: AtomicUsize,
+    /// Handlers dropped before they finished (client or gateway went away).
+    pub cancelled: AtomicUsize,
+    /// Answer 500 to everything.
+    pub fail: AtomicBool,
+    /// When set, each request waits for one permit before answering.
+    pub hold: AtomicBool,
+    /// Permits releasing held requests.
+    pub gate: Semaphore,
+}
+
+impl Default for MockState {
+    fn default() -> Self {
+        MockState {
+            received: Mutex::new(Vec::new()),
+            in_flight: AtomicUsize::new(0),
+            cancelled: AtomicUsize::new(0),
+            fail: AtomicBool::new(false),
+            hold: AtomicBool::new(false),
+            gate: Semaphore::new(0),
+        }
+    }
+}
+
+/// A running mock backend.
+pub struct Mock {
+    pub addr: SocketAddr,
+    pub state: Arc<MockState>,
+}
+
+impl Mock {
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+    pub fn received(&self) -> Vec<Value> {
+        self.state.received.lock().clone()
+    }
+    pub fn count(&self) -> usize {
+        self.state.received.lock().len()
+    }
+    /// Lets `n` held requests answer.
+    pub fn release(&self, n: usize) {
+        self.state.gate.add_permits(n);
+    }
+    pub fn hold(&self, on: bool) {
+        self.state.hold.store(on, Ordering::SeqCst);
+    }
+    pub fn fail(&self, on: bool) {
+        self.state.fail.store(on, Ordering::SeqCst);
+    }
+}
+
+struct InFlight(Arc<MockState>, bool);
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.in_flight.fetch_sub(1, Ordering::SeqCst);
+        if !self.1 {
+            self.0.cancelled.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+}
+
+async fn completion(State(st): State<Arc<MockState>>, body: axum::body::Bytes) -> Response {
+    let v: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+    st.received.lock().push(v.clone());
+    st.in_flight.fetch_add(1, Ordering::SeqCst);
+    let mut guard = InFlight(st.clone(), false);
+    if st.hold.load(Ordering::SeqCst) {
+        let permit = st.gate.acquire().await;
+        if let Ok(p) = permit {
+            p.forget();
+        }
+    }
+    if st.fail.load(Ordering::SeqCst) {
+        guard.1 = true;
+        return (
+            http::StatusCode::INTERNAL_SERVER_ERROR,
+            [("content-type", "application/json")],
+            r#"{"error":{"message":"mock failure","type":"server_error","code":"mock","param":null}}"#,
+        )
+            .into_response();
+    }
+    let stream = v.get("stream").and_then(Value::as_bool).unwrap_or(false);
+    let max = v.get("max_tokens").and_then(Value::as_u64).unwrap_or(4).min(8);
+    let usage = serde_json::json!({"prompt_tokens": 10, "completion_tokens": max, "total_tokens": 10 + max});
+    guard.1 = true;
+    if !stream {
+        let body = serde_json::json!({
+            "id": "cmpl-mock", "object": "chat.completion", "model": v.get("model"),
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}],
+            "usage": usage,
+        });
+        return axum::Json(body).into_response();
+    }
+    let include_usage = v
+        .get("stream_options")
+        .and_then(|o| o.get("include_usage"))
+        .and_then(Value::as_bool)
+        .unwrap_or(false);
+    let mut events = Vec::new();
+    for i in 0..max {
+        let mut c = serde_json::json!({"id": "c", "object": "chat.completion.chunk",
+            "choices": [{"index": 0, "delta": {"content": format!(" w{i}")}, "finish_reason": null}]});
+        if include_usage {
+            c["usage"] = Value::Null;
+        }
+        events.push(format!("data: {c}\n\n"));
+    }
+    if include_usage {
+        let c = serde_json::json!({"id": "c", "object": "chat.completion.chunk", "choices": [], "usage": usage});
+        events.push(format!("data: {c}\n\n"));
+    }
+    events.push("data: [DONE]\n\n".to_string());
+    let s = futures::stream::iter(
+        events
+            .into_iter()
+            .map(|e| Ok::<_, std::io::Error>(bytes::Bytes::from(e))),
+    );
+    (
+        [("content-type", "text/event-stream")],
+        axum::body::Body::from_stream(s),
+    )
+        .into_response()
+}
+
+async fn metrics(State(st): State<Arc<MockState>>) -> String {
+    format!(
+        "vllm:num_requests_running{{model_name=\"m\"}} {}\nvllm:num_requests_waiting{{model_name=\"m\"}} 0\nvllm:kv_cache_usage_perc{{model_name=\"m\"}} 0.1\n",
+        st.in_flight.load(Ordering::SeqCst)
+    )
+}
+
+/// Starts a mock backend on an ephemeral port.
+pub async fn mock() -> Mock {
+    let state = Arc::new(MockState::default());
+    let app = Router::new()
+        .route("/v1/chat/completions", post(completion))
+        .route("/v1/completions", post(completion))
+        .route("/metrics", get(metrics))
+        .with_state(state.clone());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        let _ = axum::serve(listener, app).await;
+    });
+    Mock { addr, state }
+}
+
+/// A tenant with key `key-<name>`.
+pub fn tenant(name: &str, tier: &str) -> TenantConfig {
+    TenantConfig {
+        name: name.into(),
+        tier: tier.into(),
+        key_sha256: vec![hash_key(&format!("key-{name}"))],
+        ..TenantConfig::default()
+    }
+}
+
+/// A config with one model `m` over `backends` (each max_in_flight `cap`), tenants
+/// `p` (premium), `s` (standard), `f` (free), `a` and `b` (standard).
+pub fn config(backends: &[String], cap: u32) -> Config {
+    let mut cfg = Config::default();
+    cfg.listen.public = "127.0.0.1:0".parse().unwrap();
+    cfg.listen.admin = "127.0.0.1:0".parse().unwrap();
+    cfg.scrape.interval_ms = 0;
+    cfg.tenants = vec![
+        tenant("p", "premium"),
+        tenant("s", "standard"),
+        tenant("f", "free"),
+        tenant("a", "standard"),
+        tenant("b", "standard"),
+    ];
+    cfg.models = vec![ModelConfig {
+        name: "m".into(),
+        backends: backends
+            .iter()
+            .map(|u| BackendConfig {
+                url: u.clone(),
+                max_in_flight: cap,
+                ..BackendConfig::default()
+            })
+            .collect(),
+        ..ModelConfig::default()
+    }];
+    // Automatic degradation off unless a test turns it on.
+    cfg.degrade.enabled = false;
+    cfg
+}
+
+pub fn client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .pool_max_idle_per_host(0)
+        .build()
+        .unwrap()
+}
+
+pub fn chat_body(tag: &str) -> Value {
+    serde_json::json!({"model": "m", "max_tokens": 4,
+        "messages": [{"role": "user", "content": tag}]})
+}
+
+/// Sends a chat completion as tenant `who`.
+pub async fn chat(c: &reqwest::Client, base: &str, who: &str, tag: &str) -> reqwest::Response {
+    c.post(format!("{base}/v1/chat/completions"))
+        .bearer_auth(format!("key-{who}"))
+        .json(&chat_body(tag))
+        .send()
+        .await
+        .unwrap()
+}
+
+/// Polls `cond` every 10 ms for up to 10 s; panics with `what` if it never holds.
+pub async fn wait_until<F: FnMut() -> bool>(what: &str, mut cond: F) {
+    for _ in 0..1000 {
+        if cond() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("timed out waiting for: {what}");
+}
+
+/// The user message content of a received body (tests tag requests by content).
+pub fn tag_of(v: &Value) -> String {
+    v["messages"][0]["content"].as_str().unwrap_or("").to_string()
+}
+
+pub async fn error_json(r: reqwest::Response) -> Value {
+    r.json::<Value>().await.unwrap()
+}

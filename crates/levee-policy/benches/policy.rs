@@ -1,0 +1,241 @@
+//! levee-policy benchmarks: our GCRA beside `governor`'s on the same quota, and the full
+//! admission decision (limits + watermark + enqueue + dequeue + completion) on one thread and
+//! under two threads contending for one `parking_lot::Mutex`.
+//!
+//! Run: `cargo bench -p levee-policy --bench policy` (about a minute).
+
+use criterion::{black_box, criterion_group, criterion_main, BatchSize, Criterion};
+use governor::clock::{Clock as _, FakeRelativeClock};
+use governor::{Quota as GQuota, RateLimiter};
+use levee_policy::*;
+use parking_lot::Mutex;
+use std::num::NonZeroU32;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+const RATE: u32 = 1_000; // per second
+const BURST: u32 = 50;
+
+fn nz(n: u32) -> NonZeroU32 {
+    NonZeroU32::new(n).unwrap_or(NonZeroU32::MIN)
+}
+
+fn gcra(c: &mut Criterion) {
+    let mut g = c.benchmark_group("gcra_check");
+    // Injected time: both limiters see time advance by 1 ms per call, exactly the rate, so
+    // every call is admitted (the common path).
+    g.bench_function("levee/injected_time", |b| {
+        let mut lim = Gcra::new(Quota::per_second(RATE as u64).with_burst(BURST as u64));
+        let mut now = 1_000_000u64;
+        b.iter(|| {
+            now += 1_000_000;
+            black_box(lim.check(black_box(Timestamp::from_nanos(now))))
+        })
+    });
+    g.bench_function("governor/fake_clock", |b| {
+        let clock = FakeRelativeClock::default();
+        let lim = RateLimiter::direct_with_clock(
+            GQuota::per_second(nz(RATE)).allow_burst(nz(BURST)),
+            clock.clone(),
+        );
+        b.iter(|| {
+            clock.advance(Duration::from_millis(1));
+            black_box(lim.check())
+        })
+    });
+    // Refusal path: time frozen after the burst is spent.
+    g.bench_function("levee/refused", |b| {
+        let mut lim = Gcra::new(Quota::per_second(RATE as u64).with_burst(BURST as u64));
+        let now = Timestamp::from_nanos(1);
+        while lim.check(now).is_ok() {}
+        b.iter(|| black_box(lim.check(black_box(now))))
+    });
+    g.bench_function("governor/refused", |b| {
+        let clock = FakeRelativeClock::default();
+        let lim = RateLimiter::direct_with_clock(
+            GQuota::per_second(nz(RATE)).allow_burst(nz(BURST)),
+            clock.clone(),
+        );
+        while lim.check().is_ok() {}
+        b.iter(|| black_box(lim.check()))
+    });
+    // Real clocks: ours reads SystemClock (std Instant), governor its default (quanta) clock.
+    g.bench_function("levee/system_clock", |b| {
+        let clock = SystemClock::new();
+        let mut lim = Gcra::new(Quota::per_second(1_000_000_000).with_burst(1_000_000));
+        b.iter(|| black_box(lim.check(clock.now())))
+    });
+    g.bench_function("governor/default_clock", |b| {
+        let lim = RateLimiter::direct(GQuota::per_second(nz(1_000_000_000)).allow_burst(nz(1_000_000)));
+        b.iter(|| black_box(lim.check()))
+    });
+    // Keyed, 1024 keys round-robin.
+    g.bench_function("levee/keyed_1024", |b| {
+        let mut lim: KeyedGcra<u64> =
+            KeyedGcra::new(Some(Quota::per_second(RATE as u64).with_burst(BURST as u64)), 4096);
+        let mut now = 1_000_000u64;
+        let mut k = 0u64;
+        b.iter(|| {
+            now += 1_000;
+            k = (k + 1) & 1023;
+            black_box(lim.check(&k, Timestamp::from_nanos(now)))
+        })
+    });
+    g.bench_function("governor/keyed_1024", |b| {
+        let clock = FakeRelativeClock::default();
+        let lim = RateLimiter::hashmap_with_clock(
+            GQuota::per_second(nz(RATE)).allow_burst(nz(BURST)),
+            clock.clone(),
+        );
+        let mut k = 0u64;
+        b.iter(|| {
+            clock.advance(Duration::from_micros(1));
+            k = (k + 1) & 1023;
+            black_box(lim.check_key(&k))
+        })
+    });
+    let _ = governor::clock::DefaultClock::default().now();
+    g.finish();
+}
+
+/// The admission setup the benchmark drives: every scope limited (global, model, tenant:
+/// requests/min, tokens/min, concurrency), the heavy rule on, 64 tenants with `Arc<str>` keys.
+/// Watermark `safe = 0` so every request takes the queue path (enqueue + dequeue).
+struct Bench {
+    adm: Admission<u64, Arc<str>>,
+    reqs: Vec<AdmissionRequest<Arc<str>>>,
+    now: u64,
+    i: usize,
+}
+
+impl Bench {
+    fn new() -> Self {
+        let mut cfg = AdmissionConfig::with_capacity(256);
+        let big = LimitSpec {
+            requests_per_minute: Some(10_000_000_000),
+            request_burst: Some(1_000_000),
+            tokens_per_minute: Some(1_000_000_000_000),
+            token_burst: Some(1_000_000_000),
+            max_concurrent: Some(100_000),
+        };
+        cfg.global = big;
+        cfg.tenant_default = big;
+        cfg.heavy = Some(HeavyRule { min_tokens: 8_000, max_concurrent: 64 });
+        cfg.watermarks = Watermarks { safe: 0, soft: 10_000, hard: 20_000 };
+        cfg.queue_max_len = 10_000;
+        cfg.queue_max_tokens = 100_000_000;
+        let mut adm = Admission::new(cfg);
+        let model: Arc<str> = Arc::from("llama-3-8b");
+        adm.set_model_limits(model.clone(), big);
+        let mut reqs = Vec::new();
+        for t in 0..64 {
+            let tenant: Arc<str> = Arc::from(format!("tenant-{t:02}").as_str());
+            if t % 4 == 0 {
+                adm.set_tenant(tenant.clone(), TenantSpec { limits: big, weight: 2 });
+            }
+            reqs.push(AdmissionRequest {
+                tenant,
+                model: model.clone(),
+                tier: Tier((t % 3) as u8),
+                estimated_tokens: 300 + (t as u64 * 37) % 900,
+                max_wait: None,
+            });
+        }
+        Bench { adm, reqs, now: 1_000_000, i: 0 }
+    }
+
+    /// One full decision: admit (all limits, watermark, enqueue), dequeue, complete.
+    #[inline]
+    fn cycle(&mut self) {
+        self.now += 1_000;
+        self.i = (self.i + 1) % self.reqs.len();
+        let now = Timestamp::from_nanos(self.now);
+        let admitted = self.adm.admit(&self.reqs[self.i], self.i as u64, now);
+        debug_assert!(matches!(admitted, Admit::Queued { .. }));
+        black_box(&admitted);
+        if let Some(d) = self.adm.dequeue(now) {
+            let actual = d.grant.estimated_tokens() / 2;
+            self.adm.complete(d.grant, actual, now);
+        }
+    }
+}
+
+fn admission(c: &mut Criterion) {
+    let mut g = c.benchmark_group("admission");
+    g.bench_function("full_decision/1_thread", |b| {
+        let mut s = Bench::new();
+        b.iter(|| s.cycle())
+    });
+    // Two threads share one Admission behind a parking_lot::Mutex. Each thread runs `iters`
+    // decisions: lock → admit + dequeue → unlock, lock → complete → unlock. Reported time per
+    // iteration is wall time / iters, i.e. the latency of one decision as each thread sees
+    // it, waiting for the lock included.
+    g.bench_function("full_decision/2_threads_contended", |b| {
+        b.iter_custom(|iters| {
+            let shared = Arc::new(Mutex::new(Bench::new()));
+            let start = Instant::now();
+            std::thread::scope(|sc| {
+                for _ in 0..2 {
+                    let shared = Arc::clone(&shared);
+                    sc.spawn(move || {
+                        for _ in 0..iters {
+                            let d = {
+                                let mut s = shared.lock();
+                                s.now += 1_000;
+                                s.i = (s.i + 1) % s.reqs.len();
+                                let now = Timestamp::from_nanos(s.now);
+                                let i = s.i;
+                                let Bench { adm, reqs, .. } = &mut *s;
+                                let admitted = adm.admit(&reqs[i], i as u64, now);
+                                black_box(&admitted);
+                                adm.dequeue(now).map(|d| (d, now))
+                            };
+                            if let Some((d, now)) = d {
+                                let actual = d.grant.estimated_tokens() / 2;
+                                shared.lock().adm.complete(d.grant, actual, now);
+                            }
+                        }
+                    });
+                }
+            });
+            start.elapsed()
+        })
+    });
+    // Parts of the decision, for orientation.
+    g.bench_function("queue_push_pop", |b| {
+        let mut q: FairQueue<u64, Arc<str>> =
+            FairQueue::new(QueueLimits { tiers: 3, max_len: 10_000, max_tokens: u64::MAX });
+        let tenants: Vec<Arc<str>> = (0..64).map(|t| Arc::from(format!("t{t}").as_str())).collect();
+        for (i, t) in tenants.iter().enumerate() {
+            let _ = q.push(Tier((i % 3) as u8), t.clone(), 100, Timestamp::ZERO, Timestamp::MAX, 0);
+        }
+        let mut i = 0usize;
+        b.iter_batched_ref(
+            || (),
+            |_| {
+                i = (i + 1) % 64;
+                let _ = q.push(
+                    Tier((i % 3) as u8),
+                    tenants[i].clone(),
+                    100,
+                    Timestamp::ZERO,
+                    Timestamp::from_nanos(1_000_000_000 + i as u64),
+                    i as u64,
+                );
+                black_box(q.pop())
+            },
+            BatchSize::SmallInput,
+        )
+    });
+    g.finish();
+}
+
+criterion_group! {
+    name = benches;
+    config = Criterion::default()
+        .warm_up_time(Duration::from_millis(500))
+        .measurement_time(Duration::from_secs(2))
+        .sample_size(30);
+    targets = gcra, admission
+}
+criterion_main!(benches);

@@ -1,0 +1,198 @@
+//! The self-contained HTML report: tables and inline SVG charts (drawn with plotters), no
+//! script, no external resource, so it opens offline and can be attached to an incident.
+
+use crate::report::{compare_table, Report};
+use anyhow::Context;
+use plotters::prelude::*;
+use std::fmt::Write as _;
+use std::path::Path;
+
+type Series = (String, Vec<(f64, f64)>);
+
+const WIDTH: u32 = 900;
+const HEIGHT: u32 = 320;
+
+/// Draws one line chart as an SVG string. Empty series are skipped; an all-empty chart
+/// still draws its axes so the page layout stays the same.
+fn line_chart(title: &str, y_desc: &str, series: &[Series]) -> anyhow::Result<String> {
+    let mut svg = String::new();
+    {
+        let root = SVGBackend::with_string(&mut svg, (WIDTH, HEIGHT)).into_drawing_area();
+        let err = |e: &dyn std::fmt::Display| anyhow::anyhow!("cannot draw chart {title:?}: {e}");
+        root.fill(&WHITE).map_err(|e| err(&e))?;
+        let x_max = series
+            .iter()
+            .flat_map(|(_, p)| p.iter().map(|q| q.0))
+            .fold(1.0f64, f64::max);
+        let y_max = series
+            .iter()
+            .flat_map(|(_, p)| p.iter().map(|q| q.1))
+            .filter(|v| v.is_finite())
+            .fold(0.0f64, f64::max);
+        let y_max = if y_max <= 0.0 { 1.0 } else { y_max * 1.1 };
+        let mut chart = ChartBuilder::on(&root)
+            .caption(title, ("sans-serif", 18))
+            .margin(10)
+            .x_label_area_size(35)
+            .y_label_area_size(60)
+            .build_cartesian_2d(0.0..x_max, 0.0..y_max)
+            .map_err(|e| err(&e))?;
+        chart
+            .configure_mesh()
+            .x_desc("seconds")
+            .y_desc(y_desc)
+            .light_line_style(WHITE.mix(0.0))
+            .draw()
+            .map_err(|e| err(&e))?;
+        for (i, (name, points)) in series.iter().enumerate() {
+            if points.is_empty() {
+                continue;
+            }
+            let color = Palette99::pick(i).to_rgba();
+            chart
+                .draw_series(LineSeries::new(
+                    points.iter().copied(),
+                    color.stroke_width(2),
+                ))
+                .map_err(|e| err(&e))?
+                .label(name.as_str())
+                .legend(move |(x, y)| {
+                    PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2))
+                });
+        }
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::UpperRight)
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK.mix(0.3))
+            .draw()
+            .map_err(|e| err(&e))?;
+        root.present().map_err(|e| err(&e))?;
+    }
+    Ok(svg)
+}
+
+fn per_second(r: &Report, f: fn(&crate::report::Second) -> f64) -> Vec<(f64, f64)> {
+    r.timeseries.iter().map(|s| (f64::from(s.t), f(s))).collect()
+}
+
+fn escape(s: &str) -> String {
+    s.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+        .replace('"', "&quot;")
+}
+
+fn run_section(out: &mut String, label: &str, r: &Report) -> anyhow::Result<()> {
+    let _ = writeln!(
+        out,
+        "<h2>{}</h2><p>{} — seed {}, target {}, started {}, client <b>{}</b></p>",
+        escape(label),
+        escape(&r.description),
+        r.seed,
+        escape(&r.target),
+        escape(&r.started_at),
+        escape(&r.client)
+    );
+    let _ = writeln!(out, "<pre>{}</pre>", escape(&r.summary()));
+    out.push_str(&line_chart(
+        "Offered, sent, admitted and goodput",
+        "requests / s",
+        &[
+            ("offered".into(), per_second(r, |s| s.offered as f64)),
+            ("attempts (with retries)".into(), per_second(r, |s| s.attempts as f64)),
+            ("admitted (2xx)".into(), per_second(r, |s| s.admitted as f64)),
+            ("ok".into(), per_second(r, |s| s.ok as f64)),
+            ("goodput (met SLO)".into(), per_second(r, |s| s.good as f64)),
+        ],
+    )?);
+    out.push_str(&line_chart(
+        "Latency percentiles (from intended send time)",
+        "ms",
+        &[
+            ("TTFT p50".into(), per_second(r, |s| s.ttft_p50)),
+            ("TTFT p99".into(), per_second(r, |s| s.ttft_p99)),
+            ("e2e p50".into(), per_second(r, |s| s.e2e_p50)),
+            ("e2e p99".into(), per_second(r, |s| s.e2e_p99)),
+            ("schedule lag p99".into(), per_second(r, |s| s.lag_p99)),
+        ],
+    )?);
+    out.push_str(&line_chart(
+        "Errors by kind",
+        "requests / s",
+        &[
+            ("429".into(), per_second(r, |s| s.rate_limited as f64)),
+            ("5xx".into(), per_second(r, |s| s.server_errors as f64)),
+            ("timeouts".into(), per_second(r, |s| s.timeouts as f64)),
+            ("connection".into(), per_second(r, |s| s.connect_errors as f64)),
+            ("other".into(), per_second(r, |s| s.other_errors as f64)),
+        ],
+    )?);
+    let mut names: Vec<&str> = r.metrics.iter().map(|m| m.name.as_str()).collect();
+    names.sort();
+    names.dedup();
+    for name in names {
+        let series: Vec<Series> = r
+            .metrics
+            .iter()
+            .filter(|m| m.name == name)
+            .map(|m| (m.source.clone(), m.points.iter().map(|p| (p[0], p[1])).collect()))
+            .collect();
+        out.push_str(&line_chart(name, name, &series)?);
+    }
+    if !r.errors.is_empty() {
+        out.push_str("<table><tr><th>error</th><th>count</th></tr>");
+        for (k, v) in &r.errors {
+            let _ = write!(out, "<tr><td>{}</td><td>{v}</td></tr>", escape(k));
+        }
+        out.push_str("</table>");
+    }
+    Ok(())
+}
+
+/// Writes an HTML page for one or more runs. With several runs, the page starts with the
+/// side-by-side table and charts that overlay the runs' goodput and p99 TTFT, then shows
+/// each run in full.
+pub fn write_html(runs: &[(&str, &Report)], path: &Path) -> anyhow::Result<()> {
+    let mut out = String::new();
+    let title = runs
+        .iter()
+        .map(|(l, _)| escape(l))
+        .collect::<Vec<_>>()
+        .join(" vs ");
+    let _ = write!(
+        out,
+        "<!doctype html><html><head><meta charset=\"utf-8\"><title>levee sim: {title}</title>\
+         <style>body{{font-family:sans-serif;max-width:960px;margin:2em auto;color:#222}}\
+         pre{{background:#f6f6f6;padding:1em;overflow-x:auto;font-size:12px}}\
+         table{{border-collapse:collapse}}td,th{{border:1px solid #ccc;padding:2px 8px;text-align:right}}\
+         svg{{display:block;margin:1em 0}}</style></head><body><h1>levee sim: {title}</h1>"
+    );
+    if runs.len() > 1 {
+        let _ = writeln!(out, "<h2>Side by side</h2><pre>{}</pre>", escape(&compare_table(runs)));
+        let overlay = |f: fn(&crate::report::Second) -> f64| -> Vec<Series> {
+            runs.iter()
+                .map(|(l, r)| (l.to_string(), per_second(r, f)))
+                .collect()
+        };
+        out.push_str(&line_chart(
+            "Goodput (requests meeting the SLO)",
+            "requests / s",
+            &overlay(|s| s.good as f64),
+        )?);
+        out.push_str(&line_chart(
+            "TTFT p99 (from intended send time)",
+            "ms",
+            &overlay(|s| s.ttft_p99),
+        )?);
+    }
+    for (label, r) in runs {
+        run_section(&mut out, label, r)?;
+    }
+    out.push_str("</body></html>\n");
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir)
+            .with_context(|| format!("cannot create directory {}", dir.display()))?;
+    }
+    std::fs::write(path, out).with_context(|| format!("cannot write {}", path.display()))
+}

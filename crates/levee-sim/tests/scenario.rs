@@ -1,0 +1,76 @@
+use levee_sim::scenario::{Behaviour, Phase, Rate};
+use levee_sim::{scenarios, Scenario};
+
+#[test]
+fn every_shipped_scenario_parses_and_round_trips() {
+    for name in scenarios::names() {
+        let s = scenarios::builtin(name).unwrap();
+        assert_eq!(s.name, name);
+        let again = Scenario::from_toml_str(&s.to_toml_string().unwrap()).unwrap();
+        assert_eq!(again, s, "{name}");
+    }
+    assert!(scenarios::builtin("nope")
+        .unwrap_err()
+        .to_string()
+        .contains("flash-crowd"));
+}
+
+#[test]
+fn empty_scenario_is_all_defaults() {
+    let s = Scenario::from_toml_str("").unwrap();
+    assert_eq!(s, Scenario::default());
+    assert_eq!(s.duration_s(), 10.0);
+}
+
+#[test]
+fn unknown_fields_are_named() {
+    for (text, field) in [
+        ("capacity = 3", "capacity"),
+        ("[client]\nbehavior = \"naive\"", "behavior"),
+        ("[[phases]]\nkind = \"steady\"\nduration_s = 1\nrps = 1\nrate = 2", "rate"),
+        (
+            "[[classes]]\nprompt_tokens = { dist = \"constant\", value = 1, mean = 2 }",
+            "mean",
+        ),
+    ] {
+        let err = format!("{:#}", Scenario::from_toml_str(text).unwrap_err());
+        assert!(err.contains(field), "{text:?}: {err}");
+    }
+}
+
+#[test]
+fn rates_scale_with_capacity_and_rate_scale() {
+    let s = Scenario::from_toml_str(
+        "capacity_rps = 40\nrate_scale = 0.5\n[[phases]]\nkind = \"steady\"\nduration_s = 1\nrps = \"2.5x\"\n[client]\nbehaviour = \"naive\"",
+    )
+    .unwrap();
+    match s.phases[0] {
+        Phase::Steady { rps, .. } => {
+            assert_eq!(rps, Rate::Multiple(2.5));
+            assert_eq!(s.resolve(rps), 50.0);
+        }
+        _ => panic!(),
+    }
+    assert_eq!(s.client.behaviour, Behaviour::Naive);
+    let err = format!(
+        "{:#}",
+        Scenario::from_toml_str("[[phases]]\nkind = \"steady\"\nduration_s = 1\nrps = \"lots\"")
+            .unwrap_err()
+    );
+    assert!(err.contains("2.5x"), "{err}");
+}
+
+#[test]
+fn validation_explains() {
+    let err = format!(
+        "{:#}",
+        Scenario::from_toml_str("[[phases]]\nkind = \"steady\"\nduration_s = 0\nrps = 1")
+            .unwrap_err()
+    );
+    assert!(err.contains("phases[0].duration_s"), "{err}");
+    let err = format!(
+        "{:#}",
+        Scenario::from_toml_str("[[faults]]\nat_s = 1\naction = \"post\"").unwrap_err()
+    );
+    assert!(err.contains("needs a url"), "{err}");
+}
