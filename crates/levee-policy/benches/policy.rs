@@ -66,13 +66,16 @@ fn gcra(c: &mut Criterion) {
         b.iter(|| black_box(lim.check(clock.now())))
     });
     g.bench_function("governor/default_clock", |b| {
-        let lim = RateLimiter::direct(GQuota::per_second(nz(1_000_000_000)).allow_burst(nz(1_000_000)));
+        let lim =
+            RateLimiter::direct(GQuota::per_second(nz(1_000_000_000)).allow_burst(nz(1_000_000)));
         b.iter(|| black_box(lim.check()))
     });
     // Keyed, 1024 keys round-robin.
     g.bench_function("levee/keyed_1024", |b| {
-        let mut lim: KeyedGcra<u64> =
-            KeyedGcra::new(Some(Quota::per_second(RATE as u64).with_burst(BURST as u64)), 4096);
+        let mut lim: KeyedGcra<u64> = KeyedGcra::new(
+            Some(Quota::per_second(RATE as u64).with_burst(BURST as u64)),
+            4096,
+        );
         let mut now = 1_000_000u64;
         let mut k = 0u64;
         b.iter(|| {
@@ -120,8 +123,15 @@ impl Bench {
         };
         cfg.global = big;
         cfg.tenant_default = big;
-        cfg.heavy = Some(HeavyRule { min_tokens: 8_000, max_concurrent: 64 });
-        cfg.watermarks = Watermarks { safe: 0, soft: 10_000, hard: 20_000 };
+        cfg.heavy = Some(HeavyRule {
+            min_tokens: 8_000,
+            max_concurrent: 64,
+        });
+        cfg.watermarks = Watermarks {
+            safe: 0,
+            soft: 10_000,
+            hard: 20_000,
+        };
         cfg.queue_max_len = 10_000;
         cfg.queue_max_tokens = 100_000_000;
         let mut adm = Admission::new(cfg);
@@ -131,7 +141,13 @@ impl Bench {
         for t in 0..64 {
             let tenant: Arc<str> = Arc::from(format!("tenant-{t:02}").as_str());
             if t % 4 == 0 {
-                adm.set_tenant(tenant.clone(), TenantSpec { limits: big, weight: 2 });
+                adm.set_tenant(
+                    tenant.clone(),
+                    TenantSpec {
+                        limits: big,
+                        weight: 2,
+                    },
+                );
             }
             reqs.push(AdmissionRequest {
                 tenant,
@@ -141,7 +157,12 @@ impl Bench {
                 max_wait: None,
             });
         }
-        Bench { adm, reqs, now: 1_000_000, i: 0 }
+        Bench {
+            adm,
+            reqs,
+            now: 1_000_000,
+            i: 0,
+        }
     }
 
     /// One full decision: admit (all limits, watermark, enqueue), dequeue, complete.
@@ -203,11 +224,23 @@ fn admission(c: &mut Criterion) {
     });
     // Parts of the decision, for orientation.
     g.bench_function("queue_push_pop", |b| {
-        let mut q: FairQueue<u64, Arc<str>> =
-            FairQueue::new(QueueLimits { tiers: 3, max_len: 10_000, max_tokens: u64::MAX });
-        let tenants: Vec<Arc<str>> = (0..64).map(|t| Arc::from(format!("t{t}").as_str())).collect();
+        let mut q: FairQueue<u64, Arc<str>> = FairQueue::new(QueueLimits {
+            tiers: 3,
+            max_len: 10_000,
+            max_tokens: u64::MAX,
+        });
+        let tenants: Vec<Arc<str>> = (0..64)
+            .map(|t| Arc::from(format!("t{t}").as_str()))
+            .collect();
         for (i, t) in tenants.iter().enumerate() {
-            let _ = q.push(Tier((i % 3) as u8), t.clone(), 100, Timestamp::ZERO, Timestamp::MAX, 0);
+            let _ = q.push(
+                Tier((i % 3) as u8),
+                t.clone(),
+                100,
+                Timestamp::ZERO,
+                Timestamp::MAX,
+                0,
+            );
         }
         let mut i = 0usize;
         b.iter_batched_ref(

@@ -11,12 +11,14 @@
 //! tenant cannot fill the queue. The dispatch limit (`max_in_flight`) counts in-flight only.
 
 use crate::clock::Timestamp;
-use crate::concurrency::{ConcurrencyLimit, KeyedConcurrency, Permit};
+use crate::concurrency::{ConcurrencyLimit, Permit};
 use crate::degrade::LoadSignals;
-use crate::gcra::{Gcra, KeyedGcra, Quota, RateLimitInfo};
+use crate::fasthash::FastState;
+use crate::gcra::{Gcra, Quota, RateLimitInfo};
+use crate::keyed::{BoundedMap, Evictable};
 use crate::queue::{Entry, FairQueue, PushRefusal, QueueLimits, QueueStats, Ticket, Tier};
 use crate::retry::{DrainRate, RetryAfter, RetryBounds};
-use crate::tokens::{Refused, TokenBucket, TokenLimiter, TokenQuota};
+use crate::tokens::{Refused, TokenBucket, TokenQuota};
 use crate::watermark::{
     ConfigError, LoadZone, WaitBudget, WatermarkAction, WatermarkDecision, Watermarks,
 };
@@ -401,6 +403,40 @@ struct ModelLimits {
     concurrency: Option<ConcurrencyLimit>,
 }
 
+/// Everything kept per tenant, in one map entry so a decision hashes the tenant once.
+#[derive(Debug)]
+struct TenantState {
+    rpm: Option<Gcra>,
+    tpm: Option<TokenBucket>,
+    concurrency: Option<ConcurrencyLimit>,
+}
+
+impl TenantState {
+    fn new(spec: &LimitSpec) -> Self {
+        TenantState {
+            rpm: spec.request_quota().map(Gcra::new),
+            tpm: spec.token_quota().map(TokenBucket::new),
+            concurrency: spec.max_concurrent.map(ConcurrencyLimit::new),
+        }
+    }
+}
+
+impl Evictable for TenantState {
+    fn is_idle(&self, now: Timestamp) -> bool {
+        self.rpm.as_ref().is_none_or(|g| g.is_idle(now))
+            && self.tpm.as_ref().is_none_or(|b| b.is_idle(now))
+    }
+    fn debt(&self, now: Timestamp) -> u128 {
+        let a = self.rpm.as_ref().map_or(0, |g| g.debt(now));
+        let b = self.tpm.as_ref().map_or(0, |t| t.debt(now));
+        a.max(b)
+    }
+    fn pinned(&self) -> bool {
+        // Live permits point at this limit; a fresh one would let the tenant exceed it.
+        self.concurrency.as_ref().is_some_and(|c| c.in_use() > 0)
+    }
+}
+
 #[derive(Debug)]
 struct Pending<T, K> {
     item: T,
@@ -409,16 +445,18 @@ struct Pending<T, K> {
 
 /// The admission state for one gateway. `&mut self`: hold it behind one lock. Permits inside
 /// grants are atomics and may be dropped anywhere.
+///
+/// Tenant and model maps use a fast seeded hash (keys are authenticated identities, not
+/// client-chosen strings); per-tenant state is bounded by `max_tracked_keys`.
 #[derive(Debug)]
 pub struct Admission<T, K> {
     cfg: AdmissionConfig,
     global_rpm: Option<Gcra>,
     global_tpm: Option<TokenBucket>,
     global_concurrency: Option<ConcurrencyLimit>,
-    models: HashMap<K, ModelLimits>,
-    tenant_rpm: KeyedGcra<K>,
-    tenant_tpm: TokenLimiter<K>,
-    tenant_concurrency: KeyedConcurrency<K>,
+    models: HashMap<K, ModelLimits, FastState>,
+    tenant_specs: HashMap<K, LimitSpec, FastState>,
+    tenants: BoundedMap<K, TenantState, FastState>,
     heavy: Option<(u64, ConcurrencyLimit)>,
     dispatch: ConcurrencyLimit,
     queue: FairQueue<Pending<T, K>, K>,
@@ -450,6 +488,30 @@ fn token_refusal(scope: Scope, r: Refused) -> (RefusalReason, Option<RetryAfter>
     }
 }
 
+/// Peeks an optional limiter; `Err` carries the refusal.
+macro_rules! peek_rate {
+    ($lim:expr, $now:expr, $scope:expr) => {
+        match $lim.map(|g| g.peek($now)) {
+            None => Ok(None),
+            Some(Ok(t)) => Ok(Some(t)),
+            Some(Err(e)) => Err((
+                RefusalReason::RequestRate($scope),
+                rate_retry(e.retry_after),
+            )),
+        }
+    };
+}
+
+macro_rules! peek_tokens {
+    ($lim:expr, $est:expr, $now:expr, $scope:expr) => {
+        match $lim.map(|b| b.peek($est, $now)) {
+            None => Ok(None),
+            Some(Ok(t)) => Ok(Some(t)),
+            Some(Err(e)) => Err(token_refusal($scope, e)),
+        }
+    };
+}
+
 impl<T, K: Hash + Eq + Ord + Clone> Admission<T, K> {
     /// Builds the admission state. Call [`AdmissionConfig::validate`] first to report bad
     /// settings; here they are clamped.
@@ -459,13 +521,9 @@ impl<T, K: Hash + Eq + Ord + Clone> Admission<T, K> {
             global_rpm: cfg.global.request_quota().map(Gcra::new),
             global_tpm: cfg.global.token_quota().map(TokenBucket::new),
             global_concurrency: cfg.global.max_concurrent.map(ConcurrencyLimit::new),
-            models: HashMap::new(),
-            tenant_rpm: KeyedGcra::new(cfg.tenant_default.request_quota(), cfg.max_tracked_keys),
-            tenant_tpm: TokenLimiter::new(cfg.tenant_default.token_quota(), cfg.max_tracked_keys),
-            tenant_concurrency: KeyedConcurrency::new(
-                cfg.tenant_default.max_concurrent,
-                cfg.max_tracked_keys,
-            ),
+            models: HashMap::default(),
+            tenant_specs: HashMap::default(),
+            tenants: BoundedMap::new(cfg.max_tracked_keys),
             heavy: cfg
                 .heavy
                 .map(|h| (h.min_tokens, ConcurrencyLimit::new(h.max_concurrent))),
@@ -487,14 +545,25 @@ impl<T, K: Hash + Eq + Ord + Clone> Admission<T, K> {
         &self.cfg
     }
 
-    /// Configures a tenant's limits and weight (replacing the default for it).
+    /// Configures a tenant's limits and weight (replacing the default for it). Debt already
+    /// accrued is kept; a changed concurrency limit applies to new permits.
     pub fn set_tenant(&mut self, tenant: K, spec: TenantSpec) {
-        self.tenant_rpm
-            .set_quota(tenant.clone(), spec.limits.request_quota());
-        self.tenant_tpm
-            .set_quota(tenant.clone(), spec.limits.token_quota());
-        self.tenant_concurrency
-            .set_limit(tenant.clone(), spec.limits.max_concurrent);
+        let l = spec.limits;
+        if let Some(st) = self.tenants.get_mut(&tenant) {
+            match (l.request_quota(), st.rpm.as_mut()) {
+                (Some(q), Some(g)) => g.set_quota(q),
+                (q, _) => st.rpm = q.map(Gcra::new),
+            }
+            match (l.token_quota(), st.tpm.as_mut()) {
+                (Some(q), Some(b)) => b.set_quota(q),
+                (q, _) => st.tpm = q.map(TokenBucket::new),
+            }
+            match (l.max_concurrent, st.concurrency.as_ref()) {
+                (Some(n), Some(c)) => c.set_limit(n),
+                (n, _) => st.concurrency = n.map(ConcurrencyLimit::new),
+            }
+        }
+        self.tenant_specs.insert(tenant.clone(), l);
         self.queue.set_weight(tenant, spec.weight);
     }
 
@@ -535,146 +604,116 @@ impl<T, K: Hash + Eq + Ord + Clone> Admission<T, K> {
     /// request context); it comes back in the decision.
     pub fn admit(&mut self, req: &AdmissionRequest<K>, item: T, now: Timestamp) -> Admit<T, K> {
         let est = req.estimated_tokens;
-        let tier_idx = (req.tier.0 as usize).min(self.cfg.tiers.len().saturating_sub(1));
-        if req.tier.0 as usize >= self.cfg.tiers.len() {
+        let Some(&tier_budget) = self.cfg.tiers.get(req.tier.0 as usize) else {
             return refused(
                 item,
                 RefusalReason::QueueFull(PushRefusal::NoSuchTier),
                 None,
             );
-        }
+        };
         if matches!(self.shed_from, Some(s) if req.tier >= s) {
             let r = self.capacity_retry(self.load() + 1, now);
             return refused(item, RefusalReason::Shed, Some(r));
         }
+        let retry = self.cfg.retry;
+
+        // One lookup for all of the tenant's state.
+        let tenant = match self.tenants.get_mut(&req.tenant) {
+            Some(t) => t,
+            None => {
+                let spec = self
+                    .tenant_specs
+                    .get(&req.tenant)
+                    .unwrap_or(&self.cfg.tenant_default);
+                let st = TenantState::new(spec);
+                self.tenants.insert_new(&req.tenant, now, st)
+            }
+        };
 
         // Concurrency first: permits roll back by drop on any later refusal.
-        let tenant_permit = match self.tenant_concurrency.try_acquire(&req.tenant) {
-            Ok(p) => p,
-            Err(s) => {
-                let r = self.capacity_retry(s.in_use as u64, now);
+        let tenant_permit = match tenant.concurrency.as_ref().map(|c| c.try_acquire()) {
+            None => None,
+            Some(Ok(p)) => Some(p),
+            Some(Err(s)) => {
+                let r = retry.for_drain(s.in_use as u64, &self.drain, now);
                 return refused(item, RefusalReason::Concurrency(Scope::Tenant), Some(r));
             }
         };
-        let global_permit = match &self.global_concurrency {
+        let global_permit = match self.global_concurrency.as_ref().map(|c| c.try_acquire()) {
             None => None,
-            Some(c) => match c.try_acquire() {
-                Ok(p) => Some(p),
-                Err(s) => {
-                    let r = self.capacity_retry(s.in_use as u64, now);
-                    return refused(item, RefusalReason::Concurrency(Scope::Global), Some(r));
-                }
-            },
+            Some(Ok(p)) => Some(p),
+            Some(Err(s)) => {
+                let r = retry.for_drain(s.in_use as u64, &self.drain, now);
+                return refused(item, RefusalReason::Concurrency(Scope::Global), Some(r));
+            }
         };
         let heavy_permit = match &self.heavy {
             Some((min, c)) if est >= *min => match c.try_acquire() {
                 Ok(p) => Some(p),
                 Err(s) => {
-                    let r = self.capacity_retry(s.in_use as u64, now);
+                    let r = retry.for_drain(s.in_use as u64, &self.drain, now);
                     return refused(item, RefusalReason::HeavyRequests, Some(r));
                 }
             },
             _ => None,
         };
         let mut model = self.models.get_mut(&req.model);
-        let model_permit = match model.as_ref().and_then(|m| m.concurrency.as_ref()) {
+        let model_permit = match model
+            .as_ref()
+            .and_then(|m| m.concurrency.as_ref())
+            .map(|c| c.try_acquire())
+        {
             None => None,
-            Some(c) => match c.try_acquire() {
-                Ok(p) => Some(p),
-                Err(s) => {
-                    let r = self.cfg.retry.for_drain(s.in_use as u64, &self.drain, now);
-                    return refused(item, RefusalReason::Concurrency(Scope::Model), Some(r));
-                }
-            },
+            Some(Ok(p)) => Some(p),
+            Some(Err(s)) => {
+                let r = retry.for_drain(s.in_use as u64, &self.drain, now);
+                return refused(item, RefusalReason::Concurrency(Scope::Model), Some(r));
+            }
         };
 
         // Rates: peek everything, commit only once the request is certain to be taken.
-        let g_rpm = match self.global_rpm.as_ref().map(|g| g.peek(now)) {
-            Some(Err(e)) => {
-                return refused(
-                    item,
-                    RefusalReason::RequestRate(Scope::Global),
-                    rate_retry(e.retry_after),
-                )
-            }
-            other => other.and_then(Result::ok),
-        };
-        let m_rpm = match model
-            .as_ref()
-            .and_then(|m| m.rpm.as_ref())
-            .map(|g| g.peek(now))
-        {
-            Some(Err(e)) => {
-                return refused(
-                    item,
-                    RefusalReason::RequestRate(Scope::Model),
-                    rate_retry(e.retry_after),
-                )
-            }
-            other => other.and_then(Result::ok),
-        };
-        let mut t_rpm_state = self.tenant_rpm.entry(&req.tenant, now);
-        let t_rpm = match t_rpm_state.as_ref().map(|g| g.peek(now)) {
-            Some(Err(e)) => {
-                return refused(
-                    item,
-                    RefusalReason::RequestRate(Scope::Tenant),
-                    rate_retry(e.retry_after),
-                )
-            }
-            other => other.and_then(Result::ok),
-        };
-        let g_tpm = match self.global_tpm.as_ref().map(|b| b.peek(est, now)) {
-            Some(Err(e)) => {
-                let (reason, r) = token_refusal(Scope::Global, e);
-                return refused(item, reason, r);
-            }
-            other => other.and_then(Result::ok),
-        };
-        let m_tpm = match model
-            .as_ref()
-            .and_then(|m| m.tpm.as_ref())
-            .map(|b| b.peek(est, now))
-        {
-            Some(Err(e)) => {
-                let (reason, r) = token_refusal(Scope::Model, e);
-                return refused(item, reason, r);
-            }
-            other => other.and_then(Result::ok),
-        };
-        let mut t_tpm_state = self.tenant_tpm.entry(&req.tenant, now);
-        let t_tpm = match t_tpm_state.as_ref().map(|b| b.peek(est, now)) {
-            Some(Err(e)) => {
-                let (reason, r) = token_refusal(Scope::Tenant, e);
-                return refused(item, reason, r);
-            }
-            other => other.and_then(Result::ok),
+        let peeked = (|| {
+            Ok((
+                peek_rate!(self.global_rpm.as_ref(), now, Scope::Global)?,
+                peek_rate!(
+                    model.as_ref().and_then(|m| m.rpm.as_ref()),
+                    now,
+                    Scope::Model
+                )?,
+                peek_rate!(tenant.rpm.as_ref(), now, Scope::Tenant)?,
+                peek_tokens!(self.global_tpm.as_ref(), est, now, Scope::Global)?,
+                peek_tokens!(
+                    model.as_ref().and_then(|m| m.tpm.as_ref()),
+                    est,
+                    now,
+                    Scope::Model
+                )?,
+                peek_tokens!(tenant.tpm.as_ref(), est, now, Scope::Tenant)?,
+            ))
+        })();
+        let (g_rpm, m_rpm, t_rpm, g_tpm, m_tpm, t_tpm) = match peeked {
+            Ok(p) => p,
+            Err((reason, r)) => return refused(item, reason, r),
         };
 
         // Watermark.
         let load = (self.queue.len() + self.dispatch.in_use()) as u64;
-        let decision = self.cfg.watermarks.decide(
-            load,
-            self.cfg.tiers[tier_idx],
-            &self.drain,
-            &self.cfg.retry,
-            now,
-        );
+        let decision = self
+            .cfg
+            .watermarks
+            .decide(load, tier_budget, &self.drain, &retry, now);
         let mut dispatch_permit = None;
         let budget = match decision.action {
             WatermarkAction::Refuse => {
-                return refused(
-                    item,
-                    RefusalReason::Watermark(decision.zone),
-                    Some(decision.retry_after),
-                )
+                let reason = RefusalReason::Watermark(decision.zone);
+                return refused(item, reason, Some(decision.retry_after));
             }
             WatermarkAction::DispatchNow => {
                 // Never overtake queued requests of equal or higher priority.
                 if self.queue.len_at_or_above(req.tier) == 0 {
                     dispatch_permit = self.dispatch.try_acquire().ok();
                 }
-                self.cfg.tiers[tier_idx].normal
+                tier_budget.normal
             }
             WatermarkAction::Wait { budget } => budget,
         };
@@ -684,14 +723,11 @@ impl<T, K: Hash + Eq + Ord + Clone> Admission<T, K> {
         };
         if dispatch_permit.is_none() {
             if budget.is_zero() {
-                return refused(
-                    item,
-                    RefusalReason::Watermark(decision.zone),
-                    Some(decision.retry_after),
-                );
+                let reason = RefusalReason::Watermark(decision.zone);
+                return refused(item, reason, Some(decision.retry_after));
             }
             if let Err(p) = self.queue.can_push(req.tier, est) {
-                let r = self.capacity_retry(self.queue.len() as u64 + 1, now);
+                let r = retry.for_drain(self.queue.len() as u64 + 1, &self.drain, now);
                 return refused(item, RefusalReason::QueueFull(p), Some(r));
             }
         }
@@ -711,10 +747,10 @@ impl<T, K: Hash + Eq + Ord + Clone> Admission<T, K> {
                 g.commit(t);
             }
         }
-        if let (Some(g), Some(t)) = (t_rpm_state.as_mut(), t_rpm) {
+        if let (Some(g), Some(t)) = (tenant.rpm.as_mut(), t_rpm) {
             g.commit(t);
         }
-        if let (Some(g), Some(t)) = (t_tpm_state.as_mut(), t_tpm) {
+        if let (Some(g), Some(t)) = (tenant.tpm.as_mut(), t_tpm) {
             g.commit(t);
         }
         let grant = Grant {
@@ -861,8 +897,15 @@ impl<T, K: Hash + Eq + Ord + Clone> Admission<T, K> {
                 }
             }
             if grant.charged_tenant {
-                self.tenant_tpm
-                    .reconcile_raw(&grant.tenant, est, actual_tokens, now);
+                // If the tenant's state was evicted meanwhile, its fresh bucket is full: a
+                // refund has nothing to add and a charge is forgiven.
+                if let Some(b) = self
+                    .tenants
+                    .get_mut(&grant.tenant)
+                    .and_then(|t| t.tpm.as_mut())
+                {
+                    b.reconcile(est, actual_tokens, now);
+                }
             }
         }
         drop(grant);
@@ -870,9 +913,21 @@ impl<T, K: Hash + Eq + Ord + Clone> Admission<T, K> {
 
     /// The tenant's `x-ratelimit-*` figures at `now`.
     pub fn rate_limit_headers(&self, tenant: &K, now: Timestamp) -> RateLimitHeaders {
-        RateLimitHeaders {
-            requests: self.tenant_rpm.info(tenant, now),
-            tokens: self.tenant_tpm.info(tenant, now),
+        match self.tenants.get(tenant) {
+            Some(t) => RateLimitHeaders {
+                requests: t.rpm.as_ref().map(|g| g.info(now)),
+                tokens: t.tpm.as_ref().map(|b| b.info(now)),
+            },
+            None => {
+                let spec = self
+                    .tenant_specs
+                    .get(tenant)
+                    .unwrap_or(&self.cfg.tenant_default);
+                RateLimitHeaders {
+                    requests: spec.request_quota().map(|q| Gcra::new(q).info(now)),
+                    tokens: spec.token_quota().map(|q| TokenBucket::new(q).info(now)),
+                }
+            }
         }
     }
 
@@ -896,10 +951,7 @@ impl<T, K: Hash + Eq + Ord + Clone> Admission<T, K> {
             load,
             zone: self.cfg.watermarks.zone(load),
             dispatch_rate: self.drain.per_second(now),
-            tracked_tenants: self
-                .tenant_rpm
-                .tracked_keys()
-                .max(self.tenant_tpm.tracked_keys()),
+            tracked_tenants: self.tenants.len(),
         }
     }
 
@@ -915,11 +967,15 @@ impl<T, K: Hash + Eq + Ord + Clone> Admission<T, K> {
 
     /// Drops limiter state of idle tenants (optional housekeeping; the cap holds anyway).
     pub fn evict_idle(&mut self, now: Timestamp) -> usize {
-        self.tenant_rpm.evict_idle(now) + self.tenant_tpm.evict_idle(now)
+        self.tenants.evict_idle(now)
     }
 
     #[doc(hidden)]
-    pub fn for_each_tenant_bucket(&mut self, f: impl FnMut(&mut TokenBucket)) {
-        self.tenant_tpm.for_each_bucket(f);
+    pub fn for_each_tenant_bucket(&mut self, mut f: impl FnMut(&mut TokenBucket)) {
+        for t in self.tenants.values_mut() {
+            if let Some(b) = t.tpm.as_mut() {
+                f(b);
+            }
+        }
     }
 }

@@ -83,8 +83,12 @@ impl Quota {
 
     #[inline]
     fn units_to_duration(&self, units: u128) -> Duration {
-        let ns = units.div_ceil(self.count as u128);
-        Duration::from_nanos(u64::try_from(ns).unwrap_or(u64::MAX))
+        // u64 division when it fits: u128 division is a slow library call.
+        let ns = match u64::try_from(units) {
+            Ok(u) => u.div_ceil(self.count),
+            Err(_) => u64::try_from(units.div_ceil(self.count as u128)).unwrap_or(u64::MAX),
+        };
+        Duration::from_nanos(ns)
     }
 }
 
@@ -225,21 +229,14 @@ impl<K: Hash + Eq + Clone> KeyedGcra<K> {
         }
     }
 
-    /// The limiter for `key`, created if needed; `None` if the key is unlimited.
-    #[inline]
-    pub(crate) fn entry(&mut self, key: &K, now: Timestamp) -> Option<&mut Gcra> {
-        if self.states.get(key).is_none() {
-            let q = self.quota_for(key)?;
-            return Some(self.states.get_or_insert_with(key, now, || Gcra::new(q)));
-        }
-        self.states.get_mut(key)
-    }
-
     /// Admits one request for `key` at `now`, or says when.
     #[inline]
     pub fn check(&mut self, key: &K, now: Timestamp) -> Result<(), NotUntil> {
-        match self.entry(key, now) {
-            Some(g) => g.check(now),
+        if let Some(g) = self.states.get_mut(key) {
+            return g.check(now);
+        }
+        match self.quota_for(key) {
+            Some(q) => self.states.insert_new(key, now, Gcra::new(q)).check(now),
             None => Ok(()),
         }
     }

@@ -16,6 +16,7 @@ mod breaker;
 mod clock;
 mod concurrency;
 mod degrade;
+mod fasthash;
 mod gcra;
 mod keyed;
 mod queue;

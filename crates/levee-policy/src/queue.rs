@@ -11,9 +11,11 @@
 //! * Entries carry deadlines and [`FairQueue::expire`] hands back the expired ones;
 //!   [`FairQueue::cancel`] removes an entry at once.
 //!
-//! Costs: push, pop and cancel are O(log n) (one `BTreeSet` step for the tenant order, one
-//! for the deadline index, hash lookups); a cancelled ticket is skipped lazily at its
-//! tenant's FIFO head, and a FIFO is compacted when more than half of it is dead.
+//! Costs: push, pop and cancel are O(log n): one `BTreeSet` step for the tenant order and
+//! one binary-heap step for deadlines, one hash lookup per push (tenant interning) and none
+//! per pop. A cancelled ticket is skipped lazily at its tenant's FIFO head (a FIFO is
+//! compacted when more than half of it is dead) and in the deadline heap (compacted when
+//! stale entries outnumber live ones).
 //!
 //! Fairness bound (ours, stated precisely; it is the paper's Theorem for weighted VTC with
 //! the cost charged in full at dispatch): let `U = max over dispatched requests of
@@ -24,7 +26,9 @@
 //! With equal weights this is the "2 × the largest request cost".
 
 use crate::clock::Timestamp;
-use std::collections::{BTreeSet, HashMap, VecDeque};
+use crate::fasthash::FastState;
+use std::cmp::Reverse;
+use std::collections::{BTreeSet, BinaryHeap, HashMap, VecDeque};
 use std::hash::Hash;
 
 /// A priority tier. Tier 0 is the highest priority; larger numbers wait for smaller ones.
@@ -142,7 +146,8 @@ pub struct TenantBacklog {
 #[derive(Debug)]
 struct Slot<T, K> {
     tier: u8,
-    tenant: K,
+    tenant: u32,
+    key: K,
     cost: u64,
     enqueued_at: Timestamp,
     deadline: Timestamp,
@@ -150,44 +155,52 @@ struct Slot<T, K> {
 }
 
 #[derive(Debug)]
+struct SlabSlot<T, K> {
+    generation: u32,
+    data: Option<Slot<T, K>>,
+}
+
+#[derive(Debug, Default)]
 struct TenantQ {
     counter: u128,
-    weight: u32,
     fifo: VecDeque<u64>,
     live: usize,
     tokens: u64,
 }
 
 #[derive(Debug)]
-struct TierQ<K> {
-    tenants: HashMap<K, TenantQ>,
-    active: BTreeSet<(u128, K)>,
+struct TenantRec<K> {
+    key: Option<K>,
+    weight: u32,
+    live_total: usize,
+    per_tier: Vec<TenantQ>,
+}
+
+#[derive(Debug, Default)]
+struct TierQ {
+    active: BTreeSet<(u128, u32)>,
     floor: u128,
     len: usize,
     tokens: u64,
 }
 
-impl<K> TierQ<K> {
-    fn new() -> Self {
-        TierQ {
-            tenants: HashMap::new(),
-            active: BTreeSet::new(),
-            floor: 0,
-            len: 0,
-            tokens: 0,
-        }
-    }
-}
-
 /// The fair priority queue. `K` is the tenant key.
+///
+/// Internally entries live in a slab (a ticket is slot index + generation), tenants are
+/// interned to small ids (one hash lookup per push, none per pop), and deadlines sit in a
+/// min-heap whose stale entries are dropped lazily (and compacted when they outnumber the
+/// live ones).
 #[derive(Debug)]
 pub struct FairQueue<T, K> {
     limits: QueueLimits,
-    entries: HashMap<u64, Slot<T, K>>,
-    deadlines: BTreeSet<(Timestamp, u64)>,
-    tiers: Vec<TierQ<K>>,
-    weights: HashMap<K, u32>,
-    next_ticket: u64,
+    slab: Vec<SlabSlot<T, K>>,
+    free_slots: Vec<u32>,
+    deadlines: BinaryHeap<Reverse<(Timestamp, u64)>>,
+    tiers: Vec<TierQ>,
+    ids: HashMap<K, u32, FastState>,
+    tenants: Vec<TenantRec<K>>,
+    free_ids: Vec<u32>,
+    weights: HashMap<K, u32, FastState>,
     len: usize,
     tokens: u64,
 }
@@ -197,17 +210,25 @@ fn vcost(cost: u64, weight: u32) -> u128 {
     cost as u128 * VIRTUAL_SCALE / weight.max(1) as u128
 }
 
+#[inline]
+fn split(ticket: u64) -> (usize, u32) {
+    ((ticket & 0xffff_ffff) as usize, (ticket >> 32) as u32)
+}
+
 impl<T, K: Hash + Eq + Ord + Clone> FairQueue<T, K> {
     /// An empty queue.
     pub fn new(limits: QueueLimits) -> Self {
         let tiers = limits.tiers.max(1);
         FairQueue {
             limits: QueueLimits { tiers, ..limits },
-            entries: HashMap::new(),
-            deadlines: BTreeSet::new(),
-            tiers: (0..tiers).map(|_| TierQ::new()).collect(),
-            weights: HashMap::new(),
-            next_ticket: 0,
+            slab: Vec::new(),
+            free_slots: Vec::new(),
+            deadlines: BinaryHeap::new(),
+            tiers: (0..tiers).map(|_| TierQ::default()).collect(),
+            ids: HashMap::default(),
+            tenants: Vec::new(),
+            free_ids: Vec::new(),
+            weights: HashMap::default(),
             len: 0,
             tokens: 0,
         }
@@ -222,10 +243,8 @@ impl<T, K: Hash + Eq + Ord + Clone> FairQueue<T, K> {
     /// gets twice the token throughput of a weight-1 tenant when both are backlogged.
     pub fn set_weight(&mut self, tenant: K, weight: u32) {
         let w = weight.max(1);
-        for t in &mut self.tiers {
-            if let Some(tq) = t.tenants.get_mut(&tenant) {
-                tq.weight = w;
-            }
+        if let Some(&id) = self.ids.get(&tenant) {
+            self.tenants[id as usize].weight = w;
         }
         self.weights.insert(tenant, w);
     }
@@ -245,6 +264,86 @@ impl<T, K: Hash + Eq + Ord + Clone> FairQueue<T, K> {
         Ok(())
     }
 
+    fn intern(&mut self, tenant: &K) -> u32 {
+        let cap = self.limits.max_len.saturating_mul(2).saturating_add(1024);
+        if self.ids.len() >= cap {
+            // Forget tenants with nothing queued (each loses at most one U of history).
+            let tenants = &mut self.tenants;
+            let free_ids = &mut self.free_ids;
+            self.ids.retain(|_, id| {
+                let rec = &mut tenants[*id as usize];
+                if rec.live_total > 0 {
+                    return true;
+                }
+                rec.key = None;
+                rec.per_tier
+                    .iter_mut()
+                    .for_each(|t| *t = TenantQ::default());
+                free_ids.push(*id);
+                false
+            });
+        }
+        let weight = self.weights.get(tenant).copied().unwrap_or(1);
+        let id = match self.free_ids.pop() {
+            Some(id) => {
+                let rec = &mut self.tenants[id as usize];
+                rec.key = Some(tenant.clone());
+                rec.weight = weight;
+                id
+            }
+            None => {
+                self.tenants.push(TenantRec {
+                    key: Some(tenant.clone()),
+                    weight,
+                    live_total: 0,
+                    per_tier: (0..self.limits.tiers).map(|_| TenantQ::default()).collect(),
+                });
+                (self.tenants.len() - 1) as u32
+            }
+        };
+        self.ids.insert(tenant.clone(), id);
+        id
+    }
+
+    #[inline]
+    fn is_live(&self, ticket: u64) -> bool {
+        let (idx, generation) = split(ticket);
+        matches!(self.slab.get(idx), Some(s) if s.generation == generation && s.data.is_some())
+    }
+
+    /// Takes the slot's data out and frees the slot.
+    #[inline]
+    fn take(&mut self, ticket: u64) -> Option<Slot<T, K>> {
+        let (idx, generation) = split(ticket);
+        let s = self.slab.get_mut(idx)?;
+        if s.generation != generation {
+            return None;
+        }
+        let data = s.data.take()?;
+        s.generation = s.generation.wrapping_add(1);
+        self.free_slots.push(idx as u32);
+        Some(data)
+    }
+
+    /// Drops stale deadline entries from the heap top (so `next_deadline` is exact) and
+    /// compacts the heap when stale entries dominate.
+    #[inline]
+    fn tidy_deadlines(&mut self) {
+        while let Some(Reverse((_, t))) = self.deadlines.peek() {
+            if self.is_live(*t) {
+                break;
+            }
+            self.deadlines.pop();
+        }
+        if self.deadlines.len() > 2 * self.len + 1024 {
+            let slab = &self.slab;
+            self.deadlines.retain(|Reverse((_, t))| {
+                let (idx, generation) = split(*t);
+                matches!(slab.get(idx), Some(s) if s.generation == generation && s.data.is_some())
+            });
+        }
+    }
+
     /// Queues `item` for `tenant` in `tier` with token `cost`, expiring at `deadline`
     /// ([`Timestamp::MAX`] for never).
     pub fn push(
@@ -259,49 +358,49 @@ impl<T, K: Hash + Eq + Ord + Clone> FairQueue<T, K> {
         if let Err(reason) = self.can_push(tier, cost) {
             return Err(Rejected { reason, item });
         }
-        let ticket = self.next_ticket;
-        self.next_ticket += 1;
-        let tq_cap = self.limits.max_len.saturating_mul(2).saturating_add(1024);
+        let id = match self.ids.get(&tenant) {
+            Some(&id) => id,
+            None => self.intern(&tenant),
+        };
+        let idx = match self.free_slots.pop() {
+            Some(i) => i as usize,
+            None => {
+                self.slab.push(SlabSlot {
+                    generation: 0,
+                    data: None,
+                });
+                self.slab.len() - 1
+            }
+        };
+        let ticket = ((self.slab[idx].generation as u64) << 32) | idx as u64;
         let tq = &mut self.tiers[tier.0 as usize];
-        if tq.tenants.len() >= tq_cap && !tq.tenants.contains_key(&tenant) {
-            // Forget idle tenants' counters (each loses at most one U of fairness history).
-            tq.tenants.retain(|_, t| t.live > 0);
+        let rec = &mut self.tenants[id as usize];
+        let tt = &mut rec.per_tier[tier.0 as usize];
+        if tt.live == 0 {
+            tt.counter = tt.counter.max(tq.floor);
+            tt.fifo.clear();
+            tq.active.insert((tt.counter, id));
         }
-        let weights = &self.weights;
-        let floor = tq.floor;
-        let ten = tq.tenants.entry(tenant.clone()).or_insert_with(|| TenantQ {
-            counter: floor,
-            weight: weights.get(&tenant).copied().unwrap_or(1),
-            fifo: VecDeque::new(),
-            live: 0,
-            tokens: 0,
-        });
-        if ten.live == 0 {
-            ten.counter = ten.counter.max(tq.floor);
-            ten.fifo.clear();
-            tq.active.insert((ten.counter, tenant.clone()));
-        }
-        ten.fifo.push_back(ticket);
-        ten.live += 1;
-        ten.tokens += cost;
+        tt.fifo.push_back(ticket);
+        tt.live += 1;
+        tt.tokens += cost;
+        rec.live_total += 1;
         tq.len += 1;
         tq.tokens += cost;
         self.len += 1;
         self.tokens += cost;
+        self.slab[idx].data = Some(Slot {
+            tier: tier.0,
+            tenant: id,
+            key: tenant,
+            cost,
+            enqueued_at: now,
+            deadline,
+            item,
+        });
         if deadline != Timestamp::MAX {
-            self.deadlines.insert((deadline, ticket));
+            self.deadlines.push(Reverse((deadline, ticket)));
         }
-        self.entries.insert(
-            ticket,
-            Slot {
-                tier: tier.0,
-                tenant,
-                cost,
-                enqueued_at: now,
-                deadline,
-                item,
-            },
-        );
         Ok(Ticket(ticket))
     }
 
@@ -310,24 +409,25 @@ impl<T, K: Hash + Eq + Ord + Clone> FairQueue<T, K> {
     /// call [`FairQueue::expire`] first.
     pub fn pop(&mut self) -> Option<Entry<T, K>> {
         let ti = self.tiers.iter().position(|t| t.len > 0)?;
-        let tq = &mut self.tiers[ti];
-        let (counter, tenant) = tq.active.pop_first()?;
-        let ten = tq.tenants.get_mut(&tenant)?;
-        let slot = loop {
-            let t = ten.fifo.pop_front()?;
-            if let Some(s) = self.entries.remove(&t) {
+        let (counter, id) = self.tiers[ti].active.pop_first()?;
+        let (ticket, slot) = loop {
+            let t = self.tenants[id as usize].per_tier[ti].fifo.pop_front()?;
+            if let Some(s) = self.take(t) {
                 break (t, s);
             }
         };
-        let (ticket, slot) = slot;
+        let tq = &mut self.tiers[ti];
+        let rec = &mut self.tenants[id as usize];
+        let tt = &mut rec.per_tier[ti];
         tq.floor = tq.floor.max(counter);
-        ten.counter = counter + vcost(slot.cost, ten.weight);
-        ten.live -= 1;
-        ten.tokens -= slot.cost;
-        if ten.live > 0 {
-            tq.active.insert((ten.counter, tenant));
+        tt.counter = counter + vcost(slot.cost, rec.weight);
+        tt.live -= 1;
+        tt.tokens -= slot.cost;
+        rec.live_total -= 1;
+        if tt.live > 0 {
+            tq.active.insert((tt.counter, id));
         } else {
-            ten.fifo.clear();
+            tt.fifo.clear();
         }
         if let Some((c, _)) = tq.active.first() {
             tq.floor = tq.floor.max(*c);
@@ -337,12 +437,12 @@ impl<T, K: Hash + Eq + Ord + Clone> FairQueue<T, K> {
         self.len -= 1;
         self.tokens -= slot.cost;
         if slot.deadline != Timestamp::MAX {
-            self.deadlines.remove(&(slot.deadline, ticket));
+            self.tidy_deadlines();
         }
         Some(Entry {
             ticket: Ticket(ticket),
             tier: Tier(slot.tier),
-            tenant: slot.tenant,
+            tenant: slot.key,
             cost: slot.cost,
             enqueued_at: slot.enqueued_at,
             deadline: slot.deadline,
@@ -352,30 +452,34 @@ impl<T, K: Hash + Eq + Ord + Clone> FairQueue<T, K> {
 
     /// Removes the entry with `ticket` at once, if it is still queued.
     pub fn cancel(&mut self, ticket: Ticket) -> Option<Entry<T, K>> {
-        let slot = self.entries.remove(&ticket.0)?;
+        let slot = self.take(ticket.0)?;
         let tq = &mut self.tiers[slot.tier as usize];
-        if let Some(ten) = tq.tenants.get_mut(&slot.tenant) {
-            ten.live -= 1;
-            ten.tokens -= slot.cost;
-            if ten.live == 0 {
-                tq.active.remove(&(ten.counter, slot.tenant.clone()));
-                ten.fifo.clear();
-            } else if ten.fifo.len() > 2 * ten.live + 16 {
-                let entries = &self.entries;
-                ten.fifo.retain(|t| entries.contains_key(t));
-            }
+        let rec = &mut self.tenants[slot.tenant as usize];
+        let tt = &mut rec.per_tier[slot.tier as usize];
+        tt.live -= 1;
+        tt.tokens -= slot.cost;
+        rec.live_total -= 1;
+        if tt.live == 0 {
+            tq.active.remove(&(tt.counter, slot.tenant));
+            tt.fifo.clear();
+        } else if tt.fifo.len() > 2 * tt.live + 16 {
+            let slab = &self.slab;
+            tt.fifo.retain(|t| {
+                let (idx, generation) = split(*t);
+                matches!(slab.get(idx), Some(s) if s.generation == generation && s.data.is_some())
+            });
         }
         tq.len -= 1;
         tq.tokens -= slot.cost;
         self.len -= 1;
         self.tokens -= slot.cost;
         if slot.deadline != Timestamp::MAX {
-            self.deadlines.remove(&(slot.deadline, ticket.0));
+            self.tidy_deadlines();
         }
         Some(Entry {
             ticket,
             tier: Tier(slot.tier),
-            tenant: slot.tenant,
+            tenant: slot.key,
             cost: slot.cost,
             enqueued_at: slot.enqueued_at,
             deadline: slot.deadline,
@@ -392,11 +496,11 @@ impl<T, K: Hash + Eq + Ord + Clone> FairQueue<T, K> {
 
     /// Like [`FairQueue::expire`], appending to `out` (no allocation when nothing expired).
     pub fn expire_into(&mut self, now: Timestamp, out: &mut Vec<Entry<T, K>>) {
-        while let Some(&(d, t)) = self.deadlines.first() {
+        while let Some(Reverse((d, t))) = self.deadlines.peek().copied() {
             if d > now {
                 break;
             }
-            self.deadlines.pop_first();
+            self.deadlines.pop();
             if let Some(e) = self.cancel(Ticket(t)) {
                 out.push(e);
             }
@@ -405,7 +509,7 @@ impl<T, K: Hash + Eq + Ord + Clone> FairQueue<T, K> {
 
     /// The earliest deadline queued, to schedule the next [`FairQueue::expire`].
     pub fn next_deadline(&self) -> Option<Timestamp> {
-        self.deadlines.first().map(|(d, _)| *d)
+        self.deadlines.peek().map(|Reverse((d, _))| *d)
     }
 
     /// Entries queued.
@@ -438,7 +542,7 @@ impl<T, K: Hash + Eq + Ord + Clone> FairQueue<T, K> {
 
     /// Whether `ticket` is still queued.
     pub fn contains(&self, ticket: Ticket) -> bool {
-        self.entries.contains_key(&ticket.0)
+        self.is_live(ticket.0)
     }
 
     /// Figures for metrics.
@@ -460,37 +564,45 @@ impl<T, K: Hash + Eq + Ord + Clone> FairQueue<T, K> {
 
     /// A tenant's backlog, one line per tier where it has entries.
     pub fn tenant_backlog(&self, tenant: &K) -> Vec<TenantBacklog> {
-        self.tiers
+        let Some(&id) = self.ids.get(tenant) else {
+            return Vec::new();
+        };
+        self.tenants[id as usize]
+            .per_tier
             .iter()
             .enumerate()
-            .filter_map(|(i, t)| {
-                let ten = t.tenants.get(tenant)?;
-                (ten.live > 0).then_some(TenantBacklog {
-                    tier: Tier(i as u8),
-                    len: ten.live,
-                    tokens: ten.tokens,
-                })
+            .filter(|(_, t)| t.live > 0)
+            .map(|(i, t)| TenantBacklog {
+                tier: Tier(i as u8),
+                len: t.live,
+                tokens: t.tokens,
             })
             .collect()
     }
 
     /// Every backlogged tenant: `(tier, tenant, entries, tokens)`, for per-tenant metrics.
     pub fn backlogged(&self) -> impl Iterator<Item = (Tier, &K, usize, u64)> + '_ {
-        self.tiers.iter().enumerate().flat_map(|(i, t)| {
-            t.tenants
-                .iter()
-                .filter(|(_, ten)| ten.live > 0)
-                .map(move |(k, ten)| (Tier(i as u8), k, ten.live, ten.tokens))
-        })
+        self.tenants
+            .iter()
+            .filter(|r| r.live_total > 0)
+            .flat_map(|r| {
+                r.per_tier
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, t)| t.live > 0)
+                    .filter_map(move |(i, t)| {
+                        r.key.as_ref().map(|k| (Tier(i as u8), k, t.live, t.tokens))
+                    })
+            })
     }
 
     /// A tenant's virtual counter in a tier (for tests and debugging).
     #[doc(hidden)]
     pub fn virtual_counter(&self, tier: Tier, tenant: &K) -> Option<u128> {
-        self.tiers
-            .get(tier.0 as usize)?
-            .tenants
-            .get(tenant)
+        let id = *self.ids.get(tenant)?;
+        self.tenants[id as usize]
+            .per_tier
+            .get(tier.0 as usize)
             .map(|t| t.counter)
     }
 }

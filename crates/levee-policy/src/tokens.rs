@@ -73,8 +73,12 @@ impl TokenQuota {
     }
     #[inline]
     fn units_to_duration(&self, units: u128) -> Duration {
-        let ns = units.div_ceil(self.count as u128);
-        Duration::from_nanos(u64::try_from(ns).unwrap_or(u64::MAX))
+        // u64 division when it fits: u128 division is a slow library call.
+        let ns = match u64::try_from(units) {
+            Ok(u) => u.div_ceil(self.count),
+            Err(_) => u64::try_from(units.div_ceil(self.count as u128)).unwrap_or(u64::MAX),
+        };
+        Duration::from_nanos(ns)
     }
 }
 
@@ -279,18 +283,6 @@ impl<K: Hash + Eq + Clone> TokenLimiter<K> {
         }
     }
 
-    #[inline]
-    pub(crate) fn entry(&mut self, key: &K, now: Timestamp) -> Option<&mut TokenBucket> {
-        if self.states.get(key).is_none() {
-            let q = self.quota_for(key)?;
-            return Some(
-                self.states
-                    .get_or_insert_with(key, now, || TokenBucket::new(q)),
-            );
-        }
-        self.states.get_mut(key)
-    }
-
     /// Reserves `estimate` tokens for `key` at `now`.
     pub fn reserve(
         &mut self,
@@ -298,8 +290,15 @@ impl<K: Hash + Eq + Clone> TokenLimiter<K> {
         estimate: u64,
         now: Timestamp,
     ) -> Result<Reservation<K>, Refused> {
-        if let Some(b) = self.entry(key, now) {
-            b.reserve(estimate, now)?;
+        match self.states.get_mut(key) {
+            Some(b) => b.reserve(estimate, now)?,
+            None => {
+                if let Some(q) = self.quota_for(key) {
+                    let mut b = TokenBucket::new(q);
+                    b.reserve(estimate, now)?;
+                    self.states.insert_new(key, now, b);
+                }
+            }
         }
         Ok(Reservation {
             key: key.clone(),
@@ -317,8 +316,16 @@ impl<K: Hash + Eq + Clone> TokenLimiter<K> {
         if reserved == actual {
             return;
         }
-        if let Some(b) = self.entry(key, now) {
-            b.reconcile(reserved, actual, now);
+        match self.states.get_mut(key) {
+            Some(b) => b.reconcile(reserved, actual, now),
+            None => {
+                // Evicted meanwhile: a fresh bucket is full, so only a charge matters.
+                if let (Some(q), true) = (self.quota_for(key), actual > reserved) {
+                    let mut b = TokenBucket::new(q);
+                    b.reconcile(reserved, actual, now);
+                    self.states.insert_new(key, now, b);
+                }
+            }
         }
     }
 
@@ -353,12 +360,6 @@ impl<K: Hash + Eq + Clone> TokenLimiter<K> {
     #[doc(hidden)]
     pub fn bucket(&self, key: &K) -> Option<&TokenBucket> {
         self.states.get(key)
-    }
-
-    pub(crate) fn for_each_bucket(&mut self, mut f: impl FnMut(&mut TokenBucket)) {
-        for b in self.states.values_mut() {
-            f(b);
-        }
     }
 }
 

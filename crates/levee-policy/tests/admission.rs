@@ -1,4 +1,5 @@
 //! Admission pipeline behaviour with a manual clock.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use levee_policy::*;
 use std::time::Duration;

@@ -1,4 +1,5 @@
 //! Property tests for levee-policy's guarantees (issue 2, "Done means").
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use levee_policy::*;
 use proptest::prelude::*;
