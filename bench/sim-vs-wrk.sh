@@ -23,7 +23,9 @@ mkdir -p "$OUT"
 if ! command -v wrk >/dev/null; then
   apt-get install -y wrk >/dev/null || { apt-get update >/dev/null && apt-get install -y wrk >/dev/null; }
 fi
-cargo build --release -q -p levee -p levee-sim --example trivial_server
+# Two commands: --example would restrict a combined build to examples only.
+cargo build --release -q -p levee --bin levee
+cargo build --release -q -p levee-sim --example trivial_server
 SERVER=target/release/examples/trivial_server
 LEVEE=target/release/levee
 
@@ -39,7 +41,7 @@ cat > "$OUT/post.lua" <<LUA
 wrk.method = "POST"
 wrk.headers["Content-Type"] = "application/json"
 wrk.headers["Authorization"] = "Bearer sk-bench"
-wrk.body = '{"model":"levee-sim","messages":[{"role":"user","content":"${PROMPT}"}],"max_tokens":1,"stream":false}'
+wrk.body = '{"model":"levee-sim-7b","messages":[{"role":"user","content":"${PROMPT}"}],"max_tokens":1,"stream":false}'
 LUA
 
 echo "== machine: $(nproc) cores; $(date -u +%FT%TZ); git $(git rev-parse --short HEAD 2>/dev/null || echo '?')"

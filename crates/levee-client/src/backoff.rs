@@ -33,7 +33,11 @@ impl Backoff {
         let cap = self.cap.as_secs_f64();
         let grown = self.base.as_secs_f64() * self.multiplier.max(1.0).powi(retry.min(1024) as i32);
         // `grown` can be infinite or NaN for absurd inputs; the cap bounds it either way.
-        let secs = if grown.is_finite() { grown.min(cap) } else { cap };
+        let secs = if grown.is_finite() {
+            grown.min(cap)
+        } else {
+            cap
+        };
         Duration::from_secs_f64(secs.max(0.0))
     }
 

@@ -35,14 +35,18 @@ pub fn from_headers(headers: &reqwest::header::HeaderMap, now: SystemTime) -> Op
 
 fn parse_millis(value: &str) -> Option<Duration> {
     let ms: f64 = value.trim().parse().ok()?;
-    (ms.is_finite() && ms >= 0.0 && ms < 1e12).then(|| Duration::from_secs_f64(ms / 1000.0))
+    (0.0..1e12)
+        .contains(&ms)
+        .then(|| Duration::from_secs_f64(ms / 1000.0))
 }
 
 fn parse_seconds(value: &str) -> Option<Duration> {
     // RFC 9110 allows only a non-negative integer; we also accept a decimal because some
     // servers send one, and refuse anything negative or absurd.
     let secs: f64 = value.parse().ok()?;
-    (secs.is_finite() && secs >= 0.0 && secs < 1e9).then(|| Duration::from_secs_f64(secs))
+    (0.0..1e9)
+        .contains(&secs)
+        .then(|| Duration::from_secs_f64(secs))
 }
 
 #[cfg(test)]
@@ -57,7 +61,10 @@ mod tests {
             Some(Duration::from_millis(1500))
         );
         assert_eq!(parse(Some("3"), None, now), Some(Duration::from_secs(3)));
-        assert_eq!(parse(Some("3"), Some("junk"), now), Some(Duration::from_secs(3)));
+        assert_eq!(
+            parse(Some("3"), Some("junk"), now),
+            Some(Duration::from_secs(3))
+        );
     }
 
     #[test]

@@ -1,3 +1,6 @@
+// Test helpers outside #[test] fns may unwrap too: a panic is the failure report we want.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use axum::http::StatusCode;
 use axum::response::IntoResponse;
 use axum::routing::post;

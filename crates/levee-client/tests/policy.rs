@@ -1,3 +1,6 @@
+// Test helpers outside #[test] fns may unwrap too: a panic is the failure report we want.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use levee_client::{
     Backoff, Decision, GiveUp, Outcome, RetryBudget, RetryBudgetConfig, RetryPolicy,
 };

@@ -100,7 +100,10 @@ async fn load(
         .await?
         .json()
         .await?;
-    let model = models["data"][0]["id"].as_str().unwrap_or_default().to_string();
+    let model = models["data"][0]["id"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
     let tokens = Arc::new(AtomicU64::new(0));
     let errors = Arc::new(AtomicU64::new(0));
     let mut tasks = Vec::with_capacity(streams);

@@ -817,14 +817,11 @@ mod tests {
     fn op() -> impl proptest::strategy::Strategy<Value = Op> {
         use proptest::prelude::*;
         prop_oneof![
-            3 => (1u32..120, 1u32..80).prop_map(|(prompt, target)| Op::Submit { prompt, target }),
-            1 => (0u64..40).prop_map(Op::Cancel),
-            6 => Just(Op::Step),
-            1 => (0u8..20).prop_map(|_| Op::Step),
+            10 => (1u32..120, 1u32..80).prop_map(|(prompt, target)| Op::Submit { prompt, target }),
+            3 => (0u64..60).prop_map(Op::Cancel),
+            26 => Just(Op::Step),
+            1 => Just(Op::Crash),
         ]
-        .boxed()
-        .prop_union(Just(Op::Crash).boxed())
-        .or(Just(Op::Step).boxed())
     }
 
     proptest::proptest! {

@@ -771,3 +771,62 @@ async fn shutdown_fails_in_flight_requests() {
     let text = resp.text().await.unwrap_or_default();
     assert!(!text.contains("[DONE]"));
 }
+
+#[tokio::test(start_paused = true)]
+async fn time_scale_runs_the_gpu_faster_and_reports_simulated_seconds() {
+    let mut config = EngineConfig::tiny_fast();
+    config.time_scale = 10.0;
+    let (engine, client) = start(config).await;
+    let model = engine.config().model.clone();
+    let started = Instant::now();
+    // 20 tokens alone: prefill + 20 decode steps of 11 simulated ms = ~0.22 s simulated.
+    let s = stream_chat(&client, &engine, chat(&model, "scale", 20, true)).await;
+    assert!(s.done);
+    let wall = started.elapsed().as_secs_f64();
+    let m = get(&client, &engine, "/metrics")
+        .await
+        .text()
+        .await
+        .unwrap();
+    let e2e = metric(&m, "vllm:e2e_request_latency_seconds_sum", "");
+    assert!((0.22..0.23).contains(&e2e), "simulated e2e {e2e}");
+    // Wall time is a tenth of it (virtual time, so exact up to the scheduler's turns).
+    assert!(wall < e2e / 5.0, "wall {wall} vs simulated {e2e}");
+    assert!(wall >= e2e / 10.0 - 1e-3, "wall {wall} vs simulated {e2e}");
+    // Restart time is simulated too: 5 simulated seconds are half a real second.
+    engine.crash_now();
+    let s = engine.wait_for(|s| s.crashes == 1).await.unwrap();
+    assert_eq!(s.state, EngineState::Crashed);
+    let crashed_at = Instant::now();
+    engine
+        .wait_for(|s| s.state == EngineState::Healthy)
+        .await
+        .unwrap();
+    let down = crashed_at.elapsed();
+    assert!(
+        down >= Duration::from_millis(490) && down <= Duration::from_millis(510),
+        "{down:?}"
+    );
+    engine.shutdown().await.unwrap();
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_non_streaming_client_that_gives_up_frees_its_sequence() {
+    let (engine, _) = start(EngineConfig::tiny_fast()).await;
+    let model = engine.config().model.clone();
+    // The client times out long before 900 tokens are generated.
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_secs(1))
+        .build()
+        .unwrap();
+    let err = client
+        .post(format!("{}/v1/chat/completions", engine.base_url()))
+        .json(&chat(&model, "long", 900, false))
+        .send()
+        .await
+        .unwrap_err();
+    assert!(err.is_timeout(), "{err}");
+    let s = engine.wait_for(|s| s.cancelled == 1).await.unwrap();
+    assert_eq!((s.running, s.kv_used_tokens, s.completed), (0, 0, 0));
+    engine.shutdown().await.unwrap();
+}

@@ -85,7 +85,10 @@ async fn degrade(State(gw): State<Arc<Gateway>>, body: Bytes) -> Response {
         d.force(level);
     }
     gw.update_degrade();
-    tracing::info!(?level, "degradation level set by operator (None = automatic)");
+    tracing::info!(
+        ?level,
+        "degradation level set by operator (None = automatic)"
+    );
     Json(gw.degrader.lock().state_json()).into_response()
 }
 
@@ -95,5 +98,7 @@ async fn degrade_get(State(gw): State<Arc<Gateway>>) -> Json<serde_json::Value> 
 
 async fn drain(State(gw): State<Arc<Gateway>>) -> Json<serde_json::Value> {
     gw.drain();
-    Json(serde_json::json!({"draining": true, "in_flight": gw.in_flight.load(std::sync::atomic::Ordering::Relaxed)}))
+    Json(
+        serde_json::json!({"draining": true, "in_flight": gw.in_flight.load(std::sync::atomic::Ordering::Relaxed)}),
+    )
 }

@@ -269,7 +269,7 @@ impl Default for HeavyConfig {
 }
 
 /// One model and the backends serving it.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
 #[serde(default, deny_unknown_fields)]
 pub struct ModelConfig {
     /// The model name clients send.
@@ -282,18 +282,6 @@ pub struct ModelConfig {
     pub tokens_per_minute: u64,
     /// The backends; at least one.
     pub backends: Vec<BackendConfig>,
-}
-
-impl Default for ModelConfig {
-    fn default() -> Self {
-        ModelConfig {
-            name: String::new(),
-            fallback: None,
-            requests_per_minute: 0,
-            tokens_per_minute: 0,
-            backends: Vec::new(),
-        }
-    }
 }
 
 /// The metrics dialect a backend speaks.
@@ -681,7 +669,10 @@ impl Config {
                     Err(e) => errs.push(format!("{bp}.url: {:?} is not a URL: {e}", b.url)),
                 }
                 if !urls.insert(b.url.trim_end_matches('/')) {
-                    errs.push(format!("{bp}.url: duplicate backend {:?} for this model", b.url));
+                    errs.push(format!(
+                        "{bp}.url: duplicate backend {:?} for this model",
+                        b.url
+                    ));
                 }
                 if b.max_in_flight == 0 {
                     errs.push(format!("{bp}.max_in_flight: must be > 0"));
@@ -790,8 +781,14 @@ url = "http://127.0.0.1:1"
         );
         let errs = Config::from_toml_str(&text).unwrap_err();
         let joined = errs.join("\n");
-        assert!(joined.contains("tenants[0].tier: unknown tier \"gold\""), "{joined}");
-        assert!(joined.contains("tenants[1].key_sha256[0]: duplicate key"), "{joined}");
+        assert!(
+            joined.contains("tenants[0].tier: unknown tier \"gold\""),
+            "{joined}"
+        );
+        assert!(
+            joined.contains("tenants[1].key_sha256[0]: duplicate key"),
+            "{joined}"
+        );
         assert!(joined.contains("models[0].fallback"), "{joined}");
         assert!(joined.contains("safe < soft < hard"), "{joined}");
         assert_eq!(errs.len(), 4, "{joined}");

@@ -53,7 +53,11 @@ impl Degrader {
             self.use_fallback = cfg.degrade.levels.iter().map(|l| l.use_fallback).collect();
             return;
         }
-        let forced = self.planner.plan().forced.then(|| self.planner.effective_level());
+        let forced = self
+            .planner
+            .plan()
+            .forced
+            .then(|| self.planner.effective_level());
         *self = Degrader::new(cfg);
         self.planner.force(forced);
     }

@@ -113,8 +113,9 @@ pub struct GatewayError {
     pub param: Option<&'static str>,
     /// When a retry may succeed (sets `Retry-After` and `retry-after-ms`).
     pub retry_after: Option<Duration>,
-    /// Rate-limit figures for the `x-ratelimit-*` headers.
-    pub rate: Option<RateInfo>,
+    /// Rate-limit figures for the `x-ratelimit-*` headers (boxed: most errors have none,
+    /// and a small error keeps every `Result` on the request path small).
+    pub rate: Option<Box<RateInfo>>,
 }
 
 impl std::fmt::Display for GatewayError {
@@ -171,7 +172,7 @@ impl GatewayError {
 
     /// Sets the rate-limit headers.
     pub fn with_rate(mut self, r: RateInfo) -> Self {
-        self.rate = Some(r);
+        self.rate = Some(Box::new(r));
         self
     }
 

@@ -496,7 +496,11 @@ impl Gateway {
                 })
             })
             .collect();
-        let lanes: Vec<_> = self.lanes().iter().map(|l| l.state_json(self, now)).collect();
+        let lanes: Vec<_> = self
+            .lanes()
+            .iter()
+            .map(|l| l.state_json(self, now))
+            .collect();
         let deg = self.degrader.lock().state_json();
         serde_json::json!({
             "draining": self.is_draining(),

@@ -19,8 +19,8 @@ use crate::gateway::{Gateway, Tenant};
 use crate::metrics::TierLabel;
 use crate::upstream::Backend;
 use levee_policy::{
-    Breaker, BreakerTicket, Clock, FairQueue, Outcome as BreakerOutcome, QueueLimits, Ticket,
-    Tier, Timestamp,
+    Breaker, BreakerTicket, Clock, FairQueue, Outcome as BreakerOutcome, QueueLimits, Ticket, Tier,
+    Timestamp,
 };
 use parking_lot::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -514,7 +514,11 @@ impl Lane {
             if entry.item.tx.is_closed() {
                 // Client gone between cancel and pop: never send its request upstream.
                 backend.in_flight.fetch_sub(1, Ordering::AcqRel);
-                if let Some(e) = inner.backends.iter_mut().find(|e| Arc::ptr_eq(&e.backend, &backend)) {
+                if let Some(e) = inner
+                    .backends
+                    .iter_mut()
+                    .find(|e| Arc::ptr_eq(&e.backend, &backend))
+                {
                     e.breaker.record(ticket, BreakerOutcome::Cancelled, now);
                 }
                 continue;

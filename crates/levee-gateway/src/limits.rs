@@ -99,12 +99,15 @@ impl Limits {
                 Ok(p) => grant.permits.push(p),
                 Err(s) => {
                     return Err(LimitRefusal::Rate(GatewayError::rate_limited(
-                        &format!("{}: {} requests in flight, limit {}", self.scope, s.in_use, s.limit),
+                        &format!(
+                            "{}: {} requests in flight, limit {}",
+                            self.scope, s.in_use, s.limit
+                        ),
                         // A concurrency slot frees when some request ends; there is no exact
                         // time, so ask for a short, bounded wait.
                         Duration::from_secs(1),
                         self.rate_info(now),
-                    )))
+                    )));
                 }
             }
         }
@@ -135,7 +138,10 @@ impl Limits {
                     let mut rate = self.rate_info(now);
                     rate.remaining_tokens = Some(rate.remaining_tokens.unwrap_or(0).min(tokens));
                     return Err(LimitRefusal::Rate(GatewayError::rate_limited(
-                        &format!("{} tokens per minute ({tokens} tokens estimated)", self.scope),
+                        &format!(
+                            "{} tokens per minute ({tokens} tokens estimated)",
+                            self.scope
+                        ),
                         retry_after,
                         rate,
                     )));

@@ -118,21 +118,41 @@ impl Metrics {
     pub fn new() -> Self {
         let mut registry = Registry::with_prefix("levee");
         let requests = Family::<RequestLabels, Counter>::default();
-        registry.register("requests", "Requests by tenant, model and outcome", requests.clone());
+        registry.register(
+            "requests",
+            "Requests by tenant, model and outcome",
+            requests.clone(),
+        );
         let admitted = Family::<TierLabel, Counter>::default();
-        registry.register("admitted", "Requests dispatched to a backend", admitted.clone());
+        registry.register(
+            "admitted",
+            "Requests dispatched to a backend",
+            admitted.clone(),
+        );
         let rejected = Family::<ReasonLabels, Counter>::default();
         registry.register("rejected", "Requests refused, by code", rejected.clone());
         let degraded = Family::<ReasonLabels, Counter>::default();
-        registry.register("degraded", "Requests served degraded, by measure", degraded.clone());
+        registry.register(
+            "degraded",
+            "Requests served degraded, by measure",
+            degraded.clone(),
+        );
         let shed = Family::<TierLabel, Counter>::default();
         registry.register("shed", "Requests shed by degradation", shed.clone());
         let queue_depth = Family::<TierLabel, Gauge>::default();
-        registry.register("queue_depth", "Requests waiting per tier", queue_depth.clone());
+        registry.register(
+            "queue_depth",
+            "Requests waiting per tier",
+            queue_depth.clone(),
+        );
         let queue_wait = Family::<TierLabel, Histogram>::new_with_constructor(|| {
             Histogram::new(latency_buckets())
         });
-        registry.register("queue_wait_seconds", "Time spent queued", queue_wait.clone());
+        registry.register(
+            "queue_wait_seconds",
+            "Time spent queued",
+            queue_wait.clone(),
+        );
         let ttft = Family::<TierLabel, Histogram>::new_with_constructor(|| {
             Histogram::new(latency_buckets())
         });
@@ -188,7 +208,11 @@ impl Metrics {
         let in_flight = Gauge::default();
         registry.register("in_flight", "Requests being proxied now", in_flight.clone());
         let queued = Gauge::default();
-        registry.register("queued", "Requests waiting in the queue now", queued.clone());
+        registry.register(
+            "queued",
+            "Requests waiting in the queue now",
+            queued.clone(),
+        );
         Metrics {
             registry,
             requests,

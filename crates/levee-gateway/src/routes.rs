@@ -201,9 +201,7 @@ fn parse(bytes: &[u8]) -> Result<Parsed, GatewayError> {
         None | Some(Value::Null) => false,
         Some(Value::Bool(b)) => *b,
         Some(_) => {
-            return Err(
-                GatewayError::bad_request("`stream` must be a boolean").with_param("stream")
-            )
+            return Err(GatewayError::bad_request("`stream` must be a boolean").with_param("stream"))
         }
     };
     let max_tokens = match body
@@ -234,7 +232,8 @@ fn parse(bytes: &[u8]) -> Result<Parsed, GatewayError> {
     })
 }
 
-async fn read_body(req: Request, limit: usize) -> Result<(HeaderMap, Bytes), GatewayError> {
+/// Reads the body; the request head is dropped here so its buffer is not held while queued.
+async fn read_body(req: Request, limit: usize) -> Result<Bytes, GatewayError> {
     let (parts, body) = req.into_parts();
     if let Some(len) = parts
         .headers
@@ -246,8 +245,9 @@ async fn read_body(req: Request, limit: usize) -> Result<(HeaderMap, Bytes), Gat
             return Err(GatewayError::body_too_large(limit));
         }
     }
+    drop(parts);
     match axum::body::to_bytes(body, limit).await {
-        Ok(b) => Ok((parts.headers, b)),
+        Ok(b) => Ok(b),
         Err(e) => {
             let too_big = std::error::Error::source(&e)
                 .is_some_and(|s| s.is::<http_body_util::LengthLimitError>())
@@ -290,7 +290,7 @@ async fn pipeline(
     let tenant = authenticate(gw, req.headers())?;
     labels.tenant = tenant.name.clone();
     labels.tier = tenant.tier.clone();
-    let (_headers, bytes) = read_body(req, cfg.server.max_body_bytes).await?;
+    let bytes = read_body(req, cfg.server.max_body_bytes).await?;
     let mut parsed = parse(&bytes)?;
     labels.model = parsed.model.clone();
     let Some(model) = rt.models.get(&parsed.model).cloned() else {
@@ -314,7 +314,10 @@ async fn pipeline(
                 .map(|l| l.retry_estimate(gw))
                 .unwrap_or(Duration::from_secs(1));
             return Err(GatewayError::capacity_overload(
-                &format!("degradation level {} sheds tier {}", decision.level, tenant.tier),
+                &format!(
+                    "degradation level {} sheds tier {}",
+                    decision.level, tenant.tier
+                ),
                 retry,
             ));
         }
@@ -362,7 +365,7 @@ async fn pipeline(
             if e.rate.is_none() || !Arc::ptr_eq(scope, &tenant.limits) {
                 // Report the tenant's own figures beside the scope that refused.
                 let own = tenant.limits.rate_info(now);
-                let r = e.rate.get_or_insert_with(RateInfo::default);
+                let r = e.rate.get_or_insert_with(Box::default);
                 r.limit_requests = r.limit_requests.or(own.limit_requests);
                 r.remaining_requests = r.remaining_requests.or(own.remaining_requests);
                 r.reset_requests = r.reset_requests.or(own.reset_requests);
@@ -462,9 +465,10 @@ async fn pipeline(
             o.insert("include_usage".into(), Value::Bool(true));
         }
     }
-    let upstream_body = Bytes::from(serde_json::to_vec(&parsed.body).map_err(|e| {
-        GatewayError::internal(format!("cannot encode the upstream request: {e}"))
-    })?);
+    let upstream_body =
+        Bytes::from(serde_json::to_vec(&parsed.body).map_err(|e| {
+            GatewayError::internal(format!("cannot encode the upstream request: {e}"))
+        })?);
 
     let mut extra: Vec<(&'static str, HeaderValue)> = Vec::new();
     let queued_ms = slot.queued_for.as_millis();
@@ -630,7 +634,9 @@ impl Settle for RequestSettle {
         } else {
             "ok"
         };
-        self.gw.metrics.request(&self.tenant.name, &self.model, label);
+        self.gw
+            .metrics
+            .request(&self.tenant.name, &self.model, label);
         let _ = self.sent_at;
     }
 }
@@ -650,16 +656,32 @@ mod tests {
         assert_eq!(parse(b"[]").unwrap_err().status, StatusCode::BAD_REQUEST);
         assert_eq!(parse(br#"{"model":3}"#).unwrap_err().param, Some("model"));
         assert_eq!(
-            parse(br#"{"model":"m","max_tokens":-1}"#).unwrap_err().param,
+            parse(br#"{"model":"m","max_tokens":-1}"#)
+                .unwrap_err()
+                .param,
             Some("max_tokens")
         );
+    }
+
+    #[tokio::test]
+    async fn future_sizes() {
+        // Each queued request holds one of these; keep them small (see BENCHMARKS.md).
+        let gw = Gateway::new(crate::Config::default()).unwrap();
+        let req = Request::new(axum::body::Body::empty());
+        let f = handle(gw, "127.0.0.1:1".parse().unwrap(), req, "/v1/chat/completions");
+        let size = std::mem::size_of_val(&f);
+        eprintln!("handle future: {size} bytes");
+        assert!(size < 16 * 1024, "{size}");
     }
 
     #[test]
     fn bearer_parsing() {
         let mut h = HeaderMap::new();
         assert!(bearer(&h).is_none());
-        h.insert(http::header::AUTHORIZATION, HeaderValue::from_static("Bearer abc"));
+        h.insert(
+            http::header::AUTHORIZATION,
+            HeaderValue::from_static("Bearer abc"),
+        );
         assert_eq!(bearer(&h), Some("abc"));
     }
 }

@@ -165,7 +165,10 @@ async fn accept_loop(
     }
     drop(listener);
     let grace = Duration::from_millis(gateway.config().server.shutdown_grace_ms);
-    if tokio::time::timeout(grace, graceful.shutdown()).await.is_err() {
+    if tokio::time::timeout(grace, graceful.shutdown())
+        .await
+        .is_err()
+    {
         tracing::warn!("connections still open after the grace period; closing them");
     }
 }

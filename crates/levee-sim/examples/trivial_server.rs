@@ -14,7 +14,9 @@ use std::convert::Infallible;
 
 const BODY: &str = r#"{"id":"chatcmpl-bench","object":"chat.completion","created":0,"model":"bench","choices":[{"index":0,"message":{"role":"assistant","content":"ok"},"finish_reason":"stop"}],"usage":{"prompt_tokens":16,"completion_tokens":1,"total_tokens":17}}"#;
 
-async fn answer(request: Request<hyper::body::Incoming>) -> Result<Response<Full<Bytes>>, Infallible> {
+async fn answer(
+    request: Request<hyper::body::Incoming>,
+) -> Result<Response<Full<Bytes>>, Infallible> {
     // Read the body so the connection stays reusable.
     let _ = request.into_body().collect().await;
     let mut response = Response::new(Full::new(Bytes::from_static(BODY.as_bytes())));

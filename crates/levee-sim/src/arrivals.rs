@@ -126,8 +126,13 @@ pub fn build(scenario: &Scenario) -> anyhow::Result<Schedule> {
     for (i, tenant) in scenario.tenants.iter().enumerate() {
         if let Some(phases) = &tenant.phases {
             let mut own_rng = SmallRng::seed_from_u64(seed ^ (0x7465_6e00 + i as u64));
-            for t in arrival_times(phases, &rps, arrival.process, arrival.burstiness, &mut own_rng)
-            {
+            for t in arrival_times(
+                phases,
+                &rps,
+                arrival.process,
+                arrival.burstiness,
+                &mut own_rng,
+            ) {
                 // A tenant's own phases never extend the run.
                 if t < duration_s {
                     tagged.push((t, i as u16));

@@ -68,8 +68,12 @@ impl Dist {
     pub fn validate(&self) -> anyhow::Result<()> {
         let ok = match *self {
             Dist::Constant { value } => value.is_finite() && value >= 0.0,
-            Dist::Uniform { min, max } => min.is_finite() && max.is_finite() && 0.0 <= min && min <= max,
-            Dist::Normal { mean, std_dev, .. } => mean.is_finite() && std_dev.is_finite() && std_dev >= 0.0,
+            Dist::Uniform { min, max } => {
+                min.is_finite() && max.is_finite() && 0.0 <= min && min <= max
+            }
+            Dist::Normal { mean, std_dev, .. } => {
+                mean.is_finite() && std_dev.is_finite() && std_dev >= 0.0
+            }
             Dist::Lognormal { median, sigma, .. } => {
                 median.is_finite() && median > 0.0 && sigma.is_finite() && sigma >= 0.0
             }

@@ -211,7 +211,11 @@ pub(crate) async fn attempt(
     }
     let complete = sse.done || sse.finished;
     AttemptResult {
-        kind: if complete { Kind::Ok } else { Kind::BrokenStream },
+        kind: if complete {
+            Kind::Ok
+        } else {
+            Kind::BrokenStream
+        },
         admitted: true,
         first_token_ns: sse.first_ns,
         tokens: sse.usage_tokens.unwrap_or(sse.chunks),
@@ -296,8 +300,14 @@ mod tests {
     #[test]
     fn sse_split_across_frames_counts_tokens_and_usage() {
         let mut s = SseState::default();
-        s.feed(b"data: {\"choices\":[{\"delta\":{\"content\":\"a\"}}]}\n\nda", 1_000_000);
-        s.feed(b"ta: {\"choices\":[{\"delta\":{\"content\":\"b\"}}]}\r\n\r\n", 3_000_000);
+        s.feed(
+            b"data: {\"choices\":[{\"delta\":{\"content\":\"a\"}}]}\n\nda",
+            1_000_000,
+        );
+        s.feed(
+            b"ta: {\"choices\":[{\"delta\":{\"content\":\"b\"}}]}\r\n\r\n",
+            3_000_000,
+        );
         s.feed(
             b"data: {\"choices\":[{\"delta\":{},\"finish_reason\":\"stop\"}],\"usage\":{\"completion_tokens\":7}}\n\ndata: [DONE]\n\n",
             4_000_000,

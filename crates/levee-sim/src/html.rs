@@ -73,7 +73,10 @@ fn line_chart(title: &str, y_desc: &str, series: &[Series]) -> anyhow::Result<St
 }
 
 fn per_second(r: &Report, f: fn(&crate::report::Second) -> f64) -> Vec<(f64, f64)> {
-    r.timeseries.iter().map(|s| (f64::from(s.t), f(s))).collect()
+    r.timeseries
+        .iter()
+        .map(|s| (f64::from(s.t), f(s)))
+        .collect()
 }
 
 fn escape(s: &str) -> String {
@@ -100,8 +103,14 @@ fn run_section(out: &mut String, label: &str, r: &Report) -> anyhow::Result<()> 
         "requests / s",
         &[
             ("offered".into(), per_second(r, |s| s.offered as f64)),
-            ("attempts (with retries)".into(), per_second(r, |s| s.attempts as f64)),
-            ("admitted (2xx)".into(), per_second(r, |s| s.admitted as f64)),
+            (
+                "attempts (with retries)".into(),
+                per_second(r, |s| s.attempts as f64),
+            ),
+            (
+                "admitted (2xx)".into(),
+                per_second(r, |s| s.admitted as f64),
+            ),
             ("ok".into(), per_second(r, |s| s.ok as f64)),
             ("goodput (met SLO)".into(), per_second(r, |s| s.good as f64)),
         ],
@@ -124,7 +133,10 @@ fn run_section(out: &mut String, label: &str, r: &Report) -> anyhow::Result<()> 
             ("429".into(), per_second(r, |s| s.rate_limited as f64)),
             ("5xx".into(), per_second(r, |s| s.server_errors as f64)),
             ("timeouts".into(), per_second(r, |s| s.timeouts as f64)),
-            ("connection".into(), per_second(r, |s| s.connect_errors as f64)),
+            (
+                "connection".into(),
+                per_second(r, |s| s.connect_errors as f64),
+            ),
             ("other".into(), per_second(r, |s| s.other_errors as f64)),
         ],
     )?);
@@ -136,7 +148,12 @@ fn run_section(out: &mut String, label: &str, r: &Report) -> anyhow::Result<()> 
             .metrics
             .iter()
             .filter(|m| m.name == name)
-            .map(|m| (m.source.clone(), m.points.iter().map(|p| (p[0], p[1])).collect()))
+            .map(|m| {
+                (
+                    m.source.clone(),
+                    m.points.iter().map(|p| (p[0], p[1])).collect(),
+                )
+            })
             .collect();
         out.push_str(&line_chart(name, name, &series)?);
     }
@@ -169,7 +186,11 @@ pub fn write_html(runs: &[(&str, &Report)], path: &Path) -> anyhow::Result<()> {
          svg{{display:block;margin:1em 0}}</style></head><body><h1>levee sim: {title}</h1>"
     );
     if runs.len() > 1 {
-        let _ = writeln!(out, "<h2>Side by side</h2><pre>{}</pre>", escape(&compare_table(runs)));
+        let _ = writeln!(
+            out,
+            "<h2>Side by side</h2><pre>{}</pre>",
+            escape(&compare_table(runs))
+        );
         let overlay = |f: fn(&crate::report::Second) -> f64| -> Vec<Series> {
             runs.iter()
                 .map(|(l, r)| (l.to_string(), per_second(r, f)))

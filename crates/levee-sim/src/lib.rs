@@ -58,6 +58,9 @@ pub struct SimArgs {
     /// What "1x" means, in requests per second (overrides the scenario's capacity_rps).
     #[arg(long)]
     pub capacity_rps: Option<f64>,
+    /// Model name to send (overrides the scenario's and its classes').
+    #[arg(long)]
+    pub model: Option<String>,
     /// A /metrics URL to scrape, as NAME=URL (repeatable), e.g.
     /// gateway=http://127.0.0.1:9090/metrics.
     #[arg(long = "metrics", value_name = "NAME=URL")]
@@ -147,9 +150,9 @@ pub async fn run_cli(args: SimArgs) -> anyhow::Result<()> {
         }
         None => {}
     }
-    let spec = args.scenario.context(
-        "give a scenario (a TOML file or a shipped name; `levee sim list` shows them)",
-    )?;
+    let spec = args
+        .scenario
+        .context("give a scenario (a TOML file or a shipped name; `levee sim list` shows them)")?;
     let mut scenario = load_scenario(&spec)?;
     if let Some(seed) = args.seed {
         scenario.seed = seed;
@@ -165,9 +168,9 @@ pub async fn run_cli(args: SimArgs) -> anyhow::Result<()> {
         print!("{}", scenario.to_toml_string()?);
         return Ok(());
     }
-    let base_url = args
-        .target
-        .context("give --target URL, the gateway or engine to flood (e.g. http://127.0.0.1:8080)")?;
+    let base_url = args.target.context(
+        "give --target URL, the gateway or engine to flood (e.g. http://127.0.0.1:8080)",
+    )?;
     let metrics = args
         .metrics
         .iter()
@@ -184,6 +187,7 @@ pub async fn run_cli(args: SimArgs) -> anyhow::Result<()> {
     };
     let opts = RunOptions {
         progress: !args.quiet,
+        model: args.model,
         drain: args
             .drain_s
             .map(|s| std::time::Duration::from_secs_f64(s.max(0.0))),

@@ -90,7 +90,11 @@ struct GroupAcc {
 
 impl GroupAcc {
     fn finish(&self, duration_s: f64) -> Group {
-        let p = |h: &Option<Histogram<u64>>| h.as_ref().map(Percentiles::from_histogram).unwrap_or_default();
+        let p = |h: &Option<Histogram<u64>>| {
+            h.as_ref()
+                .map(Percentiles::from_histogram)
+                .unwrap_or_default()
+        };
         Group {
             requests: self.requests,
             ok: self.ok,
@@ -152,7 +156,8 @@ pub(crate) struct Recorder {
 
 impl Recorder {
     pub(crate) fn new(scenario: &Scenario) -> anyhow::Result<Self> {
-        let fine = Histogram::new(3).map_err(|e| anyhow::anyhow!("cannot make a histogram: {e}"))?;
+        let fine =
+            Histogram::new(3).map_err(|e| anyhow::anyhow!("cannot make a histogram: {e}"))?;
         let coarse =
             Histogram::new(2).map_err(|e| anyhow::anyhow!("cannot make a histogram: {e}"))?;
         let histogram = || fine.clone();
@@ -174,13 +179,23 @@ impl Recorder {
             lag: histogram(),
             errors: BTreeMap::new(),
             seconds: Vec::new(),
-            per_tenant: scenario.tenants.iter().map(|_| GroupAcc::default()).collect(),
-            per_class: scenario.classes.iter().map(|_| GroupAcc::default()).collect(),
+            per_tenant: scenario
+                .tenants
+                .iter()
+                .map(|_| GroupAcc::default())
+                .collect(),
+            per_class: scenario
+                .classes
+                .iter()
+                .map(|_| GroupAcc::default())
+                .collect(),
             per_tier: BTreeMap::new(),
-            protos: Protos { fine: fine.clone(), coarse },
+            protos: Protos {
+                fine: fine.clone(),
+                coarse,
+            },
         })
     }
-
 
     /// Whether a successful request met the SLO.
     fn meets_slo(&self, ttft_ms: f64, tpot_ms: Option<f64>, e2e_ms: f64) -> bool {
@@ -230,9 +245,8 @@ impl Recorder {
             for &gap in &r.itl_us {
                 let _ = self.itl.record(u64::from(gap).max(1));
             }
-            let tpot_us = (r.tokens > 1 && r.first_token_ns.is_some()).then(|| {
-                us(r.done_ns.saturating_sub(first)) / u64::from(r.tokens - 1)
-            });
+            let tpot_us = (r.tokens > 1 && r.first_token_ns.is_some())
+                .then(|| us(r.done_ns.saturating_sub(first)) / u64::from(r.tokens - 1));
             if let Some(tpot) = tpot_us {
                 let _ = self.tpot.record(tpot.max(1));
             }
@@ -305,10 +319,10 @@ impl Recorder {
                 g.good += 1;
             }
             if let Some(v) = ttft_us {
-                record_into(&mut g.ttft, v, &fine);
+                record_into(&mut g.ttft, v, fine);
             }
             if let Some(v) = e2e_us {
-                record_into(&mut g.e2e, v, &fine);
+                record_into(&mut g.e2e, v, fine);
             }
             if let Some(key) = &error {
                 *g.errors.entry(key.clone()).or_default() += 1;

@@ -353,7 +353,11 @@ impl Report {
             );
         }
         if !self.errors.is_empty() {
-            let list: Vec<String> = self.errors.iter().map(|(k, v)| format!("{k} {v}")).collect();
+            let list: Vec<String> = self
+                .errors
+                .iter()
+                .map(|(k, v)| format!("{k} {v}"))
+                .collect();
             let _ = writeln!(s, "errors     {}", list.join("  "));
         }
         for (title, groups) in [("tier", &self.per_tier), ("tenant", &self.per_tenant)] {
@@ -416,7 +420,9 @@ pub fn compare_table(runs: &[(&str, &Report)]) -> String {
                 .map(|(_, v)| *v as f64)
                 .sum()
         }),
-        ("timeouts", |r| r.errors.get("timeout").copied().unwrap_or(0) as f64),
+        ("timeouts", |r| {
+            r.errors.get("timeout").copied().unwrap_or(0) as f64
+        }),
         ("retries", |r| r.totals.retries as f64),
     ];
     let mut s = String::new();

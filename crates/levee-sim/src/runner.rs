@@ -9,7 +9,7 @@ use crate::arrivals::{self, Arrival};
 use crate::exchange::{self, HttpClient};
 use crate::recorder::{Kind, Record, Recorder, ReportHeader};
 use crate::report::{FaultRecord, MetricSeries, Report};
-use crate::scenario::{Behaviour, FaultAction, Scenario};
+use crate::scenario::{Behaviour, Scenario};
 use crate::scrape;
 use anyhow::Context;
 use bytes::Bytes;
@@ -60,6 +60,8 @@ pub struct RunOptions {
     pub rate_scale: Option<f64>,
     /// Overrides the scenario's `capacity_rps`.
     pub capacity_rps: Option<f64>,
+    /// Overrides the model name of the scenario and of all its classes.
+    pub model: Option<String>,
     /// How long to wait for requests still in flight after the last scheduled send, before
     /// cancelling them. Default: the client timeout plus one second.
     pub drain: Option<Duration>,
@@ -72,6 +74,7 @@ impl Default for RunOptions {
             seed: None,
             rate_scale: None,
             capacity_rps: None,
+            model: None,
             drain: None,
         }
     }
@@ -164,7 +167,8 @@ impl Ctx {
     }
 
     fn request(&self, req: &Req, body: Bytes) -> anyhow::Result<http::Request<Full<Bytes>>> {
-        let mut builder = http::Request::post(self.uri.clone()).header(CONTENT_TYPE, "application/json");
+        let mut builder =
+            http::Request::post(self.uri.clone()).header(CONTENT_TYPE, "application/json");
         if let Some(auth) = self.auth.get(usize::from(req.tenant)) {
             builder = builder.header(AUTHORIZATION, auth.clone());
         }
@@ -179,7 +183,11 @@ impl Ctx {
 /// Every scheduled request is sent at its intended time (open loop) and produces exactly
 /// one outcome in the report: success, an error by kind, or `cancelled` if the run's drain
 /// time ran out first.
-pub async fn run(scenario: &Scenario, target: &Target, opts: &RunOptions) -> anyhow::Result<Report> {
+pub async fn run(
+    scenario: &Scenario,
+    target: &Target,
+    opts: &RunOptions,
+) -> anyhow::Result<Report> {
     let mut scenario = scenario.clone();
     if let Some(seed) = opts.seed {
         scenario.seed = seed;
@@ -189,6 +197,12 @@ pub async fn run(scenario: &Scenario, target: &Target, opts: &RunOptions) -> any
     }
     if let Some(capacity) = opts.capacity_rps {
         scenario.capacity_rps = capacity;
+    }
+    if let Some(model) = &opts.model {
+        scenario.request.model = model.clone();
+        for class in &mut scenario.classes {
+            class.model = None;
+        }
     }
     scenario.validate()?;
     let schedule = arrivals::build(&scenario)?;
@@ -200,7 +214,12 @@ pub async fn run(scenario: &Scenario, target: &Target, opts: &RunOptions) -> any
     );
     let uri: http::Uri = format!("{base}{}", scenario.request.path)
         .parse()
-        .with_context(|| format!("target {base:?} with path {:?} is not a valid URL", scenario.request.path))?;
+        .with_context(|| {
+            format!(
+                "target {base:?} with path {:?} is not a valid URL",
+                scenario.request.path
+            )
+        })?;
 
     let (tx, mut rx) = mpsc::unbounded_channel::<Record>();
     let start = Instant::now();
@@ -218,7 +237,13 @@ pub async fn run(scenario: &Scenario, target: &Target, opts: &RunOptions) -> any
 
     let stop_side = CancellationToken::new();
     let mut sources: Vec<(String, String)> = target.metrics.clone();
-    sources.extend(scenario.metrics.urls.iter().map(|(k, v)| (k.clone(), v.clone())));
+    sources.extend(
+        scenario
+            .metrics
+            .urls
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone())),
+    );
     let scraper = tokio::spawn(scrape::run(
         ctx.client.clone(),
         sources,
@@ -257,7 +282,10 @@ pub async fn run(scenario: &Scenario, target: &Target, opts: &RunOptions) -> any
         .unwrap_or_else(|| Duration::from_secs_f64(scenario.client.timeout_s + 1.0));
     let drain_end = start + Duration::from_secs_f64(schedule.duration_s) + drain;
     ctx.tracker.close();
-    if tokio::time::timeout_at(drain_end, ctx.tracker.wait()).await.is_err() {
+    if tokio::time::timeout_at(drain_end, ctx.tracker.wait())
+        .await
+        .is_err()
+    {
         tracing::info!("drain time over: cancelling the requests still in flight");
         ctx.cancel.cancel();
         ctx.tracker.wait().await;
@@ -325,7 +353,10 @@ fn build_ctx(
     let mut body_head = Vec::new();
     for c in &scenario.classes {
         let mut head = serde_json::Map::new();
-        let model = c.model.clone().unwrap_or_else(|| scenario.request.model.clone());
+        let model = c
+            .model
+            .clone()
+            .unwrap_or_else(|| scenario.request.model.clone());
         head.insert("model".into(), serde_json::Value::String(model));
         for (k, v) in &scenario.request.extra {
             head.insert(k.clone(), v.clone());
@@ -421,7 +452,10 @@ fn schedule_next_turn(ctx: &Arc<Ctx>, req: &Req, done_ns: u64, tokens: u32) {
             .saturating_add(question),
         max_tokens: class.max_tokens.sample(&mut rng).round().max(1.0) as u32,
         turns_left: req.turns_left - 1,
-        session_seed: req.session_seed.wrapping_mul(0x9e37_79b9_7f4a_7c15).wrapping_add(1),
+        session_seed: req
+            .session_seed
+            .wrapping_mul(0x9e37_79b9_7f4a_7c15)
+            .wrapping_add(1),
         ..*req
     };
     let task_ctx = ctx.clone();
@@ -464,7 +498,9 @@ async fn execute(ctx: &Ctx, req: &Req) -> Record {
     let tenant = usize::from(req.tenant);
     if ctx.behaviour == Behaviour::Backoff {
         if let Some(b) = ctx.budgets.get(tenant) {
-            b.lock().unwrap_or_else(|e| e.into_inner()).on_request(std::time::Instant::now());
+            b.lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .on_request(std::time::Instant::now());
         }
     }
     let mut first_sent_ns = None;
@@ -601,8 +637,7 @@ async fn run_faults(
     start: Instant,
     stop: CancellationToken,
 ) -> Vec<FaultRecord> {
-    let mut faults = scenario.faults.clone();
-    faults.sort_by(|a, b| a.at_s.total_cmp(&b.at_s));
+    let faults = crate::faults::expand(&scenario.faults);
     let mut records = Vec::new();
     for f in faults {
         let due = start + Duration::from_secs_f64(f.at_s.max(0.0));
@@ -636,7 +671,6 @@ async fn run_faults(
         }
         records.push(record);
     }
-    let _ = FaultAction::Post;
     records
 }
 
@@ -646,9 +680,9 @@ async fn show_progress(ctx: Arc<Ctx>, planned: u64, visible: bool, stop: Cancell
     } else {
         indicatif::ProgressBar::hidden()
     };
-    if let Ok(style) = indicatif::ProgressStyle::with_template(
-        "{elapsed:>4} [{bar:30}] {pos}/{len} {msg}",
-    ) {
+    if let Ok(style) =
+        indicatif::ProgressStyle::with_template("{elapsed:>4} [{bar:30}] {pos}/{len} {msg}")
+    {
         bar.set_style(style.progress_chars("=> "));
     }
     let mut tick = tokio::time::interval(Duration::from_millis(250));

@@ -144,7 +144,10 @@ impl Scenario {
                     .with_context(|| format!("classes[{i}].{field} ({})", c.name))?;
             }
         }
-        anyhow::ensure!(!self.tenants.is_empty(), "tenants: give at least one tenant");
+        anyhow::ensure!(
+            !self.tenants.is_empty(),
+            "tenants: give at least one tenant"
+        );
         anyhow::ensure!(
             self.tenants
                 .iter()
@@ -161,18 +164,12 @@ impl Scenario {
             (0.0..=1.0).contains(&self.sessions.share),
             "sessions.share must be in [0, 1]"
         );
-        self.sessions
-            .turns
-            .validate()
-            .context("sessions.turns")?;
+        self.sessions.turns.validate().context("sessions.turns")?;
         self.sessions
             .think_time_s
             .validate()
             .context("sessions.think_time_s")?;
-        anyhow::ensure!(
-            self.client.timeout_s > 0.0,
-            "client.timeout_s must be > 0"
-        );
+        anyhow::ensure!(self.client.timeout_s > 0.0, "client.timeout_s must be > 0");
         anyhow::ensure!(
             self.client.max_attempts >= 1,
             "client.max_attempts must be >= 1"
@@ -183,10 +180,7 @@ impl Scenario {
         );
         for (i, f) in self.faults.iter().enumerate() {
             if matches!(f.action, FaultAction::Post) {
-                anyhow::ensure!(
-                    f.url.is_some(),
-                    "faults[{i}]: action \"post\" needs a url"
-                );
+                anyhow::ensure!(f.url.is_some(), "faults[{i}]: action \"post\" needs a url");
             }
         }
         Ok(())
@@ -599,6 +593,10 @@ impl Default for Slo {
     }
 }
 
+/// Model name sent by default: the simulated engine's default model (its `small` and
+/// `a100-7b` profiles), so that a scenario runs against `levee engine` as it is.
+pub const DEFAULT_MODEL: &str = "levee-sim-7b";
+
 /// Where requests go and what they ask for.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -615,7 +613,7 @@ impl Default for RequestConfig {
     fn default() -> Self {
         Self {
             path: "/v1/chat/completions".into(),
-            model: "levee-sim".into(),
+            model: DEFAULT_MODEL.into(),
             extra: BTreeMap::new(),
         }
     }
@@ -664,20 +662,21 @@ pub struct Fault {
     /// Which engine (index into the target's engine admin URLs) for named actions.
     #[serde(default)]
     pub engine: usize,
-    /// Full URL to POST to; for named actions it overrides the engine's admin URL.
+    /// Full URL to POST to; for named actions it replaces the engine admin URL + path.
     #[serde(default)]
     pub url: Option<String>,
     /// JSON body; for named actions, fields merged over the built body.
     #[serde(default)]
     pub body: Option<serde_json::Value>,
-    /// `slow`: added latency per token, in milliseconds.
+    /// `slow`: latency added before each new request reaches the engine's scheduler, in
+    /// (simulated) milliseconds; default 100.
     #[serde(default)]
     pub latency_ms: Option<f64>,
-    /// `errors`: share of requests that fail with 500.
+    /// `errors`: share of new requests that fail at once with 500; default 0.5.
     #[serde(default)]
     pub error_rate: Option<f64>,
-    /// How long the fault lasts, in seconds, for engines that support it (none = until
-    /// `recover`).
+    /// For `hang`, `slow` and `errors`: the simulator sends `recover` this many seconds
+    /// later (none = until an explicit `recover`). A crash ends by itself (engine restart).
     #[serde(default)]
     pub duration_s: Option<f64>,
 }
@@ -686,15 +685,16 @@ pub struct Fault {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum FaultAction {
-    /// The engine dies (process-level crash in the simulator: it refuses connections).
+    /// The engine crashes as on a GPU out-of-memory: in-flight requests fail, it answers 503
+    /// until it has restarted.
     Crash,
     /// The engine accepts requests and never answers.
     Hang,
-    /// The engine slows down by `latency_ms` per token.
+    /// The engine delays new requests by `latency_ms`.
     Slow,
     /// The engine fails `error_rate` of requests with 500.
     Errors,
-    /// The engine returns to normal.
+    /// The engine's injected faults (latency, errors, hang) are cleared.
     Recover,
     /// POST `body` to `url`, nothing more.
     Post,

@@ -7,11 +7,26 @@ use anyhow::Context;
 /// `(name, TOML text)` of every shipped scenario.
 pub const BUILTIN: &[(&str, &str)] = &[
     ("steady", include_str!("../../../scenarios/steady.toml")),
-    ("flash-crowd", include_str!("../../../scenarios/flash-crowd.toml")),
-    ("slow-poison", include_str!("../../../scenarios/slow-poison.toml")),
-    ("retry-storm", include_str!("../../../scenarios/retry-storm.toml")),
-    ("noisy-neighbor", include_str!("../../../scenarios/noisy-neighbor.toml")),
-    ("backend-failure", include_str!("../../../scenarios/backend-failure.toml")),
+    (
+        "flash-crowd",
+        include_str!("../../../scenarios/flash-crowd.toml"),
+    ),
+    (
+        "slow-poison",
+        include_str!("../../../scenarios/slow-poison.toml"),
+    ),
+    (
+        "retry-storm",
+        include_str!("../../../scenarios/retry-storm.toml"),
+    ),
+    (
+        "noisy-neighbor",
+        include_str!("../../../scenarios/noisy-neighbor.toml"),
+    ),
+    (
+        "backend-failure",
+        include_str!("../../../scenarios/backend-failure.toml"),
+    ),
 ];
 
 /// Names of the shipped scenarios.

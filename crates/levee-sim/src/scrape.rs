@@ -33,7 +33,10 @@ pub fn parse_gauges(text: &str, wanted: &[String]) -> BTreeMap<String, f64> {
             Some(labels) => labels.rfind('}').map_or("", |i| &labels[i + 1..]),
             None => &line[name_end..],
         };
-        let Some(value) = rest.split_whitespace().next().and_then(|v| v.parse::<f64>().ok())
+        let Some(value) = rest
+            .split_whitespace()
+            .next()
+            .and_then(|v| v.parse::<f64>().ok())
         else {
             continue;
         };

@@ -1,5 +1,8 @@
 //! Statistical checks of the generated schedules (fixed seeds, so deterministic).
 
+// Test helpers outside #[test] fns may unwrap too: a panic is the failure report we want.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use levee_sim::arrivals::{arrival_times, build};
 use levee_sim::scenario::{Phase, Process, Rate};
 use levee_sim::Scenario;
@@ -51,7 +54,10 @@ fn poisson_matches_rate_and_dispersion_one() {
         let rate = t.len() as f64 / 200.0;
         assert!((rate - 100.0).abs() < 3.0, "seed {seed}: rate {rate}");
         let (_, d) = dispersion(&t, 200.0, 1.0);
-        assert!((0.75..1.25).contains(&d), "seed {seed}: Poisson dispersion {d}");
+        assert!(
+            (0.75..1.25).contains(&d),
+            "seed {seed}: Poisson dispersion {d}"
+        );
     }
 }
 
@@ -105,15 +111,30 @@ fn phases_follow_their_rate_curves() {
     assert!(close(count(0.0, 50.0), 1250.0), "{}", count(0.0, 50.0));
     // Step at 110 s.
     assert!(close(count(100.0, 110.0), 100.0), "{}", count(100.0, 110.0));
-    assert!(close(count(110.0, 120.0), 2000.0), "{}", count(110.0, 120.0));
+    assert!(
+        close(count(110.0, 120.0), 2000.0),
+        "{}",
+        count(110.0, 120.0)
+    );
     // Spike at 130..135 s.
-    assert!(close(count(130.0, 135.0), 2500.0), "{}", count(130.0, 135.0));
+    assert!(
+        close(count(130.0, 135.0), 2500.0),
+        "{}",
+        count(130.0, 135.0)
+    );
     assert!(close(count(120.0, 130.0), 200.0), "{}", count(120.0, 130.0));
     // Sine: whole periods average to the mean; the rising half-period holds more.
-    assert!(close(count(150.0, 250.0), 5000.0), "{}", count(150.0, 250.0));
+    assert!(
+        close(count(150.0, 250.0), 5000.0),
+        "{}",
+        count(150.0, 250.0)
+    );
     let high = count(150.0, 160.0);
     let low = count(160.0, 170.0);
-    assert!(high > 1.8 * low, "sine peak half {high} vs trough half {low}");
+    assert!(
+        high > 1.8 * low,
+        "sine peak half {high} vs trough half {low}"
+    );
 }
 
 #[test]

@@ -3,6 +3,9 @@
 //! Assertions are structural (counts, orderings, differences of a whole second) so that a
 //! slow, shared machine cannot make them flaky; timings go to BENCHMARKS.md.
 
+// Test helpers outside #[test] fns may unwrap too: a panic is the failure report we want.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use axum::body::Body;
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
@@ -41,7 +44,10 @@ async fn completions(
     let words = body["messages"][0]["content"]
         .as_str()
         .map_or(0, |c| c.split(' ').count());
-    s.seen.lock().unwrap().push((key.clone(), words, Instant::now()));
+    s.seen
+        .lock()
+        .unwrap()
+        .push((key.clone(), words, Instant::now()));
     if s.stall_at == Some(n) {
         *s.stall_until.lock().unwrap() = Some(Instant::now() + Duration::from_secs(1));
     }
@@ -81,7 +87,8 @@ fn async_stream(
     tokens: u64,
 ) -> impl futures::Stream<Item = Result<bytes::Bytes, std::convert::Infallible>> {
     use futures::StreamExt;
-    let chunks = (0..tokens).map(|_| r#"data: {"choices":[{"delta":{"content":"x"}}]}"#.to_string());
+    let chunks =
+        (0..tokens).map(|_| r#"data: {"choices":[{"delta":{"content":"x"}}]}"#.to_string());
     let tail = [
         format!(
             r#"data: {{"choices":[{{"delta":{{}},"finish_reason":"length"}}],"usage":{{"completion_tokens":{tokens}}}}}"#
@@ -99,8 +106,16 @@ async fn metrics() -> &'static str {
     "# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{model_name=\"m\"} 7\nvllm:kv_cache_usage_perc 0.5\n"
 }
 
-async fn fault(State(s): State<Arc<Server>>, Json(body): Json<serde_json::Value>) -> StatusCode {
-    s.faults.lock().unwrap().push(body);
+async fn fault(
+    State(s): State<Arc<Server>>,
+    uri: axum::http::Uri,
+    body: axum::body::Bytes,
+) -> StatusCode {
+    let body: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
+    s.faults
+        .lock()
+        .unwrap()
+        .push(serde_json::json!({"path": uri.path(), "body": body}));
     StatusCode::OK
 }
 
@@ -109,7 +124,7 @@ async fn serve(server: Server) -> (String, Arc<Server>) {
     let app = Router::new()
         .route("/v1/chat/completions", post(completions))
         .route("/metrics", get(metrics))
-        .route("/admin/fault", post(fault))
+        .route("/admin/{*action}", post(fault))
         .with_state(state.clone());
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
@@ -343,7 +358,11 @@ async fn naive_retries_at_once_and_backoff_waits_for_retry_after() {
         .collect();
     assert!(chain.len() <= 3);
     for pair in chain.windows(2) {
-        assert!(*pair[1] - *pair[0] >= Duration::from_millis(50), "{:?}", times.iter().map(|t| *t - first).collect::<Vec<_>>());
+        assert!(
+            *pair[1] - *pair[0] >= Duration::from_millis(50),
+            "{:?}",
+            times.iter().map(|t| *t - first).collect::<Vec<_>>()
+        );
     }
 }
 
@@ -401,8 +420,13 @@ async fn sessions_grow_prompts_and_metrics_and_faults_are_recorded() {
         [[faults]]
         at_s = 0.3
         action = "post"
-        url = "URL/admin/fault"
+        url = "URL/admin/anything"
         body = { custom = true }
+        [[faults]]
+        at_s = 0.4
+        action = "errors"
+        error_rate = 0.25
+        duration_s = 0.2
         "#
         .replace("URL", &url)
         .as_str(),
@@ -431,9 +455,20 @@ async fn sessions_grow_prompts_and_metrics_and_faults_are_recorded() {
     assert!(waiting.points.len() >= 3);
     assert!(waiting.points.iter().all(|p| p[1] == 7.0));
 
-    assert_eq!(r.faults.len(), 2);
-    assert!(r.faults.iter().all(|f| f.status == Some(200)));
+    assert_eq!(r.faults.len(), 4);
+    assert!(
+        r.faults.iter().all(|f| f.status == Some(200)),
+        "{:?}",
+        r.faults
+    );
     let got = server.faults.lock().unwrap().clone();
-    assert_eq!(got[0]["fault"], "crash");
-    assert_eq!(got[1], serde_json::json!({"custom": true}));
+    assert_eq!(
+        got,
+        vec![
+            serde_json::json!({"path": "/admin/crash", "body": {}}),
+            serde_json::json!({"path": "/admin/anything", "body": {"custom": true}}),
+            serde_json::json!({"path": "/admin/faults", "body": {"error_rate": 0.25}}),
+            serde_json::json!({"path": "/admin/clear", "body": {}}),
+        ]
+    );
 }

@@ -1,3 +1,6 @@
+// Test helpers outside #[test] fns may unwrap too: a panic is the failure report we want.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use levee_sim::scenario::{Behaviour, Phase, Rate};
 use levee_sim::{scenarios, Scenario};
 
@@ -27,7 +30,10 @@ fn unknown_fields_are_named() {
     for (text, field) in [
         ("capacity = 3", "capacity"),
         ("[client]\nbehavior = \"naive\"", "behavior"),
-        ("[[phases]]\nkind = \"steady\"\nduration_s = 1\nrps = 1\nrate = 2", "rate"),
+        (
+            "[[phases]]\nkind = \"steady\"\nduration_s = 1\nrps = 1\nrate = 2",
+            "rate",
+        ),
         (
             "[[classes]]\nprompt_tokens = { dist = \"constant\", value = 1, mean = 2 }",
             "mean",

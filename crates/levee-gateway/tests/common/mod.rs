@@ -1,5 +1,5 @@
 //! Shared test fixtures: a controllable mock OpenAI backend and config helpers.
-#![allow(dead_code)]
+#![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
 
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
@@ -103,7 +103,11 @@ async fn completion(State(st): State<Arc<MockState>>, body: axum::body::Bytes) -
             .into_response();
     }
     let stream = v.get("stream").and_then(Value::as_bool).unwrap_or(false);
-    let max = v.get("max_tokens").and_then(Value::as_u64).unwrap_or(4).min(8);
+    let max = v
+        .get("max_tokens")
+        .and_then(Value::as_u64)
+        .unwrap_or(4)
+        .min(8);
     let usage = serde_json::json!({"prompt_tokens": 10, "completion_tokens": max, "total_tokens": 10 + max});
     guard.1 = true;
     if !stream {
@@ -244,7 +248,10 @@ pub async fn wait_until<F: FnMut() -> bool>(what: &str, mut cond: F) {
 
 /// The user message content of a received body (tests tag requests by content).
 pub fn tag_of(v: &Value) -> String {
-    v["messages"][0]["content"].as_str().unwrap_or("").to_string()
+    v["messages"][0]["content"]
+        .as_str()
+        .unwrap_or("")
+        .to_string()
 }
 
 pub async fn error_json(r: reqwest::Response) -> Value {

@@ -1,0 +1,165 @@
+#!/usr/bin/env bash
+# Gateway overhead, side by side in one run, on loopback:
+#   direct  : loadgen -> levee engine (zero profile)
+#   levee   : loadgen -> levee serve -> engine
+#   nginx   : loadgen -> nginx (plain reverse proxy, keep-alive upstream) -> engine
+# at 1k and 5k requests/s (open loop, fixed rate; latency measured from each request's due
+# time). Then RSS of levee with 10k requests queued.
+#
+#   bench/gateway-overhead.sh            # SECS=10 RATES="1000 5000" by default
+#
+# Needs: cargo, nginx (apt-get install -y nginx). Builds release binaries first.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+SECS=${SECS:-10}
+WARMUP=${WARMUP:-2}
+RATES=${RATES:-"1000 5000"}
+QUEUED=${QUEUED:-10000}
+ulimit -n 65536 2>/dev/null || ulimit -n 16384 || true
+
+# NO_BUILD=1 reuses the binaries already in target/release.
+[ "${NO_BUILD:-0}" = 1 ] || cargo build --release -q -p levee -p levee-gateway --example loadgen
+BIN=target/release/levee
+LOADGEN=target/release/examples/loadgen
+NGINX=$(command -v nginx || echo /usr/sbin/nginx)
+[ -x "$NGINX" ] || { echo "nginx not found: apt-get install -y nginx" >&2; exit 1; }
+
+TMP=$(mktemp -d /tmp/levee-bench.XXXXXX)
+PIDS=()
+cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$TMP"; }
+trap cleanup EXIT
+
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+wait_http() { for _ in $(seq 1 200); do curl -s -o /dev/null "$1" && return 0; sleep 0.05; done; echo "timeout waiting for $1" >&2; exit 1; }
+
+ENGINE_PORT=$(free_port); LEVEE_PORT=$(free_port); ADMIN_PORT=$(free_port); NGINX_PORT=$(free_port)
+KEY=sk-bench
+KEY_SHA=$(printf %s "$KEY" | sha256sum | cut -d' ' -f1)
+
+"$BIN" engine --port "$ENGINE_PORT" --profile zero >"$TMP/engine.log" 2>&1 &
+PIDS+=($!)
+wait_http "http://127.0.0.1:$ENGINE_PORT/health"
+
+write_levee_config() { # $1 = max_in_flight, $2 = hard watermark, $3 = queue wait ms
+cat >"$TMP/levee.toml" <<TOML
+[listen]
+public = "127.0.0.1:$LEVEE_PORT"
+admin = "127.0.0.1:$ADMIN_PORT"
+[ip_guard]
+enabled = false
+[tiers.standard]
+priority = 0
+queue_wait_ms = $3
+soft_queue_wait_ms = $3
+[[tenants]]
+name = "bench"
+tier = "standard"
+key_sha256 = ["$KEY_SHA"]
+[[models]]
+name = "levee-sim-7b"
+[[models.backends]]
+url = "http://127.0.0.1:$ENGINE_PORT"
+max_in_flight = $1
+[queue]
+safe = $(( $2 / 2 ))
+soft = $(( $2 - 1 ))
+hard = $2
+[degrade]
+enabled = false
+TOML
+}
+
+start_levee() {
+  RUST_LOG=warn "$BIN" serve --config "$TMP/levee.toml" >"$TMP/levee.log" 2>&1 &
+  LEVEE_PID=$!
+  PIDS+=($LEVEE_PID)
+  wait_http "http://127.0.0.1:$LEVEE_PORT/healthz"
+}
+
+write_levee_config 4096 100000 30000
+start_levee
+
+cat >"$TMP/nginx.conf" <<NGINX
+worker_processes auto;
+pid $TMP/nginx.pid;
+error_log $TMP/nginx-error.log warn;
+events { worker_connections 16384; }
+http {
+  access_log off;
+  client_body_temp_path $TMP/nginx-body;
+  proxy_temp_path $TMP/nginx-proxy;
+  upstream engine { server 127.0.0.1:$ENGINE_PORT; keepalive 256; }
+  server {
+    listen 127.0.0.1:$NGINX_PORT;
+    location / {
+      proxy_pass http://engine;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+      proxy_buffering off;
+    }
+  }
+}
+NGINX
+"$NGINX" -c "$TMP/nginx.conf" -g 'daemon off;' >"$TMP/nginx.log" 2>&1 &
+PIDS+=($!)
+sleep 0.3
+
+run() { # $1 name $2 url $3 rate
+  local out
+  out=$("$LOADGEN" --url "$2/v1/chat/completions" --rate "$3" --secs "$SECS" --warmup-secs "$WARMUP" --key "$KEY")
+  echo "$1 $3 $out" >>"$TMP/results.txt"
+  echo "$1 @ $3/s: $out" >&2
+}
+
+[ "${ONLY_RSS:-0}" = 1 ] && RATES=""
+for rate in $RATES; do
+  for target in direct levee nginx; do
+    case $target in
+      direct) url="http://127.0.0.1:$ENGINE_PORT" ;;
+      levee) url="http://127.0.0.1:$LEVEE_PORT" ;;
+      nginx) url="http://127.0.0.1:$NGINX_PORT" ;;
+    esac
+    run "$target" "$url" "$rate"
+  done
+done
+
+[ -s "$TMP/results.txt" ] && python3 - "$TMP/results.txt" <<'PY'
+import json, sys
+rows = {}
+for line in open(sys.argv[1]):
+    name, rate, js = line.split(" ", 2)
+    rows[(name, int(rate))] = json.loads(js)
+print()
+print("| rate | target | ok | non-200 | errors | p50 ms | p90 ms | p99 ms | p99.9 ms | added p99 vs direct |")
+print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+for rate in sorted({r for _, r in rows}):
+    base = rows[("direct", rate)]["ms_from_due"]["p99"]
+    for name in ("direct", "levee", "nginx"):
+        r = rows.get((name, rate))
+        if not r:
+            continue
+        d = r["ms_from_due"]
+        added = "" if name == "direct" else f"{d['p99'] - base:+.3f} ms"
+        print(f"| {rate}/s | {name} | {r['ok']} | {r['non_200']} | {r['io_errors']} | {d['p50']:.3f} | {d['p90']:.3f} | {d['p99']:.3f} | {d['p999']:.3f} | {added} |")
+PY
+
+# --- RSS with QUEUED requests waiting in levee's queue -----------------------------------
+kill "$LEVEE_PID"; wait "$LEVEE_PID" 2>/dev/null || true
+write_levee_config 8 $(( QUEUED * 2 )) 600000
+start_levee
+RSS_IDLE=$(awk '/VmRSS/{print $2}' /proc/$LEVEE_PID/status)
+curl -s -X POST "http://127.0.0.1:$ENGINE_PORT/admin/hang" >/dev/null
+"$LOADGEN" --url "http://127.0.0.1:$LEVEE_PORT/v1/chat/completions" --rate 5000 \
+  --count $(( QUEUED + 8 )) --warmup-secs 0 --timeout-secs 120 --key "$KEY" >"$TMP/queued.json" &
+LG=$!
+PIDS+=($LG)
+for _ in $(seq 1 600); do
+  q=$(curl -s "http://127.0.0.1:$ADMIN_PORT/admin/state" | python3 -c 'import json,sys; print(json.load(sys.stdin)["queued"])')
+  [ "$q" -ge "$QUEUED" ] && break
+  sleep 0.1
+done
+RSS_QUEUED=$(awk '/VmRSS/{print $2}' /proc/$LEVEE_PID/status)
+echo
+echo "levee RSS idle: $(( RSS_IDLE / 1024 )) MB; with $q requests queued: $(( RSS_QUEUED / 1024 )) MB"
+curl -s -X POST "http://127.0.0.1:$ENGINE_PORT/admin/unhang" >/dev/null
+kill "$LG" 2>/dev/null || true
