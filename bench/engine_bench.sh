@@ -16,22 +16,25 @@ cargo build --release -p levee-engine --example engine_bench >&2
 BIN=target/release/examples/engine_bench
 PORT=${PORT:-18431}
 
+ENGINE_PID=
+cleanup() { [ -n "$ENGINE_PID" ] && kill "$ENGINE_PID" 2>/dev/null || true; }
+trap cleanup EXIT
+
 run() {
   local name=$1; shift
-  "$BIN" serve --port "$PORT" --profile a100-7b --max-running-seqs 4096 \
-    --kv-capacity-tokens 20000000 --max-model-len 8192 "$@" 2>/dev/null &
-  local pid=$!
-  trap 'kill $pid 2>/dev/null || true' EXIT
-  for _ in $(seq 50); do
+  "$BIN" serve --port "$PORT" --profile a100-7b --max-running-seqs 8192 \
+    --kv-capacity-tokens 50000000 --max-model-len 8192 "$@" >/dev/null 2>&1 &
+  ENGINE_PID=$!
+  for _ in $(seq 100); do
     curl -fs "http://127.0.0.1:$PORT/health" >/dev/null 2>&1 && break
     sleep 0.1
   done
   echo "== $name ($*)"
   "$BIN" load --url "http://127.0.0.1:$PORT" --streams "$STREAMS" --seconds "$SECONDS_" \
-    --engine-pid "$pid"
-  kill "$pid"
-  wait "$pid" 2>/dev/null || true
-  trap - EXIT
+    --engine-pid "$ENGINE_PID"
+  kill "$ENGINE_PID"
+  wait "$ENGINE_PID" 2>/dev/null || true
+  ENGINE_PID=
 }
 
 # a100-7b decode cost: 12 ms + 0.1 ms per sequence (212 ms steps at 2,000 streams).

@@ -7,6 +7,8 @@
 # time). Then RSS of levee with 10k requests queued.
 #
 #   bench/gateway-overhead.sh            # SECS=10 RATES="1000 5000" by default
+#   RSS_H2=1 ...                          # queue the 10k requests over h2c instead of HTTP/1.1
+#   ONLY_RSS=1 / NO_BUILD=1               # skip the latency runs / the cargo build
 #
 # Needs: cargo, nginx (apt-get install -y nginx). Builds release binaries first.
 set -euo pipefail
@@ -150,7 +152,7 @@ start_levee
 RSS_IDLE=$(awk '/VmRSS/{print $2}' /proc/$LEVEE_PID/status)
 curl -s -X POST "http://127.0.0.1:$ENGINE_PORT/admin/hang" >/dev/null
 "$LOADGEN" --url "http://127.0.0.1:$LEVEE_PORT/v1/chat/completions" --rate 5000 \
-  --count $(( QUEUED + 8 )) --warmup-secs 0 --timeout-secs 120 --key "$KEY" >"$TMP/queued.json" &
+  --count $(( QUEUED + 8 )) --warmup-secs 0 --timeout-secs 120 --key "$KEY" ${RSS_H2:+--h2} >"$TMP/queued.json" &
 LG=$!
 PIDS+=($LG)
 for _ in $(seq 1 600); do
@@ -160,6 +162,6 @@ for _ in $(seq 1 600); do
 done
 RSS_QUEUED=$(awk '/VmRSS/{print $2}' /proc/$LEVEE_PID/status)
 echo
-echo "levee RSS idle: $(( RSS_IDLE / 1024 )) MB; with $q requests queued: $(( RSS_QUEUED / 1024 )) MB"
+echo "levee RSS idle: $(( RSS_IDLE / 1024 )) MB; with $q requests queued ($([ -n "${RSS_H2:-}" ] && echo "h2c, multiplexed" || echo "HTTP/1.1, one connection each")): $(( RSS_QUEUED / 1024 )) MB"
 curl -s -X POST "http://127.0.0.1:$ENGINE_PORT/admin/unhang" >/dev/null
 kill "$LG" 2>/dev/null || true

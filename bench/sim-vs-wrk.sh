@@ -45,11 +45,12 @@ wrk.body = '{"model":"levee-sim-7b","messages":[{"role":"user","content":"${PROM
 LUA
 
 echo "== machine: $(nproc) cores; $(date -u +%FT%TZ); git $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
-echo "== wrk (closed loop, 1 thread, 64 connections, ${DURATION}s)"
+# Other work on the machine steals the cores these tools need: print the load first.
+echo "== wrk (closed loop, 1 thread, 64 connections, ${DURATION}s); load: $(cut -d' ' -f1-3 /proc/loadavg)"
 wrk -t1 -c64 -d"${DURATION}s" --latency -s "$OUT/post.lua" "$URL/v1/chat/completions" | tee "$OUT/wrk.txt"
 
 for RATE in $RATES; do
-  echo "== levee sim (open loop, Poisson, ${RATE} req/s, ${DURATION}s)"
+  echo "== levee sim (open loop, Poisson, ${RATE} req/s, ${DURATION}s); load: $(cut -d' ' -f1-3 /proc/loadavg)"
   "$LEVEE" sim bench/sim-20k.toml --target "$URL" --capacity-rps "$RATE" --quiet \
     --out "$OUT/sim-$RATE" --drain-s 5 \
     | tee "$OUT/sim-$RATE.txt"

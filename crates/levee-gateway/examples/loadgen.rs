@@ -6,7 +6,7 @@
 //!
 //! ```text
 //! loadgen --url http://127.0.0.1:8080/v1/chat/completions --rate 5000 --secs 10 \
-//!         [--warmup-secs 2] [--key KEY] [--model NAME] [--timeout-secs 30] [--count N]
+//!         [--warmup-secs 2] [--key KEY] [--model NAME] [--timeout-secs 30] [--count N] [--h2]
 //! ```
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a benchmark tool: fail loudly
 
@@ -30,6 +30,7 @@ struct Args {
     model: String,
     timeout: Duration,
     count: Option<u64>,
+    h2: bool,
 }
 
 fn parse_args() -> Args {
@@ -42,6 +43,7 @@ fn parse_args() -> Args {
         model: "levee-sim-7b".into(),
         timeout: Duration::from_secs(30),
         count: None,
+        h2: false,
     };
     let argv: Vec<String> = std::env::args().skip(1).collect();
     let mut i = 0;
@@ -56,6 +58,11 @@ fn parse_args() -> Args {
             "--model" => a.model = v,
             "--timeout-secs" => a.timeout = Duration::from_secs_f64(v.parse().unwrap()),
             "--count" => a.count = Some(v.parse().unwrap()),
+            "--h2" => {
+                a.h2 = true;
+                i += 1;
+                continue;
+            }
             other => panic!("unknown argument {other}"),
         }
         i += 2;
@@ -89,6 +96,7 @@ async fn run(args: Args) {
     let client: Client<HttpConnector, Full<Bytes>> = Client::builder(TokioExecutor::new())
         .pool_max_idle_per_host(100_000)
         .pool_idle_timeout(Duration::from_secs(60))
+        .http2_only(args.h2)
         .build(conn);
     let body = Bytes::from(
         serde_json::json!({

@@ -1,15 +1,16 @@
 //! Listeners, connection handling, graceful shutdown and the in-process handle.
 //!
-//! Connections are served by hyper's HTTP/1 server directly (not `axum::serve`) because the
-//! gateway must cut off slow or huge header blocks (`header_read_timeout`, `max_buf_size`)
-//! and must know each peer's IP for the per-IP guard.
+//! Connections are served by hyper directly (not `axum::serve`) because the gateway must cut
+//! off slow or huge header blocks (`header_read_timeout`, `max_buf_size`) and must know each
+//! peer's IP for the per-IP guard. HTTP/1.1 and h2c (prior knowledge) are both accepted.
 
 use crate::config::Config;
 use crate::gateway::Gateway;
 use crate::{admin, routes};
 use axum::extract::ConnectInfo;
 use hyper::body::Incoming;
-use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::server::conn::auto::Builder as AutoBuilder;
 use hyper_util::server::graceful::GracefulShutdown;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -18,6 +19,9 @@ use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tower::Service;
+
+/// Concurrent streams per HTTP/2 connection.
+const H2_MAX_STREAMS: u32 = 16_384;
 
 /// A running gateway started in-process (tests, the drill) or by `levee serve`.
 pub struct GatewayHandle {
@@ -149,16 +153,24 @@ async fn accept_loop(
             let mut r = router.clone();
             async move { r.call(req).await }
         });
-        let mut builder = hyper::server::conn::http1::Builder::new();
-        builder
-            .timer(TokioTimer::new())
-            .header_read_timeout(Duration::from_millis(server_cfg.header_read_timeout_ms))
-            .max_buf_size(server_cfg.max_header_bytes.max(8192))
-            .keep_alive(true);
-        let conn = builder.serve_connection(TokioIo::new(stream), svc);
-        let conn = graceful.watch(conn);
+        let watcher = graceful.watcher();
         tokio::spawn(async move {
-            if let Err(e) = conn.await {
+            // HTTP/1 (slow/huge header protection) and h2c with prior knowledge (a proxy in
+            // front can multiplex many waiting requests over a few connections).
+            let mut builder = AutoBuilder::new(TokioExecutor::new());
+            builder
+                .http1()
+                .timer(TokioTimer::new())
+                .header_read_timeout(Duration::from_millis(server_cfg.header_read_timeout_ms))
+                .max_buf_size(server_cfg.max_header_bytes.max(8192))
+                .keep_alive(true);
+            builder
+                .http2()
+                .timer(TokioTimer::new())
+                .max_concurrent_streams(H2_MAX_STREAMS)
+                .max_header_list_size(u32::try_from(server_cfg.max_header_bytes).unwrap_or(u32::MAX));
+            let conn = builder.serve_connection(TokioIo::new(stream), svc);
+            if let Err(e) = watcher.watch(conn).await {
                 tracing::debug!(%peer, "connection ended: {e}");
             }
         });

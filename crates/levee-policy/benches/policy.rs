@@ -5,7 +5,7 @@
 //! Run: `cargo bench -p levee-policy --bench policy` (about a minute).
 
 use criterion::{black_box, criterion_group, criterion_main, BatchSize, Criterion};
-use governor::clock::{Clock as _, FakeRelativeClock};
+use governor::clock::{Clock as _, FakeRelativeClock, Reference as _};
 use governor::{Quota as GQuota, RateLimiter};
 use levee_policy::*;
 use parking_lot::Mutex;
@@ -65,6 +65,16 @@ fn gcra(c: &mut Criterion) {
         let mut lim = Gcra::new(Quota::per_second(1_000_000_000).with_burst(1_000_000));
         b.iter(|| black_box(lim.check(clock.now())))
     });
+    // Ours with governor's own clock (quanta, TSC-based): the same time source for both.
+    g.bench_function("levee/quanta_clock", |b| {
+        let clock = governor::clock::QuantaClock::default();
+        let origin = clock.now();
+        let mut lim = Gcra::new(Quota::per_second(1_000_000_000).with_burst(1_000_000));
+        b.iter(|| {
+            let now = Timestamp::from_nanos(clock.now().duration_since(origin).as_u64());
+            black_box(lim.check(now))
+        })
+    });
     g.bench_function("governor/default_clock", |b| {
         let lim =
             RateLimiter::direct(GQuota::per_second(nz(1_000_000_000)).allow_burst(nz(1_000_000)));
@@ -102,17 +112,19 @@ fn gcra(c: &mut Criterion) {
 }
 
 /// The admission setup the benchmark drives: every scope limited (global, model, tenant:
-/// requests/min, tokens/min, concurrency), the heavy rule on, 64 tenants with `Arc<str>` keys.
+/// requests/min, tokens/min, concurrency), the heavy rule on, 64 tenants with [`Key`] keys.
 /// Watermark `safe = 0` so every request takes the queue path (enqueue + dequeue).
-struct Bench {
-    adm: Admission<u64, Arc<str>>,
-    reqs: Vec<AdmissionRequest<Arc<str>>>,
+struct Bench<K> {
+    adm: Admission<u64, K>,
+    reqs: Vec<AdmissionRequest<K>>,
     now: u64,
     i: usize,
 }
 
-impl Bench {
-    fn new() -> Self {
+type KeyBench = Bench<Key>;
+
+impl<K: std::hash::Hash + Eq + Ord + Clone> Bench<K> {
+    fn new(key: fn(&str) -> K) -> Self {
         let mut cfg = AdmissionConfig::with_capacity(256);
         let big = LimitSpec {
             requests_per_minute: Some(10_000_000_000),
@@ -135,11 +147,11 @@ impl Bench {
         cfg.queue_max_len = 10_000;
         cfg.queue_max_tokens = 100_000_000;
         let mut adm = Admission::new(cfg);
-        let model: Arc<str> = Arc::from("llama-3-8b");
+        let model = key("llama-3-8b");
         adm.set_model_limits(model.clone(), big);
         let mut reqs = Vec::new();
         for t in 0..64 {
-            let tenant: Arc<str> = Arc::from(format!("tenant-{t:02}").as_str());
+            let tenant = key(&format!("tenant-{t:02}"));
             if t % 4 == 0 {
                 adm.set_tenant(
                     tenant.clone(),
@@ -184,7 +196,12 @@ impl Bench {
 fn admission(c: &mut Criterion) {
     let mut g = c.benchmark_group("admission");
     g.bench_function("full_decision/1_thread", |b| {
-        let mut s = Bench::new();
+        let mut s = KeyBench::new(Key::new);
+        b.iter(|| s.cycle())
+    });
+    // The same with plain `Arc<str>` keys (a string hash and compare per lookup).
+    g.bench_function("full_decision/1_thread_arc_str_keys", |b| {
+        let mut s: Bench<Arc<str>> = Bench::new(|n| Arc::from(n));
         b.iter(|| s.cycle())
     });
     // Two threads share one Admission behind a parking_lot::Mutex. Each thread runs `iters`
@@ -193,7 +210,7 @@ fn admission(c: &mut Criterion) {
     // it, waiting for the lock included.
     g.bench_function("full_decision/2_threads_contended", |b| {
         b.iter_custom(|iters| {
-            let shared = Arc::new(Mutex::new(Bench::new()));
+            let shared = Arc::new(Mutex::new(KeyBench::new(Key::new)));
             let start = Instant::now();
             std::thread::scope(|sc| {
                 for _ in 0..2 {
@@ -215,6 +232,57 @@ fn admission(c: &mut Criterion) {
                                 let actual = d.grant.estimated_tokens() / 2;
                                 shared.lock().adm.complete(d.grant, actual, now);
                             }
+                        }
+                    });
+                }
+            });
+            start.elapsed()
+        })
+    });
+    // The same two threads, one lock acquisition per request: settle the previous request,
+    // then decide the next (admit + dequeue), all under one lock.
+    g.bench_function("full_decision/2_threads_one_lock_per_request", |b| {
+        b.iter_custom(|iters| {
+            let shared = Arc::new(Mutex::new(KeyBench::new(Key::new)));
+            let start = Instant::now();
+            std::thread::scope(|sc| {
+                for _ in 0..2 {
+                    let shared = Arc::clone(&shared);
+                    sc.spawn(move || {
+                        let mut prev: Option<Grant<Key>> = None;
+                        for _ in 0..iters {
+                            let mut s = shared.lock();
+                            s.now += 1_000;
+                            s.i = (s.i + 1) % s.reqs.len();
+                            let now = Timestamp::from_nanos(s.now);
+                            let i = s.i;
+                            let Bench { adm, reqs, .. } = &mut *s;
+                            if let Some(g) = prev.take() {
+                                let actual = g.estimated_tokens() / 2;
+                                adm.complete(g, actual, now);
+                            }
+                            let admitted = adm.admit(&reqs[i], i as u64, now);
+                            black_box(&admitted);
+                            prev = adm.dequeue(now).map(|d| d.grant);
+                        }
+                        drop(prev);
+                    });
+                }
+            });
+            start.elapsed()
+        })
+    });
+    // The floor under contention: the same lock taken and released with no work inside.
+    g.bench_function("mutex_only/2_threads", |b| {
+        b.iter_custom(|iters| {
+            let shared = Arc::new(Mutex::new(0u64));
+            let start = Instant::now();
+            std::thread::scope(|sc| {
+                for _ in 0..2 {
+                    let shared = Arc::clone(&shared);
+                    sc.spawn(move || {
+                        for _ in 0..iters {
+                            *shared.lock() += 1;
                         }
                     });
                 }

@@ -1,9 +1,11 @@
 //! GCRA (generic cell rate algorithm) request-rate limiting.
 //!
 //! State is one "theoretical arrival time" (TAT). Arithmetic is exact: time is kept in units
-//! of `ns × count`, so a quota of `count` per `period` costs exactly `period_ns` units per
-//! request and the limiter admits at most `⌊t·count/period⌋ + burst` requests in any window
-//! of length `t` — no rounding drift.
+//! of `ns × count/g` with `g = gcd(count, period_ns)`, so a quota of `count` per `period`
+//! costs exactly `period_ns/g` units per request and the limiter admits at most
+//! `⌊t·count/period⌋ + burst` requests in any window of length `t` — no rounding drift.
+//! For the usual quotas (`period_ns` divisible by `count`) a unit is one nanosecond and the
+//! hot path and the Retry-After computation need no division.
 
 use crate::clock::{duration_nanos, Timestamp};
 use crate::keyed::{BoundedMap, Evictable};
@@ -17,16 +19,31 @@ pub struct Quota {
     count: u64,
     period_ns: u64,
     burst: u64,
+    /// `count / gcd(count, period_ns)`: time is kept in units of `ns × ucount`.
+    ucount: u64,
+    /// `period_ns / gcd(count, period_ns)`: units per request/token.
+    uunit: u64,
+}
+
+fn gcd(mut a: u64, mut b: u64) -> u64 {
+    while b != 0 {
+        (a, b) = (b, a % b);
+    }
+    a
 }
 
 impl Quota {
     /// `count` per `period`, burst = `count`. Zero `count`/`period` are raised to 1.
     pub fn new(count: u64, period: Duration) -> Self {
         let count = count.max(1);
+        let period_ns = duration_nanos(period).max(1);
+        let g = gcd(count, period_ns);
         Quota {
             count,
-            period_ns: duration_nanos(period).max(1),
+            period_ns,
             burst: count,
+            ucount: count / g,
+            uunit: period_ns / g,
         }
     }
 
@@ -68,25 +85,26 @@ impl Quota {
 
     #[inline]
     fn unit(&self) -> u128 {
-        self.period_ns as u128
+        self.uunit as u128
     }
 
     #[inline]
     fn tolerance(&self) -> u128 {
-        self.period_ns as u128 * self.burst as u128
+        self.uunit as u128 * self.burst as u128
     }
 
     #[inline]
     fn units_at(&self, now: Timestamp) -> u128 {
-        now.as_nanos() as u128 * self.count as u128
+        now.as_nanos() as u128 * self.ucount as u128
     }
 
     #[inline]
     fn units_to_duration(&self, units: u128) -> Duration {
         // u64 division when it fits: u128 division is a slow library call.
         let ns = match u64::try_from(units) {
-            Ok(u) => u.div_ceil(self.count),
-            Err(_) => u64::try_from(units.div_ceil(self.count as u128)).unwrap_or(u64::MAX),
+            Ok(u) if self.ucount == 1 => u,
+            Ok(u) => u.div_ceil(self.ucount),
+            Err(_) => u64::try_from(units.div_ceil(self.ucount as u128)).unwrap_or(u64::MAX),
         };
         Duration::from_nanos(ns)
     }
@@ -130,6 +148,9 @@ impl Gcra {
 
     /// Changes the quota, keeping the debt already accrued.
     pub fn set_quota(&mut self, quota: Quota) {
+        // Re-express the theoretical arrival time in the new quota's units.
+        let ns = self.tat / self.quota.ucount as u128;
+        self.tat = ns * quota.ucount as u128;
         self.quota = quota;
     }
 
@@ -185,7 +206,7 @@ impl Evictable for Gcra {
     }
     fn debt(&self, now: Timestamp) -> u128 {
         // Normalised to time so keys with different quotas compare fairly.
-        self.tat.saturating_sub(self.quota.units_at(now)) / self.quota.count as u128
+        self.tat.saturating_sub(self.quota.units_at(now)) / self.quota.ucount as u128
     }
 }
 

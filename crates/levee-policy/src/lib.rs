@@ -18,6 +18,7 @@ mod concurrency;
 mod degrade;
 mod fasthash;
 mod gcra;
+mod key;
 mod keyed;
 mod queue;
 mod retry;
@@ -38,6 +39,7 @@ pub use degrade::{
     DegradeConfig, DegradeLevel, DegradePlan, DegradePlanner, DegradeStep, LoadSignals,
 };
 pub use gcra::{Gcra, KeyedGcra, NotUntil, Quota, RateLimitInfo};
+pub use key::Key;
 pub use queue::{
     Entry, FairQueue, PushRefusal, QueueLimits, QueueStats, Rejected, TenantBacklog, Ticket, Tier,
     TierStats, VIRTUAL_SCALE,

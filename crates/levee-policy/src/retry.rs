@@ -77,12 +77,14 @@ impl DrainRate {
         }
     }
 
+    #[inline]
     fn decayed(&self, now: Timestamp) -> f64 {
         match self.last {
             None => 0.0,
             Some(last) => {
-                let dt = (now - last).as_secs_f64();
-                self.rate * (-dt / self.tau_secs).exp()
+                let x =
+                    (now.as_nanos().saturating_sub(last.as_nanos())) as f64 / (self.tau_secs * 1e9);
+                self.rate * exp_neg(x)
             }
         }
     }
@@ -113,6 +115,17 @@ impl DrainRate {
     }
 }
 
+/// `e^(-x)` for `x ≥ 0`. Calls between events are usually microseconds apart against a
+/// seconds-long time constant, so `x` is tiny and a short series is exact to ~1e-10.
+#[inline]
+fn exp_neg(x: f64) -> f64 {
+    if x < 1e-2 {
+        1.0 - x * (1.0 - x * (0.5 - x / 6.0))
+    } else {
+        (-x).exp()
+    }
+}
+
 /// Bounds for capacity Retry-After estimates: a refused client is never told to come back
 /// sooner than `min` (which would invite a hammering retry loop) nor later than `max`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -134,9 +147,17 @@ impl Default for RetryBounds {
 
 impl RetryBounds {
     /// Retry-After for waiting until `items` have drained at `rate`, clamped to the bounds.
+    #[inline]
     pub fn for_drain(&self, items: u64, rate: &DrainRate, now: Timestamp) -> RetryAfter {
-        let d = rate.time_to_drain(items, now).unwrap_or(self.max);
-        RetryAfter::from_duration(d).clamp(self.min, self.max)
+        let min_ms = self.min.as_millis() as f64;
+        let max_ms = (self.max.as_millis() as f64).max(min_ms);
+        let r = rate.per_second(now);
+        let ms = if r < 1e-6 {
+            max_ms
+        } else {
+            (items as f64 * 1000.0 / r).ceil()
+        };
+        RetryAfter::from_millis(ms.clamp(min_ms, max_ms) as u64)
     }
 
     /// Retry-After for an exact refill wait, clamped below by 1 ms only (the wait is known).

@@ -20,16 +20,31 @@ pub struct TokenQuota {
     count: u64,
     period_ns: u64,
     capacity: u64,
+    /// `count / gcd(count, period_ns)`: time is kept in units of `ns × ucount`.
+    ucount: u64,
+    /// `period_ns / gcd(count, period_ns)`: units per request/token.
+    uunit: u64,
+}
+
+fn gcd(mut a: u64, mut b: u64) -> u64 {
+    while b != 0 {
+        (a, b) = (b, a % b);
+    }
+    a
 }
 
 impl TokenQuota {
     /// `tokens` per `period`, capacity = `tokens`. Zeros are raised to 1.
     pub fn new(tokens: u64, period: Duration) -> Self {
         let count = tokens.max(1);
+        let period_ns = duration_nanos(period).max(1);
+        let g = gcd(count, period_ns);
         TokenQuota {
             count,
-            period_ns: duration_nanos(period).max(1),
+            period_ns,
             capacity: count,
+            ucount: count / g,
+            uunit: period_ns / g,
         }
     }
 
@@ -61,22 +76,23 @@ impl TokenQuota {
 
     #[inline]
     fn unit(&self) -> u128 {
-        self.period_ns as u128
+        self.uunit as u128
     }
     #[inline]
     fn tolerance(&self) -> u128 {
-        self.period_ns as u128 * self.capacity as u128
+        self.uunit as u128 * self.capacity as u128
     }
     #[inline]
     fn units_at(&self, now: Timestamp) -> u128 {
-        now.as_nanos() as u128 * self.count as u128
+        now.as_nanos() as u128 * self.ucount as u128
     }
     #[inline]
     fn units_to_duration(&self, units: u128) -> Duration {
         // u64 division when it fits: u128 division is a slow library call.
         let ns = match u64::try_from(units) {
-            Ok(u) => u.div_ceil(self.count),
-            Err(_) => u64::try_from(units.div_ceil(self.count as u128)).unwrap_or(u64::MAX),
+            Ok(u) if self.ucount == 1 => u,
+            Ok(u) => u.div_ceil(self.ucount),
+            Err(_) => u64::try_from(units.div_ceil(self.ucount as u128)).unwrap_or(u64::MAX),
         };
         Duration::from_nanos(ns)
     }
@@ -128,6 +144,9 @@ impl TokenBucket {
 
     /// Changes the quota. The fill level is clamped into the new capacity.
     pub fn set_quota(&mut self, quota: TokenQuota) {
+        // Re-express the theoretical arrival time in the new quota's units.
+        let ns = self.tat / self.quota.ucount as u128;
+        self.tat = ns * quota.ucount as u128;
         self.quota = quota;
     }
 
@@ -218,7 +237,7 @@ impl Evictable for TokenBucket {
         self.tat <= self.quota.units_at(now)
     }
     fn debt(&self, now: Timestamp) -> u128 {
-        self.tat.saturating_sub(self.quota.units_at(now)) / self.quota.count as u128
+        self.tat.saturating_sub(self.quota.units_at(now)) / self.quota.ucount as u128
     }
 }
 

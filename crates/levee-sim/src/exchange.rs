@@ -6,6 +6,7 @@ use http_body_util::{BodyExt, Full, Limited};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use serde::Deserialize;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 use tokio::time::Instant;
 
@@ -112,17 +113,23 @@ fn ns_since(start: Instant) -> u64 {
 }
 
 /// Sends one request and reads the whole answer. The caller applies the timeout (dropping
-/// this future closes the connection: the client disconnects).
+/// this future closes the connection: the client disconnects). `admitted` is set as soon as
+/// a 2xx status arrives, so that a caller whose timeout cut a stream still knows the
+/// server had accepted it.
 pub(crate) async fn attempt(
     client: &HttpClient,
     request: http::Request<Full<Bytes>>,
     start: Instant,
+    admitted: &AtomicBool,
 ) -> AttemptResult {
     let response = match client.request(request).await {
         Ok(r) => r,
         Err(_) => return AttemptResult::failed(Kind::Connect),
     };
     let status = response.status();
+    if status.is_success() {
+        admitted.store(true, Ordering::Relaxed);
+    }
     if !status.is_success() {
         let headers = response.headers();
         let get = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());

@@ -96,6 +96,25 @@ pub enum SimCommand {
     List,
 }
 
+/// A short label for a report file: its stem, or its directory's name for the default
+/// `DIR/report.json`.
+fn report_label(path: &Path) -> String {
+    let stem = path
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    if stem == "report" || stem.is_empty() {
+        if let Some(dir) = path.parent().and_then(|d| d.file_name()) {
+            return dir.to_string_lossy().into_owned();
+        }
+    }
+    if stem.is_empty() {
+        path.display().to_string()
+    } else {
+        stem
+    }
+}
+
 /// Loads a scenario from a path, or by shipped name when no such file exists.
 pub fn load_scenario(spec: &str) -> anyhow::Result<Scenario> {
     let path = Path::new(spec);
@@ -119,14 +138,7 @@ pub async fn run_cli(args: SimArgs) -> anyhow::Result<()> {
                 .iter()
                 .map(|p| report::read_json(p))
                 .collect::<anyhow::Result<Vec<_>>>()?;
-            let labels: Vec<String> = reports
-                .iter()
-                .map(|p| {
-                    p.file_stem()
-                        .map(|s| s.to_string_lossy().into_owned())
-                        .unwrap_or_else(|| p.display().to_string())
-                })
-                .collect();
+            let labels: Vec<String> = reports.iter().map(|p| report_label(p)).collect();
             let runs: Vec<(&str, &Report)> = labels
                 .iter()
                 .map(String::as_str)

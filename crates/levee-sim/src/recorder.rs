@@ -151,7 +151,10 @@ pub(crate) struct Recorder {
     seconds: Vec<SecondAcc>,
     per_tenant: Vec<GroupAcc>,
     per_class: Vec<GroupAcc>,
-    per_tier: BTreeMap<String, GroupAcc>,
+    /// Tier names, sorted, and the tier index of each tenant (no string work per record).
+    tiers: Vec<String>,
+    tier_of: Vec<usize>,
+    per_tier: Vec<GroupAcc>,
 }
 
 impl Recorder {
@@ -161,6 +164,9 @@ impl Recorder {
         let coarse =
             Histogram::new(2).map_err(|e| anyhow::anyhow!("cannot make a histogram: {e}"))?;
         let histogram = || fine.clone();
+        let mut tiers: Vec<String> = scenario.tenants.iter().map(|t| t.tier.clone()).collect();
+        tiers.sort();
+        tiers.dedup();
         Ok(Self {
             slo: scenario.slo,
             tenants: scenario
@@ -189,7 +195,13 @@ impl Recorder {
                 .iter()
                 .map(|_| GroupAcc::default())
                 .collect(),
-            per_tier: BTreeMap::new(),
+            per_tier: tiers.iter().map(|_| GroupAcc::default()).collect(),
+            tier_of: scenario
+                .tenants
+                .iter()
+                .map(|t| tiers.iter().position(|n| *n == t.tier).unwrap_or(0))
+                .collect(),
+            tiers,
             protos: Protos {
                 fine: fine.clone(),
                 coarse,
@@ -299,16 +311,12 @@ impl Recorder {
             record_into(&mut sec.e2e, v, coarse);
         }
 
-        let tier = self
-            .tenants
-            .get(usize::from(r.tenant))
-            .map(|(_, tier)| tier.clone())
-            .unwrap_or_default();
+        let tier = self.tier_of.get(usize::from(r.tenant)).copied();
         let fine = &self.protos.fine;
         let groups = [
             self.per_tenant.get_mut(usize::from(r.tenant)),
             self.per_class.get_mut(usize::from(r.class)),
-            Some(self.per_tier.entry(tier).or_default()),
+            tier.and_then(|t| self.per_tier.get_mut(t)),
         ];
         for g in groups.into_iter().flatten() {
             g.requests += 1;
@@ -401,11 +409,7 @@ impl Recorder {
                 schedule_lag: Percentiles::from_histogram(&self.lag),
             },
             errors: self.errors,
-            per_tier: self
-                .per_tier
-                .iter()
-                .map(|(k, g)| (k.clone(), g.finish(d)))
-                .collect(),
+            per_tier: named(&self.per_tier, &self.tiers),
             per_tenant: named(&self.per_tenant, &tenant_names),
             per_class: named(&self.per_class, &self.classes),
             timeseries,

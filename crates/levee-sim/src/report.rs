@@ -410,15 +410,13 @@ pub fn compare_table(runs: &[(&str, &Report)]) -> String {
             r.errors
                 .iter()
                 .filter(|(k, _)| k.starts_with("429"))
-                .map(|(_, v)| *v as f64)
-                .sum()
+                .fold(0.0, |a, (_, v)| a + *v as f64)
         }),
         ("5xx", |r| {
             r.errors
                 .iter()
                 .filter(|(k, _)| k.starts_with("5xx"))
-                .map(|(_, v)| *v as f64)
-                .sum()
+                .fold(0.0, |a, (_, v)| a + *v as f64)
         }),
         ("timeouts", |r| {
             r.errors.get("timeout").copied().unwrap_or(0) as f64
@@ -428,10 +426,11 @@ pub fn compare_table(runs: &[(&str, &Report)]) -> String {
     let mut s = String::new();
     let _ = write!(s, "{:<22}", "");
     for (label, _) in runs {
-        let _ = write!(s, "{label:>16}");
+        let short: String = label.chars().take(15).collect();
+        let _ = write!(s, "{short:>16}");
     }
     if runs.len() >= 2 {
-        let _ = write!(s, "{:>10}", "last/first");
+        let _ = write!(s, "{:>12}", "last/first");
     }
     let _ = writeln!(s);
     for (name, f) in rows {
@@ -443,9 +442,9 @@ pub fn compare_table(runs: &[(&str, &Report)]) -> String {
             if runs.len() >= 2 {
                 let (a, b) = (f(first), f(last));
                 if a != 0.0 {
-                    let _ = write!(s, "{:>10.3}", b / a);
+                    let _ = write!(s, "{:>12.3}", b / a);
                 } else {
-                    let _ = write!(s, "{:>10}", "-");
+                    let _ = write!(s, "{:>12}", "-");
                 }
             }
         }

@@ -18,7 +18,7 @@ use http_body_util::Full;
 use levee_client::{Backoff, Decision, Outcome, RetryBudget, RetryBudgetConfig, RetryPolicy};
 use rand::rngs::SmallRng;
 use rand::SeedableRng;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::{mpsc, Semaphore};
@@ -535,14 +535,16 @@ async fn execute(ctx: &Ctx, req: &Req) -> Record {
             }
         };
         ctx.counters.in_flight.fetch_add(1, Ordering::Relaxed);
+        let got_2xx = AtomicBool::new(false);
+        let exchange = exchange::attempt(&ctx.client, request, ctx.start, &got_2xx);
         let result = tokio::select! {
-            r = tokio::time::timeout(ctx.timeout, exchange::attempt(&ctx.client, request, ctx.start)) => r.ok(),
+            r = tokio::time::timeout(ctx.timeout, exchange) => r.ok(),
             _ = ctx.cancel.cancelled() => {
                 ctx.counters.in_flight.fetch_sub(1, Ordering::Relaxed);
                 let mut r = cancelled(req, first_sent_ns, ns_since(ctx.start));
                 r.attempts = attempts;
                 r.retry_sent_ns = retry_sent_ns;
-                r.admitted = admitted;
+                r.admitted = admitted || got_2xx.load(Ordering::Relaxed);
                 return r;
             }
         };
@@ -557,7 +559,7 @@ async fn execute(ctx: &Ctx, req: &Req) -> Record {
             itl_us: Vec::new(),
             retry_after: None,
         });
-        admitted |= result.admitted;
+        admitted |= result.admitted || got_2xx.load(Ordering::Relaxed);
         let outcome = match &result.kind {
             Kind::Ok => None,
             Kind::RateLimited(_) => Some(Outcome::Status(429)),

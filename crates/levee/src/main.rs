@@ -1,11 +1,18 @@
 //! The `levee` binary: a thin command-line layer over the levee crates.
 
+mod drill;
+mod passthrough;
+
 use clap::{Parser, Subcommand};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 #[derive(Parser)]
-#[command(name = "levee", version, about = "Overload protection for LLM inference")]
+#[command(
+    name = "levee",
+    version,
+    about = "Overload protection for LLM inference"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -19,6 +26,8 @@ enum Command {
     Engine(levee_engine::EngineArgs),
     /// Flood a target with a scenario and write reports.
     Sim(levee_sim::SimArgs),
+    /// The whole story in one command: simulated engines, a flood, unprotected versus levee.
+    Drill(drill::DrillArgs),
     /// Configuration tools.
     Config {
         #[command(subcommand)]
@@ -36,14 +45,19 @@ enum ConfigCommand {
 }
 
 fn main() -> ExitCode {
+    let cli = Cli::parse();
+    // The drill tells its story on stdout; its components' info lines would bury it.
+    let default_filter = match cli.command {
+        Command::Drill(_) => "warn",
+        _ => "info",
+    };
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter)),
         )
         .with_writer(std::io::stderr)
         .init();
-    let cli = Cli::parse();
     if let Command::Config {
         command: ConfigCommand::Check { file },
     } = &cli.command
@@ -61,7 +75,10 @@ fn main() -> ExitCode {
             }
         };
     }
-    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("levee: cannot start the async runtime: {e}");
@@ -73,6 +90,7 @@ fn main() -> ExitCode {
             Command::Serve(args) => levee_gateway::serve_cli(args).await,
             Command::Engine(args) => levee_engine::run_cli(args).await,
             Command::Sim(args) => levee_sim::run_cli(args).await,
+            Command::Drill(args) => drill::run_cli(args).await,
             Command::Config { .. } => Ok(()),
         }
     });
