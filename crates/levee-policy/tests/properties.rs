@@ -592,3 +592,45 @@ proptest! {
         }
     }
 }
+
+// ---------------------------------------------------------------------------------------
+// Bounded tenant state never loosens a tenant's concurrency limit: state that live permits
+// point at is pinned, so a flood of other tenants cannot reset it.
+
+proptest! {
+    #[test]
+    fn tenant_concurrency_survives_key_churn(
+        ops in prop::collection::vec((0u16..200, any::<bool>()), 1..400),
+    ) {
+        let mut cfg = AdmissionConfig::with_capacity(1_000);
+        cfg.max_tracked_keys = 8;
+        cfg.queue_max_len = 1_000;
+        cfg.tenant_default = LimitSpec { max_concurrent: Some(1), requests_per_minute: Some(1_000), ..LimitSpec::UNLIMITED };
+        let mut a: Admission<u32, u16> = Admission::new(cfg);
+        let mut held: HashMap<u16, Grant<u16>> = HashMap::new();
+        let mut now = 1u64;
+        for (tenant, release) in ops {
+            now += 1_000_000;
+            if release {
+                if let Some(g) = held.remove(&tenant) {
+                    a.complete(g, 1, ts(now));
+                }
+                continue;
+            }
+            let req = AdmissionRequest { tenant, model: 0, tier: Tier(0), estimated_tokens: 1, max_wait: None };
+            match a.admit(&req, 0, ts(now)) {
+                Admit::Dispatch(d) => {
+                    prop_assert!(!held.contains_key(&tenant), "tenant {tenant} got a second slot");
+                    held.insert(tenant, d.grant);
+                }
+                Admit::Queued { .. } => prop_assert!(false, "no queueing expected below safe"),
+                Admit::Refused(r) => {
+                    if r.reason == RefusalReason::Concurrency(Scope::Tenant) {
+                        prop_assert!(held.contains_key(&tenant));
+                    }
+                }
+            }
+            prop_assert!(a.stats(ts(now)).tracked_tenants <= 8 + held.len());
+        }
+    }
+}
