@@ -149,8 +149,8 @@ impl RetryBounds {
     /// Retry-After for waiting until `items` have drained at `rate`, clamped to the bounds.
     #[inline]
     pub fn for_drain(&self, items: u64, rate: &DrainRate, now: Timestamp) -> RetryAfter {
-        let min_ms = self.min.as_millis() as f64;
-        let max_ms = (self.max.as_millis() as f64).max(min_ms);
+        let min_ms = (self.min.as_secs_f64() * 1e3).round();
+        let max_ms = (self.max.as_secs_f64() * 1e3).round().max(min_ms);
         let r = rate.per_second(now);
         let ms = if r < 1e-6 {
             max_ms
