@@ -42,3 +42,17 @@ run "a100-7b timing" --decode-base-ms 12 --decode-per-seq-ms 0.1
 # A much faster GPU: 20 ms + 0.005 ms per sequence (30 ms steps at 2,000 streams): ~6x the
 # token rate, the harder case for the host.
 run "fast GPU timing" --decode-base-ms 20 --decode-per-seq-ms 0.005
+
+# What one request costs: the `zero` profile (no simulated delay), closed loop of
+# non-streaming chat requests of 16 tokens.
+"$BIN" serve --port "$PORT" --profile zero >/dev/null 2>&1 &
+ENGINE_PID=$!
+for _ in $(seq 100); do
+  curl -fs "http://127.0.0.1:$PORT/health" >/dev/null 2>&1 && break
+  sleep 0.1
+done
+echo "== zero profile, non-streaming requests (64 concurrent, 16 tokens)"
+"$BIN" rps --url "http://127.0.0.1:$PORT" --concurrency 64 --seconds 10 --engine-pid "$ENGINE_PID"
+kill "$ENGINE_PID"
+wait "$ENGINE_PID" 2>/dev/null || true
+ENGINE_PID=

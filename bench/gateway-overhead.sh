@@ -6,14 +6,15 @@
 # at 1k and 5k requests/s (open loop, fixed rate; latency measured from each request's due
 # time). Then RSS of levee with 10k requests queued.
 #
-#   bench/gateway-overhead.sh            # SECS=10 RATES="1000 5000" by default
+#   bench/gateway-overhead.sh            # SECS=5 ROUNDS=3 RATES="1000 5000" by default
 #   RSS_H2=1 ...                          # queue the 10k requests over h2c instead of HTTP/1.1
 #   ONLY_RSS=1 / NO_BUILD=1               # skip the latency runs / the cargo build
 #
 # Needs: cargo, nginx (apt-get install -y nginx). Builds release binaries first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-SECS=${SECS:-10}
+SECS=${SECS:-5}
+ROUNDS=${ROUNDS:-3}
 WARMUP=${WARMUP:-2}
 RATES=${RATES:-"1000 5000"}
 QUEUED=${QUEUED:-10000}
@@ -106,43 +107,58 @@ NGINX
 PIDS+=($!)
 sleep 0.3
 
-run() { # $1 name $2 url $3 rate
+run() { # $1 name $2 url $3 rate $4 round
   local out
   out=$("$LOADGEN" --url "$2/v1/chat/completions" --rate "$3" --secs "$SECS" --warmup-secs "$WARMUP" --key "$KEY")
-  echo "$1 $3 $out" >>"$TMP/results.txt"
-  echo "$1 @ $3/s: $out" >&2
+  echo "$1 $3 $4 $out" >>"$TMP/results.txt"
+  echo "round $4: $1 @ $3/s: $out" >&2
 }
 
+# Rounds interleave the targets so a burst of background load hits all of them alike; the
+# table reports, per rate and target, the median over rounds of each percentile, and the
+# median over rounds of (target p99 - direct p99 in the same round).
 [ "${ONLY_RSS:-0}" = 1 ] && RATES=""
-for rate in $RATES; do
-  for target in direct levee nginx; do
-    case $target in
-      direct) url="http://127.0.0.1:$ENGINE_PORT" ;;
-      levee) url="http://127.0.0.1:$LEVEE_PORT" ;;
-      nginx) url="http://127.0.0.1:$NGINX_PORT" ;;
-    esac
-    run "$target" "$url" "$rate"
+for round in $(seq 1 "$ROUNDS"); do
+  for rate in $RATES; do
+    for target in direct levee nginx; do
+      case $target in
+        direct) url="http://127.0.0.1:$ENGINE_PORT" ;;
+        levee) url="http://127.0.0.1:$LEVEE_PORT" ;;
+        nginx) url="http://127.0.0.1:$NGINX_PORT" ;;
+      esac
+      run "$target" "$url" "$rate" "$round"
+    done
   done
 done
 
 [ -s "$TMP/results.txt" ] && python3 - "$TMP/results.txt" <<'PY'
-import json, sys
+import json, statistics, sys
 rows = {}
 for line in open(sys.argv[1]):
-    name, rate, js = line.split(" ", 2)
-    rows[(name, int(rate))] = json.loads(js)
+    name, rate, rnd, js = line.split(" ", 3)
+    rows[(name, int(rate), int(rnd))] = json.loads(js)
+rates = sorted({k[1] for k in rows})
+rounds = sorted({k[2] for k in rows})
+med = statistics.median
 print()
-print("| rate | target | ok | non-200 | errors | p50 ms | p90 ms | p99 ms | p99.9 ms | added p99 vs direct |")
-print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-for rate in sorted({r for _, r in rows}):
-    base = rows[("direct", rate)]["ms_from_due"]["p99"]
+print(f"{len(rounds)} rounds; latency in ms from each request's due time (open loop); medians over rounds")
+print()
+print("| rate | target | ok / sent | p50 | p90 | p99 | p99.9 | added p99 vs direct (median of per-round differences) |")
+print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+for rate in rates:
     for name in ("direct", "levee", "nginx"):
-        r = rows.get((name, rate))
-        if not r:
+        rs = [rows[(name, rate, r)] for r in rounds if (name, rate, r) in rows]
+        if not rs:
             continue
-        d = r["ms_from_due"]
-        added = "" if name == "direct" else f"{d['p99'] - base:+.3f} ms"
-        print(f"| {rate}/s | {name} | {r['ok']} | {r['non_200']} | {r['io_errors']} | {d['p50']:.3f} | {d['p90']:.3f} | {d['p99']:.3f} | {d['p999']:.3f} | {added} |")
+        ok = sum(r["ok"] for r in rs); sent = sum(r["requests"] for r in rs)
+        p = {q: med([r["ms_from_due"][q] for r in rs]) for q in ("p50", "p90", "p99", "p999")}
+        if name == "direct":
+            added = ""
+        else:
+            diffs = [rows[(name, rate, r)]["ms_from_due"]["p99"] - rows[("direct", rate, r)]["ms_from_due"]["p99"]
+                     for r in rounds if (name, rate, r) in rows and ("direct", rate, r) in rows]
+            added = f"{med(diffs):+.3f} (rounds: {', '.join(f'{d:+.2f}' for d in diffs)})"
+        print(f"| {rate}/s | {name} | {ok} / {sent} | {p['p50']:.3f} | {p['p90']:.3f} | {p['p99']:.3f} | {p['p999']:.3f} | {added} |")
 PY
 
 # --- RSS with QUEUED requests waiting in levee's queue -----------------------------------

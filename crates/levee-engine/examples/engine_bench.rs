@@ -43,6 +43,20 @@ enum Role {
         #[arg(long, default_value_t = 3000)]
         max_tokens: u32,
     },
+    /// Closed loop of non-streaming requests: what one request costs the engine (use the
+    /// `zero` profile to measure the HTTP and scheduling overhead alone).
+    Rps {
+        #[arg(long)]
+        url: String,
+        #[arg(long, default_value_t = 64)]
+        concurrency: usize,
+        #[arg(long, default_value_t = 10.0)]
+        seconds: f64,
+        #[arg(long)]
+        engine_pid: Option<u32>,
+        #[arg(long, default_value_t = 16)]
+        max_tokens: u32,
+    },
 }
 
 fn main() -> anyhow::Result<()> {
@@ -59,6 +73,13 @@ fn main() -> anyhow::Result<()> {
             engine_pid,
             max_tokens,
         } => rt.block_on(load(url, streams, seconds, engine_pid, max_tokens)),
+        Role::Rps {
+            url,
+            concurrency,
+            seconds,
+            engine_pid,
+            max_tokens,
+        } => rt.block_on(rps(url, concurrency, seconds, engine_pid, max_tokens)),
     }
 }
 
@@ -199,5 +220,92 @@ async fn load(
     for t in &tasks {
         t.abort();
     }
+    Ok(())
+}
+
+async fn rps(
+    url: String,
+    concurrency: usize,
+    seconds: f64,
+    engine_pid: Option<u32>,
+    max_tokens: u32,
+) -> anyhow::Result<()> {
+    let client = reqwest::Client::builder()
+        .pool_max_idle_per_host(concurrency)
+        .build()?;
+    let models: Value = client
+        .get(format!("{url}/v1/models"))
+        .send()
+        .await?
+        .json()
+        .await?;
+    let model = models["data"][0]["id"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    let deadline = Instant::now() + Duration::from_secs_f64(seconds);
+    let cpu0 = engine_pid.and_then(cpu_secs);
+    let t0 = Instant::now();
+    let mut tasks = Vec::new();
+    for w in 0..concurrency {
+        let client = client.clone();
+        let url = url.clone();
+        let model = model.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut latencies = Vec::new();
+            let mut errors = 0u64;
+            let mut i = 0u64;
+            while Instant::now() < deadline {
+                i += 1;
+                let body = json!({
+                    "model": model,
+                    "messages": [{"role": "user", "content": format!("worker {w} request {i}")}],
+                    "max_tokens": max_tokens,
+                    "ignore_eos": true,
+                });
+                let sent = Instant::now();
+                let ok = match client
+                    .post(format!("{url}/v1/chat/completions"))
+                    .json(&body)
+                    .send()
+                    .await
+                {
+                    Ok(r) if r.status().is_success() => r.bytes().await.is_ok(),
+                    _ => false,
+                };
+                if ok {
+                    latencies.push(sent.elapsed());
+                } else {
+                    errors += 1;
+                }
+            }
+            (latencies, errors)
+        }));
+    }
+    let mut latencies = Vec::new();
+    let mut errors = 0;
+    for t in tasks {
+        let (l, e) = t.await?;
+        latencies.extend(l);
+        errors += e;
+    }
+    let wall = t0.elapsed().as_secs_f64();
+    let cpu1 = engine_pid.and_then(cpu_secs);
+    latencies.sort();
+    let pct = |p: f64| {
+        latencies
+            .get(((latencies.len() as f64 * p) as usize).min(latencies.len().saturating_sub(1)))
+            .map(|d| d.as_secs_f64() * 1e3)
+    };
+    let report = json!({
+        "concurrency": concurrency,
+        "max_tokens": max_tokens,
+        "requests_per_sec": latencies.len() as f64 / wall,
+        "latency_ms_p50": pct(0.5),
+        "latency_ms_p99": pct(0.99),
+        "errors": errors,
+        "engine_cpu_cores": match (cpu0, cpu1) { (Some(a), Some(b)) => json!((b - a) / wall), _ => Value::Null },
+    });
+    println!("{}", serde_json::to_string_pretty(&report)?);
     Ok(())
 }

@@ -186,6 +186,22 @@ impl EngineConfig {
         }
     }
 
+    /// Reads a config from TOML (fields left out take the `small` profile's values; unknown
+    /// fields are errors naming the field).
+    pub fn from_toml_str(text: &str) -> anyhow::Result<Self> {
+        let config: Self =
+            toml::from_str(text).map_err(|e| anyhow::anyhow!("engine config: {e}"))?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Reads a config from a TOML file (see [`EngineConfig::from_toml_str`]).
+    pub fn from_toml_file(path: &std::path::Path) -> anyhow::Result<Self> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| anyhow::anyhow!("engine config: cannot read {}: {e}", path.display()))?;
+        Self::from_toml_str(&text).map_err(|e| anyhow::anyhow!("{}: {e:#}", path.display()))
+    }
+
     /// Checks that the parameters describe an engine that can make progress.
     pub fn validate(&self) -> anyhow::Result<()> {
         let g = &self.gpu;
@@ -258,6 +274,29 @@ mod tests {
         let mut cfg = EngineConfig::tiny_fast();
         cfg.time_scale = 0.0;
         assert!(cfg.validate().is_err());
+    }
+
+    #[test]
+    fn config_reads_toml_with_defaults_and_names_unknown_fields() {
+        let c = EngineConfig::from_toml_str(
+            "model = \"m\"\ntime_scale = 10.0\n[gpu]\noverload = \"crash\"\nrestart_secs = 7.5\n",
+        )
+        .unwrap();
+        assert_eq!(c.model, "m");
+        assert_eq!(c.gpu.overload, OverloadMode::Crash);
+        assert_eq!(c.gpu.restart_secs, 7.5);
+        assert_eq!(
+            c.gpu.kv_capacity_tokens,
+            EngineConfig::small().gpu.kv_capacity_tokens
+        );
+        let err = EngineConfig::from_toml_str("[gpu]\nkv_capacity = 5\n")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("kv_capacity"), "{err}");
+        let err = EngineConfig::from_toml_str("time_scale = -1.0\n")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("time_scale"), "{err}");
     }
 
     #[test]

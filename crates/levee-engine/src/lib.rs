@@ -111,7 +111,7 @@ impl EngineHandle {
 
     /// What the engine is doing now (published after every step and command).
     pub fn stats(&self) -> EngineStats {
-        self.shared.stats.borrow().clone()
+        self.shared.stats_now()
     }
 
     /// Waits until the published stats satisfy `pred` and returns them; gives up with an
@@ -125,7 +125,8 @@ impl EngineHandle {
             .wait_for(|s| pred(s) || s.state == EngineState::Stopped)
             .await
             .map_err(|_| anyhow::anyhow!("levee engine: stopped while waiting for a state"))?
-            .clone();
+            .clone()
+            .at(self.shared.clock.now());
         anyhow::ensure!(
             pred(&stats),
             "levee engine: stopped while waiting for a state"
@@ -204,8 +205,11 @@ pub struct EngineArgs {
     #[arg(long, default_value_t = 8000)]
     pub port: u16,
     /// Profile: small, a100-7b, tiny-fast, zero.
-    #[arg(long, default_value = "small")]
+    #[arg(long, default_value = "small", conflicts_with = "config")]
     pub profile: String,
+    /// A TOML file holding an `EngineConfig` (instead of a profile); flags still override it.
+    #[arg(long)]
+    pub config: Option<std::path::PathBuf>,
     /// Served model name (default: the profile's).
     #[arg(long)]
     pub model: Option<String>,
@@ -250,7 +254,10 @@ pub struct EngineArgs {
 impl EngineArgs {
     /// The configuration these arguments describe: the profile, then each flag given.
     pub fn to_config(&self) -> anyhow::Result<EngineConfig> {
-        let mut c = EngineConfig::profile(&self.profile)?;
+        let mut c = match &self.config {
+            Some(path) => EngineConfig::from_toml_file(path)?,
+            None => EngineConfig::profile(&self.profile)?,
+        };
         let g = &mut c.gpu;
         macro_rules! set {
             ($($dst:expr => $src:expr),* $(,)?) => {$(if let Some(v) = $src.clone() { $dst = v; })*};
@@ -298,4 +305,66 @@ pub async fn run_cli(args: EngineArgs) -> anyhow::Result<()> {
         .context("levee engine: cannot wait for Ctrl-C")?;
     tracing::info!("levee engine: shutting down");
     engine.shutdown().await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        engine: EngineArgs,
+    }
+
+    fn args(line: &[&str]) -> anyhow::Result<EngineConfig> {
+        let cli = Cli::try_parse_from(std::iter::once("engine").chain(line.iter().copied()))?;
+        cli.engine.to_config()
+    }
+
+    #[test]
+    fn flags_override_the_profile() {
+        let c = args(&[]).unwrap();
+        assert_eq!(c, EngineConfig::small());
+        let c = args(&[
+            "--profile",
+            "a100-7b",
+            "--overload",
+            "crash",
+            "--restart-secs",
+            "12",
+            "--time-scale",
+            "10",
+            "--max-running-seqs",
+            "32",
+            "--decode-per-seq-ms",
+            "0.25",
+            "--model",
+            "m",
+        ])
+        .unwrap();
+        assert_eq!(c.profile, "a100-7b");
+        assert_eq!(c.gpu.overload, OverloadMode::Crash);
+        assert_eq!(c.gpu.restart_secs, 12.0);
+        assert_eq!(c.time_scale, 10.0);
+        assert_eq!(c.gpu.max_running_seqs, 32);
+        assert_eq!(c.gpu.decode_per_seq_ms, 0.25);
+        assert_eq!(c.model, "m");
+        assert_eq!(
+            c.gpu.kv_capacity_tokens,
+            EngineConfig::a100_7b().gpu.kv_capacity_tokens
+        );
+    }
+
+    #[test]
+    fn bad_flags_say_what_is_wrong() {
+        let err = args(&["--profile", "h100"]).unwrap_err().to_string();
+        assert!(err.contains("unknown engine profile"), "{err}");
+        let err = args(&["--max-model-len", "999999"])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("max_model_len"), "{err}");
+        assert!(args(&["--overload", "explode"]).is_err());
+    }
 }

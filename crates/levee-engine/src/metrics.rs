@@ -40,6 +40,8 @@ pub(crate) struct Metrics {
     pub running: Gauge,
     pub waiting: Gauge,
     pub kv_usage: Gauge<f64, AtomicU64>,
+    /// The same value under the name vLLM used before 0.10, for older scrapers.
+    pub gpu_cache_usage: Gauge<f64, AtomicU64>,
     pub ttft: Histogram,
     pub e2e: Histogram,
     pub prompt_tokens: Counter,
@@ -61,6 +63,7 @@ impl Metrics {
             running: Gauge::default(),
             waiting: Gauge::default(),
             kv_usage: Gauge::default(),
+            gpu_cache_usage: Gauge::default(),
             ttft: Histogram::new(TTFT_BUCKETS),
             e2e: Histogram::new(E2E_BUCKETS),
             prompt_tokens: Counter::default(),
@@ -86,6 +89,11 @@ impl Metrics {
             "vllm:kv_cache_usage_perc",
             "KV-cache usage, 0 to 1 (1 = full)",
             m.kv_usage.clone(),
+        );
+        registry.register(
+            "vllm:gpu_cache_usage_perc",
+            "KV-cache usage, 0 to 1 (the name vLLM used before 0.10)",
+            m.gpu_cache_usage.clone(),
         );
         registry.register(
             "vllm:time_to_first_token_seconds",

@@ -97,6 +97,8 @@ pub struct EngineStats {
     pub state: EngineState,
     /// Simulated seconds left until a crashed engine is back.
     pub restart_in_secs: Option<f64>,
+    /// Simulated time (seconds since start) at which a crashed engine is back.
+    pub restart_at_secs: Option<f64>,
     /// Simulated time of this snapshot (seconds since the engine started).
     pub sim_time_secs: f64,
     /// Sequences in the running batch.
@@ -131,18 +133,27 @@ pub struct EngineStats {
 }
 
 impl EngineStats {
+    /// The snapshot with its clock fields brought to simulated time `now`: the scheduler
+    /// publishes after each step and command, so an idle or crashed engine's last snapshot
+    /// can be old.
+    pub(crate) fn at(mut self, now: Duration) -> Self {
+        let now_secs = now.as_secs_f64();
+        self.sim_time_secs = self.sim_time_secs.max(now_secs);
+        self.restart_in_secs = self.restart_at_secs.map(|at| (at - now_secs).max(0.0));
+        self
+    }
+
     fn new(gpu: &GpuStats, health: Health, hung: bool, now: Duration, lag: &LagStats) -> Self {
         let now_secs = now.as_secs_f64();
-        let (state, restart_in_secs) = match health {
-            Health::Crashed { until_secs } => {
-                (EngineState::Crashed, Some((until_secs - now_secs).max(0.0)))
-            }
+        let (state, restart_at_secs) = match health {
+            Health::Crashed { until_secs } => (EngineState::Crashed, Some(until_secs)),
             Health::Healthy if hung => (EngineState::Hung, None),
             Health::Healthy => (EngineState::Healthy, None),
         };
         Self {
             state,
-            restart_in_secs,
+            restart_in_secs: restart_at_secs.map(|at| (at - now_secs).max(0.0)),
+            restart_at_secs,
             sim_time_secs: now_secs,
             running: gpu.running,
             waiting: gpu.waiting,
@@ -216,6 +227,12 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
+    /// The latest published stats, with clock fields brought to now.
+    pub fn stats_now(&self) -> EngineStats {
+        let stats = self.stats.borrow().clone();
+        stats.at(self.clock.now())
+    }
+
     /// A fresh request id.
     pub fn next_id(&self) -> SeqId {
         self.next_id.fetch_add(1, Ordering::Relaxed)
@@ -321,7 +338,8 @@ impl Scheduler {
                 return self.stop();
             }
             self.flush();
-            if self.hung {
+            // A crashed engine is down, not hung: it restarts on time either way.
+            if self.hung && self.model.health() == Health::Healthy {
                 last_end = None;
                 match self.rx.recv().await {
                     Some(cmd) => self.handle(cmd),
@@ -489,6 +507,9 @@ impl Scheduler {
                     );
                 }
                 Event::Restarted => {
+                    // A restart is a fresh process: whatever hung the old one is gone.
+                    self.hung = false;
+                    self.shared.faults.lock().hang = false;
                     tracing::info!("simulated engine restarted, empty");
                 }
             }
@@ -499,6 +520,7 @@ impl Scheduler {
         m.waiting
             .set(i64::try_from(gpu.waiting).unwrap_or(i64::MAX));
         m.kv_usage.set(gpu.kv_usage());
+        m.gpu_cache_usage.set(gpu.kv_usage());
         let stats = EngineStats::new(
             &gpu,
             self.model.health(),

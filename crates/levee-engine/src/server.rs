@@ -31,6 +31,7 @@ pub(crate) fn router(shared: Arc<Shared>) -> Router {
         .route("/admin/hang", post(admin_hang))
         .route("/admin/unhang", post(admin_unhang))
         .route("/admin/clear", post(admin_clear))
+        .fallback(not_found)
         .with_state(shared)
 }
 
@@ -710,6 +711,20 @@ fn stream_response(
         })
 }
 
+async fn not_found(uri: axum::http::Uri) -> Response {
+    ApiError {
+        status: StatusCode::NOT_FOUND,
+        kind: "invalid_request_error",
+        code: "not_found",
+        message: format!(
+            "no route {}: the engine serves /v1/chat/completions, /v1/completions, \
+             /v1/models, /health, /metrics and /admin/*",
+            uri.path()
+        ),
+    }
+    .into_response()
+}
+
 async fn models(State(shared): State<Arc<Shared>>) -> Response {
     if shared.stats.borrow().state == EngineState::Crashed {
         return ApiError::unavailable().into_response();
@@ -781,7 +796,7 @@ pub(crate) fn admin_state_of(shared: &Shared) -> AdminState {
         overload: shared.config.gpu.overload,
         restart_secs: shared.config.gpu.restart_secs,
         time_scale: shared.config.time_scale,
-        stats: shared.stats.borrow().clone(),
+        stats: shared.stats_now(),
         faults: shared.faults.lock().clone(),
     }
 }

@@ -418,7 +418,9 @@ async fn crash_mode_overload_fails_in_flight_then_recovers_after_restart_secs() 
 
     // Still down just before restart_secs have passed, up just after.
     tokio::time::sleep(Duration::from_secs_f64(restart_in - 0.05)).await;
-    assert_eq!(engine.stats().state, EngineState::Crashed);
+    let s = engine.stats();
+    assert_eq!(s.state, EngineState::Crashed);
+    assert!(s.restart_in_secs.unwrap() <= 0.05 + 1e-6, "{s:?}");
     assert_eq!(get(&client, &engine, "/health").await.status(), 503);
     let s = engine
         .wait_for(|s| s.state == EngineState::Healthy)
@@ -828,5 +830,33 @@ async fn a_non_streaming_client_that_gives_up_frees_its_sequence() {
     assert!(err.is_timeout(), "{err}");
     let s = engine.wait_for(|s| s.cancelled == 1).await.unwrap();
     assert_eq!((s.running, s.kv_used_tokens, s.completed), (0, 0, 0));
+    engine.shutdown().await.unwrap();
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_crash_while_hung_restarts_on_time_and_clears_the_hang() {
+    let (engine, _) = start(EngineConfig::tiny_fast()).await;
+    engine
+        .set_faults(&FaultsUpdate {
+            hang: Some(true),
+            ..FaultsUpdate::default()
+        })
+        .unwrap();
+    engine
+        .wait_for(|s| s.state == EngineState::Hung)
+        .await
+        .unwrap();
+    engine.crash_now();
+    let s = engine
+        .wait_for(|s| s.state == EngineState::Crashed)
+        .await
+        .unwrap();
+    let restart_in = s.restart_in_secs.unwrap();
+    assert!(restart_in > 4.9 && restart_in <= 5.0, "{restart_in}");
+    engine
+        .wait_for(|s| s.state == EngineState::Healthy)
+        .await
+        .unwrap();
+    assert!(!engine.admin_state().faults.hang);
     engine.shutdown().await.unwrap();
 }

@@ -307,6 +307,9 @@ pub struct BackendConfig {
     pub max_in_flight: u32,
     /// Model name to send upstream, if it differs from the public name.
     pub upstream_model: Option<String>,
+    /// Adapt the cap below `max_in_flight` from latency (time to first byte, gradient
+    /// algorithm from levee-policy): the cap shrinks when the backend slows down.
+    pub adaptive: bool,
 }
 
 impl Default for BackendConfig {
@@ -316,6 +319,7 @@ impl Default for BackendConfig {
             url: "http://127.0.0.1:8000".to_string(),
             max_in_flight: 64,
             upstream_model: None,
+            adaptive: false,
         }
     }
 }

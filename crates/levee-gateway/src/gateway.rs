@@ -341,7 +341,11 @@ impl Gateway {
                 .iter()
                 .map(|b| {
                     let fresh = Backend::new(&m.name, b);
+                    // Reuse live state (in-flight count, breaker, adaptive limit) when only
+                    // the cap changed; a backend whose settings changed starts fresh (its
+                    // in-flight requests still release the old one).
                     lane.existing_backend(&fresh.id)
+                        .filter(|old| old.same_settings(&fresh))
                         .inspect(|old| {
                             old.max_in_flight.store(b.max_in_flight, Ordering::Relaxed);
                         })

@@ -321,7 +321,7 @@ impl Lane {
             if !b.healthy.load(Ordering::Relaxed) {
                 continue;
             }
-            if b.in_flight.load(Ordering::Acquire) >= b.max_in_flight.load(Ordering::Relaxed) {
+            if b.in_flight.load(Ordering::Acquire) >= b.cap() {
                 continue;
             }
             if !e.breaker.would_admit(now) {
@@ -616,6 +616,7 @@ impl Lane {
                     "healthy": b.healthy.load(Ordering::Relaxed),
                     "in_flight": b.in_flight.load(Ordering::Relaxed),
                     "max_in_flight": b.max_in_flight.load(Ordering::Relaxed),
+                    "adaptive_limit": b.adaptive_limit(),
                     "reported": *b.load.lock(),
                     "breaker": {
                         "state": st.state.as_str(),

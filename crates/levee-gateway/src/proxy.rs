@@ -303,9 +303,32 @@ impl StreamState {
                     continue;
                 }
             }
-            out.extend_from_slice(event);
+            if self.strip_usage {
+                // With include_usage on, every chunk carries `"usage": null`; a client that
+                // did not ask should see the chunks it would have had without it.
+                strip_null_usage(event, &mut out);
+            } else {
+                out.extend_from_slice(event);
+            }
         }
         out.freeze()
+    }
+}
+
+/// Copies `event` into `out` without `,"usage":null` (either JSON spacing).
+fn strip_null_usage(event: &[u8], out: &mut BytesMut) {
+    const PATTERNS: [&[u8]; 2] = [b",\"usage\":null", b", \"usage\": null"];
+    let mut rest = event;
+    'outer: while !rest.is_empty() {
+        for p in PATTERNS {
+            if let Some(i) = find(rest, p) {
+                out.extend_from_slice(&rest[..i]);
+                rest = &rest[i + p.len()..];
+                continue 'outer;
+            }
+        }
+        out.extend_from_slice(rest);
+        break;
     }
 }
 
@@ -373,6 +396,16 @@ mod tests {
         let ev2 = b"data: {\"id\":\"x\",\"choices\":[{\"delta\":{}}],\"usage\":null}\n\n";
         assert!(usage_of(ev2).is_none());
         assert!(usage_of(b"data: [DONE]\n\n").is_none());
+    }
+
+    #[test]
+    fn null_usage_is_stripped() {
+        let mut out = BytesMut::new();
+        strip_null_usage(b"data: {\"a\":1,\"usage\":null}\n\n", &mut out);
+        assert_eq!(&out[..], b"data: {\"a\":1}\n\n");
+        let mut out = BytesMut::new();
+        strip_null_usage(b"data: {\"a\":1, \"usage\": null, \"b\":2}\n\n", &mut out);
+        assert_eq!(&out[..], b"data: {\"a\":1, \"b\":2}\n\n");
     }
 
     #[test]

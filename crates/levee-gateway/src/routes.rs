@@ -588,6 +588,10 @@ impl Settle for RequestSettle {
         };
         if let Some(mut slot) = self.slot.take() {
             slot.record(breaker_outcome, now);
+            slot.backend.adaptive_sample(
+                outcome.ttft,
+                breaker_outcome == BreakerOutcome::BackendFailure,
+            );
             drop(slot); // frees the backend slot now, before metrics work
         }
         // Reconcile: real usage replaces the estimate; without usage the estimate stands,
@@ -668,7 +672,12 @@ mod tests {
         // Each queued request holds one of these; keep them small (see BENCHMARKS.md).
         let gw = Gateway::new(crate::Config::default()).unwrap();
         let req = Request::new(axum::body::Body::empty());
-        let f = handle(gw, "127.0.0.1:1".parse().unwrap(), req, "/v1/chat/completions");
+        let f = handle(
+            gw,
+            "127.0.0.1:1".parse().unwrap(),
+            req,
+            "/v1/chat/completions",
+        );
         let size = std::mem::size_of_val(&f);
         eprintln!("handle future: {size} bytes");
         assert!(size < 16 * 1024, "{size}");

@@ -168,7 +168,9 @@ async fn accept_loop(
                 .http2()
                 .timer(TokioTimer::new())
                 .max_concurrent_streams(H2_MAX_STREAMS)
-                .max_header_list_size(u32::try_from(server_cfg.max_header_bytes).unwrap_or(u32::MAX));
+                .max_header_list_size(
+                    u32::try_from(server_cfg.max_header_bytes).unwrap_or(u32::MAX),
+                );
             let conn = builder.serve_connection(TokioIo::new(stream), svc);
             if let Err(e) = watcher.watch(conn).await {
                 tracing::debug!(%peer, "connection ended: {e}");

@@ -7,6 +7,7 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
+use levee_policy::{AdaptiveConfig, AdaptiveLimit};
 use parking_lot::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::Arc;
@@ -111,6 +112,10 @@ pub struct Backend {
     pub scrape_failures: AtomicU32,
     /// Last scraped load.
     pub load: Mutex<Option<ReportedLoad>>,
+    /// Latency-driven cap (when `adaptive = true`); the effective cap is the smaller of it
+    /// and `max_in_flight`.
+    adaptive: Option<Mutex<AdaptiveLimit>>,
+    adaptive_cap: AtomicU32,
 }
 
 impl Backend {
@@ -128,7 +133,60 @@ impl Backend {
             healthy: AtomicBool::new(true),
             scrape_failures: AtomicU32::new(0),
             load: Mutex::new(None),
+            adaptive: cfg.adaptive.then(|| {
+                let max = usize::try_from(cfg.max_in_flight)
+                    .unwrap_or(usize::MAX)
+                    .max(1);
+                Mutex::new(AdaptiveLimit::new(AdaptiveConfig {
+                    initial: max.div_ceil(2),
+                    min: 1,
+                    max,
+                    ..AdaptiveConfig::default()
+                }))
+            }),
+            adaptive_cap: AtomicU32::new(if cfg.adaptive {
+                cfg.max_in_flight.div_ceil(2).max(1)
+            } else {
+                u32::MAX
+            }),
         }
+    }
+
+    /// Whether `other` (built from a new config) can reuse this backend's live state.
+    pub fn same_settings(&self, other: &Backend) -> bool {
+        self.id == other.id
+            && self.kind == other.kind
+            && self.upstream_model == other.upstream_model
+            && self.adaptive.is_some() == other.adaptive.is_some()
+    }
+
+    /// Requests this backend may have in flight now.
+    pub fn cap(&self) -> u32 {
+        self.max_in_flight
+            .load(Ordering::Relaxed)
+            .min(self.adaptive_cap.load(Ordering::Relaxed))
+    }
+
+    /// Feeds one finished request to the adaptive limit (if on): its time to first byte and
+    /// whether the backend failed it.
+    pub fn adaptive_sample(&self, ttft: Option<Duration>, failed: bool) {
+        let Some(a) = &self.adaptive else { return };
+        let in_flight = usize::try_from(self.in_flight.load(Ordering::Relaxed)).unwrap_or(0);
+        let mut a = a.lock();
+        let limit = match (ttft, failed) {
+            (_, true) => a.on_sample(Duration::ZERO, in_flight, true),
+            (Some(t), false) => a.on_sample(t, in_flight + 1, false),
+            (None, false) => return,
+        };
+        self.adaptive_cap
+            .store(u32::try_from(limit).unwrap_or(u32::MAX), Ordering::Relaxed);
+    }
+
+    /// The adaptive cap, if adaptive limiting is on.
+    pub fn adaptive_limit(&self) -> Option<u32> {
+        self.adaptive
+            .as_ref()
+            .map(|_| self.adaptive_cap.load(Ordering::Relaxed))
     }
 
     /// Load score used to pick among backends with free capacity: our own outstanding
@@ -136,7 +194,7 @@ impl Backend {
     /// (they lag by a scrape interval).
     pub fn score(&self) -> f64 {
         let own = f64::from(self.in_flight.load(Ordering::Relaxed));
-        let cap = f64::from(self.max_in_flight.load(Ordering::Relaxed).max(1));
+        let cap = f64::from(self.cap().max(1));
         let reported = self
             .load
             .lock()
@@ -197,6 +255,34 @@ mod tests {
         assert_eq!(l.waiting, 7.0);
         assert_eq!(l.kv_usage, 0.5);
         assert!(parse_load(BackendKind::Llamacpp, text).is_none());
+    }
+
+    #[test]
+    fn adaptive_cap_shrinks_when_latency_rises() {
+        let b = Backend::new(
+            "m",
+            &BackendConfig {
+                max_in_flight: 64,
+                adaptive: true,
+                ..BackendConfig::default()
+            },
+        );
+        assert_eq!(b.cap(), 32);
+        b.in_flight.store(32, Ordering::Relaxed);
+        for _ in 0..200 {
+            b.adaptive_sample(Some(Duration::from_millis(10)), false);
+        }
+        let steady = b.cap();
+        for _ in 0..50 {
+            b.adaptive_sample(Some(Duration::from_millis(200)), false);
+        }
+        assert!(b.cap() < steady, "{} !< {steady}", b.cap());
+        let before = b.cap();
+        b.adaptive_sample(None, true);
+        assert!(b.cap() <= before);
+        let plain = Backend::new("m", &BackendConfig::default());
+        assert_eq!(plain.cap(), 64);
+        assert_eq!(plain.adaptive_limit(), None);
     }
 
     #[test]

@@ -61,3 +61,76 @@ async fn chat_and_stream_through_the_engine() {
     gw.shutdown().await;
     e.shutdown().await.unwrap();
 }
+
+#[tokio::test]
+async fn failing_engine_opens_its_breaker_and_traffic_moves() {
+    let bad = engine().await;
+    bad.set_faults(&levee_engine::FaultsUpdate {
+        error_rate: Some(1.0),
+        ..Default::default()
+    })
+    .unwrap();
+    let good = engine().await;
+    let mut cfg = config(&[bad.base_url(), good.base_url()], 4);
+    cfg.breaker.consecutive_failures = 2;
+    cfg.breaker.open_ms = 60_000;
+    let gw = start(cfg).await.unwrap();
+    let c = client();
+    let mut statuses = Vec::new();
+    for i in 0..6 {
+        statuses.push(
+            chat(&c, &gw.public_url(), "s", &format!("r{i}"))
+                .await
+                .status()
+                .as_u16(),
+        );
+    }
+    // At most the two failures that opened the breaker; then everything succeeds.
+    assert!(statuses[2..].iter().all(|s| *s == 200), "{statuses:?}");
+    let state = gw.gateway().state_json();
+    let backends = state["models"][0]["backends"].as_array().unwrap().clone();
+    let bad_b = backends
+        .iter()
+        .find(|b| b["url"] == bad.base_url().as_str())
+        .unwrap();
+    assert_eq!(bad_b["breaker"]["state"], "open", "{state}");
+    assert!(good.stats().completed >= 4);
+    gw.shutdown().await;
+    bad.shutdown().await.unwrap();
+    good.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn client_disconnect_cancels_the_engine_sequence() {
+    let e = engine().await;
+    let gw = start(config(&[e.base_url()], 4)).await.unwrap();
+    let c = client();
+    let mut body = chat_body("a long one");
+    body["stream"] = Value::Bool(true);
+    body["max_tokens"] = Value::from(500);
+    body["ignore_eos"] = Value::Bool(true);
+    let mut r = c
+        .post(format!("{}/v1/chat/completions", gw.public_url()))
+        .bearer_auth("key-s")
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    // Read the first chunk, then hang up.
+    let first = r.chunk().await.unwrap();
+    assert!(first.is_some());
+    drop(r);
+    let g = gw.gateway().clone();
+    wait_until("gateway slot freed", || {
+        g.in_flight.load(std::sync::atomic::Ordering::SeqCst) == 0
+    })
+    .await;
+    let stats = e
+        .wait_for(|s| s.cancelled >= 1 && s.running == 0)
+        .await
+        .unwrap();
+    assert_eq!(stats.completed, 0);
+    gw.shutdown().await;
+    e.shutdown().await.unwrap();
+}

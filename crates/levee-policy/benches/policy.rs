@@ -22,6 +22,7 @@ fn nz(n: u32) -> NonZeroU32 {
 
 fn gcra(c: &mut Criterion) {
     let mut g = c.benchmark_group("gcra_check");
+    g.measurement_time(Duration::from_secs(3)).sample_size(40);
     // Injected time: both limiters see time advance by 1 ms per call, exactly the rate, so
     // every call is admitted (the common path).
     g.bench_function("levee/injected_time", |b| {
@@ -107,7 +108,19 @@ fn gcra(c: &mut Criterion) {
             black_box(lim.check_key(&k))
         })
     });
-    let _ = governor::clock::DefaultClock::default().now();
+    g.finish();
+
+    // What a clock read alone costs, to separate it from the check.
+    let mut g = c.benchmark_group("clock_read");
+    g.bench_function("levee_system_clock", |b| {
+        let clock = SystemClock::new();
+        b.iter(|| black_box(clock.now()))
+    });
+    g.bench_function("std_instant_now", |b| b.iter(|| black_box(Instant::now())));
+    g.bench_function("governor_quanta_clock", |b| {
+        let clock = governor::clock::QuantaClock::default();
+        b.iter(|| black_box(clock.now()))
+    });
     g.finish();
 }
 

@@ -642,13 +642,14 @@ impl Default for MetricsConfig {
 }
 
 /// Gauges scraped by default: vLLM's names (the simulated engine serves the same) and the
-/// gateway's.
+/// gateway's (`docs/gateway.md`): requests queued, proxied now, and the degradation level.
 pub const DEFAULT_GAUGES: &[&str] = &[
     "vllm:num_requests_running",
     "vllm:num_requests_waiting",
     "vllm:kv_cache_usage_perc",
-    "levee_queue_depth",
+    "levee_queued",
     "levee_in_flight",
+    "levee_degrade_level",
 ];
 
 /// A fault injected at a time: a JSON body POSTed to a URL.

@@ -261,7 +261,7 @@ async fn streams_are_timed_and_counted_and_errors_are_split() {
         share = 1
         tier = "free"
         [client]
-        timeout_s = 0.3
+        timeout_s = 1.5
         [slo]
         ttft_ms = 60000
         "#,

@@ -1,0 +1,81 @@
+//! levee sim against the real simulated engine (in process, 127.0.0.1:0): the SSE stream it
+//! really sends is parsed, its tokens counted, its gauges scraped, its crash recorded.
+
+// Test helpers outside #[test] fns may unwrap too: a panic is the failure report we want.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use levee_sim::{RunOptions, Scenario, Target};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn measures_the_simulated_engine_and_its_crash() {
+    let mut config = levee_engine::EngineConfig::profile("tiny-fast").unwrap();
+    config.time_scale = 10.0;
+    config.gpu.restart_secs = 1000.0;
+    let engine = levee_engine::spawn(config, "127.0.0.1:0".parse().unwrap())
+        .await
+        .unwrap();
+    let url = engine.base_url();
+    let scenario = Scenario::from_toml_str(
+        r#"
+        [arrival]
+        process = "constant"
+        [[phases]]
+        kind = "steady"
+        duration_s = 2
+        rps = 10
+        [[classes]]
+        prompt_tokens = { dist = "constant", value = 20 }
+        max_tokens = { dist = "constant", value = 12 }
+        stream = true
+        [request]
+        model = "levee-sim-tiny"
+        [metrics]
+        interval_ms = 200
+        [[faults]]
+        at_s = 1.0
+        action = "crash"
+        [slo]
+        ttft_ms = 60000
+        tpot_ms = 60000
+        "#,
+    )
+    .unwrap();
+    let target = Target {
+        base_url: url.clone(),
+        metrics: vec![("engine-0".into(), format!("{url}/metrics"))],
+        engine_admin: vec![url.clone()],
+    };
+    let opts = RunOptions {
+        progress: false,
+        ..RunOptions::default()
+    };
+    let r = levee_sim::run(&scenario, &target, &opts).await.unwrap();
+    assert_eq!(r.totals.scheduled, 20);
+    assert_eq!(r.totals.completed, 20);
+    assert_eq!(r.faults.len(), 1);
+    assert_eq!(r.faults[0].status, Some(200), "{:?}", r.faults);
+    assert_eq!(engine.stats().crashes, 1);
+    // Before the crash the engine served; after it, it answers 503 until restarted, and
+    // streams that were open were cut.
+    assert!(r.totals.ok >= 5, "{}", r.summary());
+    assert!(
+        r.errors.get("5xx:503").copied().unwrap_or(0) >= 5,
+        "{}",
+        r.summary()
+    );
+    assert_eq!(
+        r.totals.ok + r.totals.failed,
+        r.totals.completed,
+        "{}",
+        r.summary()
+    );
+    // Token counts come from the usage chunk and match the content chunks (ITL gaps).
+    assert!(r.totals.output_tokens >= 8 * r.totals.ok);
+    assert_eq!(r.latency.itl.count, r.totals.output_tokens - r.totals.ok);
+    assert!(r.latency.ttft.p50 <= r.latency.e2e.p50);
+    assert!(r
+        .metrics
+        .iter()
+        .any(|m| m.name == "vllm:num_requests_running" && !m.points.is_empty()));
+    engine.shutdown().await.unwrap();
+}
