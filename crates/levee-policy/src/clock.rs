@@ -126,28 +126,72 @@ impl Clock for ManualClock {
     }
 }
 
-/// The production clock: `std::time::Instant`, measured from a process-wide origin so every
-/// `SystemClock` agrees.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct SystemClock;
+/// The production clock: `quanta`'s TSC-based clock (calibrated against the OS monotonic
+/// clock once per process, on first use — up to ~200 ms — and falling back to the OS clock
+/// where the TSC is not reliable). A read costs well under half of `std::time::Instant::now`
+/// on this project's VMs (see BENCHMARKS.md). All `SystemClock`s share one origin. Reads on
+/// different cores can differ by the TSC skew between them (nanoseconds); every decision in
+/// this crate tolerates a timestamp slightly older than one already seen.
+#[derive(Debug, Clone)]
+pub struct SystemClock {
+    clock: quanta::Clock,
+    origin: u64,
+}
 
-fn origin() -> Instant {
-    static ORIGIN: OnceLock<Instant> = OnceLock::new();
-    *ORIGIN.get_or_init(Instant::now)
+fn shared_tsc() -> &'static (quanta::Clock, u64) {
+    static SHARED: OnceLock<(quanta::Clock, u64)> = OnceLock::new();
+    SHARED.get_or_init(|| {
+        let clock = quanta::Clock::new();
+        let origin = clock.raw();
+        (clock, origin)
+    })
 }
 
 impl SystemClock {
-    /// A system clock (all share one origin).
+    /// A system clock (all share one origin). The first one calibrates the TSC.
     pub fn new() -> Self {
-        // Pin the origin early so timestamps stay small.
-        let _ = origin();
-        SystemClock
+        let (clock, origin) = shared_tsc();
+        SystemClock {
+            clock: clock.clone(),
+            origin: *origin,
+        }
+    }
+}
+
+impl Default for SystemClock {
+    fn default() -> Self {
+        SystemClock::new()
     }
 }
 
 impl Clock for SystemClock {
+    #[inline]
     fn now(&self) -> Timestamp {
-        Timestamp(duration_nanos(origin().elapsed()))
+        Timestamp(self.clock.delta_as_nanos(self.origin, self.clock.raw()))
+    }
+}
+
+/// A clock on `std::time::Instant` (the OS monotonic clock), for platforms or tests where a
+/// calibrated TSC is unwanted. All `StdClock`s share one origin.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct StdClock;
+
+fn std_origin() -> Instant {
+    static ORIGIN: OnceLock<Instant> = OnceLock::new();
+    *ORIGIN.get_or_init(Instant::now)
+}
+
+impl StdClock {
+    /// A std clock (all share one origin).
+    pub fn new() -> Self {
+        let _ = std_origin();
+        StdClock
+    }
+}
+
+impl Clock for StdClock {
+    fn now(&self) -> Timestamp {
+        Timestamp(duration_nanos(std_origin().elapsed()))
     }
 }
 
@@ -166,11 +210,15 @@ mod tests {
     }
 
     #[test]
-    fn system_clock_is_monotonic() {
+    fn system_clocks_are_monotonic_and_agree() {
         let c = SystemClock::new();
-        let a = c.now();
-        let b = c.now();
-        assert!(b >= a);
+        let s = StdClock::new();
+        let (a0, s0) = (c.now(), s.now());
+        std::thread::sleep(Duration::from_millis(20));
+        let (a1, s1) = (c.now(), s.now());
+        assert!(a1 > a0 && s1 > s0);
+        let (da, ds) = ((a1 - a0).as_secs_f64(), (s1 - s0).as_secs_f64());
+        assert!((da - ds).abs() < 0.005, "tsc {da} vs std {ds}");
     }
 
     #[test]

@@ -33,7 +33,7 @@ pub use admission::{
 pub use breaker::{
     Breaker, BreakerConfig, BreakerOpen, BreakerState, BreakerStats, BreakerTicket, Outcome,
 };
-pub use clock::{Clock, ManualClock, SystemClock, Timestamp};
+pub use clock::{Clock, ManualClock, StdClock, SystemClock, Timestamp};
 pub use concurrency::{ConcurrencyLimit, KeyedConcurrency, Permit, Saturated};
 pub use degrade::{
     DegradeConfig, DegradeLevel, DegradePlan, DegradePlanner, DegradeStep, LoadSignals,
