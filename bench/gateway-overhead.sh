@@ -104,12 +104,26 @@ http {
 }
 NGINX
 "$NGINX" -c "$TMP/nginx.conf" -g 'daemon off;' >"$TMP/nginx.log" 2>&1 &
-PIDS+=($!)
+NGINX_PID=$!
+PIDS+=($NGINX_PID)
 sleep 0.3
 
+# CPU ticks (1/100 s) used so far by a process and its children threads / workers.
+ticks() { local t=0; for p in "$@"; do t=$(( t + $(awk '{print $14+$15}' /proc/$p/stat 2>/dev/null || echo 0) )); done; echo $t; }
+proxy_pids() { # $1 target -> the proxy's pids (none for direct)
+  case $1 in
+    levee) echo "$LEVEE_PID" ;;
+    nginx) echo "$NGINX_PID $(pgrep -P "$NGINX_PID" | tr '\n' ' ')" ;;
+  esac
+}
 run() { # $1 name $2 url $3 rate $4 round
-  local out
+  local out pids t0 t1
+  pids=$(proxy_pids "$1")
+  t0=$(ticks $pids)
   out=$("$LOADGEN" --url "$2/v1/chat/completions" --rate "$3" --secs "$SECS" --warmup-secs "$WARMUP" --key "$KEY")
+  t1=$(ticks $pids)
+  # CPU microseconds per request spent in the proxy (0 for direct).
+  out=$(python3 -c "import json,sys; d=json.loads(sys.argv[1]); n=$3*($SECS+$WARMUP); d['proxy_cpu_us_per_req']=($t1-$t0)*10000.0/n; print(json.dumps(d))" "$out")
   echo "$1 $3 $4 $out" >>"$TMP/results.txt"
   echo "round $4: $1 @ $3/s: $out" >&2
 }
@@ -143,8 +157,8 @@ med = statistics.median
 print()
 print(f"{len(rounds)} rounds; latency in ms from each request's due time (open loop); medians over rounds")
 print()
-print("| rate | target | ok / sent | p50 | p90 | p99 | p99.9 | added p99 vs direct (median of per-round differences) |")
-print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+print("| rate | target | ok / sent | p50 | p90 | p99 | p99.9 | proxy CPU µs/req | added p99 vs direct (median of per-round differences) |")
+print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
 for rate in rates:
     for name in ("direct", "levee", "nginx"):
         rs = [rows[(name, rate, r)] for r in rounds if (name, rate, r) in rows]
@@ -158,7 +172,9 @@ for rate in rates:
             diffs = [rows[(name, rate, r)]["ms_from_due"]["p99"] - rows[("direct", rate, r)]["ms_from_due"]["p99"]
                      for r in rounds if (name, rate, r) in rows and ("direct", rate, r) in rows]
             added = f"{med(diffs):+.3f} (rounds: {', '.join(f'{d:+.2f}' for d in diffs)})"
-        print(f"| {rate}/s | {name} | {ok} / {sent} | {p['p50']:.3f} | {p['p90']:.3f} | {p['p99']:.3f} | {p['p999']:.3f} | {added} |")
+        cpu = med([r.get("proxy_cpu_us_per_req", 0) for r in rs])
+        cpu_s = "" if name == "direct" else f"{cpu:.0f}"
+        print(f"| {rate}/s | {name} | {ok} / {sent} | {p['p50']:.3f} | {p['p90']:.3f} | {p['p99']:.3f} | {p['p999']:.3f} | {cpu_s} | {added} |")
 PY
 
 # --- RSS with QUEUED requests waiting in levee's queue -----------------------------------

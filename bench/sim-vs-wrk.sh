@@ -49,9 +49,13 @@ echo "== machine: $(nproc) cores; $(date -u +%FT%TZ); git $(git rev-parse --shor
 echo "== wrk (closed loop, 1 thread, 64 connections, ${DURATION}s); load: $(cut -d' ' -f1-3 /proc/loadavg)"
 wrk -t1 -c64 -d"${DURATION}s" --latency -s "$OUT/post.lua" "$URL/v1/chat/completions" | tee "$OUT/wrk.txt"
 
+# CPU and memory of the simulator itself, when GNU time is there.
+TIME=()
+if [ -x /usr/bin/time ]; then TIME=(/usr/bin/time -f "sim cost: user %U s, sys %S s, max RSS %M kB"); fi
+
 for RATE in $RATES; do
   echo "== levee sim (open loop, Poisson, ${RATE} req/s, ${DURATION}s); load: $(cut -d' ' -f1-3 /proc/loadavg)"
-  "$LEVEE" sim bench/sim-20k.toml --target "$URL" --capacity-rps "$RATE" --quiet \
+  "${TIME[@]}" "$LEVEE" sim bench/sim-20k.toml --target "$URL" --capacity-rps "$RATE" --quiet \
     --out "$OUT/sim-$RATE" --drain-s 5 \
-    | tee "$OUT/sim-$RATE.txt"
+    2>&1 | tee "$OUT/sim-$RATE.txt"
 done

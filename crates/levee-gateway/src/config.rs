@@ -276,6 +276,10 @@ pub struct ModelConfig {
     pub name: String,
     /// Model to route to under degradation (must be another configured model).
     pub fallback: Option<String>,
+    /// A canned assistant reply served (200, `x-levee-degraded: fallback_response`) instead
+    /// of a 503 when no backend of this model can take requests (all breakers open, or none
+    /// healthy). Unset: the 503 stands.
+    pub fallback_response: Option<String>,
     /// Requests per minute for this model across tenants (0 = unlimited).
     pub requests_per_minute: u32,
     /// Tokens per minute for this model across tenants (0 = unlimited).

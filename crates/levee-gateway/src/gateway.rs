@@ -48,6 +48,8 @@ pub struct Model {
     pub name: String,
     /// Fallback model under degradation.
     pub fallback: Option<String>,
+    /// Canned reply instead of a 503 when no backend can serve.
+    pub fallback_response: Option<String>,
     /// Model-wide limits.
     pub limits: Arc<Limits>,
     cfg: ModelConfig,
@@ -173,6 +175,7 @@ impl Runtime {
                 Arc::new(Model {
                     name: m.name.clone(),
                     fallback: m.fallback.clone(),
+                    fallback_response: m.fallback_response.clone(),
                     limits,
                     cfg: m.clone(),
                 }),

@@ -5,7 +5,7 @@
 //! [`FairQueue`] and its handler awaits a oneshot. Whenever a slot frees, the lane's
 //! dispatcher task pops the highest-priority fair head and hands it the slot.
 //!
-//! * A waiter whose client disconnects is dropped by hyper; its [`QueueGuard`] cancels the
+//! * A waiter whose client disconnects is dropped by hyper; its `QueueGuard` cancels the
 //!   ticket at once, so a gone client never reaches a backend.
 //! * Slots are RAII ([`Slot`]): dropping one decrements the backend's in-flight count and
 //!   wakes the dispatcher. Drop never takes the lane lock, so a slot can be dropped
@@ -23,7 +23,7 @@ use levee_policy::{
     Timestamp,
 };
 use parking_lot::Mutex;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 use tokio::sync::{oneshot, Notify};
@@ -55,6 +55,9 @@ pub struct Lane {
     inner: Mutex<LaneInner>,
     wake: Notify,
     retired: AtomicBool,
+    /// Mirror of the queue's length, readable without the lock: a freed slot wakes the
+    /// dispatcher only when someone waits (most requests never queue).
+    waiting: AtomicUsize,
 }
 
 impl std::fmt::Debug for Lane {
@@ -103,13 +106,17 @@ impl Drop for Slot {
             self.lane
                 .record(&self.backend.id, t, BreakerOutcome::Cancelled, now);
         }
-        self.backend.in_flight.fetch_sub(1, Ordering::AcqRel);
+        // SeqCst pairs with `acquire`: it pushes, then re-checks capacity under the lock;
+        // this side frees capacity, then checks for waiters. One of the two sees the other.
+        self.backend.in_flight.fetch_sub(1, Ordering::SeqCst);
         if let Some(gw) = self.gw.upgrade() {
             gw.in_flight.fetch_sub(1, Ordering::AcqRel);
             gw.metrics.in_flight.dec();
         }
         // The dispatcher task does the queue work; dropping a slot never takes the lock.
-        self.lane.wake.notify_one();
+        if self.lane.waiting.load(Ordering::SeqCst) > 0 {
+            self.lane.wake.notify_one();
+        }
     }
 }
 
@@ -126,13 +133,14 @@ impl Drop for QueueGuard<'_> {
         if self.armed {
             let mut inner = self.lane.inner.lock();
             if let Some(e) = inner.queue.cancel(self.ticket) {
-                left_queue(self.gw, &inner, e.tier);
+                left_queue(self.lane, self.gw, &inner, e.tier);
             }
         }
     }
 }
 
-fn left_queue(gw: &Gateway, inner: &LaneInner, tier: Tier) {
+fn left_queue(lane: &Lane, gw: &Gateway, inner: &LaneInner, tier: Tier) {
+    lane.waiting.fetch_sub(1, Ordering::SeqCst);
     gw.queued.fetch_sub(1, Ordering::AcqRel);
     gw.metrics.queued.dec();
     if let Some(name) = inner.tier_names.get(usize::from(tier.0)) {
@@ -173,6 +181,7 @@ impl Lane {
             }),
             wake: Notify::new(),
             retired: AtomicBool::new(false),
+            waiting: AtomicUsize::new(0),
         })
     }
 
@@ -321,7 +330,7 @@ impl Lane {
             if !b.healthy.load(Ordering::Relaxed) {
                 continue;
             }
-            if b.in_flight.load(Ordering::Acquire) >= b.cap() {
+            if b.in_flight.load(Ordering::SeqCst) >= b.cap() {
                 continue;
             }
             if !e.breaker.would_admit(now) {
@@ -442,6 +451,7 @@ impl Lane {
             );
             match pushed {
                 Ok(ticket) => {
+                    self.waiting.fetch_add(1, Ordering::SeqCst);
                     gw.queued.fetch_add(1, Ordering::AcqRel);
                     gw.metrics.queued.inc();
                     gw.metrics
@@ -450,6 +460,8 @@ impl Lane {
                             tier: tier_name.to_string(),
                         })
                         .inc();
+                    // A slot may have freed between the capacity check and the push.
+                    self.dispatch_locked(gw, &mut inner, now);
                     (rx, ticket)
                 }
                 Err(rej) => {
@@ -489,19 +501,23 @@ impl Lane {
     pub fn pump(self: &Arc<Self>, gw: &Arc<Gateway>) {
         let now = gw.clock.now();
         let mut inner = self.inner.lock();
+        self.dispatch_locked(gw, &mut inner, now);
+    }
+
+    fn dispatch_locked(self: &Arc<Self>, gw: &Arc<Gateway>, inner: &mut LaneInner, now: Timestamp) {
         let mut expired = Vec::new();
         inner.queue.expire_into(now, &mut expired);
         for e in expired {
-            left_queue(gw, &inner, e.tier);
+            left_queue(self, gw, inner, e.tier);
             let waited = now - e.enqueued_at;
-            let retry = self.retry_hint(gw, &inner, now);
+            let retry = self.retry_hint(gw, inner, now);
             let _ = e
                 .item
                 .tx
                 .send(Err(GatewayError::queue_timeout(waited, retry)));
         }
         while !inner.queue.is_empty() {
-            let Some((backend, ticket)) = Self::take_backend(&mut inner, now) else {
+            let Some((backend, ticket)) = Self::take_backend(inner, now) else {
                 break;
             };
             let Some(entry) = inner.queue.pop() else {
@@ -509,7 +525,7 @@ impl Lane {
                 backend.in_flight.fetch_sub(1, Ordering::AcqRel);
                 break;
             };
-            left_queue(gw, &inner, entry.tier);
+            left_queue(self, gw, inner, entry.tier);
             let waited = now - entry.enqueued_at;
             if entry.item.tx.is_closed() {
                 // Client gone between cancel and pop: never send its request upstream.
@@ -568,7 +584,7 @@ impl Lane {
     pub fn drain_queue(&self, gw: &Gateway, retry_after: Duration) {
         let mut inner = self.inner.lock();
         while let Some(e) = inner.queue.pop() {
-            left_queue(gw, &inner, e.tier);
+            left_queue(self, gw, &inner, e.tier);
             let _ = e.item.tx.send(Err(GatewayError::draining(retry_after)));
         }
     }

@@ -404,7 +404,7 @@ async fn pipeline(
         return Err(GatewayError::unknown_model(&target.name));
     };
     let retry_hint = lane.retry_estimate(gw);
-    let slot = lane
+    let acquired = lane
         .acquire(
             gw,
             SlotRequest {
@@ -414,7 +414,33 @@ async fn pipeline(
                 retry_after: retry_hint,
             },
         )
-        .await?;
+        .await;
+    let slot = match acquired {
+        Ok(slot) => slot,
+        Err(e) if e.code == "circuit_open" || e.code == "no_healthy_backend" => {
+            let Some(text) = target.fallback_response.as_deref() else {
+                return Err(e);
+            };
+            // The grant is dropped unreconciled: its tokens are refunded.
+            gw.metrics
+                .degraded
+                .get_or_create(&crate::metrics::ReasonLabels {
+                    tier: tenant.tier.clone(),
+                    reason: "fallback_response".into(),
+                })
+                .inc();
+            gw.metrics
+                .request(&tenant.name, &target.name, "fallback_response");
+            return Ok(canned_response(
+                path,
+                &target.name,
+                parsed.stream,
+                text,
+                e.code,
+            ));
+        }
+        Err(e) => return Err(e),
+    };
     gw.metrics
         .admitted
         .get_or_create(&TierLabel {
@@ -524,6 +550,44 @@ async fn pipeline(
     } else {
         proxy::finish_buffered(resp, settlement, deadline, sent_at, &extra).await
     }
+}
+
+/// The configured fallback reply in the OpenAI shape (chat or legacy completion, streamed
+/// or not).
+fn canned_response(path: &str, model: &str, stream: bool, text: &str, why: &str) -> Response {
+    let chat = path.ends_with("/chat/completions");
+    let mut resp = if stream {
+        let chunk = if chat {
+            serde_json::json!({"id": "levee-fallback", "object": "chat.completion.chunk", "created": 0,
+                "model": model, "choices": [{"index": 0, "delta": {"role": "assistant", "content": text}, "finish_reason": "stop"}]})
+        } else {
+            serde_json::json!({"id": "levee-fallback", "object": "text_completion", "created": 0,
+                "model": model, "choices": [{"index": 0, "text": text, "finish_reason": "stop"}]})
+        };
+        let body = format!("data: {chunk}\n\ndata: [DONE]\n\n");
+        ([(http::header::CONTENT_TYPE, "text/event-stream")], body).into_response()
+    } else {
+        let usage =
+            serde_json::json!({"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0});
+        let body = if chat {
+            serde_json::json!({"id": "levee-fallback", "object": "chat.completion", "created": 0, "model": model,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
+                "usage": usage})
+        } else {
+            serde_json::json!({"id": "levee-fallback", "object": "text_completion", "created": 0, "model": model,
+                "choices": [{"index": 0, "text": text, "finish_reason": "stop"}], "usage": usage})
+        };
+        axum::Json(body).into_response()
+    };
+    let h = resp.headers_mut();
+    h.insert(
+        "x-levee-degraded",
+        HeaderValue::from_static("fallback_response"),
+    );
+    if let Ok(v) = HeaderValue::from_str(why) {
+        h.insert("x-levee-fallback-reason", v);
+    }
+    resp
 }
 
 fn static_rate_header(name: &str) -> Option<&'static str> {

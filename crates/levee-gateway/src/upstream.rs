@@ -203,17 +203,20 @@ impl Backend {
         own / cap + reported * 0.5
     }
 
-    /// Reads `/metrics` once and updates load and health.
+    /// Checks `/health` and reads `/metrics` once; updates load and health. Health is the
+    /// `/health` answer (vLLM and llama-server both serve it; a crashed or restarting engine
+    /// answers 503 there while its `/metrics` may still answer); metrics are best effort.
     pub async fn scrape(&self, client: &HttpClient, timeout: Duration, unhealthy_after: u32) {
-        let ok = match tokio::time::timeout(timeout, self.fetch_metrics(client)).await {
-            Ok(Ok(text)) => {
+        let health = tokio::time::timeout(timeout, self.get(client, "/health")).await;
+        let ok = matches!(health, Ok(Ok(_)));
+        if ok {
+            if let Ok(Ok(text)) = tokio::time::timeout(timeout, self.get(client, "/metrics")).await
+            {
                 if let Some(l) = parse_load(self.kind, &text) {
                     *self.load.lock() = Some(l);
                 }
-                true
             }
-            _ => false,
-        };
+        }
         if ok {
             self.scrape_failures.store(0, Ordering::Relaxed);
             self.healthy.store(true, Ordering::Relaxed);
@@ -225,8 +228,8 @@ impl Backend {
         }
     }
 
-    async fn fetch_metrics(&self, client: &HttpClient) -> anyhow::Result<String> {
-        let uri: http::Uri = format!("{}/metrics", self.base).parse()?;
+    async fn get(&self, client: &HttpClient, path: &str) -> anyhow::Result<String> {
+        let uri: http::Uri = format!("{}{path}", self.base).parse()?;
         let req = http::Request::get(uri).body(Full::new(Bytes::new()))?;
         let resp = client.request(req).await?;
         if !resp.status().is_success() {

@@ -134,3 +134,36 @@ async fn client_disconnect_cancels_the_engine_sequence() {
     gw.shutdown().await;
     e.shutdown().await.unwrap();
 }
+
+#[tokio::test]
+async fn crashed_engine_is_marked_unhealthy_and_avoided() {
+    let mut crashy_cfg = levee_engine::EngineConfig::tiny_fast();
+    crashy_cfg.model = "m".into();
+    crashy_cfg.gpu.restart_secs = 3600.0;
+    let crashy = levee_engine::spawn(crashy_cfg, "127.0.0.1:0".parse().unwrap())
+        .await
+        .unwrap();
+    let good = engine().await;
+    let mut cfg = config(&[crashy.base_url(), good.base_url()], 4);
+    cfg.scrape.interval_ms = 50;
+    cfg.scrape.unhealthy_after = 1;
+    let gw = start(cfg).await.unwrap();
+    crashy.crash_now();
+    let g = gw.gateway().clone();
+    let url = crashy.base_url();
+    wait_until("crashed engine unhealthy", || {
+        g.lanes()[0]
+            .backends()
+            .iter()
+            .any(|b| b.base == url && !b.healthy.load(std::sync::atomic::Ordering::SeqCst))
+    })
+    .await;
+    let c = client();
+    for i in 0..4 {
+        let r = chat(&c, &gw.public_url(), "s", &format!("after crash {i}")).await;
+        assert_eq!(r.status(), 200);
+    }
+    gw.shutdown().await;
+    crashy.shutdown().await.unwrap();
+    good.shutdown().await.unwrap();
+}

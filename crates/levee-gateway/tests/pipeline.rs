@@ -452,6 +452,66 @@ async fn all_breakers_open_answers_503_circuit_open() {
 }
 
 #[tokio::test]
+async fn fallback_response_instead_of_503_when_configured() {
+    let bad = mock().await;
+    bad.fail(true);
+    let mut cfg = config(&[bad.url()], 4);
+    cfg.breaker.consecutive_failures = 1;
+    cfg.breaker.open_ms = 60_000;
+    cfg.models[0].fallback_response = Some("busy, try later".into());
+    let gw = start(cfg).await.unwrap();
+    let c = client();
+    assert_eq!(chat(&c, &gw.public_url(), "p", "x").await.status(), 500);
+    let r = chat(&c, &gw.public_url(), "p", "y").await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["x-levee-degraded"], "fallback_response");
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["choices"][0]["message"]["content"], "busy, try later");
+    assert_eq!(bad.count(), 1);
+    gw.shutdown().await;
+}
+
+#[tokio::test]
+async fn heavy_requests_get_their_own_tighter_limit() {
+    let m = mock().await;
+    let mut cfg = config(&[m.url()], 4);
+    cfg.heavy.max_tokens_over = 100;
+    cfg.heavy.requests_per_minute = 1;
+    let gw = start(cfg).await.unwrap();
+    let c = client();
+    let heavy = |tag: &str| {
+        serde_json::json!({"model": "m", "max_tokens": 1000,
+            "messages": [{"role": "user", "content": tag}]})
+    };
+    let url = format!("{}/v1/chat/completions", gw.public_url());
+    let r = c
+        .post(&url)
+        .bearer_auth("key-s")
+        .json(&heavy("h1"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let r = c
+        .post(&url)
+        .bearer_auth("key-s")
+        .json(&heavy("h2"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 429);
+    let v = error_json(r).await;
+    assert_eq!(v["error"]["code"], "rate_limit_exceeded");
+    assert!(
+        v["error"]["message"].as_str().unwrap().contains("heavy"),
+        "{v}"
+    );
+    // Light requests of the same tenant are not held back by the heavy limit.
+    assert_eq!(chat(&c, &gw.public_url(), "s", "light").await.status(), 200);
+    gw.shutdown().await;
+}
+
+#[tokio::test]
 async fn disconnect_frees_queue_slot_and_backend_slot() {
     let m = mock().await;
     m.hold(true);

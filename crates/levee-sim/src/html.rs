@@ -79,6 +79,12 @@ fn per_second(r: &Report, f: fn(&crate::report::Second) -> f64) -> Vec<(f64, f64
         .collect()
 }
 
+/// Like [`per_second`], without the seconds that had no sample (a latency of 0 there would
+/// draw a false dip).
+fn per_second_present(r: &Report, f: fn(&crate::report::Second) -> f64) -> Vec<(f64, f64)> {
+    per_second(r, f).into_iter().filter(|p| p.1 > 0.0).collect()
+}
+
 fn escape(s: &str) -> String {
     s.replace('&', "&amp;")
         .replace('<', "&lt;")
@@ -119,11 +125,14 @@ fn run_section(out: &mut String, label: &str, r: &Report) -> anyhow::Result<()> 
         "Latency percentiles (from intended send time)",
         "ms",
         &[
-            ("TTFT p50".into(), per_second(r, |s| s.ttft_p50)),
-            ("TTFT p99".into(), per_second(r, |s| s.ttft_p99)),
-            ("e2e p50".into(), per_second(r, |s| s.e2e_p50)),
-            ("e2e p99".into(), per_second(r, |s| s.e2e_p99)),
-            ("schedule lag p99".into(), per_second(r, |s| s.lag_p99)),
+            ("TTFT p50".into(), per_second_present(r, |s| s.ttft_p50)),
+            ("TTFT p99".into(), per_second_present(r, |s| s.ttft_p99)),
+            ("e2e p50".into(), per_second_present(r, |s| s.e2e_p50)),
+            ("e2e p99".into(), per_second_present(r, |s| s.e2e_p99)),
+            (
+                "schedule lag p99".into(),
+                per_second_present(r, |s| s.lag_p99),
+            ),
         ],
     )?);
     out.push_str(&line_chart(
@@ -204,7 +213,10 @@ pub fn write_html(runs: &[(&str, &Report)], path: &Path) -> anyhow::Result<()> {
         out.push_str(&line_chart(
             "TTFT p99 (from intended send time)",
             "ms",
-            &overlay(|s| s.ttft_p99),
+            &runs
+                .iter()
+                .map(|(l, r)| (l.to_string(), per_second_present(r, |s| s.ttft_p99)))
+                .collect::<Vec<_>>(),
         )?);
     }
     for (label, r) in runs {

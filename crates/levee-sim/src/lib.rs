@@ -58,6 +58,10 @@ pub struct SimArgs {
     /// What "1x" means, in requests per second (overrides the scenario's capacity_rps).
     #[arg(long)]
     pub capacity_rps: Option<f64>,
+    /// Multiplies the scenario's timeline (phase lengths, times inside phases, fault
+    /// times): 0.5 runs a 60 s scenario in 30 s at the same rates.
+    #[arg(long)]
+    pub time_scale: Option<f64>,
     /// Model name to send (overrides the scenario's and its classes').
     #[arg(long)]
     pub model: Option<String>,
@@ -174,6 +178,13 @@ pub async fn run_cli(args: SimArgs) -> anyhow::Result<()> {
     }
     if let Some(capacity) = args.capacity_rps {
         scenario.capacity_rps = capacity;
+    }
+    if let Some(f) = args.time_scale {
+        anyhow::ensure!(
+            f.is_finite() && f > 0.0,
+            "--time-scale must be > 0 (got {f})"
+        );
+        scenario.scale_time(f);
     }
     scenario.validate()?;
     if args.print_scenario {

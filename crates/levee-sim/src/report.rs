@@ -311,6 +311,25 @@ fn pct(x: f64) -> String {
 }
 
 impl Report {
+    /// Failed requests whose error key starts with `prefix` (`"429"`, `"5xx"`, `"timeout"`).
+    pub fn errors_with_prefix(&self, prefix: &str) -> u64 {
+        self.errors
+            .iter()
+            .filter(|(k, _)| k.starts_with(prefix))
+            .map(|(_, v)| *v)
+            .sum()
+    }
+
+    /// Requests that ended in a 429, whatever its code.
+    pub fn rate_limited(&self) -> u64 {
+        self.errors_with_prefix("429")
+    }
+
+    /// Requests that ended in a 5xx.
+    pub fn server_errors(&self) -> u64 {
+        self.errors_with_prefix("5xx")
+    }
+
     /// A human summary table (what `levee sim` prints at the end).
     pub fn summary(&self) -> String {
         let mut s = String::new();
@@ -406,21 +425,15 @@ pub fn compare_table(runs: &[(&str, &Report)]) -> String {
         ("e2e p99 ms", |r| r.latency.e2e.p99),
         ("tpot p50 ms", |r| r.latency.tpot.p50),
         ("schedule lag p99 ms", |r| r.latency.schedule_lag.p99),
-        ("429s", |r| {
-            r.errors
-                .iter()
-                .filter(|(k, _)| k.starts_with("429"))
-                .fold(0.0, |a, (_, v)| a + *v as f64)
-        }),
-        ("5xx", |r| {
-            r.errors
-                .iter()
-                .filter(|(k, _)| k.starts_with("5xx"))
-                .fold(0.0, |a, (_, v)| a + *v as f64)
-        }),
+        ("429s", |r| r.rate_limited() as f64),
+        ("5xx", |r| r.server_errors() as f64),
         ("timeouts", |r| {
             r.errors.get("timeout").copied().unwrap_or(0) as f64
         }),
+        ("connect / broken", |r| {
+            (r.errors_with_prefix("connect") + r.errors_with_prefix("broken_stream")) as f64
+        }),
+        ("cancelled", |r| r.errors_with_prefix("cancelled") as f64),
         ("retries", |r| r.totals.retries as f64),
     ];
     let mut s = String::new();

@@ -21,7 +21,7 @@ use rand::SeedableRng;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use tokio::sync::{mpsc, Semaphore};
+use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -62,6 +62,9 @@ pub struct RunOptions {
     pub capacity_rps: Option<f64>,
     /// Overrides the model name of the scenario and of all its classes.
     pub model: Option<String>,
+    /// Multiplies the scenario's timeline (see [`Scenario::scale_time`]); 0.5 runs a 60 s
+    /// scenario in 30 s at the same rates.
+    pub time_scale: Option<f64>,
     /// How long to wait for requests still in flight after the last scheduled send, before
     /// cancelling them. Default: the client timeout plus one second.
     pub drain: Option<Duration>,
@@ -75,6 +78,7 @@ impl Default for RunOptions {
             rate_scale: None,
             capacity_rps: None,
             model: None,
+            time_scale: None,
             drain: None,
         }
     }
@@ -111,7 +115,7 @@ struct Ctx {
     policy: RetryPolicy,
     budgets: Vec<Mutex<RetryBudget>>,
     jitter: Mutex<SmallRng>,
-    slots: Semaphore,
+    slots: Arc<Semaphore>,
     tx: mpsc::UnboundedSender<Record>,
     counters: Counters,
     cancel: CancellationToken,
@@ -198,6 +202,9 @@ pub async fn run(
     if let Some(capacity) = opts.capacity_rps {
         scenario.capacity_rps = capacity;
     }
+    if let Some(f) = opts.time_scale {
+        scenario.scale_time(f);
+    }
     if let Some(model) = &opts.model {
         scenario.request.model = model.clone();
         for class in &mut scenario.classes {
@@ -266,21 +273,47 @@ pub async fn run(
         stop_side.clone(),
     ));
 
-    // The dispatcher: the only place that waits for the schedule.
-    for a in &schedule.arrivals {
-        let due = start + Duration::from_nanos(a.at_ns);
-        if due > Instant::now() {
-            tokio::time::sleep_until(due).await;
-        }
-        let req = to_req(a, scenario.seed);
-        let task_ctx = ctx.clone();
-        ctx.tracker.spawn(run_request(task_ctx, req));
-    }
-
     let drain = opts
         .drain
         .unwrap_or_else(|| Duration::from_secs_f64(scenario.client.timeout_s + 1.0));
     let drain_end = start + Duration::from_secs_f64(schedule.duration_s) + drain;
+
+    // The dispatcher: the only place that waits for the schedule. It takes a send slot
+    // before spawning, so that a sender that fell behind keeps its backlog in the schedule
+    // (a few bytes per request) rather than in parked tasks, and memory stays bounded.
+    for (i, a) in schedule.arrivals.iter().enumerate() {
+        let due = start + Duration::from_nanos(a.at_ns);
+        if due > Instant::now() {
+            tokio::time::sleep_until(due).await;
+        }
+        let permit = match ctx.slots.clone().try_acquire_owned() {
+            Ok(p) => Some(p),
+            Err(_) => tokio::select! {
+                p = ctx.slots.clone().acquire_owned() => p.ok(),
+                _ = tokio::time::sleep_until(drain_end) => None,
+            },
+        };
+        let Some(permit) = permit else {
+            // Out of time with requests never sent: each is still recorded, as cancelled.
+            tracing::warn!(
+                "drain time over with {} scheduled requests never sent (all send slots busy)",
+                schedule.arrivals.len() - i
+            );
+            let now = ns_since(start);
+            for rest in &schedule.arrivals[i..] {
+                ctx.counters.scheduled.fetch_add(1, Ordering::Relaxed);
+                ctx.counters.done.fetch_add(1, Ordering::Relaxed);
+                ctx.counters.failed.fetch_add(1, Ordering::Relaxed);
+                let _ = ctx
+                    .tx
+                    .send(cancelled(&to_req(rest, scenario.seed), None, now));
+            }
+            break;
+        };
+        let req = to_req(a, scenario.seed);
+        let task_ctx = ctx.clone();
+        ctx.tracker.spawn(run_request(task_ctx, req, Some(permit)));
+    }
     ctx.tracker.close();
     if tokio::time::timeout_at(drain_end, ctx.tracker.wait())
         .await
@@ -402,7 +435,7 @@ fn build_ctx(
             .map(|_| Mutex::new(RetryBudget::new(budget, now)))
             .collect(),
         jitter: Mutex::new(SmallRng::seed_from_u64(scenario.seed ^ 0x6a69_7474)),
-        slots: Semaphore::new(c.max_in_flight),
+        slots: Arc::new(Semaphore::new(c.max_in_flight)),
         tx,
         counters: Counters::default(),
         cancel: CancellationToken::new(),
@@ -412,9 +445,9 @@ fn build_ctx(
     })
 }
 
-async fn run_request(ctx: Arc<Ctx>, req: Req) {
+async fn run_request(ctx: Arc<Ctx>, req: Req, permit: Option<OwnedSemaphorePermit>) {
     ctx.counters.scheduled.fetch_add(1, Ordering::Relaxed);
-    let record = execute(&ctx, &req).await;
+    let record = execute(&ctx, &req, permit).await;
     let ok = record.kind == Kind::Ok;
     let done_ns = record.done_ns;
     let tokens = record.tokens;
@@ -464,7 +497,7 @@ fn schedule_next_turn(ctx: &Arc<Ctx>, req: &Req, done_ns: u64, tokens: u32) {
     ctx.tracker.spawn(async move {
         let due = task_ctx.start + Duration::from_nanos(next.intended_ns);
         tokio::select! {
-            _ = tokio::time::sleep_until(due) => run_request(task_ctx, next).await,
+            _ = tokio::time::sleep_until(due) => run_request(task_ctx, next, None).await,
             _ = task_ctx.cancel.cancelled() => {
                 task_ctx.counters.scheduled.fetch_add(1, Ordering::Relaxed);
                 let now = ns_since(task_ctx.start);
@@ -492,8 +525,9 @@ fn cancelled(req: &Req, first_sent_ns: Option<u64>, now: u64) -> Record {
     }
 }
 
-/// All attempts of one request, with the client behaviour's retries.
-async fn execute(ctx: &Ctx, req: &Req) -> Record {
+/// All attempts of one request, with the client behaviour's retries. `first_permit` is the
+/// send slot the dispatcher already took for the first attempt, if any.
+async fn execute(ctx: &Ctx, req: &Req, mut first_permit: Option<OwnedSemaphorePermit>) -> Record {
     let body = ctx.body(req);
     let tenant = usize::from(req.tenant);
     if ctx.behaviour == Behaviour::Backoff {
@@ -509,9 +543,12 @@ async fn execute(ctx: &Ctx, req: &Req) -> Record {
     let mut admitted = false;
     loop {
         // A slot bounds sockets; waiting for one delays the send, which the lag records.
-        let permit = tokio::select! {
-            p = ctx.slots.acquire() => p.ok(),
-            _ = ctx.cancel.cancelled() => None,
+        let permit = match first_permit.take() {
+            Some(p) => Some(p),
+            None => tokio::select! {
+                p = ctx.slots.clone().acquire_owned() => p.ok(),
+                _ = ctx.cancel.cancelled() => None,
+            },
         };
         let Some(_permit) = permit else {
             return cancelled(req, first_sent_ns, ns_since(ctx.start));

@@ -92,6 +92,32 @@ impl Scenario {
         toml::to_string(self).context("cannot serialise the scenario as TOML")
     }
 
+    /// Stretches (factor > 1) or compresses the run's timeline: phase lengths and the times
+    /// inside phases, tenants' own phases and fault times. Rates, request sizes, think
+    /// times, timeouts and SLOs are unchanged. `levee drill` uses it to fit two runs in
+    /// its time budget.
+    pub fn scale_time(&mut self, factor: f64) {
+        let f = if factor.is_finite() && factor > 0.0 {
+            factor
+        } else {
+            1.0
+        };
+        for p in self.phases.iter_mut() {
+            p.scale_time(f);
+        }
+        for t in self.tenants.iter_mut() {
+            for p in t.phases.iter_mut().flatten() {
+                p.scale_time(f);
+            }
+        }
+        for fault in self.faults.iter_mut() {
+            fault.at_s *= f;
+            if let Some(d) = fault.duration_s.as_mut() {
+                *d *= f;
+            }
+        }
+    }
+
     /// Total duration of all phases, in seconds.
     pub fn duration_s(&self) -> f64 {
         self.phases.iter().map(Phase::duration_s).sum()
@@ -324,6 +350,37 @@ pub enum Phase {
 }
 
 impl Phase {
+    /// Multiplies every time of the phase (length, step and spike times, sine period).
+    pub fn scale_time(&mut self, f: f64) {
+        match self {
+            Phase::Steady { duration_s, .. } | Phase::Ramp { duration_s, .. } => *duration_s *= f,
+            Phase::Step {
+                duration_s, at_s, ..
+            } => {
+                *duration_s *= f;
+                *at_s *= f;
+            }
+            Phase::Spike {
+                duration_s,
+                at_s,
+                length_s,
+                ..
+            } => {
+                *duration_s *= f;
+                *at_s *= f;
+                *length_s *= f;
+            }
+            Phase::Sine {
+                duration_s,
+                period_s,
+                ..
+            } => {
+                *duration_s *= f;
+                *period_s *= f;
+            }
+        }
+    }
+
     /// Length of the phase in seconds.
     pub fn duration_s(&self) -> f64 {
         match self {

@@ -200,6 +200,18 @@ async fn a_stall_shows_in_corrected_latency_but_not_in_uncorrected() {
     report::write_html(&[("pause", &r)], &html).unwrap();
     let page = std::fs::read_to_string(&html).unwrap();
     assert!(page.contains("<svg") && !page.contains("<script src"));
+    // A comparison of two runs: side-by-side table plus overlay charts, then each run.
+    let table = report::compare_table(&[("before", &r), ("after", &r)]);
+    assert!(table.contains("before") && table.contains("goodput req/s"));
+    assert!(
+        table.contains("1.000"),
+        "same run twice: ratios of 1\n{table}"
+    );
+    let both = dir.join("both.html");
+    report::write_html(&[("before", &r), ("after", &r)], &both).unwrap();
+    let page = std::fs::read_to_string(&both).unwrap();
+    assert!(page.contains("Side by side"));
+    assert!(page.matches("<svg").count() >= 2 + 2 * 3);
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -392,6 +404,41 @@ async fn drain_cancels_what_is_left_and_nothing_is_lost() {
     assert!(r.totals.scheduled > 0);
     assert_eq!(r.totals.completed, r.totals.scheduled);
     assert_eq!(r.errors.get("cancelled"), Some(&r.totals.scheduled));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_never_sent_for_want_of_slots_are_still_recorded() {
+    let (url, server) = serve(Server::default()).await;
+    let scenario = Scenario::from_toml_str(
+        r#"
+        [arrival]
+        process = "constant"
+        [[phases]]
+        kind = "steady"
+        duration_s = 0.5
+        rps = 40
+        [[tenants]]
+        api_key = "sk-hang"
+        [client]
+        timeout_s = 60
+        max_in_flight = 2
+        "#,
+    )
+    .unwrap();
+    let opts = RunOptions {
+        drain: Some(Duration::from_millis(200)),
+        ..quiet()
+    };
+    let r = levee_sim::run(&scenario, &Target::new(&url), &opts)
+        .await
+        .unwrap();
+    assert_eq!(r.totals.scheduled, 20);
+    assert_eq!(r.totals.completed, 20);
+    assert_eq!(r.totals.sent, 2);
+    assert_eq!(server.calls.load(Ordering::SeqCst), 2);
+    assert_eq!(r.errors.get("cancelled"), Some(&20));
+    let offered: u64 = r.timeseries.iter().map(|s| s.offered).sum();
+    assert_eq!(offered, 20);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -80,3 +80,18 @@ fn validation_explains() {
     );
     assert!(err.contains("needs a url"), "{err}");
 }
+
+#[test]
+fn time_scale_compresses_the_timeline_not_the_rates() {
+    let full = scenarios::builtin("flash-crowd").unwrap();
+    let mut half = full.clone();
+    half.scale_time(0.5);
+    assert_eq!(half.duration_s(), full.duration_s() / 2.0);
+    let n_full = levee_sim::arrivals::build(&full).unwrap().arrivals.len() as f64;
+    let n_half = levee_sim::arrivals::build(&half).unwrap().arrivals.len() as f64;
+    assert!((n_half / n_full - 0.5).abs() < 0.05, "{n_half} vs {n_full}");
+    let mut failure = scenarios::builtin("backend-failure").unwrap();
+    failure.scale_time(0.5);
+    assert_eq!(failure.faults[0].at_s, 7.5);
+    assert_eq!(failure.faults[1].duration_s, Some(5.0));
+}

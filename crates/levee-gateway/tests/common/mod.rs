@@ -163,6 +163,7 @@ pub async fn mock() -> Mock {
         .route("/v1/chat/completions", post(completion))
         .route("/v1/completions", post(completion))
         .route("/metrics", get(metrics))
+        .route("/health", get(|| async { "ok" }))
         .with_state(state.clone());
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
