@@ -207,6 +207,10 @@ pub struct TenantConfig {
     pub key_env: Vec<String>,
     /// Requests per minute (0 = unlimited).
     pub requests_per_minute: u32,
+    /// Requests the tenant may send at once above its steady rate (0 = a whole minute's
+    /// worth, `requests_per_minute`). A small burst holds a flooding tenant near its rate
+    /// within seconds instead of after a minute.
+    pub requests_burst: u32,
     /// LLM tokens (prompt + completion) per minute (0 = unlimited).
     pub tokens_per_minute: u64,
     /// Requests in flight or queued at once (0 = unlimited).
@@ -223,6 +227,7 @@ impl Default for TenantConfig {
             key_sha256: Vec::new(),
             key_env: Vec::new(),
             requests_per_minute: 0,
+            requests_burst: 0,
             tokens_per_minute: 0,
             max_concurrency: 0,
             weight: 1.0,

@@ -125,12 +125,15 @@ impl Runtime {
                     },
                     sheddable: tier_cfg.sheddable,
                     weight: t.weight,
-                    limits: Arc::new(Limits::new(
-                        format!("tenant {}", t.name),
-                        t.requests_per_minute,
-                        t.tokens_per_minute,
-                        t.max_concurrency,
-                    )),
+                    limits: Arc::new(
+                        Limits::new(
+                            format!("tenant {}", t.name),
+                            t.requests_per_minute,
+                            t.tokens_per_minute,
+                            t.max_concurrency,
+                        )
+                        .with_request_burst(t.requests_burst),
+                    ),
                     heavy: Arc::new(Limits::new(
                         format!("tenant {} heavy requests", t.name),
                         cfg.heavy.requests_per_minute,

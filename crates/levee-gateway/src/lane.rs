@@ -58,6 +58,9 @@ pub struct Lane {
     /// Mirror of the queue's length, readable without the lock: a freed slot wakes the
     /// dispatcher only when someone waits (most requests never queue).
     waiting: AtomicUsize,
+    /// Breaker tickets of slots dropped while the lane lock was taken (see `Slot::drop`).
+    /// Lock order: `inner` before `deferred_cancels`; `Slot::drop` never waits for `inner`.
+    deferred_cancels: Mutex<Vec<(String, BreakerTicket)>>,
 }
 
 impl std::fmt::Debug for Lane {
@@ -101,10 +104,27 @@ impl Drop for Slot {
             return;
         }
         if let Some(t) = self.ticket.take() {
-            // Never reported: the request was abandoned (client gone) or never sent.
+            // Never reported: the request was abandoned (client gone) or never sent. A slot
+            // can be dropped inside a oneshot send made under the lane lock (the receiver
+            // went away at that instant), so never block on the lock here: record now if it
+            // is free, else leave the record for the dispatcher.
             let now = self.gw.upgrade().map(|g| g.clock.now()).unwrap_or_default();
-            self.lane
-                .record(&self.backend.id, t, BreakerOutcome::Cancelled, now);
+            match self.lane.inner.try_lock() {
+                Some(mut inner) => record_in(
+                    &mut inner,
+                    &self.backend.id,
+                    t,
+                    BreakerOutcome::Cancelled,
+                    now,
+                ),
+                None => {
+                    self.lane
+                        .deferred_cancels
+                        .lock()
+                        .push((self.backend.id.clone(), t));
+                    self.lane.wake.notify_one();
+                }
+            }
         }
         // SeqCst pairs with `acquire`: it pushes, then re-checks capacity under the lock;
         // this side frees capacity, then checks for waiters. One of the two sees the other.
@@ -117,6 +137,18 @@ impl Drop for Slot {
         if self.lane.waiting.load(Ordering::SeqCst) > 0 {
             self.lane.wake.notify_one();
         }
+    }
+}
+
+fn record_in(
+    inner: &mut LaneInner,
+    id: &str,
+    t: BreakerTicket,
+    outcome: BreakerOutcome,
+    now: Timestamp,
+) {
+    if let Some(e) = inner.backends.iter_mut().find(|e| e.backend.id == id) {
+        e.breaker.record(t, outcome, now);
     }
 }
 
@@ -182,6 +214,7 @@ impl Lane {
             wake: Notify::new(),
             retired: AtomicBool::new(false),
             waiting: AtomicUsize::new(0),
+            deferred_cancels: Mutex::new(Vec::new()),
         })
     }
 
@@ -302,9 +335,7 @@ impl Lane {
 
     fn record(&self, id: &str, t: BreakerTicket, outcome: BreakerOutcome, now: Timestamp) {
         let mut inner = self.inner.lock();
-        if let Some(e) = inner.backends.iter_mut().find(|e| e.backend.id == id) {
-            e.breaker.record(t, outcome, now);
-        }
+        record_in(&mut inner, id, t, outcome, now);
     }
 
     /// Breaker state of a backend as the metrics gauge (0 closed, 1 half-open, 2 open).
@@ -505,6 +536,9 @@ impl Lane {
     }
 
     fn dispatch_locked(self: &Arc<Self>, gw: &Arc<Gateway>, inner: &mut LaneInner, now: Timestamp) {
+        for (id, t) in std::mem::take(&mut *self.deferred_cancels.lock()) {
+            record_in(inner, &id, t, BreakerOutcome::Cancelled, now);
+        }
         let mut expired = Vec::new();
         inner.queue.expire_into(now, &mut expired);
         for e in expired {

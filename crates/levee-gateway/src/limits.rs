@@ -52,6 +52,17 @@ impl Limits {
         }
     }
 
+    /// Sets the request-rate burst (0 keeps the default: one period's worth).
+    pub fn with_request_burst(mut self, burst: u32) -> Limits {
+        if burst > 0 {
+            if let Some(g) = self.requests.as_mut() {
+                let quota = g.get_mut().quota().with_burst(u64::from(burst));
+                *g.get_mut() = Gcra::new(quota);
+            }
+        }
+        self
+    }
+
     /// Whether this scope limits nothing (lets the caller skip it).
     pub fn is_unlimited(&self) -> bool {
         self.requests.is_none() && self.tokens.is_none() && self.concurrency.is_none()

@@ -87,11 +87,9 @@ pub async fn start(config: Config) -> anyhow::Result<GatewayHandle> {
     if !errors.is_empty() {
         anyhow::bail!("invalid configuration:\n  {}", errors.join("\n  "));
     }
-    let public_listener = TcpListener::bind(config.listen.public)
-        .await
+    let public_listener = bind(config.listen.public)
         .map_err(|e| anyhow::anyhow!("cannot bind public {}: {e}", config.listen.public))?;
-    let admin_listener = TcpListener::bind(config.listen.admin)
-        .await
+    let admin_listener = bind(config.listen.admin)
         .map_err(|e| anyhow::anyhow!("cannot bind admin {}: {e}", config.listen.admin))?;
     let public = public_listener.local_addr()?;
     let admin = admin_listener.local_addr()?;
@@ -122,6 +120,23 @@ pub async fn start(config: Config) -> anyhow::Result<GatewayHandle> {
         stop_accepting,
         tasks,
     })
+}
+
+/// Listen backlog. A burst of new connections (clients reconnecting after a stall) must
+/// queue in the kernel rather than have SYNs dropped, which costs clients 1 s+ retransmits.
+/// The kernel caps it at `net.core.somaxconn`.
+const LISTEN_BACKLOG: u32 = 8192;
+
+fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
+    let socket = if addr.is_ipv4() {
+        tokio::net::TcpSocket::new_v4()?
+    } else {
+        tokio::net::TcpSocket::new_v6()?
+    };
+    socket.set_reuseaddr(true)?;
+    socket.set_nodelay(true)?;
+    socket.bind(addr)?;
+    socket.listen(LISTEN_BACKLOG)
 }
 
 async fn accept_loop(

@@ -734,3 +734,77 @@ async fn streaming_forwards_chunks_and_strips_usage_unless_asked() {
     );
     gw.shutdown().await;
 }
+
+#[tokio::test]
+async fn admin_surfaces_dashboard_state_and_metrics() {
+    let m = mock().await;
+    m.hold(true);
+    let gw = start(config(&[m.url()], 1)).await.unwrap();
+    let base = gw.public_url();
+    let c = client();
+    let g = gw.gateway().clone();
+    let first = tokio::spawn({
+        let (c, base) = (c.clone(), base.clone());
+        async move { chat(&c, &base, "s", "first").await }
+    });
+    wait_until("first at backend", || m.count() == 1).await;
+    let queued = tokio::spawn({
+        let (c, base) = (c.clone(), base.clone());
+        async move { chat(&c, &base, "f", "queued").await }
+    });
+    wait_until("queued", || g.queued.load(Ordering::SeqCst) == 1).await;
+    let page = c
+        .get(gw.admin_url())
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        page.contains("/admin/state") && !page.contains("http://") && !page.contains("https://")
+    );
+    let state: Value = c
+        .get(format!("{}/admin/state", gw.admin_url()))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(state["queued"], 1);
+    assert_eq!(state["in_flight"], 1);
+    let free = state["models"][0]["tiers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["tier"] == "free")
+        .unwrap()
+        .clone();
+    assert_eq!(free["queued"], 1);
+    assert_eq!(state["models"][0]["backends"][0]["in_flight"], 1);
+    assert_eq!(
+        state["models"][0]["backends"][0]["breaker"]["state"],
+        "closed"
+    );
+    assert!(state["tenants"].as_array().unwrap().len() >= 5);
+    let metrics = c
+        .get(format!("{}/metrics", gw.admin_url()))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        metrics.contains("levee_queue_depth{tier=\"free\"} 1"),
+        "{metrics}"
+    );
+    assert!(metrics.contains("levee_in_flight 1"), "{metrics}");
+    assert!(metrics.contains("levee_queued 1"), "{metrics}");
+    assert!(metrics.contains("levee_backend_in_flight{"), "{metrics}");
+    m.release(2);
+    assert_eq!(first.await.unwrap().status(), 200);
+    assert_eq!(queued.await.unwrap().status(), 200);
+    gw.shutdown().await;
+}

@@ -208,8 +208,21 @@ pub async fn run_cli(args: SimArgs) -> anyhow::Result<()> {
         metrics,
         engine_admin: args.engine_admin,
     };
+    // Ctrl-C stops the flood and still writes the report of what happened so far.
+    let stop = tokio_util::sync::CancellationToken::new();
+    let on_ctrl_c = stop.clone();
+    tokio::spawn(async move {
+        if tokio::signal::ctrl_c().await.is_ok() {
+            eprintln!("levee sim: interrupted; finishing the report (Ctrl-C again to abort)");
+            on_ctrl_c.cancel();
+            if tokio::signal::ctrl_c().await.is_ok() {
+                std::process::exit(130);
+            }
+        }
+    });
     let opts = RunOptions {
         progress: !args.quiet,
+        stop: Some(stop),
         model: args.model,
         drain: args
             .drain_s

@@ -50,7 +50,7 @@ impl Target {
 }
 
 /// Knobs of one run that are not part of the scenario.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone)]
 pub struct RunOptions {
     /// Show the live progress line on stderr.
     pub progress: bool,
@@ -68,6 +68,10 @@ pub struct RunOptions {
     /// How long to wait for requests still in flight after the last scheduled send, before
     /// cancelling them. Default: the client timeout plus one second.
     pub drain: Option<Duration>,
+    /// Cancelling this token ends the run early (e.g. on Ctrl-C): nothing more is sent,
+    /// requests in flight are cancelled, and the report covers what happened so far (the
+    /// unsent rest of the schedule is recorded as `cancelled`).
+    pub stop: Option<CancellationToken>,
 }
 
 impl Default for RunOptions {
@@ -80,6 +84,7 @@ impl Default for RunOptions {
             model: None,
             time_scale: None,
             drain: None,
+            stop: None,
         }
     }
 }
@@ -281,23 +286,37 @@ pub async fn run(
     // The dispatcher: the only place that waits for the schedule. It takes a send slot
     // before spawning, so that a sender that fell behind keeps its backlog in the schedule
     // (a few bytes per request) rather than in parked tasks, and memory stays bounded.
+    let stop = opts.stop.clone().unwrap_or_default();
     for (i, a) in schedule.arrivals.iter().enumerate() {
         let due = start + Duration::from_nanos(a.at_ns);
+        let mut permit = None;
         if due > Instant::now() {
-            tokio::time::sleep_until(due).await;
+            tokio::select! {
+                _ = tokio::time::sleep_until(due) => {}
+                _ = stop.cancelled() => {}
+            }
         }
-        let permit = match ctx.slots.clone().try_acquire_owned() {
-            Ok(p) => Some(p),
-            Err(_) => tokio::select! {
-                p = ctx.slots.clone().acquire_owned() => p.ok(),
-                _ = tokio::time::sleep_until(drain_end) => None,
-            },
-        };
+        if !stop.is_cancelled() {
+            permit = match ctx.slots.clone().try_acquire_owned() {
+                Ok(p) => Some(p),
+                Err(_) => tokio::select! {
+                    p = ctx.slots.clone().acquire_owned() => p.ok(),
+                    _ = tokio::time::sleep_until(drain_end) => None,
+                    _ = stop.cancelled() => None,
+                },
+            };
+        }
         let Some(permit) = permit else {
-            // Out of time with requests never sent: each is still recorded, as cancelled.
+            // Stopped, or out of time with requests never sent: each is still recorded,
+            // as cancelled.
             tracing::warn!(
-                "drain time over with {} scheduled requests never sent (all send slots busy)",
-                schedule.arrivals.len() - i
+                "{} scheduled requests not sent: {}",
+                schedule.arrivals.len() - i,
+                if stop.is_cancelled() {
+                    "the run was stopped"
+                } else {
+                    "the drain time ended with all send slots busy"
+                }
             );
             let now = ns_since(start);
             for rest in &schedule.arrivals[i..] {
@@ -314,12 +333,23 @@ pub async fn run(
         let task_ctx = ctx.clone();
         ctx.tracker.spawn(run_request(task_ctx, req, Some(permit)));
     }
+    if stop.is_cancelled() {
+        ctx.cancel.cancel();
+    }
     ctx.tracker.close();
-    if tokio::time::timeout_at(drain_end, ctx.tracker.wait())
-        .await
-        .is_err()
-    {
-        tracing::info!("drain time over: cancelling the requests still in flight");
+    let drained = tokio::select! {
+        r = tokio::time::timeout_at(drain_end, ctx.tracker.wait()) => r.is_ok(),
+        _ = stop.cancelled() => false,
+    };
+    if !drained {
+        tracing::info!(
+            "{}: cancelling the requests still in flight",
+            if stop.is_cancelled() {
+                "run stopped"
+            } else {
+                "drain time over"
+            }
+        );
         ctx.cancel.cancel();
         ctx.tracker.wait().await;
     }

@@ -27,6 +27,8 @@ struct Server {
     /// `(api key, prompt words, time)` of each call.
     seen: Mutex<Vec<(String, usize, Instant)>>,
     faults: Mutex<Vec<serde_json::Value>>,
+    /// Signalled on every call.
+    called: tokio::sync::Notify,
 }
 
 async fn completions(
@@ -35,6 +37,7 @@ async fn completions(
     Json(body): Json<serde_json::Value>,
 ) -> Response {
     let n = s.calls.fetch_add(1, Ordering::SeqCst);
+    s.called.notify_one();
     let key = headers
         .get("authorization")
         .and_then(|v| v.to_str().ok())
@@ -276,6 +279,7 @@ async fn streams_are_timed_and_counted_and_errors_are_split() {
         timeout_s = 1.5
         [slo]
         ttft_ms = 60000
+        tpot_ms = 60000
         "#,
     )
     .unwrap();
@@ -439,6 +443,48 @@ async fn requests_never_sent_for_want_of_slots_are_still_recorded() {
     assert_eq!(r.errors.get("cancelled"), Some(&20));
     let offered: u64 = r.timeseries.iter().map(|s| s.offered).sum();
     assert_eq!(offered, 20);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_run_reports_what_happened_and_the_rest_as_cancelled() {
+    let (url, server) = serve(Server::default()).await;
+    let scenario = Scenario::from_toml_str(
+        r#"
+        [arrival]
+        process = "constant"
+        [[phases]]
+        kind = "steady"
+        duration_s = 4
+        rps = 20
+        [[classes]]
+        stream = false
+        "#,
+    )
+    .unwrap();
+    let stop = tokio_util::sync::CancellationToken::new();
+    let opts = RunOptions {
+        stop: Some(stop.clone()),
+        ..quiet()
+    };
+    // Stop once the server has answered five calls (a signal, not a sleep).
+    let watcher = server.clone();
+    tokio::spawn(async move {
+        while watcher.calls.load(Ordering::SeqCst) < 5 {
+            watcher.called.notified().await;
+        }
+        stop.cancel();
+    });
+    let r = levee_sim::run(&scenario, &Target::new(&url), &opts)
+        .await
+        .unwrap();
+    assert_eq!(r.totals.scheduled, 80);
+    assert_eq!(r.totals.completed, 80);
+    assert!(r.totals.sent < 80, "{}", r.summary());
+    assert_eq!(
+        r.errors.get("cancelled").copied().unwrap_or(0),
+        80 - r.totals.ok
+    );
+    assert!(r.totals.ok >= 4);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

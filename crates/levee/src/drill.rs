@@ -104,15 +104,24 @@ impl Fleet {
     }
 }
 
+/// How long requests still in flight after a run's last send may finish: longer than a
+/// drill request's longest life behind levee (queue budget plus generation).
+const DRAIN_S: f64 = 6.0;
+
+/// Each tenant's request quota, as a multiple of its normal traffic (its share of 1x capacity).
+const QUOTA_HEADROOM: f64 = 1.25;
+
 /// The gateway configuration the drill runs levee with: every tenant of the scenario gets a
-/// key, its tier and a generous quota (the flood is a capacity problem, not a quota one);
+/// key, its tier, a request quota of [`QUOTA_HEADROOM`] × its normal traffic (what an
+/// operator would contract) and at most three quarters of the fleet's slots;
 /// every engine is a backend capped at [`BACKEND_CAP`]; the queue holds about one second of
 /// the fleet's work.
 pub fn drill_gateway_config(
     scenario: &Scenario,
     engine_urls: &[String],
-    model: &str,
+    quotas: bool,
 ) -> anyhow::Result<levee_gateway::Config> {
+    let model = &scenario.request.model;
     let fleet_cap = BACKEND_CAP as usize * engine_urls.len();
     let mut t = String::new();
     let _ = writeln!(
@@ -174,12 +183,25 @@ enabled = false
 name = {name:?}
 tier = "{tier}"
 key_sha256 = ["{hash}"]
+requests_per_minute = {rpm}
+requests_burst = {burst}
 max_concurrency = {conc}
 "#,
             name = tenant.name,
             hash = levee_gateway::hash_key(&tenant.api_key),
-            // No tenant may hold more than half the fleet: a flooder cannot take it all.
-            conc = (fleet_cap / 2).max(1),
+            // Two seconds' worth: enough for bursty arrivals, not for a flood.
+            burst = (normal_rps(scenario, tenant) * QUOTA_HEADROOM * 2.0)
+                .ceil()
+                .max(1.0),
+            rpm = if quotas {
+                (normal_rps(scenario, tenant) * 60.0 * QUOTA_HEADROOM)
+                    .ceil()
+                    .max(60.0)
+            } else {
+                0.0
+            },
+            // No tenant may hold more than three quarters of the fleet: a flooder cannot take it all.
+            conc = (fleet_cap * 3 / 4).max(1),
         );
     }
     let _ = writeln!(t, "[[models]]\nname = {model:?}\n");
@@ -251,11 +273,46 @@ fn is_flooder(scenario: &Scenario, tenant: &levee_sim::scenario::Tenant) -> bool
     peak >= scenario.capacity_rps
 }
 
-/// The same scenario without its flooders: what the quiet tenants see on their own.
-fn without_flooders(base: &Scenario) -> Scenario {
+/// Requests per second a tenant sends in normal times: its share of 1x capacity, or for a
+/// tenant with its own schedule, the rate that schedule starts at.
+fn normal_rps(scenario: &Scenario, tenant: &levee_sim::scenario::Tenant) -> f64 {
+    let to_rps = |r: Rate| match r {
+        Rate::Rps(x) => x,
+        Rate::Multiple(m) => m * scenario.capacity_rps,
+    };
+    match &tenant.phases {
+        Some(phases) => phases.first().map_or(0.0, |p| p.rate_at(0.0, &to_rps)),
+        None => {
+            let total: f64 = scenario
+                .tenants
+                .iter()
+                .filter(|t| t.phases.is_none())
+                .map(|t| t.share)
+                .sum();
+            if total > 0.0 {
+                scenario.capacity_rps * tenant.share / total
+            } else {
+                0.0
+            }
+        }
+    }
+}
+
+/// The same scenario with every flooder calm: sending all along at the rate it starts at
+/// (its normal share) instead of flooding. What the quiet tenants see in normal times.
+fn calm_flooders(base: &Scenario) -> Scenario {
     let mut s = base.clone();
-    s.name = format!("{} (without flooders)", base.name);
-    s.tenants.retain(|t| !is_flooder(base, t));
+    s.name = format!("{} (flooder calm)", base.name);
+    let total: f64 = base.phases.iter().map(|p| p.duration_s()).sum();
+    for t in s.tenants.iter_mut() {
+        if is_flooder(base, t) {
+            let rps = normal_rps(base, t);
+            t.phases = Some(vec![Phase::Steady {
+                duration_s: total,
+                rps: Rate::Rps(rps),
+            }]);
+        }
+    }
     s
 }
 
@@ -263,9 +320,10 @@ async fn run_levee(
     scenario: &Scenario,
     engines: usize,
     opts: &RunOptions,
+    quotas: bool,
 ) -> anyhow::Result<(Report, u64)> {
     let fleet = Fleet::start(engines).await?;
-    let cfg = drill_gateway_config(scenario, &fleet.urls(), &scenario.request.model)?;
+    let cfg = drill_gateway_config(scenario, &fleet.urls(), quotas)?;
     let gw = levee_gateway::start(cfg)
         .await
         .context("starting the drill gateway")?;
@@ -333,7 +391,7 @@ pub async fn run_cli(args: DrillArgs) -> anyhow::Result<()> {
     probe.capacity_rps = estimated_capacity(args.engines);
     probe.client.behaviour = levee_sim::scenario::Behaviour::None;
     eprintln!("[1/4] measuring the fleet's capacity (saturated, through levee)");
-    let (probe_report, _) = run_levee(&probe, args.engines, &opts(2.0)).await?;
+    let (probe_report, _) = run_levee(&probe, args.engines, &opts(2.0), false).await?;
     let capacity = saturated_throughput(&probe_report);
     anyhow::ensure!(
         capacity > 0.5,
@@ -346,7 +404,7 @@ pub async fn run_cli(args: DrillArgs) -> anyhow::Result<()> {
     //    has a flooding tenant, the same traffic without the flooder.
     let has_flooders = scenario.tenants.iter().any(|t| is_flooder(&scenario, t));
     let (reference_label, reference) = if has_flooders {
-        ("without flooder", without_flooders(&scenario))
+        ("flooder calm", calm_flooders(&scenario))
     } else {
         (
             "1x capacity",
@@ -354,15 +412,18 @@ pub async fn run_cli(args: DrillArgs) -> anyhow::Result<()> {
         )
     };
     eprintln!("[2/4] reference run: {reference_label} (through levee)");
-    let (cap_report, cap_crashes) = run_levee(&reference, args.engines, &opts(3.0)).await?;
+    let (cap_report, cap_crashes) =
+        run_levee(&reference, args.engines, &opts(DRAIN_S), true).await?;
 
     // 3. The flood, unprotected.
     eprintln!("[3/4] {}: unprotected round-robin", scenario.name);
-    let (raw_report, raw_crashes) = run_unprotected(&scenario, args.engines, &opts(3.0)).await?;
+    let (raw_report, raw_crashes) =
+        run_unprotected(&scenario, args.engines, &opts(DRAIN_S)).await?;
 
     // 4. The flood, through levee.
     eprintln!("[4/4] {}: through levee", scenario.name);
-    let (levee_report, levee_crashes) = run_levee(&scenario, args.engines, &opts(3.0)).await?;
+    let (levee_report, levee_crashes) =
+        run_levee(&scenario, args.engines, &opts(DRAIN_S), true).await?;
 
     let runs = [
         Run {
