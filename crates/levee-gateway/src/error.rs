@@ -327,6 +327,18 @@ impl GatewayError {
         )
     }
 
+    /// 502 `upstream_unreachable`: the connection to the backend could not be made, so the
+    /// request never reached it (safe to send elsewhere).
+    pub fn upstream_unreachable(message: impl Into<String>) -> Self {
+        Self::new(
+            Origin::Upstream,
+            StatusCode::BAD_GATEWAY,
+            "server_error",
+            "upstream_unreachable",
+            message,
+        )
+    }
+
     /// 504: the request passed its deadline waiting for the backend.
     pub fn upstream_timeout(after: Duration) -> Self {
         Self::new(

@@ -355,9 +355,20 @@ impl Lane {
         inner: &mut LaneInner,
         now: Timestamp,
     ) -> Option<(Arc<Backend>, BreakerTicket)> {
+        Self::take_backend_except(inner, now, None)
+    }
+
+    fn take_backend_except(
+        inner: &mut LaneInner,
+        now: Timestamp,
+        except: Option<&str>,
+    ) -> Option<(Arc<Backend>, BreakerTicket)> {
         let mut best: Option<(usize, f64)> = None;
         for (i, e) in inner.backends.iter().enumerate() {
             let b = &e.backend;
+            if except == Some(b.id.as_str()) {
+                continue;
+            }
             if !b.healthy.load(Ordering::Relaxed) {
                 continue;
             }
@@ -526,6 +537,16 @@ impl Lane {
                 Err(GatewayError::queue_timeout(req.budget, req.retry_after))
             }
         }
+    }
+
+    /// A slot on another backend than `except`, only if one is free right now (used to
+    /// resend a request whose backend refused the connection; it never queues again).
+    pub fn try_take_other(self: &Arc<Self>, gw: &Arc<Gateway>, except: &str) -> Option<Slot> {
+        let now = gw.clock.now();
+        let mut inner = self.inner.lock();
+        let (b, t) = Self::take_backend_except(&mut inner, now, Some(except))?;
+        drop(inner);
+        Some(self.make_slot(gw, b, t, Duration::ZERO))
     }
 
     /// Hands free slots to the queue's heads; answers expired waiters.

@@ -128,6 +128,9 @@ pub async fn send(
     let started = Instant::now();
     match tokio::time::timeout_at(deadline, client.request(req)).await {
         Ok(Ok(resp)) => Ok(resp),
+        Ok(Err(e)) if e.is_connect() => Err(GatewayError::upstream_unreachable(format!(
+            "cannot connect to backend {base}: {e}"
+        ))),
         Ok(Err(e)) => Err(GatewayError::upstream(format!(
             "backend {base} failed: {e}"
         ))),
@@ -145,6 +148,8 @@ pub async fn finish_buffered(
 ) -> Result<Response, GatewayError> {
     let (parts, body) = resp.into_parts();
     settlement.outcome.status = parts.status.as_u16();
+    // The response head is the first byte a non-streaming client could see.
+    settlement.outcome.ttft = Some(sent_at.elapsed());
     let bytes = match tokio::time::timeout_at(deadline, body.collect()).await {
         Ok(Ok(c)) => c.to_bytes(),
         Ok(Err(e)) => {
@@ -160,7 +165,6 @@ pub async fn finish_buffered(
             return Err(GatewayError::upstream_timeout(sent_at.elapsed()));
         }
     };
-    settlement.outcome.ttft = Some(sent_at.elapsed());
     #[derive(Deserialize)]
     struct WithUsage {
         usage: Option<Usage>,

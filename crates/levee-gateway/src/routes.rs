@@ -460,15 +460,8 @@ async fn pipeline(
         }
     }
 
-    // 5. Build the upstream request.
-    let upstream_model = slot
-        .backend
-        .upstream_model
-        .clone()
-        .unwrap_or_else(|| target.name.clone());
-    parsed
-        .body
-        .insert("model".into(), Value::String(upstream_model));
+    // 5. Build the upstream request (the model name is set per backend, below).
+    let mut slot = slot;
     if let Some(m) = effective_max {
         if requested_max != Some(m) {
             let key = if parsed.body.contains_key("max_completion_tokens") {
@@ -491,10 +484,6 @@ async fn pipeline(
             o.insert("include_usage".into(), Value::Bool(true));
         }
     }
-    let upstream_body =
-        Bytes::from(serde_json::to_vec(&parsed.body).map_err(|e| {
-            GatewayError::internal(format!("cannot encode the upstream request: {e}"))
-        })?);
 
     let mut extra: Vec<(&'static str, HeaderValue)> = Vec::new();
     let queued_ms = slot.queued_for.as_millis();
@@ -519,8 +508,42 @@ async fn pipeline(
     // 6. Proxy. The deadline covers the whole non-streaming exchange, and a stream's
     // response head.
     let deadline = started + request_timeout;
-    let base = slot.backend.base.clone();
-    let sent_at = Instant::now();
+    let mut resent = false;
+    let (resp, sent_at) = loop {
+        let upstream_model = slot
+            .backend
+            .upstream_model
+            .clone()
+            .unwrap_or_else(|| target.name.clone());
+        parsed
+            .body
+            .insert("model".into(), Value::String(upstream_model));
+        let upstream_body = Bytes::from(serde_json::to_vec(&parsed.body).map_err(|e| {
+            GatewayError::internal(format!("cannot encode the upstream request: {e}"))
+        })?);
+        let sent_at = Instant::now();
+        let base = slot.backend.base.clone();
+        match proxy::send(&gw.client, &base, path, upstream_body, deadline).await {
+            Ok(r) => break (r, sent_at),
+            Err(e) => {
+                let now = gw.clock.now();
+                slot.record(BreakerOutcome::BackendFailure, now);
+                slot.backend.adaptive_sample(None, true);
+                // A refused connection means the request never reached the backend: send
+                // it once to another backend with a free slot, if there is one now.
+                if e.code == "upstream_unreachable" && !resent {
+                    if let Some(other) = lane.try_take_other(gw, &slot.backend.id) {
+                        tracing::warn!(model = %target.name, "{e}; resending to {}", other.backend.id);
+                        slot = other;
+                        resent = true;
+                        continue;
+                    }
+                }
+                // The slot and the grant drop here: the slot frees, the tokens are refunded.
+                return Err(e);
+            }
+        }
+    };
     let settle = RequestSettle {
         gw: gw.clone(),
         slot: Some(slot),
@@ -528,17 +551,8 @@ async fn pipeline(
         estimate,
         tenant: tenant.clone(),
         model: target.name.clone(),
-        sent_at,
     };
-    let mut settlement = Settlement::new(Box::new(settle));
-    let resp = match proxy::send(&gw.client, &base, path, upstream_body, deadline).await {
-        Ok(r) => r,
-        Err(e) => {
-            settlement.outcome.transport_error = true;
-            settlement.finish();
-            return Err(e);
-        }
-    };
+    let settlement = Settlement::new(Box::new(settle));
     if parsed.stream && resp.status().is_success() {
         Ok(proxy::stream_response(
             resp,
@@ -631,7 +645,6 @@ struct RequestSettle {
     estimate: u64,
     tenant: Arc<Tenant>,
     model: String,
-    sent_at: Instant,
 }
 
 impl Settle for RequestSettle {
@@ -705,7 +718,6 @@ impl Settle for RequestSettle {
         self.gw
             .metrics
             .request(&self.tenant.name, &self.model, label);
-        let _ = self.sent_at;
     }
 }
 

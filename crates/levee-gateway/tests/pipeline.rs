@@ -808,3 +808,40 @@ async fn admin_surfaces_dashboard_state_and_metrics() {
     assert_eq!(queued.await.unwrap().status(), 200);
     gw.shutdown().await;
 }
+
+#[tokio::test]
+async fn refused_connection_is_resent_to_another_backend() {
+    // A port nobody listens on: connections are refused.
+    let dead = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        format!("http://{}", l.local_addr().unwrap())
+    };
+    let good = mock().await;
+    let mut cfg = config(&[dead.clone(), good.url()], 4);
+    cfg.breaker.consecutive_failures = 100;
+    cfg.breaker.min_requests = 100;
+    let gw = start(cfg).await.unwrap();
+    let c = client();
+    for i in 0..4 {
+        let r = chat(&c, &gw.public_url(), "s", &format!("r{i}")).await;
+        assert_eq!(r.status(), 200, "request {i}");
+    }
+    assert_eq!(good.count(), 4);
+    let state = gw.gateway().state_json();
+    let dead_state = state["models"][0]["backends"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|b| b["url"] == dead.as_str())
+        .unwrap()
+        .clone();
+    assert!(
+        dead_state["breaker"]["consecutive_failures"]
+            .as_u64()
+            .unwrap()
+            >= 1,
+        "{state}"
+    );
+    assert_eq!(dead_state["in_flight"], 0);
+    gw.shutdown().await;
+}
