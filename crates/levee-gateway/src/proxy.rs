@@ -19,6 +19,209 @@ use serde::Deserialize;
 use std::time::Duration;
 use tokio::time::Instant;
 
+/// A client's completion request: the raw body as received (in an allocation of its own,
+/// never a view into hyper's connection buffer, so a queued request does not pin that
+/// buffer) and the few fields the gateway reads.
+///
+/// Parsing reads only those fields (everything else is validated and skipped without
+/// allocating), and the upstream body is the raw body itself unless something must change
+/// (the model name, a `max_tokens` cap, `include_usage`): the common request is forwarded
+/// without being re-serialised.
+#[derive(Debug)]
+pub struct ClientRequest {
+    raw: Bytes,
+    /// `model`.
+    pub model: String,
+    /// `stream` (false when absent or null).
+    pub stream: bool,
+    /// `max_completion_tokens`, else `max_tokens`.
+    pub max_tokens: Option<u32>,
+    /// `stream_options.include_usage`.
+    pub client_wants_usage: bool,
+    /// The body names its cap `max_completion_tokens` (a cap is written under that key).
+    has_max_completion_tokens: bool,
+}
+
+/// The top-level fields of a request body the gateway reads; later duplicates win, as with
+/// a JSON object parsed into a map.
+#[derive(Default)]
+struct Head {
+    model: Option<serde_json::Value>,
+    stream: Option<serde_json::Value>,
+    max_tokens: Option<serde_json::Value>,
+    max_completion_tokens: Option<serde_json::Value>,
+    stream_options: Option<serde_json::Value>,
+}
+
+enum HeadKey {
+    Model,
+    Stream,
+    MaxTokens,
+    MaxCompletionTokens,
+    StreamOptions,
+    Other,
+}
+
+impl<'de> Deserialize<'de> for HeadKey {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl serde::de::Visitor<'_> for V {
+            type Value = HeadKey;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a field name")
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<HeadKey, E> {
+                Ok(match v {
+                    "model" => HeadKey::Model,
+                    "stream" => HeadKey::Stream,
+                    "max_tokens" => HeadKey::MaxTokens,
+                    "max_completion_tokens" => HeadKey::MaxCompletionTokens,
+                    "stream_options" => HeadKey::StreamOptions,
+                    _ => HeadKey::Other,
+                })
+            }
+        }
+        d.deserialize_identifier(V)
+    }
+}
+
+impl<'de> Deserialize<'de> for Head {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> serde::de::Visitor<'de> for V {
+            type Value = Head;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a JSON object")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(self, mut m: A) -> Result<Head, A::Error> {
+                let mut h = Head::default();
+                while let Some(k) = m.next_key::<HeadKey>()? {
+                    let slot = match k {
+                        HeadKey::Model => &mut h.model,
+                        HeadKey::Stream => &mut h.stream,
+                        HeadKey::MaxTokens => &mut h.max_tokens,
+                        HeadKey::MaxCompletionTokens => &mut h.max_completion_tokens,
+                        HeadKey::StreamOptions => &mut h.stream_options,
+                        HeadKey::Other => {
+                            m.next_value::<serde::de::IgnoredAny>()?;
+                            continue;
+                        }
+                    };
+                    *slot = Some(m.next_value()?);
+                }
+                Ok(h)
+            }
+        }
+        d.deserialize_map(V)
+    }
+}
+
+impl ClientRequest {
+    /// Parses a request body. `raw` should be an allocation of its own (see the type doc).
+    pub fn parse(raw: Bytes) -> Result<ClientRequest, GatewayError> {
+        use serde_json::Value;
+        let head: Head = serde_json::from_slice(&raw).map_err(|e| {
+            if e.classify() == serde_json::error::Category::Data {
+                GatewayError::bad_request("request body must be a JSON object")
+            } else {
+                GatewayError::bad_request(format!("request body is not valid JSON: {e}"))
+            }
+        })?;
+        let model = match head.model {
+            Some(Value::String(s)) if !s.is_empty() => s,
+            _ => {
+                return Err(
+                    GatewayError::bad_request("`model` is required and must be a string")
+                        .with_param("model"),
+                )
+            }
+        };
+        let stream = match head.stream {
+            None | Some(Value::Null) => false,
+            Some(Value::Bool(b)) => b,
+            Some(_) => {
+                return Err(
+                    GatewayError::bad_request("`stream` must be a boolean").with_param("stream")
+                )
+            }
+        };
+        let has_max_completion_tokens = head.max_completion_tokens.is_some();
+        let max_tokens = match head.max_completion_tokens.or(head.max_tokens) {
+            None | Some(Value::Null) => None,
+            Some(v) => Some(
+                v.as_u64()
+                    .and_then(|n| u32::try_from(n).ok())
+                    .ok_or_else(|| {
+                        GatewayError::bad_request("`max_tokens` must be a non-negative integer")
+                            .with_param("max_tokens")
+                    })?,
+            ),
+        };
+        let client_wants_usage = head
+            .stream_options
+            .as_ref()
+            .and_then(|o| o.get("include_usage"))
+            .and_then(Value::as_bool)
+            .unwrap_or(false);
+        Ok(ClientRequest {
+            raw,
+            model,
+            stream,
+            max_tokens,
+            client_wants_usage,
+            has_max_completion_tokens,
+        })
+    }
+
+    /// Size of the body as received.
+    pub fn len(&self) -> usize {
+        self.raw.len()
+    }
+
+    /// Whether the body is empty (never, for a parsed request).
+    pub fn is_empty(&self) -> bool {
+        self.raw.is_empty()
+    }
+
+    /// The body to send upstream: `model` set to `model`, the cap written if `cap` is set,
+    /// `stream_options.include_usage` set if `include_usage`. Unchanged bytes (no copy)
+    /// when none of these changes anything.
+    pub fn upstream_body(
+        &self,
+        model: &str,
+        cap: Option<u32>,
+        include_usage: bool,
+    ) -> Result<Bytes, GatewayError> {
+        use serde_json::{Map, Value};
+        if model == self.model && cap.is_none() && !include_usage {
+            return Ok(self.raw.clone());
+        }
+        let mut body: Map<String, Value> = serde_json::from_slice(&self.raw).map_err(|e| {
+            GatewayError::internal(format!("cannot re-read the request body: {e}"))
+        })?;
+        if let Some(m) = cap {
+            let key = if self.has_max_completion_tokens {
+                "max_completion_tokens"
+            } else {
+                "max_tokens"
+            };
+            body.insert(key.into(), Value::from(m));
+        }
+        if include_usage {
+            let opts = body
+                .entry("stream_options")
+                .or_insert_with(|| Value::Object(Map::new()));
+            if let Value::Object(o) = opts {
+                o.insert("include_usage".into(), Value::Bool(true));
+            }
+        }
+        body.insert("model".into(), Value::String(model.to_string()));
+        serde_json::to_vec(&body).map(Bytes::from).map_err(|e| {
+            GatewayError::internal(format!("cannot encode the upstream request: {e}"))
+        })
+    }
+}
+
 /// Token usage reported by the backend.
 #[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq, Eq, serde::Serialize)]
 pub struct Usage {

@@ -19,7 +19,7 @@ use axum::Router;
 use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, StatusCode};
 use levee_policy::{Clock, Outcome as BreakerOutcome, WatermarkAction};
-use serde_json::{Map, Value};
+use serde_json::Value;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -170,66 +170,14 @@ async fn handle(gw: Arc<Gateway>, peer: SocketAddr, req: Request, path: &'static
     }
 }
 
-/// The fields of a completion request the gateway reads.
-#[derive(Debug)]
-struct Parsed {
-    body: Map<String, Value>,
-    model: String,
-    stream: bool,
-    max_tokens: Option<u32>,
-    client_wants_usage: bool,
-}
+/// The fields of a completion request the gateway reads, and its raw body.
+type Parsed = proxy::ClientRequest;
 
+/// Parses a body. The bytes are copied into an allocation of their own: the body read from
+/// hyper is a view into the connection's read buffer, and a queued request holding it would
+/// keep that 8 KiB buffer alive beside the new one hyper allocates for its next read.
 fn parse(bytes: &[u8]) -> Result<Parsed, GatewayError> {
-    let v: Value = serde_json::from_slice(bytes)
-        .map_err(|e| GatewayError::bad_request(format!("request body is not valid JSON: {e}")))?;
-    let Value::Object(body) = v else {
-        return Err(GatewayError::bad_request(
-            "request body must be a JSON object",
-        ));
-    };
-    let model = match body.get("model") {
-        Some(Value::String(s)) if !s.is_empty() => s.clone(),
-        _ => {
-            return Err(
-                GatewayError::bad_request("`model` is required and must be a string")
-                    .with_param("model"),
-            )
-        }
-    };
-    let stream = match body.get("stream") {
-        None | Some(Value::Null) => false,
-        Some(Value::Bool(b)) => *b,
-        Some(_) => {
-            return Err(GatewayError::bad_request("`stream` must be a boolean").with_param("stream"))
-        }
-    };
-    let max_tokens = match body
-        .get("max_completion_tokens")
-        .or_else(|| body.get("max_tokens"))
-    {
-        None | Some(Value::Null) => None,
-        Some(v) => Some(
-            v.as_u64()
-                .and_then(|n| u32::try_from(n).ok())
-                .ok_or_else(|| {
-                    GatewayError::bad_request("`max_tokens` must be a non-negative integer")
-                        .with_param("max_tokens")
-                })?,
-        ),
-    };
-    let client_wants_usage = body
-        .get("stream_options")
-        .and_then(|o| o.get("include_usage"))
-        .and_then(Value::as_bool)
-        .unwrap_or(false);
-    Ok(Parsed {
-        body,
-        model,
-        stream,
-        max_tokens,
-        client_wants_usage,
-    })
+    proxy::ClientRequest::parse(Bytes::copy_from_slice(bytes))
 }
 
 /// Reads the body; the request head is dropped here so its buffer is not held while queued.
@@ -290,8 +238,9 @@ async fn pipeline(
     let tenant = authenticate(gw, req.headers())?;
     labels.tenant = tenant.name.clone();
     labels.tier = tenant.tier.clone();
-    let bytes = read_body(req, cfg.server.max_body_bytes).await?;
-    let mut parsed = parse(&bytes)?;
+    let bytes = Box::pin(read_body(req, cfg.server.max_body_bytes)).await?;
+    let parsed = parse(&bytes)?;
+    drop(bytes); // a view into hyper's read buffer: not held while queued
     labels.model = parsed.model.clone();
     let Some(model) = rt.models.get(&parsed.model).cloned() else {
         return Err(GatewayError::unknown_model(&parsed.model));
@@ -344,7 +293,7 @@ async fn pipeline(
 
     // 3. Limits: tenant first (a flooding tenant is refused before it spends shared
     // budget), then heavy, model, global.
-    let prompt_est = (bytes.len() as u64) / 4;
+    let prompt_est = (parsed.len() as u64) / 4;
     let completion_est = u64::from(effective_max.unwrap_or(cfg.server.default_max_tokens));
     let estimate = prompt_est + completion_est;
     let heavy = (cfg.heavy.prompt_tokens_over > 0 && prompt_est > cfg.heavy.prompt_tokens_over)
@@ -462,28 +411,10 @@ async fn pipeline(
 
     // 5. Build the upstream request (the model name is set per backend, below).
     let mut slot = slot;
-    if let Some(m) = effective_max {
-        if requested_max != Some(m) {
-            let key = if parsed.body.contains_key("max_completion_tokens") {
-                "max_completion_tokens"
-            } else {
-                "max_tokens"
-            };
-            parsed.body.insert(key.into(), Value::from(m));
-        }
-    }
+    let cap = effective_max.filter(|m| requested_max != Some(*m));
+    // With `strip_usage`, levee asks for the usage chunk so tokens can be reconciled; it is
+    // removed on the way back because this client did not ask for it.
     let strip_usage = parsed.stream && !parsed.client_wants_usage;
-    if strip_usage {
-        // Ask for the usage chunk so tokens can be reconciled; it is removed on the way
-        // back because this client did not ask for it.
-        let opts = parsed
-            .body
-            .entry("stream_options")
-            .or_insert_with(|| Value::Object(Map::new()));
-        if let Value::Object(o) = opts {
-            o.insert("include_usage".into(), Value::Bool(true));
-        }
-    }
 
     let mut extra: Vec<(&'static str, HeaderValue)> = Vec::new();
     let queued_ms = slot.queued_for.as_millis();
@@ -513,17 +444,13 @@ async fn pipeline(
         let upstream_model = slot
             .backend
             .upstream_model
-            .clone()
-            .unwrap_or_else(|| target.name.clone());
-        parsed
-            .body
-            .insert("model".into(), Value::String(upstream_model));
-        let upstream_body = Bytes::from(serde_json::to_vec(&parsed.body).map_err(|e| {
-            GatewayError::internal(format!("cannot encode the upstream request: {e}"))
-        })?);
+            .as_deref()
+            .unwrap_or(&target.name);
+        let upstream_body = parsed.upstream_body(upstream_model, cap, strip_usage)?;
         let sent_at = Instant::now();
         let base = slot.backend.base.clone();
-        match proxy::send(&gw.client, &base, path, upstream_body, deadline).await {
+        // Boxed, like the other stages after the queue: a queued request's future stays small.
+        match Box::pin(proxy::send(&gw.client, &base, path, upstream_body, deadline)).await {
             Ok(r) => break (r, sent_at),
             Err(e) => {
                 let now = gw.clock.now();
@@ -562,7 +489,7 @@ async fn pipeline(
             &extra,
         ))
     } else {
-        proxy::finish_buffered(resp, settlement, deadline, sent_at, &extra).await
+        Box::pin(proxy::finish_buffered(resp, settlement, deadline, sent_at, &extra)).await
     }
 }
 

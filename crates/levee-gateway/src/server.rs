@@ -10,7 +10,8 @@ use crate::{admin, routes};
 use axum::extract::ConnectInfo;
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
-use hyper_util::server::conn::auto::Builder as AutoBuilder;
+use hyper::server::conn::http1::Builder as Http1Builder;
+use hyper::server::conn::http2::Builder as Http2Builder;
 use hyper_util::server::graceful::GracefulShutdown;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -122,6 +123,33 @@ pub async fn start(config: Config) -> anyhow::Result<GatewayHandle> {
     })
 }
 
+/// The HTTP/2 connection preface a prior-knowledge h2c client starts with.
+const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+
+/// Whether the client opens with the HTTP/2 preface (h2c, prior knowledge). Reads nothing:
+/// the bytes stay in the socket for hyper. A client that has sent only part of the preface
+/// is polled again shortly (the caller bounds the whole wait).
+async fn sniff_h2(stream: &tokio::net::TcpStream) -> std::io::Result<bool> {
+    let mut buf = [0u8; 24];
+    loop {
+        let n = stream.peek(&mut buf).await?;
+        if n == 0 {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::UnexpectedEof,
+                "closed before sending a request",
+            ));
+        }
+        let n = n.min(H2_PREFACE.len());
+        if buf[..n] != H2_PREFACE[..n] {
+            return Ok(false);
+        }
+        if n == H2_PREFACE.len() {
+            return Ok(true);
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}
+
 /// Listen backlog. A burst of new connections (clients reconnecting after a stall) must
 /// queue in the kernel rather than have SYNs dropped, which costs clients 1 s+ retransmits.
 /// The kernel caps it at `net.core.somaxconn`.
@@ -162,6 +190,8 @@ async fn accept_loop(
         };
         let _ = stream.set_nodelay(true);
         let server_cfg = gateway.config().server.clone();
+        let header_timeout = Duration::from_millis(server_cfg.header_read_timeout_ms);
+        let max_header_bytes = server_cfg.max_header_bytes;
         let router = router.clone();
         let svc = hyper::service::service_fn(move |mut req: http::Request<Incoming>| {
             req.extensions_mut().insert(ConnectInfo(peer));
@@ -169,25 +199,40 @@ async fn accept_loop(
             async move { r.call(req).await }
         });
         let watcher = graceful.watcher();
+        // HTTP/1 (slow/huge header protection) and h2c with prior knowledge (a proxy in
+        // front can multiplex many waiting requests over a few connections). The protocol
+        // is sniffed with `peek` and each is served by its own hyper builder rather than
+        // hyper-util's auto connection: the task of a connection — alive for as long as
+        // its request waits in the queue — then holds only that protocol's state (an auto
+        // connection is sized for HTTP/2's, ~1.5 KB against ~0.6 KB for HTTP/1).
         tokio::spawn(async move {
-            // HTTP/1 (slow/huge header protection) and h2c with prior knowledge (a proxy in
-            // front can multiplex many waiting requests over a few connections).
-            let mut builder = AutoBuilder::new(TokioExecutor::new());
-            builder
-                .http1()
-                .timer(TokioTimer::new())
-                .header_read_timeout(Duration::from_millis(server_cfg.header_read_timeout_ms))
-                .max_buf_size(server_cfg.max_header_bytes.max(8192))
-                .keep_alive(true);
-            builder
-                .http2()
-                .timer(TokioTimer::new())
-                .max_concurrent_streams(H2_MAX_STREAMS)
-                .max_header_list_size(
-                    u32::try_from(server_cfg.max_header_bytes).unwrap_or(u32::MAX),
-                );
-            let conn = builder.serve_connection(TokioIo::new(stream), svc);
-            if let Err(e) = watcher.watch(conn).await {
+            let h2 = match tokio::time::timeout(header_timeout, sniff_h2(&stream)).await {
+                Ok(Ok(h2)) => h2,
+                Ok(Err(e)) => {
+                    tracing::debug!(%peer, "connection ended: {e}");
+                    return;
+                }
+                Err(_) => {
+                    tracing::debug!(%peer, "connection ended: nothing received in time");
+                    return;
+                }
+            };
+            let io = TokioIo::new(stream);
+            let ended = if h2 {
+                let mut b = Http2Builder::new(TokioExecutor::new());
+                b.timer(TokioTimer::new())
+                    .max_concurrent_streams(H2_MAX_STREAMS)
+                    .max_header_list_size(u32::try_from(max_header_bytes).unwrap_or(u32::MAX));
+                watcher.watch(b.serve_connection(io, svc)).await
+            } else {
+                let mut b = Http1Builder::new();
+                b.timer(TokioTimer::new())
+                    .header_read_timeout(header_timeout)
+                    .max_buf_size(max_header_bytes.max(8192))
+                    .keep_alive(true);
+                watcher.watch(b.serve_connection(io, svc)).await
+            };
+            if let Err(e) = ended {
                 tracing::debug!(%peer, "connection ended: {e}");
             }
         });
@@ -243,3 +288,4 @@ async fn wait_for_termination() {
 async fn wait_for_termination() {
     let _ = tokio::signal::ctrl_c().await;
 }
+

@@ -155,6 +155,10 @@ pub(crate) struct Recorder {
     tiers: Vec<String>,
     tier_of: Vec<usize>,
     per_tier: Vec<GroupAcc>,
+    /// Group labels, sorted, and the group index of each tenant (`None`: no group).
+    groups: Vec<String>,
+    group_of: Vec<Option<usize>>,
+    per_group: Vec<GroupAcc>,
 }
 
 impl Recorder {
@@ -164,9 +168,8 @@ impl Recorder {
         let coarse =
             Histogram::new(2).map_err(|e| anyhow::anyhow!("cannot make a histogram: {e}"))?;
         let histogram = || fine.clone();
-        let mut tiers: Vec<String> = scenario.tenants.iter().map(|t| t.tier.clone()).collect();
-        tiers.sort();
-        tiers.dedup();
+        let (tiers, tier_of) = label_index(scenario.tenants.iter().map(|t| Some(&t.tier)));
+        let (groups, group_of) = label_index(scenario.tenants.iter().map(|t| t.group.as_ref()));
         Ok(Self {
             slo: scenario.slo,
             tenants: scenario
@@ -196,12 +199,11 @@ impl Recorder {
                 .map(|_| GroupAcc::default())
                 .collect(),
             per_tier: tiers.iter().map(|_| GroupAcc::default()).collect(),
-            tier_of: scenario
-                .tenants
-                .iter()
-                .map(|t| tiers.iter().position(|n| *n == t.tier).unwrap_or(0))
-                .collect(),
+            tier_of: tier_of.into_iter().map(|t| t.unwrap_or(0)).collect(),
             tiers,
+            per_group: groups.iter().map(|_| GroupAcc::default()).collect(),
+            group_of,
+            groups,
             protos: Protos {
                 fine: fine.clone(),
                 coarse,
@@ -312,11 +314,13 @@ impl Recorder {
         }
 
         let tier = self.tier_of.get(usize::from(r.tenant)).copied();
+        let group = self.group_of.get(usize::from(r.tenant)).copied().flatten();
         let fine = &self.protos.fine;
         let groups = [
             self.per_tenant.get_mut(usize::from(r.tenant)),
             self.per_class.get_mut(usize::from(r.class)),
             tier.and_then(|t| self.per_tier.get_mut(t)),
+            group.and_then(|g| self.per_group.get_mut(g)),
         ];
         for g in groups.into_iter().flatten() {
             g.requests += 1;
@@ -410,6 +414,7 @@ impl Recorder {
             },
             errors: self.errors,
             per_tier: named(&self.per_tier, &self.tiers),
+            per_group: named(&self.per_group, &self.groups),
             per_tenant: named(&self.per_tenant, &tenant_names),
             per_class: named(&self.per_class, &self.classes),
             timeseries,
@@ -430,4 +435,18 @@ pub(crate) struct ReportHeader {
     pub wall_s: f64,
     pub client: String,
     pub faults: Vec<crate::report::FaultRecord>,
+}
+
+/// The distinct labels (sorted) and, for each item, the index of its label (`None` for an
+/// item without one): per-record accounting then indexes a vector instead of hashing text.
+fn label_index<'a>(
+    labels: impl Iterator<Item = Option<&'a String>> + Clone,
+) -> (Vec<String>, Vec<Option<usize>>) {
+    let mut names: Vec<String> = labels.clone().flatten().cloned().collect();
+    names.sort();
+    names.dedup();
+    let index = labels
+        .map(|l| l.and_then(|l| names.iter().position(|n| n == l)))
+        .collect();
+    (names, index)
 }

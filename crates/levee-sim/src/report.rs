@@ -48,6 +48,9 @@ pub struct Report {
     pub errors: BTreeMap<String, u64>,
     /// Breakdown by tenant tier label.
     pub per_tier: BTreeMap<String, Group>,
+    /// Breakdown by the tenants' `group` label (tenants without one are left out).
+    #[serde(default)]
+    pub per_group: BTreeMap<String, Group>,
     /// Breakdown by tenant name.
     pub per_tenant: BTreeMap<String, Group>,
     /// Breakdown by request class.

@@ -529,6 +529,10 @@ pub struct Tenant {
     /// Tier label (e.g. `premium`, `standard`, `free`), for the per-tier breakdown. The
     /// gateway decides the real tier from the key; this label only groups results.
     pub tier: String,
+    /// Optional label pooling tenants into one breakdown (`per_group` in the report), e.g.
+    /// `"quiet"` for every tenant that is not the noisy neighbour: one latency distribution
+    /// over all of them holds more samples than any tenant's alone.
+    pub group: Option<String>,
     /// Extra traffic of this tenant alone, on top of its share: e.g. a noisy neighbour.
     pub phases: Option<Vec<Phase>>,
 }
@@ -540,6 +544,7 @@ impl Default for Tenant {
             api_key: "sk-levee-default".into(),
             share: 1.0,
             tier: "standard".into(),
+            group: None,
             phases: None,
         }
     }
