@@ -289,3 +289,10 @@ async fn wait_for_termination() {
     let _ = tokio::signal::ctrl_c().await;
 }
 
+
+/// The process allocator. Each waiting HTTP/1.1 client holds hyper's two 8 KiB connection
+/// buffers, of which a queued request touches only the first page or so; mimalloc leaves the
+/// untouched pages out of RSS, glibc malloc's interleaved chunk headers do not (10 000
+/// queued requests: see BENCHMARKS.md, "Gateway overhead").
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;

@@ -365,11 +365,13 @@ async fn run_unprotected(
 /// Requests per second the fleet completes when saturated through levee: the steady-state
 /// completion rate (the first seconds, while the batch fills, are left out).
 fn saturated_throughput(report: &Report) -> f64 {
-    let warm: Vec<_> = report.timeseries.iter().filter(|s| s.t >= 3).collect();
-    if warm.is_empty() {
-        return report.rates.ok_rps;
-    }
-    warm.iter().map(|s| s.ok as f64).sum::<f64>() / warm.len() as f64
+    steady_rate(&report.timeseries).unwrap_or(report.rates.ok_rps)
+}
+
+/// Mean completions per second from the fourth second on, if the run lasted that long.
+fn steady_rate(seconds: &[levee_sim::report::Second]) -> Option<f64> {
+    let warm: Vec<_> = seconds.iter().filter(|s| s.t >= 3).collect();
+    (!warm.is_empty()).then(|| warm.iter().map(|s| s.ok as f64).sum::<f64>() / warm.len() as f64)
 }
 
 /// Runs `levee drill`.
@@ -735,4 +737,110 @@ fn count_prefix(errors: &BTreeMap<String, u64>, prefix: &str) -> String {
         .map(|(_, v)| v)
         .sum::<u64>()
         .to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn noisy() -> Scenario {
+        levee_sim::scenarios::builtin("noisy-neighbor").unwrap()
+    }
+
+    #[test]
+    fn the_noisy_tenant_is_the_only_flooder() {
+        let s = noisy();
+        let flooders: Vec<&str> = s
+            .tenants
+            .iter()
+            .filter(|t| is_flooder(&s, t))
+            .map(|t| t.name.as_str())
+            .collect();
+        assert_eq!(flooders, ["noisy"]);
+        // flash-crowd's premium tenant has its own schedule but never floods.
+        let fc = levee_sim::scenarios::builtin("flash-crowd").unwrap();
+        assert!(fc.tenants.iter().all(|t| !is_flooder(&fc, t)));
+        assert!(fc.tenants.iter().any(|t| t.phases.is_some()));
+    }
+
+    #[test]
+    fn normal_rates_follow_shares_and_starting_rates() {
+        let mut s = noisy();
+        s.capacity_rps = 40.0;
+        let rate = |name: &str| normal_rps(&s, s.tenants.iter().find(|t| t.name == name).unwrap());
+        // Three quiet tenants with equal shares split 1x; the noisy one starts at 0.25x.
+        assert!((rate("quiet-a") - 40.0 / 3.0).abs() < 1e-9);
+        assert!((rate("noisy") - 10.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn calm_flooders_keep_the_flooder_at_its_share_for_the_whole_run() {
+        let s = noisy();
+        let calm = calm_flooders(&s);
+        let total: f64 = s.phases.iter().map(|p| p.duration_s()).sum();
+        let n = calm.tenants.iter().find(|t| t.name == "noisy").unwrap();
+        let phases = n.phases.as_ref().unwrap();
+        assert_eq!(phases.len(), 1);
+        assert!((phases[0].duration_s() - total).abs() < 1e-9);
+        assert!(!is_flooder(&calm, n));
+        // The quiet tenants are untouched.
+        for (a, b) in s.tenants.iter().zip(&calm.tenants) {
+            if a.name != "noisy" {
+                assert_eq!(a, b);
+            }
+        }
+    }
+
+    #[test]
+    fn steady_variant_drops_flooders_and_faults() {
+        let s = levee_sim::scenarios::builtin("backend-failure").unwrap();
+        let v = steady_variant(&s, "probe", 3.0, 8.0);
+        assert!(v.faults.is_empty());
+        assert_eq!(v.phases.len(), 1);
+        assert!((v.phases[0].duration_s() - 8.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn every_shipped_scenario_gives_a_valid_gateway_config() {
+        let urls = vec![
+            "http://127.0.0.1:1".to_string(),
+            "http://127.0.0.1:2".to_string(),
+        ];
+        for name in levee_sim::scenarios::names() {
+            let s = levee_sim::scenarios::builtin(name).unwrap();
+            for quotas in [false, true] {
+                let cfg = drill_gateway_config(&s, &urls, quotas)
+                    .unwrap_or_else(|e| panic!("{name}: {e:#}"));
+                assert!(cfg.validate().is_empty(), "{name}: {:?}", cfg.validate());
+                assert_eq!(cfg.models.len(), 1);
+                assert_eq!(cfg.models[0].backends.len(), 2);
+                for t in &cfg.tenants {
+                    assert_eq!(t.requests_per_minute > 0, quotas, "{name}/{}", t.name);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_drill_engine_crashes_unprotected_but_not_at_levees_cap() {
+        let g = drill_engine_config().gpu;
+        assert_eq!(g.overload, OverloadMode::Crash);
+        // levee's cap times a long sequence fits the cache; the engine's own limit does not.
+        let long_seq = 700;
+        assert!(BACKEND_CAP * long_seq <= g.kv_capacity_tokens);
+        assert!(g.max_running_seqs * long_seq > g.kv_capacity_tokens);
+    }
+
+    #[test]
+    fn saturated_throughput_skips_the_warm_up() {
+        let seconds: Vec<levee_sim::report::Second> = (0..8u32)
+            .map(|t| levee_sim::report::Second {
+                t,
+                ok: if t < 3 { 1 } else { 20 },
+                ..Default::default()
+            })
+            .collect();
+        assert_eq!(steady_rate(&seconds), Some(20.0));
+        assert_eq!(steady_rate(&seconds[..3]), None);
+    }
 }

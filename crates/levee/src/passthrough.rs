@@ -103,11 +103,12 @@ async fn forward(State(shared): State<Arc<Shared>>, req: Request) -> Response {
         }
         Err(e) => (
             StatusCode::BAD_GATEWAY,
-            [("content-type", "application/json")],
-            format!(
-                "{{\"error\":{{\"message\":\"upstream failed: {}\",\"type\":\"upstream_error\",\"code\":\"bad_gateway\",\"param\":null}}}}",
-                e.to_string().replace('"', "'")
-            ),
+            axum::Json(serde_json::json!({"error": {
+                "message": format!("upstream failed: {e}"),
+                "type": "upstream_error",
+                "code": "bad_gateway",
+                "param": null,
+            }})),
         )
             .into_response(),
     }
@@ -126,5 +127,64 @@ fn strip_hop_headers(h: &mut HeaderMap) {
         "content-length",
     ] {
         h.remove(name);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn forwards_round_robin_and_streams() {
+        let mut engines = Vec::new();
+        for _ in 0..2 {
+            let cfg = levee_engine::EngineConfig::profile("tiny-fast").unwrap();
+            engines.push(
+                levee_engine::spawn(cfg, "127.0.0.1:0".parse().unwrap())
+                    .await
+                    .unwrap(),
+            );
+        }
+        let proxy = Passthrough::start(engines.iter().map(|e| e.base_url()).collect())
+            .await
+            .unwrap();
+        let client = reqwest::Client::new();
+        for _ in 0..4 {
+            let body = client
+                .post(format!("{}/v1/chat/completions", proxy.base_url()))
+                .json(&serde_json::json!({
+                    "model": engines[0].config().model,
+                    "messages": [{"role": "user", "content": "hello there"}],
+                    "max_tokens": 8,
+                    "stream": true,
+                }))
+                .send()
+                .await
+                .unwrap()
+                .error_for_status()
+                .unwrap()
+                .text()
+                .await
+                .unwrap();
+            assert!(body.trim_end().ends_with("data: [DONE]"), "{body}");
+        }
+        // Round robin: each engine served half.
+        for e in &engines {
+            assert_eq!(e.stats().completed, 2);
+        }
+        // A dead backend becomes a 502 in OpenAI's error shape, not a hang or a panic.
+        let dead = Passthrough::start(vec!["http://127.0.0.1:1".into()])
+            .await
+            .unwrap();
+        let resp = client
+            .get(format!("{}/v1/models", dead.base_url()))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 502);
+        let v: serde_json::Value = resp.json().await.unwrap();
+        assert_eq!(v["error"]["code"], "bad_gateway");
+        proxy.shutdown().await;
+        dead.shutdown().await;
     }
 }
