@@ -300,6 +300,21 @@ impl Gateway {
         u64::try_from(q + f).unwrap_or(0)
     }
 
+    /// The watermark load a request of priority `priority` sees: everything in flight plus
+    /// what is queued at its priority or higher. Requests of lower tiers would be served
+    /// after it, so they must not push it over a watermark: a flood of free-tier traffic can
+    /// fill the queue to the hard mark, but cannot lock premium out of it.
+    pub fn load_for_priority(&self, priority: u8) -> u64 {
+        let f = self.in_flight.load(Ordering::Relaxed).max(0);
+        let q: usize = self
+            .lanes
+            .read()
+            .values()
+            .map(|l| l.queued_at_or_above(priority))
+            .sum();
+        u64::try_from(f).unwrap_or(0) + u64::try_from(q).unwrap_or(u64::MAX)
+    }
+
     /// Per-IP guard: `Err(retry_after)` if `ip` is over its rate.
     pub fn check_ip(&self, ip: IpAddr) -> Result<(), Duration> {
         let now = self.clock.now();

@@ -649,6 +649,16 @@ impl Lane {
         self.inner.lock().queue.len()
     }
 
+    /// Requests queued in this lane at priority `priority` or higher (a lower number): the
+    /// part of the queue a request of that priority would wait behind.
+    pub fn queued_at_or_above(&self, priority: u8) -> usize {
+        // Most requests arrive to an empty queue: skip the lock then.
+        if self.waiting.load(Ordering::Relaxed) == 0 {
+            return 0;
+        }
+        self.inner.lock().queue.len_at_or_above(Tier(priority))
+    }
+
     /// The lane's part of `/admin/state`.
     pub fn state_json(&self, _gw: &Gateway, now: Timestamp) -> serde_json::Value {
         let inner = self.inner.lock();

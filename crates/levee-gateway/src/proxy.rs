@@ -146,17 +146,16 @@ impl ClientRequest {
             }
         };
         let has_max_completion_tokens = head.max_completion_tokens.is_some();
-        let max_tokens = match head.max_completion_tokens.or(head.max_tokens) {
-            None | Some(Value::Null) => None,
-            Some(v) => Some(
-                v.as_u64()
-                    .and_then(|n| u32::try_from(n).ok())
-                    .ok_or_else(|| {
+        let max_tokens =
+            match head.max_completion_tokens.or(head.max_tokens) {
+                None | Some(Value::Null) => None,
+                Some(v) => Some(v.as_u64().and_then(|n| u32::try_from(n).ok()).ok_or_else(
+                    || {
                         GatewayError::bad_request("`max_tokens` must be a non-negative integer")
                             .with_param("max_tokens")
-                    })?,
-            ),
-        };
+                    },
+                )?),
+            };
         let client_wants_usage = head
             .stream_options
             .as_ref()
@@ -196,9 +195,8 @@ impl ClientRequest {
         if model == self.model && cap.is_none() && !include_usage {
             return Ok(self.raw.clone());
         }
-        let mut body: Map<String, Value> = serde_json::from_slice(&self.raw).map_err(|e| {
-            GatewayError::internal(format!("cannot re-read the request body: {e}"))
-        })?;
+        let mut body: Map<String, Value> = serde_json::from_slice(&self.raw)
+            .map_err(|e| GatewayError::internal(format!("cannot re-read the request body: {e}")))?;
         if let Some(m) = cap {
             let key = if self.has_max_completion_tokens {
                 "max_completion_tokens"
@@ -216,9 +214,9 @@ impl ClientRequest {
             }
         }
         body.insert("model".into(), Value::String(model.to_string()));
-        serde_json::to_vec(&body).map(Bytes::from).map_err(|e| {
-            GatewayError::internal(format!("cannot encode the upstream request: {e}"))
-        })
+        serde_json::to_vec(&body)
+            .map(Bytes::from)
+            .map_err(|e| GatewayError::internal(format!("cannot encode the upstream request: {e}")))
     }
 }
 

@@ -328,8 +328,9 @@ async fn pipeline(
     let tenant_rate = tenant.limits.rate_info(now);
     record_limiter_gauges(gw, &tenant.name, &tenant_rate);
 
-    // 4. Queue: watermarks give the wait budget (or refuse at the hard mark).
-    let load = gw.load();
+    // 4. Queue: watermarks give the wait budget (or refuse at the hard mark). The load
+    //    leaves out lower tiers' queued requests: this one would be served before them.
+    let load = gw.load_for_priority(tenant.priority);
     let wm = rt.watermarks.decide(
         load,
         tenant.budget,
@@ -450,7 +451,15 @@ async fn pipeline(
         let sent_at = Instant::now();
         let base = slot.backend.base.clone();
         // Boxed, like the other stages after the queue: a queued request's future stays small.
-        match Box::pin(proxy::send(&gw.client, &base, path, upstream_body, deadline)).await {
+        match Box::pin(proxy::send(
+            &gw.client,
+            &base,
+            path,
+            upstream_body,
+            deadline,
+        ))
+        .await
+        {
             Ok(r) => break (r, sent_at),
             Err(e) => {
                 let now = gw.clock.now();
@@ -489,7 +498,10 @@ async fn pipeline(
             &extra,
         ))
     } else {
-        Box::pin(proxy::finish_buffered(resp, settlement, deadline, sent_at, &extra)).await
+        Box::pin(proxy::finish_buffered(
+            resp, settlement, deadline, sent_at, &extra,
+        ))
+        .await
     }
 }
 

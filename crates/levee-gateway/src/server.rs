@@ -9,9 +9,9 @@ use crate::gateway::Gateway;
 use crate::{admin, routes};
 use axum::extract::ConnectInfo;
 use hyper::body::Incoming;
-use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper::server::conn::http1::Builder as Http1Builder;
 use hyper::server::conn::http2::Builder as Http2Builder;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -289,10 +289,9 @@ async fn wait_for_termination() {
     let _ = tokio::signal::ctrl_c().await;
 }
 
-
 /// The process allocator. Each waiting HTTP/1.1 client holds hyper's two 8 KiB connection
-/// buffers, of which a queued request touches only the first page or so; mimalloc leaves the
-/// untouched pages out of RSS, glibc malloc's interleaved chunk headers do not (10 000
-/// queued requests: see BENCHMARKS.md, "Gateway overhead").
+/// buffers, of which a queued request touches only the first page or so; jemalloc's slabs
+/// leave the untouched pages out of RSS, glibc malloc's interleaved chunk headers do not
+/// (10 000 queued requests: see BENCHMARKS.md, "Gateway overhead").
 #[global_allocator]
-static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+static GLOBAL: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;

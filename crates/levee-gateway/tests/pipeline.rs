@@ -162,6 +162,51 @@ async fn hard_watermark_refuses_fast() {
 }
 
 #[tokio::test]
+async fn lower_tiers_at_the_hard_mark_do_not_lock_premium_out() {
+    let m = mock().await;
+    m.hold(true);
+    let mut cfg = config(&[m.url()], 1);
+    cfg.queue.safe = 1;
+    cfg.queue.soft = 2;
+    cfg.queue.hard = 3;
+    let gw = start(cfg).await.unwrap();
+    let base = gw.public_url();
+    let c = client();
+    let g = gw.gateway().clone();
+    // One standard request in flight and two queued: the load is at the hard mark.
+    let mut held = Vec::new();
+    for (i, who) in ["s", "a", "b"].iter().enumerate() {
+        let (c2, b2, who) = (c.clone(), base.clone(), who.to_string());
+        held.push(tokio::spawn(
+            async move { chat(&c2, &b2, &who, &who).await },
+        ));
+        wait_until("load grows", || g.load() == i as u64 + 1).await;
+    }
+    // Another standard request is refused at once...
+    let r = chat(&c, &base, "s", "over").await;
+    assert_eq!(r.status(), 429);
+    assert_eq!(error_json(r).await["error"]["code"], "capacity_overload");
+    // ...but premium, which would be served before the queued standard ones, is queued.
+    let premium = tokio::spawn({
+        let (c, base) = (c.clone(), base.clone());
+        async move { chat(&c, &base, "p", "prem").await }
+    });
+    wait_until("premium queued", || g.queued.load(Ordering::SeqCst) == 3).await;
+    for n in 1..=3 {
+        m.release(1);
+        wait_until("next dispatched", || m.count() == n + 1).await;
+    }
+    m.release(1);
+    assert_eq!(premium.await.unwrap().status(), 200);
+    for h in held {
+        assert_eq!(h.await.unwrap().status(), 200);
+    }
+    let order: Vec<String> = m.received().iter().map(tag_of).collect();
+    assert_eq!(order, ["s", "prem", "a", "b"]);
+    gw.shutdown().await;
+}
+
+#[tokio::test]
 async fn queue_timeout_answers_429() {
     let m = mock().await;
     m.hold(true);
