@@ -8,7 +8,7 @@
 //! how a client disconnect cancels the GPU work at once.
 
 use crate::error::GatewayError;
-use crate::upstream::HttpClient;
+use crate::upstream::{Backend, HttpClient};
 use axum::body::Body;
 use axum::response::Response;
 use bytes::{Bytes, BytesMut};
@@ -314,14 +314,13 @@ impl Drop for Settlement {
 /// Sends the request upstream and waits for the response head until `deadline`.
 pub async fn send(
     client: &HttpClient,
-    base: &str,
+    backend: &Backend,
     path: &str,
     body: Bytes,
     deadline: Instant,
 ) -> Result<http::Response<Incoming>, GatewayError> {
-    let uri: http::Uri = format!("{base}{path}")
-        .parse()
-        .map_err(|e| GatewayError::upstream(format!("bad backend URL {base}{path}: {e}")))?;
+    let base = &backend.base;
+    let uri = backend.uri(path).map_err(GatewayError::upstream)?;
     let req = http::Request::post(uri)
         .header(http::header::CONTENT_TYPE, "application/json")
         .body(Full::new(body))

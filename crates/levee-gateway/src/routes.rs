@@ -122,20 +122,23 @@ async fn models(State(gw): State<Arc<Gateway>>, headers: HeaderMap) -> Response 
     axum::Json(serde_json::json!({"object": "list", "data": data})).into_response()
 }
 
-async fn chat_completions(
+// Plain functions returning `handle`'s future, and the request boxed: a queued request holds
+// this future, and an async wrapper or a by-value `Request` argument (240 bytes, kept for the
+// future's whole life at each level) would each make it bigger.
+fn chat_completions(
     State(gw): State<Arc<Gateway>>,
     ConnectInfo(peer): ConnectInfo<SocketAddr>,
     req: Request,
-) -> Response {
-    handle(gw, peer, req, "/v1/chat/completions").await
+) -> impl std::future::Future<Output = Response> {
+    handle(gw, peer, Box::new(req), "/v1/chat/completions")
 }
 
-async fn completions(
+fn completions(
     State(gw): State<Arc<Gateway>>,
     ConnectInfo(peer): ConnectInfo<SocketAddr>,
     req: Request,
-) -> Response {
-    handle(gw, peer, req, "/v1/completions").await
+) -> impl std::future::Future<Output = Response> {
+    handle(gw, peer, Box::new(req), "/v1/completions")
 }
 
 /// Labels for the request's metrics, filled in as the pipeline learns them.
@@ -145,7 +148,12 @@ struct Labels {
     model: String,
 }
 
-async fn handle(gw: Arc<Gateway>, peer: SocketAddr, req: Request, path: &'static str) -> Response {
+async fn handle(
+    gw: Arc<Gateway>,
+    peer: SocketAddr,
+    req: Box<Request>,
+    path: &'static str,
+) -> Response {
     let mut labels = Labels {
         tenant: "-".into(),
         tier: "-".into(),
@@ -214,7 +222,7 @@ async fn read_body(req: Request, limit: usize) -> Result<Bytes, GatewayError> {
 async fn pipeline(
     gw: &Arc<Gateway>,
     peer: SocketAddr,
-    req: Request,
+    req: Box<Request>,
     path: &'static str,
     labels: &mut Labels,
 ) -> Result<Response, GatewayError> {
@@ -238,7 +246,7 @@ async fn pipeline(
     let tenant = authenticate(gw, req.headers())?;
     labels.tenant = tenant.name.clone();
     labels.tier = tenant.tier.clone();
-    let bytes = Box::pin(read_body(req, cfg.server.max_body_bytes)).await?;
+    let bytes = Box::pin(read_body(*req, cfg.server.max_body_bytes)).await?;
     let parsed = parse(&bytes)?;
     drop(bytes); // a view into hyper's read buffer: not held while queued
     labels.model = parsed.model.clone();
@@ -449,11 +457,11 @@ async fn pipeline(
             .unwrap_or(&target.name);
         let upstream_body = parsed.upstream_body(upstream_model, cap, strip_usage)?;
         let sent_at = Instant::now();
-        let base = slot.backend.base.clone();
+        let backend = slot.backend.clone();
         // Boxed, like the other stages after the queue: a queued request's future stays small.
         match Box::pin(proxy::send(
             &gw.client,
-            &base,
+            &backend,
             path,
             upstream_body,
             deadline,
@@ -686,7 +694,7 @@ mod tests {
     async fn future_sizes() {
         // Each queued request holds one of these; keep them small (see BENCHMARKS.md).
         let gw = Gateway::new(crate::Config::default()).unwrap();
-        let req = Request::new(axum::body::Body::empty());
+        let req = Box::new(Request::new(axum::body::Body::empty()));
         let f = handle(
             gw,
             "127.0.0.1:1".parse().unwrap(),

@@ -193,10 +193,11 @@ async fn accept_loop(
         let header_timeout = Duration::from_millis(server_cfg.header_read_timeout_ms);
         let max_header_bytes = server_cfg.max_header_bytes;
         let router = router.clone();
+        // The router's own future, not an async block around it (hyper keeps the request's
+        // service future for as long as it waits in the queue).
         let svc = hyper::service::service_fn(move |mut req: http::Request<Incoming>| {
             req.extensions_mut().insert(ConnectInfo(peer));
-            let mut r = router.clone();
-            async move { r.call(req).await }
+            router.clone().call(req)
         });
         let watcher = graceful.watcher();
         // HTTP/1 (slow/huge header protection) and h2c with prior knowledge (a proxy in
@@ -206,7 +207,8 @@ async fn accept_loop(
         // its request waits in the queue — then holds only that protocol's state (an auto
         // connection is sized for HTTP/2's, ~1.5 KB against ~0.6 KB for HTTP/1).
         tokio::spawn(async move {
-            let h2 = match tokio::time::timeout(header_timeout, sniff_h2(&stream)).await {
+            let sniffed = Box::pin(tokio::time::timeout(header_timeout, sniff_h2(&stream))).await;
+            let h2 = match sniffed {
                 Ok(Ok(h2)) => h2,
                 Ok(Err(e)) => {
                     tracing::debug!(%peer, "connection ended: {e}");
@@ -218,19 +220,30 @@ async fn accept_loop(
                 }
             };
             let io = TokioIo::new(stream);
+            // (The builders are dropped before the connection is awaited: only the
+            // connection itself stays in the task.)
             let ended = if h2 {
-                let mut b = Http2Builder::new(TokioExecutor::new());
-                b.timer(TokioTimer::new())
-                    .max_concurrent_streams(H2_MAX_STREAMS)
-                    .max_header_list_size(u32::try_from(max_header_bytes).unwrap_or(u32::MAX));
-                watcher.watch(b.serve_connection(io, svc)).await
+                let conn = {
+                    let mut b = Http2Builder::new(TokioExecutor::new());
+                    b.timer(TokioTimer::new())
+                        .max_concurrent_streams(H2_MAX_STREAMS)
+                        .max_header_list_size(
+                            u32::try_from(max_header_bytes).unwrap_or(u32::MAX),
+                        );
+                    b.serve_connection(io, svc)
+                };
+                // Boxed: inline, this branch would size every connection's task for HTTP/2.
+                Box::pin(watcher.watch(conn)).await
             } else {
-                let mut b = Http1Builder::new();
-                b.timer(TokioTimer::new())
-                    .header_read_timeout(header_timeout)
-                    .max_buf_size(max_header_bytes.max(8192))
-                    .keep_alive(true);
-                watcher.watch(b.serve_connection(io, svc)).await
+                let conn = {
+                    let mut b = Http1Builder::new();
+                    b.timer(TokioTimer::new())
+                        .header_read_timeout(header_timeout)
+                        .max_buf_size(max_header_bytes.max(8192))
+                        .keep_alive(true);
+                    b.serve_connection(io, svc)
+                };
+                watcher.watch(conn).await
             };
             if let Err(e) = ended {
                 tracing::debug!(%peer, "connection ended: {e}");

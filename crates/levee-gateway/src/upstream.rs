@@ -116,13 +116,33 @@ pub struct Backend {
     /// and `max_in_flight`.
     adaptive: Option<Mutex<AdaptiveLimit>>,
     adaptive_cap: AtomicU32,
+    /// `base` + each proxied path, parsed once (see [`Backend::uri`]).
+    uris: [Option<http::Uri>; PROXIED_PATHS.len()],
 }
 
+/// The paths requests are proxied to.
+const PROXIED_PATHS: [&str; 2] = ["/v1/chat/completions", "/v1/completions"];
+
 impl Backend {
+    /// The upstream URI of `path` on this backend (parsed once per backend for the proxied
+    /// paths).
+    pub fn uri(&self, path: &str) -> Result<http::Uri, String> {
+        if let Some(i) = PROXIED_PATHS.iter().position(|p| *p == path) {
+            if let Some(u) = &self.uris[i] {
+                return Ok(u.clone());
+            }
+        }
+        format!("{}{path}", self.base)
+            .parse()
+            .map_err(|e| format!("bad backend URL {}{path}: {e}", self.base))
+    }
+
     /// Creates the runtime view of a configured backend.
     pub fn new(model: &str, cfg: &BackendConfig) -> Backend {
         let base = cfg.url.trim_end_matches('/').to_string();
+        let uris = PROXIED_PATHS.map(|p| format!("{base}{p}").parse().ok());
         Backend {
+            uris,
             id: format!("{model}@{base}"),
             model: model.to_string(),
             base,

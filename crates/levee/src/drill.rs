@@ -177,10 +177,9 @@ enabled = false
             "premium" | "standard" | "free" => tenant.tier.as_str(),
             _ => "standard",
         };
-        // A tenant with its own schedule starts at its contracted share: that is its quota.
-        // The others' normal traffic is their share of 1x capacity, which is bursty, so
-        // they get headroom over it; premium contracts buy more.
-        let headroom = if tenant.phases.is_some() {
+        // A flooder starts at its contracted share: that is its quota. The others' normal
+        // traffic is bursty, so they get headroom over it; premium contracts buy more.
+        let headroom = if is_flooder(scenario, tenant) {
             1.0
         } else if tier == "premium" {
             2.0 * QUOTA_HEADROOM
@@ -819,6 +818,28 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn quotas_hold_a_flooder_to_its_share_and_give_premium_headroom() {
+        let urls = vec!["http://127.0.0.1:1".to_string()];
+        let rpm = |s: &Scenario, name: &str| {
+            let cfg = drill_gateway_config(s, &urls, true).unwrap();
+            let t = cfg.tenants.iter().find(|t| t.name == name).unwrap();
+            f64::from(t.requests_per_minute)
+        };
+        let mut nn = noisy();
+        nn.capacity_rps = 40.0;
+        // The noisy tenant's share is 0.25x = 10 req/s: exactly its quota.
+        assert_eq!(rpm(&nn, "noisy"), 600.0);
+        assert!(rpm(&nn, "quiet-a") > 40.0 / 3.0 * 60.0);
+        // flash-crowd's premium tenant keeps its own steady schedule: it gets premium
+        // headroom, not a flooder's exact share.
+        let mut fc = levee_sim::scenarios::builtin("flash-crowd").unwrap();
+        fc.capacity_rps = 40.0;
+        let acme = fc.tenants.iter().find(|t| t.tier == "premium").unwrap();
+        let normal = normal_rps(&fc, acme) * 60.0;
+        assert!(rpm(&fc, &acme.name) >= 2.0 * normal);
     }
 
     #[test]
