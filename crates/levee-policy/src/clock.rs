@@ -221,7 +221,10 @@ mod tests {
         // Both saw the 20 ms sleep; the bound is loose because the thread can be preempted
         // between the paired reads on a busy machine.
         assert!(da >= 0.019 && ds >= 0.019, "tsc {da} vs std {ds}");
-        assert!((da - ds).abs() < 0.02_f64.max(0.5 * ds), "tsc {da} vs std {ds}");
+        assert!(
+            (da - ds).abs() < 0.02_f64.max(0.5 * ds),
+            "tsc {da} vs std {ds}"
+        );
     }
 
     #[test]

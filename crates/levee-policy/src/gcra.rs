@@ -7,8 +7,9 @@
 //! For the usual quotas (`period_ns` divisible by `count`) a unit is one nanosecond and the
 //! hot path and the Retry-After computation need no division.
 
-use crate::clock::{duration_nanos, Timestamp};
+use crate::clock::Timestamp;
 use crate::keyed::{BoundedMap, Evictable};
+use crate::units::RateUnits;
 use std::collections::HashMap;
 use std::hash::Hash;
 use std::time::Duration;
@@ -16,34 +17,17 @@ use std::time::Duration;
 /// A rate: `count` requests per `period`, with up to `burst` at once.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Quota {
-    count: u64,
-    period_ns: u64,
+    units: RateUnits,
     burst: u64,
-    /// `count / gcd(count, period_ns)`: time is kept in units of `ns × ucount`.
-    ucount: u64,
-    /// `period_ns / gcd(count, period_ns)`: units per request/token.
-    uunit: u64,
-}
-
-fn gcd(mut a: u64, mut b: u64) -> u64 {
-    while b != 0 {
-        (a, b) = (b, a % b);
-    }
-    a
 }
 
 impl Quota {
     /// `count` per `period`, burst = `count`. Zero `count`/`period` are raised to 1.
     pub fn new(count: u64, period: Duration) -> Self {
-        let count = count.max(1);
-        let period_ns = duration_nanos(period).max(1);
-        let g = gcd(count, period_ns);
+        let units = RateUnits::new(count, period);
         Quota {
-            count,
-            period_ns,
-            burst: count,
-            ucount: count / g,
-            uunit: period_ns / g,
+            burst: units.count,
+            units,
         }
     }
 
@@ -65,12 +49,12 @@ impl Quota {
 
     /// Requests per period.
     pub fn count(&self) -> u64 {
-        self.count
+        self.units.count
     }
 
     /// The period.
     pub fn period(&self) -> Duration {
-        Duration::from_nanos(self.period_ns)
+        Duration::from_nanos(self.units.period_ns)
     }
 
     /// Requests allowed at once.
@@ -80,33 +64,12 @@ impl Quota {
 
     /// Average time between requests at the sustained rate.
     pub fn emission_interval(&self) -> Duration {
-        Duration::from_nanos(self.period_ns / self.count)
-    }
-
-    #[inline]
-    fn unit(&self) -> u128 {
-        self.uunit as u128
+        Duration::from_nanos(self.units.period_ns / self.units.count)
     }
 
     #[inline]
     fn tolerance(&self) -> u128 {
-        self.uunit as u128 * self.burst as u128
-    }
-
-    #[inline]
-    fn units_at(&self, now: Timestamp) -> u128 {
-        now.as_nanos() as u128 * self.ucount as u128
-    }
-
-    #[inline]
-    fn units_to_duration(&self, units: u128) -> Duration {
-        // u64 division when it fits: u128 division is a slow library call.
-        let ns = match u64::try_from(units) {
-            Ok(u) if self.ucount == 1 => u,
-            Ok(u) => u.div_ceil(self.ucount),
-            Err(_) => u64::try_from(units.div_ceil(self.ucount as u128)).unwrap_or(u64::MAX),
-        };
-        Duration::from_nanos(ns)
+        self.units.of(self.burst)
     }
 }
 
@@ -149,8 +112,8 @@ impl Gcra {
     /// Changes the quota, keeping the debt already accrued.
     pub fn set_quota(&mut self, quota: Quota) {
         // Re-express the theoretical arrival time in the new quota's units.
-        let ns = self.tat / self.quota.ucount as u128;
-        self.tat = ns * quota.ucount as u128;
+        let ns = self.tat / self.quota.units.ucount as u128;
+        self.tat = ns * quota.units.ucount as u128;
         self.quota = quota;
     }
 
@@ -159,14 +122,14 @@ impl Gcra {
     #[inline]
     pub(crate) fn peek(&self, now: Timestamp) -> Result<u128, NotUntil> {
         let q = &self.quota;
-        let t = q.units_at(now);
-        let new_tat = self.tat.max(t) + q.unit();
+        let t = q.units.units_at(now);
+        let new_tat = self.tat.max(t) + q.units.unit();
         let allow_at = new_tat.saturating_sub(q.tolerance());
         if t >= allow_at {
             Ok(new_tat)
         } else {
             Err(NotUntil {
-                retry_after: q.units_to_duration(allow_at - t),
+                retry_after: q.units.units_to_duration(allow_at - t),
             })
         }
     }
@@ -187,26 +150,26 @@ impl Gcra {
     /// Header figures at `now`.
     pub fn info(&self, now: Timestamp) -> RateLimitInfo {
         let q = &self.quota;
-        let t = q.units_at(now);
+        let t = q.units.units_at(now);
         let tat = self.tat.max(t);
         let room = (t + q.tolerance()).saturating_sub(tat);
         RateLimitInfo {
             limit: q.burst,
-            remaining: u64::try_from(room / q.unit())
+            remaining: u64::try_from(room / q.units.unit())
                 .unwrap_or(u64::MAX)
                 .min(q.burst),
-            reset_after: q.units_to_duration(tat - t),
+            reset_after: q.units.units_to_duration(tat - t),
         }
     }
 }
 
 impl Evictable for Gcra {
     fn is_idle(&self, now: Timestamp) -> bool {
-        self.tat <= self.quota.units_at(now)
+        self.tat <= self.quota.units.units_at(now)
     }
     fn debt(&self, now: Timestamp) -> u128 {
         // Normalised to time so keys with different quotas compare fairly.
-        self.tat.saturating_sub(self.quota.units_at(now)) / self.quota.ucount as u128
+        self.tat.saturating_sub(self.quota.units.units_at(now)) / self.quota.units.ucount as u128
     }
 }
 

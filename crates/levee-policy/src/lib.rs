@@ -23,6 +23,7 @@ mod keyed;
 mod queue;
 mod retry;
 mod tokens;
+mod units;
 mod watermark;
 
 pub use adaptive::{AdaptiveConfig, AdaptiveLimit};

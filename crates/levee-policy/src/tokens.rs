@@ -7,9 +7,10 @@
 //!
 //! Like [`crate::Gcra`], the state is a theoretical arrival time in exact `ns × count` units.
 
-use crate::clock::{duration_nanos, Timestamp};
+use crate::clock::Timestamp;
 use crate::gcra::RateLimitInfo;
 use crate::keyed::{BoundedMap, Evictable};
+use crate::units::RateUnits;
 use std::collections::HashMap;
 use std::hash::Hash;
 use std::time::Duration;
@@ -17,34 +18,17 @@ use std::time::Duration;
 /// A token budget: `tokens` per `period`, holding at most `capacity`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct TokenQuota {
-    count: u64,
-    period_ns: u64,
+    units: RateUnits,
     capacity: u64,
-    /// `count / gcd(count, period_ns)`: time is kept in units of `ns × ucount`.
-    ucount: u64,
-    /// `period_ns / gcd(count, period_ns)`: units per request/token.
-    uunit: u64,
-}
-
-fn gcd(mut a: u64, mut b: u64) -> u64 {
-    while b != 0 {
-        (a, b) = (b, a % b);
-    }
-    a
 }
 
 impl TokenQuota {
     /// `tokens` per `period`, capacity = `tokens`. Zeros are raised to 1.
     pub fn new(tokens: u64, period: Duration) -> Self {
-        let count = tokens.max(1);
-        let period_ns = duration_nanos(period).max(1);
-        let g = gcd(count, period_ns);
+        let units = RateUnits::new(tokens, period);
         TokenQuota {
-            count,
-            period_ns,
-            capacity: count,
-            ucount: count / g,
-            uunit: period_ns / g,
+            capacity: units.count,
+            units,
         }
     }
 
@@ -66,35 +50,17 @@ impl TokenQuota {
 
     /// Tokens per period.
     pub fn count(&self) -> u64 {
-        self.count
+        self.units.count
     }
 
     /// The period.
     pub fn period(&self) -> Duration {
-        Duration::from_nanos(self.period_ns)
+        Duration::from_nanos(self.units.period_ns)
     }
 
     #[inline]
-    fn unit(&self) -> u128 {
-        self.uunit as u128
-    }
-    #[inline]
     fn tolerance(&self) -> u128 {
-        self.uunit as u128 * self.capacity as u128
-    }
-    #[inline]
-    fn units_at(&self, now: Timestamp) -> u128 {
-        now.as_nanos() as u128 * self.ucount as u128
-    }
-    #[inline]
-    fn units_to_duration(&self, units: u128) -> Duration {
-        // u64 division when it fits: u128 division is a slow library call.
-        let ns = match u64::try_from(units) {
-            Ok(u) if self.ucount == 1 => u,
-            Ok(u) => u.div_ceil(self.ucount),
-            Err(_) => u64::try_from(units.div_ceil(self.ucount as u128)).unwrap_or(u64::MAX),
-        };
-        Duration::from_nanos(ns)
+        self.units.of(self.capacity)
     }
 }
 
@@ -145,18 +111,18 @@ impl TokenBucket {
     /// Changes the quota. The fill level is clamped into the new capacity.
     pub fn set_quota(&mut self, quota: TokenQuota) {
         // Re-express the theoretical arrival time in the new quota's units.
-        let ns = self.tat / self.quota.ucount as u128;
-        self.tat = ns * quota.ucount as u128;
+        let ns = self.tat / self.quota.units.ucount as u128;
+        self.tat = ns * quota.units.ucount as u128;
         self.quota = quota;
     }
 
     /// Tokens available at `now`, in `0..=capacity`.
     pub fn available(&self, now: Timestamp) -> u64 {
         let q = &self.quota;
-        let t = q.units_at(now);
+        let t = q.units.units_at(now);
         let tat = self.tat.max(t);
         let room = (t + q.tolerance()).saturating_sub(tat);
-        u64::try_from(room / q.unit())
+        u64::try_from(room / q.units.unit())
             .unwrap_or(u64::MAX)
             .min(q.capacity)
     }
@@ -169,14 +135,14 @@ impl TokenBucket {
                 capacity: q.capacity,
             });
         }
-        let t = q.units_at(now);
-        let new_tat = self.tat.max(t) + q.unit() * tokens as u128;
+        let t = q.units.units_at(now);
+        let new_tat = self.tat.max(t) + q.units.unit() * tokens as u128;
         let limit = t + q.tolerance();
         if new_tat <= limit {
             Ok(new_tat)
         } else {
             Err(Refused::NotUntil {
-                retry_after: q.units_to_duration(new_tat - limit),
+                retry_after: q.units.units_to_duration(new_tat - limit),
             })
         }
     }
@@ -198,13 +164,13 @@ impl TokenBucket {
     /// charges the difference, keeping the level within `0..=capacity`.
     pub fn reconcile(&mut self, reserved: u64, actual: u64, now: Timestamp) {
         let q = &self.quota;
-        let t = q.units_at(now);
+        let t = q.units.units_at(now);
         let tat = self.tat.max(t);
         self.tat = if actual >= reserved {
-            let charge = q.unit() * (actual - reserved) as u128;
+            let charge = q.units.unit() * (actual - reserved) as u128;
             (tat + charge).min(t + q.tolerance())
         } else {
-            let refund = q.unit() * (reserved - actual) as u128;
+            let refund = q.units.unit() * (reserved - actual) as u128;
             tat.saturating_sub(refund).max(t)
         };
     }
@@ -212,12 +178,12 @@ impl TokenBucket {
     /// Header figures at `now`.
     pub fn info(&self, now: Timestamp) -> RateLimitInfo {
         let q = &self.quota;
-        let t = q.units_at(now);
+        let t = q.units.units_at(now);
         let tat = self.tat.max(t);
         RateLimitInfo {
             limit: q.capacity,
             remaining: self.available(now),
-            reset_after: q.units_to_duration(tat - t),
+            reset_after: q.units.units_to_duration(tat - t),
         }
     }
 
@@ -227,17 +193,17 @@ impl TokenBucket {
     #[doc(hidden)]
     pub fn debt_units(&self, now: Timestamp) -> (u128, u128) {
         let q = &self.quota;
-        let t = q.units_at(now);
+        let t = q.units.units_at(now);
         (self.tat.max(t) - t, q.tolerance())
     }
 }
 
 impl Evictable for TokenBucket {
     fn is_idle(&self, now: Timestamp) -> bool {
-        self.tat <= self.quota.units_at(now)
+        self.tat <= self.quota.units.units_at(now)
     }
     fn debt(&self, now: Timestamp) -> u128 {
-        self.tat.saturating_sub(self.quota.units_at(now)) / self.quota.ucount as u128
+        self.tat.saturating_sub(self.quota.units.units_at(now)) / self.quota.units.ucount as u128
     }
 }
 
