@@ -37,6 +37,10 @@ pub struct Tenant {
     pub limits: Arc<Limits>,
     /// The tighter limit for heavy requests.
     pub heavy: Arc<Limits>,
+    /// This tenant's per-request metric series (kept across reloads with the tenant).
+    pub metrics: crate::metrics::TenantMetrics,
+    /// The name as the fair queue's tenant key (cloned, not allocated, per queued request).
+    pub queue_key: Arc<str>,
     cfg: TenantConfig,
     tier_cfg: TierConfig,
 }
@@ -140,6 +144,8 @@ impl Runtime {
                         cfg.heavy.tokens_per_minute,
                         0,
                     )),
+                    metrics: crate::metrics::TenantMetrics::default(),
+                    queue_key: Arc::from(t.name.as_str()),
                     cfg: t.clone(),
                     tier_cfg: tier_cfg.clone(),
                 })

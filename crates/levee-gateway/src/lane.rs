@@ -482,7 +482,7 @@ impl Lane {
             let deadline = now + req.budget;
             let pushed = inner.queue.push(
                 tier,
-                Arc::from(req.tenant.name.as_str()),
+                req.tenant.queue_key.clone(),
                 req.cost,
                 now,
                 deadline,

@@ -1,5 +1,6 @@
 //! Prometheus metrics, all named `levee_*` (the list with meanings is in docs/gateway.md).
 
+use parking_lot::RwLock;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -7,6 +8,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 use std::sync::atomic::AtomicU64;
+use std::sync::OnceLock;
 
 /// Labels of `levee_requests_total`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -264,5 +266,92 @@ impl Metrics {
                 reason: reason.to_string(),
             })
             .inc();
+    }
+}
+
+/// One tenant's series of the per-request metrics, looked up once and kept (on the
+/// tenant). A handle is the series itself, so incrementing it is exactly what
+/// `get_or_create(labels).inc()` does, without building the label set — a few `String`
+/// allocations, a hash and a lock — on every request. Each series is still created on its
+/// first use, so `/metrics` shows the same series as before.
+#[derive(Debug, Default)]
+pub struct TenantMetrics {
+    admitted: OnceLock<Counter>,
+    ttft: OnceLock<Histogram>,
+    prompt_tokens: OnceLock<Counter>,
+    completion_tokens: OnceLock<Counter>,
+    /// `levee_requests_total` by (model, outcome).
+    requests: RwLock<Vec<(Box<str>, &'static str, Counter)>>,
+}
+
+impl Metrics {
+    /// Counts one admission of a tenant of tier `tier`.
+    pub fn admitted_for(&self, h: &TenantMetrics, tier: &str) {
+        h.admitted
+            .get_or_init(|| {
+                self.admitted
+                    .get_or_create(&TierLabel { tier: tier.into() })
+                    .clone()
+            })
+            .inc();
+    }
+
+    /// Records a time to first byte of a tenant of tier `tier`.
+    pub fn ttft_for(&self, h: &TenantMetrics, tier: &str, secs: f64) {
+        h.ttft
+            .get_or_init(|| {
+                self.ttft
+                    .get_or_create(&TierLabel { tier: tier.into() })
+                    .clone()
+            })
+            .observe(secs);
+    }
+
+    /// Adds a tenant's reported token usage.
+    pub fn tokens_for(&self, h: &TenantMetrics, tenant: &str, prompt: u64, completion: u64) {
+        let series = |kind: &str| {
+            self.tokens
+                .get_or_create(&TenantKindLabels {
+                    tenant: tenant.into(),
+                    kind: kind.into(),
+                })
+                .clone()
+        };
+        h.prompt_tokens
+            .get_or_init(|| series("prompt"))
+            .inc_by(prompt);
+        h.completion_tokens
+            .get_or_init(|| series("completion"))
+            .inc_by(completion);
+    }
+
+    /// Counts one finished request of a tenant (as [`Metrics::request`]).
+    pub fn request_for(&self, h: &TenantMetrics, tenant: &str, model: &str, outcome: &'static str) {
+        let find = |v: &[(Box<str>, &'static str, Counter)]| {
+            v.iter()
+                .find(|(m, o, _)| **m == *model && *o == outcome)
+                .map(|(_, _, c)| c.inc())
+                .is_some()
+        };
+        if find(&h.requests.read()) {
+            return;
+        }
+        let mut v = h.requests.write();
+        if find(&v) {
+            return;
+        }
+        let c = self
+            .requests
+            .get_or_create(&RequestLabels {
+                tenant: tenant.to_string(),
+                model: model.to_string(),
+                outcome: outcome.to_string(),
+            })
+            .clone();
+        c.inc();
+        // Bounded by models x outcomes; past a sanity bound, stop caching.
+        if v.len() < 256 {
+            v.push((model.into(), outcome, c));
+        }
     }
 }

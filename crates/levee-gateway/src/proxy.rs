@@ -613,6 +613,51 @@ mod tests {
     }
 
     #[test]
+    fn unchanged_bodies_are_forwarded_as_received() {
+        let raw =
+            br#"{"model":"m","messages":[{"role":"user","content":"hi \u00e9"}],"max_tokens":5}"#;
+        let r = ClientRequest::parse(Bytes::from_static(raw)).unwrap();
+        assert_eq!(r.len(), raw.len());
+        let same = r.upstream_body("m", None, false).unwrap();
+        assert_eq!(&same[..], &raw[..]);
+
+        let v: serde_json::Value =
+            serde_json::from_slice(&r.upstream_body("up", Some(3), true).unwrap()).unwrap();
+        assert_eq!(v["model"], "up");
+        assert_eq!(v["max_tokens"], 3);
+        assert_eq!(v["stream_options"]["include_usage"], true);
+        assert_eq!(v["messages"][0]["content"], "hi \u{e9}");
+
+        let r = ClientRequest::parse(Bytes::from_static(
+            br#"{"model":"m","max_completion_tokens":9,"max_tokens":1}"#,
+        ))
+        .unwrap();
+        assert_eq!(r.max_tokens, Some(9));
+        let v: serde_json::Value =
+            serde_json::from_slice(&r.upstream_body("m", Some(4), false).unwrap()).unwrap();
+        assert_eq!(v["max_completion_tokens"], 4);
+        assert_eq!(v["max_tokens"], 1);
+    }
+
+    #[test]
+    fn parse_errors_keep_their_messages() {
+        let e = ClientRequest::parse(Bytes::from_static(b"[1]")).unwrap_err();
+        assert_eq!(e.message, "request body must be a JSON object");
+        let e = ClientRequest::parse(Bytes::from_static(b"{\"model\":\"m\"} x")).unwrap_err();
+        assert!(
+            e.message.starts_with("request body is not valid JSON"),
+            "{}",
+            e.message
+        );
+        let e =
+            ClientRequest::parse(Bytes::from_static(br#"{"model":"m","stream":1}"#)).unwrap_err();
+        assert_eq!(e.param, Some("stream"));
+        // Later duplicates win, as with a map.
+        let r = ClientRequest::parse(Bytes::from_static(br#"{"model":"a","model":"b"}"#)).unwrap();
+        assert_eq!(r.model, "b");
+    }
+
+    #[test]
     fn split_events_keeps_separators() {
         let v: Vec<&[u8]> = split_events(b"data: a\n\ndata: b\n\n").collect();
         assert_eq!(v, vec![&b"data: a\n\n"[..], &b"data: b\n\n"[..]]);

@@ -399,12 +399,7 @@ async fn pipeline(
         }
         Err(e) => return Err(e),
     };
-    gw.metrics
-        .admitted
-        .get_or_create(&TierLabel {
-            tier: tenant.tier.clone(),
-        })
-        .inc();
+    gw.metrics.admitted_for(&tenant.metrics, &tenant.tier);
     if !degraded.is_empty() {
         for d in &degraded {
             let measure = d.split('=').next().unwrap_or("degraded").to_string();
@@ -623,19 +618,12 @@ impl Settle for RequestSettle {
         match outcome.usage {
             Some(u) => {
                 self.grant.reconcile(u.total(), now);
-                let m = &self.gw.metrics;
-                m.tokens
-                    .get_or_create(&TenantKindLabels {
-                        tenant: self.tenant.name.clone(),
-                        kind: "prompt".into(),
-                    })
-                    .inc_by(u.prompt_tokens);
-                m.tokens
-                    .get_or_create(&TenantKindLabels {
-                        tenant: self.tenant.name.clone(),
-                        kind: "completion".into(),
-                    })
-                    .inc_by(u.completion_tokens);
+                self.gw.metrics.tokens_for(
+                    &self.tenant.metrics,
+                    &self.tenant.name,
+                    u.prompt_tokens,
+                    u.completion_tokens,
+                );
             }
             None if outcome.transport_error || outcome.status >= 400 || outcome.status == 0 => {
                 self.grant.refund(now)
@@ -645,11 +633,7 @@ impl Settle for RequestSettle {
         if let Some(t) = outcome.ttft {
             self.gw
                 .metrics
-                .ttft
-                .get_or_create(&TierLabel {
-                    tier: self.tenant.tier.clone(),
-                })
-                .observe(t.as_secs_f64());
+                .ttft_for(&self.tenant.metrics, &self.tenant.tier, t.as_secs_f64());
         }
         let label = if outcome.client_gone {
             "client_gone"
@@ -664,7 +648,7 @@ impl Settle for RequestSettle {
         };
         self.gw
             .metrics
-            .request(&self.tenant.name, &self.model, label);
+            .request_for(&self.tenant.metrics, &self.tenant.name, &self.model, label);
     }
 }
 

@@ -227,9 +227,7 @@ async fn accept_loop(
                     let mut b = Http2Builder::new(TokioExecutor::new());
                     b.timer(TokioTimer::new())
                         .max_concurrent_streams(H2_MAX_STREAMS)
-                        .max_header_list_size(
-                            u32::try_from(max_header_bytes).unwrap_or(u32::MAX),
-                        );
+                        .max_header_list_size(u32::try_from(max_header_bytes).unwrap_or(u32::MAX));
                     b.serve_connection(io, svc)
                 };
                 // Boxed: inline, this branch would size every connection's task for HTTP/2.
@@ -308,3 +306,68 @@ async fn wait_for_termination() {
 /// (10 000 queued requests: see BENCHMARKS.md, "Gateway overhead").
 #[global_allocator]
 static GLOBAL: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::AsyncWriteExt;
+
+    async fn pair() -> (tokio::net::TcpStream, tokio::net::TcpStream) {
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let c = tokio::net::TcpStream::connect(l.local_addr().unwrap())
+            .await
+            .unwrap();
+        let (s, _) = l.accept().await.unwrap();
+        (c, s)
+    }
+
+    #[tokio::test]
+    async fn sniffs_the_h2_preface_without_consuming_it() {
+        let (mut c, s) = pair().await;
+        c.write_all(&H2_PREFACE[..10]).await.unwrap();
+        let sniff = tokio::spawn(async move { (sniff_h2(&s).await.unwrap(), s) });
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        c.write_all(&H2_PREFACE[10..]).await.unwrap();
+        let (h2, s) = sniff.await.unwrap();
+        assert!(h2);
+        let mut buf = [0u8; 24];
+        assert_eq!(
+            s.peek(&mut buf).await.unwrap(),
+            24,
+            "the preface stays unread"
+        );
+
+        let (mut c, s) = pair().await;
+        c.write_all(b"POST /v1/chat/completions HTTP/1.1\r\n")
+            .await
+            .unwrap();
+        assert!(!sniff_h2(&s).await.unwrap());
+
+        let (c, s) = pair().await;
+        drop(c);
+        assert!(sniff_h2(&s).await.is_err());
+    }
+
+    #[tokio::test]
+    async fn serves_http1_and_h2c() {
+        let mut cfg = Config::default();
+        cfg.listen.public = "127.0.0.1:0".parse().unwrap();
+        cfg.listen.admin = "127.0.0.1:0".parse().unwrap();
+        let gw = start(cfg).await.unwrap();
+        let url: http::Uri = format!("{}/healthz", gw.public_url()).parse().unwrap();
+        for h2 in [false, true] {
+            let client = hyper_util::client::legacy::Client::builder(TokioExecutor::new())
+                .http2_only(h2)
+                .build_http::<http_body_util::Empty<bytes::Bytes>>();
+            let resp = client.get(url.clone()).await.unwrap();
+            assert_eq!(resp.status(), 200, "h2 = {h2}");
+            let want = if h2 {
+                http::Version::HTTP_2
+            } else {
+                http::Version::HTTP_11
+            };
+            assert_eq!(resp.version(), want);
+        }
+        gw.shutdown().await;
+    }
+}
