@@ -845,23 +845,21 @@ async fn admin_crash(State(shared): State<Arc<Shared>>) -> Response {
 }
 
 async fn admin_hang(State(shared): State<Arc<Shared>>) -> Response {
-    if let Err(e) = shared.update_faults(&FaultsUpdate {
-        hang: Some(true),
-        ..FaultsUpdate::default()
-    }) {
-        return ApiError::bad_request("invalid_faults", e.to_string()).into_response();
-    }
-    Json(admin_state_of(&shared)).into_response()
+    set_hang(&shared, true)
 }
 
 async fn admin_unhang(State(shared): State<Arc<Shared>>) -> Response {
+    set_hang(&shared, false)
+}
+
+fn set_hang(shared: &Shared, hang: bool) -> Response {
     if let Err(e) = shared.update_faults(&FaultsUpdate {
-        hang: Some(false),
+        hang: Some(hang),
         ..FaultsUpdate::default()
     }) {
         return ApiError::bad_request("invalid_faults", e.to_string()).into_response();
     }
-    Json(admin_state_of(&shared)).into_response()
+    Json(admin_state_of(shared)).into_response()
 }
 
 async fn admin_clear(State(shared): State<Arc<Shared>>) -> Response {
