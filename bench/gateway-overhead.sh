@@ -9,6 +9,7 @@
 #   bench/gateway-overhead.sh            # SECS=5 ROUNDS=3 RATES="1000 5000" by default
 #   RSS_H2=1 ...                          # queue the 10k requests over h2c instead of HTTP/1.1
 #   ONLY_RSS=1 / NO_BUILD=1               # skip the latency runs / the cargo build
+#   LEVEE_WORKERS=1                       # levee's tokio worker threads (default: one per core)
 #
 # Needs: cargo, nginx (apt-get install -y nginx). Builds release binaries first.
 set -euo pipefail
@@ -73,7 +74,7 @@ TOML
 }
 
 start_levee() {
-  RUST_LOG=warn "$BIN" serve --config "$TMP/levee.toml" >"$TMP/levee.log" 2>&1 &
+  env RUST_LOG=warn ${LEVEE_WORKERS:+TOKIO_WORKER_THREADS=$LEVEE_WORKERS} "$BIN" serve --config "$TMP/levee.toml" >"$TMP/levee.log" 2>&1 &
   LEVEE_PID=$!
   PIDS+=($LEVEE_PID)
   wait_http "http://127.0.0.1:$LEVEE_PORT/healthz"

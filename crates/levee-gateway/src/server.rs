@@ -8,6 +8,7 @@ use crate::config::Config;
 use crate::gateway::Gateway;
 use crate::{admin, routes};
 use axum::extract::ConnectInfo;
+use futures::FutureExt;
 use hyper::body::Incoming;
 use hyper::server::conn::http1::Builder as Http1Builder;
 use hyper::server::conn::http2::Builder as Http2Builder;
@@ -220,31 +221,27 @@ async fn accept_loop(
                 }
             };
             let io = TokioIo::new(stream);
-            // (The builders are dropped before the connection is awaited: only the
-            // connection itself stays in the task.)
-            let ended = if h2 {
-                let conn = {
-                    let mut b = Http2Builder::new(TokioExecutor::new());
-                    b.timer(TokioTimer::new())
-                        .max_concurrent_streams(H2_MAX_STREAMS)
-                        .max_header_list_size(u32::try_from(max_header_bytes).unwrap_or(u32::MAX));
-                    b.serve_connection(io, svc)
-                };
-                // Boxed: inline, this branch would size every connection's task for HTTP/2.
-                Box::pin(watcher.watch(conn)).await
-            } else {
-                let conn = {
-                    let mut b = Http1Builder::new();
-                    b.timer(TokioTimer::new())
-                        .header_read_timeout(header_timeout)
-                        .max_buf_size(max_header_bytes.max(8192))
-                        .keep_alive(true);
-                    b.serve_connection(io, svc)
-                };
-                watcher.watch(conn).await
+            let ended = move |r: Result<(), hyper::Error>| {
+                if let Err(e) = r {
+                    tracing::debug!(%peer, "connection ended: {e}");
+                }
             };
-            if let Err(e) = ended {
-                tracing::debug!(%peer, "connection ended: {e}");
+            // The connection gets a task of its own, spawned from this sniffing task (which
+            // then ends): that task holds the connection future and nothing else — no
+            // builder, no sniffing state, no moved-from captures.
+            if h2 {
+                let mut b = Http2Builder::new(TokioExecutor::new());
+                b.timer(TokioTimer::new())
+                    .max_concurrent_streams(H2_MAX_STREAMS)
+                    .max_header_list_size(u32::try_from(max_header_bytes).unwrap_or(u32::MAX));
+                tokio::spawn(watcher.watch(b.serve_connection(io, svc)).map(ended));
+            } else {
+                let mut b = Http1Builder::new();
+                b.timer(TokioTimer::new())
+                    .header_read_timeout(header_timeout)
+                    .max_buf_size(max_header_bytes.max(8192))
+                    .keep_alive(true);
+                tokio::spawn(watcher.watch(b.serve_connection(io, svc)).map(ended));
             }
         });
     }
@@ -299,13 +296,6 @@ async fn wait_for_termination() {
 async fn wait_for_termination() {
     let _ = tokio::signal::ctrl_c().await;
 }
-
-/// The process allocator. Each waiting HTTP/1.1 client holds hyper's two 8 KiB connection
-/// buffers, of which a queued request touches only the first page or so; jemalloc's slabs
-/// leave the untouched pages out of RSS, glibc malloc's interleaved chunk headers do not
-/// (10 000 queued requests: see BENCHMARKS.md, "Gateway overhead").
-#[global_allocator]
-static GLOBAL: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 
 #[cfg(test)]
 mod tests {
