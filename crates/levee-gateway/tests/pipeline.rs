@@ -104,15 +104,9 @@ async fn queues_then_dispatches_when_a_slot_frees() {
     let gw = start(config(&[m.url()], 1)).await.unwrap();
     let base = gw.public_url();
     let c = client();
-    let first = tokio::spawn({
-        let (c, base) = (c.clone(), base.clone());
-        async move { chat(&c, &base, "s", "first").await }
-    });
+    let first = spawn_chat(&c, &base, "s", "first");
     wait_until("first at backend", || m.count() == 1).await;
-    let second = tokio::spawn({
-        let (c, base) = (c.clone(), base.clone());
-        async move { chat(&c, &base, "s", "second").await }
-    });
+    let second = spawn_chat(&c, &base, "s", "second");
     let g = gw.gateway().clone();
     wait_until("second queued", || g.queued.load(Ordering::SeqCst) == 1).await;
     assert_eq!(m.count(), 1, "a queued request must not reach the backend");
@@ -140,10 +134,7 @@ async fn hard_watermark_refuses_fast() {
     let g = gw.gateway().clone();
     let mut held = Vec::new();
     for i in 0..3 {
-        let (c2, b2) = (c.clone(), base.clone());
-        held.push(tokio::spawn(async move {
-            chat(&c2, &b2, "p", &format!("h{i}")).await
-        }));
+        held.push(spawn_chat(&c, &base, "p", &format!("h{i}")));
         wait_until("load grows", || g.load() == i + 1).await;
     }
     let r = chat(&c, &base, "p", "over").await;
@@ -176,10 +167,7 @@ async fn lower_tiers_at_the_hard_mark_do_not_lock_premium_out() {
     // One standard request in flight and two queued: the load is at the hard mark.
     let mut held = Vec::new();
     for (i, who) in ["s", "a", "b"].iter().enumerate() {
-        let (c2, b2, who) = (c.clone(), base.clone(), who.to_string());
-        held.push(tokio::spawn(
-            async move { chat(&c2, &b2, &who, &who).await },
-        ));
+        held.push(spawn_chat(&c, &base, who, who));
         wait_until("load grows", || g.load() == i as u64 + 1).await;
     }
     // Another standard request is refused at once...
@@ -187,10 +175,7 @@ async fn lower_tiers_at_the_hard_mark_do_not_lock_premium_out() {
     assert_eq!(r.status(), 429);
     assert_eq!(error_json(r).await["error"]["code"], "capacity_overload");
     // ...but premium, which would be served before the queued standard ones, is queued.
-    let premium = tokio::spawn({
-        let (c, base) = (c.clone(), base.clone());
-        async move { chat(&c, &base, "p", "prem").await }
-    });
+    let premium = spawn_chat(&c, &base, "p", "prem");
     wait_until("premium queued", || g.queued.load(Ordering::SeqCst) == 3).await;
     for n in 1..=3 {
         m.release(1);
@@ -215,10 +200,7 @@ async fn queue_timeout_answers_429() {
     let gw = start(cfg).await.unwrap();
     let base = gw.public_url();
     let c = client();
-    let first = tokio::spawn({
-        let (c, base) = (c.clone(), base.clone());
-        async move { chat(&c, &base, "s", "first").await }
-    });
+    let first = spawn_chat(&c, &base, "s", "first");
     wait_until("first at backend", || m.count() == 1).await;
     let r = chat(&c, &base, "s", "second").await;
     assert_eq!(r.status(), 429);
@@ -245,19 +227,10 @@ async fn dispatch_order(
     let base = gw.public_url();
     let c = client();
     let g = gw.gateway().clone();
-    let mut tasks = Vec::new();
-    {
-        let (c, base) = (c.clone(), base.clone());
-        tasks.push(tokio::spawn(async move {
-            chat(&c, &base, "p", "blocker").await
-        }));
-    }
+    let mut tasks = vec![spawn_chat(&c, &base, "p", "blocker")];
     wait_until("blocker at backend", || m.count() == 1).await;
     for (i, (who, tag)) in queued.iter().enumerate() {
-        let (c, base, who, tag) = (c.clone(), base.clone(), who.to_string(), tag.to_string());
-        tasks.push(tokio::spawn(
-            async move { chat(&c, &base, &who, &tag).await },
-        ));
+        tasks.push(spawn_chat(&c, &base, who, tag));
         wait_until("queued", || g.queued.load(Ordering::SeqCst) == i as i64 + 1).await;
     }
     for n in 1..=queued.len() {
@@ -335,10 +308,7 @@ async fn degradation_engages_and_releases_with_hysteresis() {
     let g = gw.gateway().clone();
     let mut tasks = Vec::new();
     for i in 0..3 {
-        let (c, base) = (c.clone(), base.clone());
-        tasks.push(tokio::spawn(async move {
-            chat(&c, &base, "p", &format!("load{i}")).await
-        }));
+        tasks.push(spawn_chat(&c, &base, "p", &format!("load{i}")));
         wait_until("load", || g.load() == i + 1).await;
     }
     // Load 3 of hard 10 = 0.3: level 1 engages.
@@ -353,10 +323,7 @@ async fn degradation_engages_and_releases_with_hysteresis() {
         .unwrap();
     assert_eq!(state["degradation"]["level"], 1);
     // A request admitted now is capped.
-    let capped = tokio::spawn({
-        let (c, base) = (c.clone(), base.clone());
-        async move { chat(&c, &base, "p", "capped").await }
-    });
+    let capped = spawn_chat(&c, &base, "p", "capped");
     wait_until("capped queued", || g.load() == 4).await;
     // Drain to load 2 (0.2): between exit (0.1) and enter (0.3) the level holds.
     m.release(2);
@@ -564,15 +531,9 @@ async fn disconnect_frees_queue_slot_and_backend_slot() {
     let base = gw.public_url();
     let c = client();
     let g = gw.gateway().clone();
-    let first = tokio::spawn({
-        let (c, base) = (c.clone(), base.clone());
-        async move { chat(&c, &base, "s", "first").await }
-    });
+    let first = spawn_chat(&c, &base, "s", "first");
     wait_until("first at backend", || m.count() == 1).await;
-    let queued = tokio::spawn({
-        let (c, base) = (c.clone(), base.clone());
-        async move { chat(&c, &base, "s", "gone").await }
-    });
+    let queued = spawn_chat(&c, &base, "s", "gone");
     wait_until("queued", || g.queued.load(Ordering::SeqCst) == 1).await;
     // The queued client goes away: it must leave the queue at once.
     queued.abort();
@@ -602,15 +563,9 @@ async fn drain_answers_queued_with_503_and_lets_in_flight_finish() {
     let base = gw.public_url();
     let c = client();
     let g = gw.gateway().clone();
-    let first = tokio::spawn({
-        let (c, base) = (c.clone(), base.clone());
-        async move { chat(&c, &base, "s", "first").await }
-    });
+    let first = spawn_chat(&c, &base, "s", "first");
     wait_until("first at backend", || m.count() == 1).await;
-    let queued = tokio::spawn({
-        let (c, base) = (c.clone(), base.clone());
-        async move { chat(&c, &base, "s", "queued").await }
-    });
+    let queued = spawn_chat(&c, &base, "s", "queued");
     wait_until("queued", || g.queued.load(Ordering::SeqCst) == 1).await;
     let r = c
         .post(format!("{}/admin/drain", gw.admin_url()))
@@ -675,10 +630,7 @@ async fn reload_swaps_config_keeps_in_flight_and_refuses_bad_config() {
     let gw = start(cfg.clone()).await.unwrap();
     let base = gw.public_url();
     let c = client();
-    let held = tokio::spawn({
-        let (c, base) = (c.clone(), base.clone());
-        async move { chat(&c, &base, "s", "held").await }
-    });
+    let held = spawn_chat(&c, &base, "s", "held");
     wait_until("held at backend", || m.count() == 1).await;
     // A new tenant appears, tenant s disappears.
     let mut new_cfg = cfg.clone();
@@ -788,15 +740,9 @@ async fn admin_surfaces_dashboard_state_and_metrics() {
     let base = gw.public_url();
     let c = client();
     let g = gw.gateway().clone();
-    let first = tokio::spawn({
-        let (c, base) = (c.clone(), base.clone());
-        async move { chat(&c, &base, "s", "first").await }
-    });
+    let first = spawn_chat(&c, &base, "s", "first");
     wait_until("first at backend", || m.count() == 1).await;
-    let queued = tokio::spawn({
-        let (c, base) = (c.clone(), base.clone());
-        async move { chat(&c, &base, "f", "queued").await }
-    });
+    let queued = spawn_chat(&c, &base, "f", "queued");
     wait_until("queued", || g.queued.load(Ordering::SeqCst) == 1).await;
     let page = c
         .get(gw.admin_url())

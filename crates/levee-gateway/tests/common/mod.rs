@@ -226,6 +226,23 @@ pub fn chat_body(tag: &str) -> Value {
         "messages": [{"role": "user", "content": tag}]})
 }
 
+/// Sends a chat completion as tenant `who` from a task of its own (a client that waits
+/// while the test goes on).
+pub fn spawn_chat(
+    c: &reqwest::Client,
+    base: &str,
+    who: &str,
+    tag: &str,
+) -> tokio::task::JoinHandle<reqwest::Response> {
+    let (c, base, who, tag) = (
+        c.clone(),
+        base.to_string(),
+        who.to_string(),
+        tag.to_string(),
+    );
+    tokio::spawn(async move { chat(&c, &base, &who, &tag).await })
+}
+
 /// Sends a chat completion as tenant `who`.
 pub async fn chat(c: &reqwest::Client, base: &str, who: &str, tag: &str) -> reqwest::Response {
     c.post(format!("{base}/v1/chat/completions"))
