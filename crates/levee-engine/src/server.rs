@@ -113,13 +113,28 @@ struct ChatRequest {
     model: String,
     messages: Vec<ChatMessage>,
     #[serde(default)]
+    max_completion_tokens: Option<u32>,
+    #[serde(flatten)]
+    sampling: Sampling,
+}
+
+#[derive(Debug, Deserialize)]
+struct CompletionRequest {
+    model: String,
+    prompt: Value,
+    #[serde(flatten)]
+    sampling: Sampling,
+}
+
+/// The generation options both APIs share.
+#[derive(Debug, Deserialize)]
+struct Sampling {
+    #[serde(default)]
     stream: Option<bool>,
     #[serde(default)]
     stream_options: Option<StreamOptions>,
     #[serde(default)]
     max_tokens: Option<u32>,
-    #[serde(default)]
-    max_completion_tokens: Option<u32>,
     #[serde(default)]
     min_tokens: Option<u32>,
     #[serde(default)]
@@ -128,22 +143,28 @@ struct ChatRequest {
     n: Option<u32>,
 }
 
-#[derive(Debug, Deserialize)]
-struct CompletionRequest {
-    model: String,
-    prompt: Value,
-    #[serde(default)]
-    stream: Option<bool>,
-    #[serde(default)]
-    stream_options: Option<StreamOptions>,
-    #[serde(default)]
-    max_tokens: Option<u32>,
-    #[serde(default)]
-    min_tokens: Option<u32>,
-    #[serde(default)]
-    ignore_eos: Option<bool>,
-    #[serde(default)]
-    n: Option<u32>,
+impl Sampling {
+    /// The generation these options ask for, with `max_tokens` as the API resolved it.
+    fn generation(
+        self,
+        kind: Kind,
+        model: String,
+        prompt_tokens: u32,
+        seed: u64,
+        max_tokens: Option<u32>,
+    ) -> Generation {
+        Generation {
+            kind,
+            model,
+            prompt_tokens,
+            seed,
+            max_tokens,
+            min_tokens: self.min_tokens.unwrap_or(0),
+            ignore_eos: self.ignore_eos.unwrap_or(false),
+            stream: self.stream.unwrap_or(false),
+            include_usage: self.stream_options.is_some_and(|o| o.include_usage),
+        }
+    }
 }
 
 /// OpenAI's default `max_tokens` for the legacy completions API.
@@ -206,7 +227,7 @@ async fn chat_completions(State(shared): State<Arc<Shared>>, body: Bytes) -> Res
         Ok(r) => r,
         Err(e) => return e.into_response(),
     };
-    if let Err(e) = check_n(req.n) {
+    if let Err(e) = check_n(req.sampling.n) {
         return e.into_response();
     }
     let texts: Vec<String> = req
@@ -216,22 +237,11 @@ async fn chat_completions(State(shared): State<Arc<Shared>>, body: Bytes) -> Res
         .collect();
     let prompt_tokens = tokens::estimate_chat_prompt_tokens(texts.iter().map(String::as_str));
     let seed = tokens::prompt_seed(&texts.join("\n"));
-    let include_usage = req.stream_options.is_some_and(|o| o.include_usage);
-    generate(
-        shared,
-        Generation {
-            kind: Kind::Chat,
-            model: req.model,
-            prompt_tokens,
-            seed,
-            max_tokens: req.max_completion_tokens.or(req.max_tokens),
-            min_tokens: req.min_tokens.unwrap_or(0),
-            ignore_eos: req.ignore_eos.unwrap_or(false),
-            stream: req.stream.unwrap_or(false),
-            include_usage,
-        },
-    )
-    .await
+    let max_tokens = req.max_completion_tokens.or(req.sampling.max_tokens);
+    let generation =
+        req.sampling
+            .generation(Kind::Chat, req.model, prompt_tokens, seed, max_tokens);
+    generate(shared, generation).await
 }
 
 async fn completions(State(shared): State<Arc<Shared>>, body: Bytes) -> Response {
@@ -239,7 +249,7 @@ async fn completions(State(shared): State<Arc<Shared>>, body: Bytes) -> Response
         Ok(r) => r,
         Err(e) => return e.into_response(),
     };
-    if let Err(e) = check_n(req.n) {
+    if let Err(e) = check_n(req.sampling.n) {
         return e.into_response();
     }
     // A string, a one-string array, or a token-id array (counted as given).
@@ -269,22 +279,15 @@ async fn completions(State(shared): State<Arc<Shared>>, body: Bytes) -> Response
             .into_response()
         }
     };
-    let include_usage = req.stream_options.is_some_and(|o| o.include_usage);
-    generate(
-        shared,
-        Generation {
-            kind: Kind::Completion,
-            model: req.model,
-            prompt_tokens,
-            seed,
-            max_tokens: Some(req.max_tokens.unwrap_or(COMPLETIONS_DEFAULT_MAX_TOKENS)),
-            min_tokens: req.min_tokens.unwrap_or(0),
-            ignore_eos: req.ignore_eos.unwrap_or(false),
-            stream: req.stream.unwrap_or(false),
-            include_usage,
-        },
-    )
-    .await
+    let max_tokens = Some(
+        req.sampling
+            .max_tokens
+            .unwrap_or(COMPLETIONS_DEFAULT_MAX_TOKENS),
+    );
+    let generation =
+        req.sampling
+            .generation(Kind::Completion, req.model, prompt_tokens, seed, max_tokens);
+    generate(shared, generation).await
 }
 
 /// Tells the scheduler to drop a request whose handler or stream is dropped (the client
