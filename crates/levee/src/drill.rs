@@ -11,7 +11,6 @@ use levee_engine::{EngineConfig, EngineHandle, OverloadMode};
 use levee_sim::report::{Group, Report};
 use levee_sim::scenario::{Phase, Rate, Scenario};
 use levee_sim::{RunOptions, Target};
-use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -680,8 +679,8 @@ fn side_by_side(scenario: &Scenario, capacity: f64, runs: &[Run; 3]) -> String {
     row("p50 TTFT ms", &|r| ms(r.report.latency.ttft.p50));
     row("p99 TTFT ms", &|r| ms(r.report.latency.ttft.p99));
     row("engine crashes", &|r| r.crashes.to_string());
-    row("429s", &|r| count_prefix(&r.report.errors, "429"));
-    row("5xx", &|r| count_prefix(&r.report.errors, "5xx"));
+    row("429s", &|r| r.report.rate_limited().to_string());
+    row("5xx", &|r| r.report.server_errors().to_string());
     row("timeouts", &|r| {
         r.report
             .errors
@@ -727,15 +726,6 @@ fn pct(x: f64) -> String {
 
 fn ms(v: f64) -> String {
     format!("{v:.0}")
-}
-
-fn count_prefix(errors: &BTreeMap<String, u64>, prefix: &str) -> String {
-    errors
-        .iter()
-        .filter(|(k, _)| k.starts_with(prefix))
-        .map(|(_, v)| v)
-        .sum::<u64>()
-        .to_string()
 }
 
 #[cfg(test)]
