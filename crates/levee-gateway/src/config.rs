@@ -39,6 +39,8 @@ pub struct Config {
     pub degrade: DegradeConfig,
     /// How often backends' Prometheus metrics are read.
     pub scrape: ScrapeConfig,
+    /// KV-cache budgets of the backends.
+    pub kv: KvConfig,
 }
 
 impl Default for Config {
@@ -84,6 +86,7 @@ impl Default for Config {
             breaker: BreakerConfig::default(),
             degrade: DegradeConfig::default(),
             scrape: ScrapeConfig::default(),
+            kv: KvConfig::default(),
         }
     }
 }
@@ -289,6 +292,19 @@ pub struct ModelConfig {
     pub requests_per_minute: u32,
     /// Tokens per minute for this model across tenants (0 = unlimited).
     pub tokens_per_minute: u64,
+    /// Completion budget injected upstream (and counted) when a request gives no
+    /// `max_tokens` (unset: `server.default_max_tokens`).
+    pub default_max_tokens: Option<u32>,
+    /// Longest prompt + completion one request may ask for. Unset: learned from the
+    /// backends (vLLM's `max_model_len`, llama.cpp's per-slot `n_ctx`). Longer requests get
+    /// 400 `context_length_exceeded` at once.
+    pub max_context_tokens: Option<u64>,
+    /// A Hugging Face `tokenizer.json` for counting prompt tokens exactly. Unset: about one
+    /// token per 4 characters of message text (plus 4 per chat message and 2 per chat).
+    pub tokenizer: Option<std::path::PathBuf>,
+    /// Time-to-first-token target (SLO). When set, the lane's P95 TTFT above 1.5× it raises
+    /// the degradation level.
+    pub ttft_slo_ms: Option<u64>,
     /// The backends; at least one.
     pub backends: Vec<BackendConfig>,
 }
@@ -314,6 +330,11 @@ pub struct BackendConfig {
     pub url: String,
     /// Most requests levee sends to this backend at once; more wait in levee's queue.
     pub max_in_flight: u32,
+    /// KV-cache tokens of this backend: a request goes there only while the prompt +
+    /// completion budgets of everything in flight there fit (less `kv.headroom`). Unset:
+    /// learned from the engine (vLLM's `vllm:cache_config_info`, llama.cpp's `/props`);
+    /// until known, only `max_in_flight` applies.
+    pub max_kv_tokens: Option<u64>,
     /// Model name to send upstream, if it differs from the public name.
     pub upstream_model: Option<String>,
     /// Adapt the cap below `max_in_flight` from latency (time to first byte, gradient
@@ -327,16 +348,20 @@ impl Default for BackendConfig {
             kind: BackendKind::Vllm,
             url: "http://127.0.0.1:8000".to_string(),
             max_in_flight: 64,
+            max_kv_tokens: None,
             upstream_model: None,
             adaptive: false,
         }
     }
 }
 
-/// Watermarks over the gateway's load (requests queued + in flight, all models): below
-/// `safe` a request is dispatched at once (if a backend slot is free), from `safe` to `soft`
-/// it may wait its tier's `queue_wait_ms`, from `soft` to `hard` only its tier's
-/// `soft_queue_wait_ms`, and at `hard` it is refused with `capacity_overload`.
+/// Watermarks over each model lane's load (its requests in flight plus those queued at the
+/// same or a higher priority; every model has its own lane, so a flood on one model never
+/// refuses another): below `safe` a request may wait its tier's `queue_wait_ms`, from
+/// `safe` to `soft` too, from `soft` to `hard` only its tier's `soft_queue_wait_ms`, and at
+/// `hard` it is refused with `capacity_overload`. A request whose wait, predicted from its
+/// place in the queue and the lane's measured service time, exceeds its budget is refused
+/// at once rather than left to time out.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(default, deny_unknown_fields)]
 pub struct QueueConfig {
@@ -346,8 +371,12 @@ pub struct QueueConfig {
     pub soft: u32,
     /// At this load nothing more is admitted (`capacity_overload`).
     pub hard: u32,
-    /// Bound on the estimated tokens waiting in the queue (0 = unbounded).
+    /// Bound on the estimated tokens waiting in each lane's queue (0 = unbounded).
     pub max_queued_tokens: u64,
+    /// While another tenant of the same or a higher priority is active in a lane, a tenant
+    /// holds at most what the others leave it; each of them keeps in reserve its peak use
+    /// of this window (plus one request), up to its weighted share.
+    pub fair_share_window_ms: u64,
 }
 
 impl Default for QueueConfig {
@@ -357,6 +386,7 @@ impl Default for QueueConfig {
             soft: 1_024,
             hard: 4_096,
             max_queued_tokens: 0,
+            fair_share_window_ms: 10_000,
         }
     }
 }
@@ -415,9 +445,10 @@ impl BreakerConfig {
     }
 }
 
-/// Degradation: serve worse before refusing. The load score is the largest of the
-/// signals (queued + in flight over the `hard` watermark; optionally the worst backend
-/// KV-cache use), each 0..1. A level is entered when the score reaches its `enter` and
+/// Degradation: serve worse before refusing, per model lane. The load score is the largest
+/// of the signals, each about 0..1: the lane's load over its `hard` watermark; its P95 TTFT
+/// over 1.5× the model's `ttft_slo_ms` (when set); the share of its requests refused for
+/// capacity; its KV-cache fill. A level is entered when the score reaches its `enter` and
 /// left when it falls below its `exit` after `min_dwell_ms` (hysteresis: no flapping).
 /// `/admin/degrade` can force a level.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -427,8 +458,12 @@ pub struct DegradeConfig {
     pub enabled: bool,
     /// Least time at a level before stepping down one.
     pub min_dwell_ms: u64,
-    /// Also use the worst backend's scraped KV-cache use as a load signal.
+    /// Also use the lane's KV-cache fill (the larger of levee's reservations and the
+    /// engines' own report, worst backend) as a load signal.
     pub kv_signal: bool,
+    /// Also use the share of the lane's requests refused for capacity (over the last 10 s)
+    /// as a load signal.
+    pub refusal_signal: bool,
     /// Levels in increasing severity; `levels[0]` is level 1.
     pub levels: Vec<DegradeLevelConfig>,
 }
@@ -438,7 +473,8 @@ impl Default for DegradeConfig {
         DegradeConfig {
             enabled: true,
             min_dwell_ms: 5_000,
-            kv_signal: false,
+            kv_signal: true,
+            refusal_signal: true,
             levels: vec![
                 DegradeLevelConfig {
                     enter: 0.25,
@@ -507,9 +543,7 @@ impl DegradeConfig {
                     exit: l.exit,
                     step: levee_policy::DegradeStep {
                         max_tokens_cap: l.max_tokens_cap,
-                        // Fallback is per model in levee's config; the gateway resolves it.
-                        fallback_model: None,
-                        skip_optional: false,
+                        use_fallback: l.use_fallback,
                         shed_from_tier: l.shed_from_priority.map(levee_policy::Tier),
                     },
                 })
@@ -537,6 +571,27 @@ impl Default for ScrapeConfig {
             interval_ms: 1_000,
             timeout_ms: 500,
             unhealthy_after: 3,
+        }
+    }
+}
+
+/// KV-cache budgets.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct KvConfig {
+    /// Share of each backend's KV budget levee keeps free (0.0..=0.9): room for the
+    /// estimate's error and for the engine's own overheads.
+    pub headroom: f64,
+    /// A backend's reported KV use and queue correct levee's own count only this long
+    /// after the scrape that read them.
+    pub report_max_age_ms: u64,
+}
+
+impl Default for KvConfig {
+    fn default() -> Self {
+        KvConfig {
+            headroom: 0.05,
+            report_max_age_ms: 3_000,
         }
     }
 }
@@ -589,7 +644,15 @@ impl Config {
         if self.tiers.is_empty() {
             errs.push("tiers: at least one tier is required".to_string());
         }
+        let mut priorities: BTreeMap<u8, &str> = BTreeMap::new();
         for (name, t) in &self.tiers {
+            if let Some(other) = priorities.insert(t.priority, name) {
+                errs.push(format!(
+                    "tiers.{name}.priority: {} is also the priority of tier {other:?}; \
+                     each tier needs its own",
+                    t.priority
+                ));
+            }
             if t.queue_wait_ms == 0 {
                 errs.push(format!(
                     "tiers.{name}.queue_wait_ms: must be > 0 (use a small value to refuse fast)"
@@ -667,6 +730,14 @@ impl Config {
                     ));
                 }
             }
+            if let Some(path) = &m.tokenizer {
+                if !path.is_file() {
+                    errs.push(format!(
+                        "{p}.tokenizer: {} is not a readable file (a Hugging Face tokenizer.json)",
+                        path.display()
+                    ));
+                }
+            }
             if m.backends.is_empty() {
                 errs.push(format!("{p}.backends: at least one backend is required"));
             }
@@ -690,6 +761,11 @@ impl Config {
                 if b.max_in_flight == 0 {
                     errs.push(format!("{bp}.max_in_flight: must be > 0"));
                 }
+                if b.max_kv_tokens == Some(0) {
+                    errs.push(format!(
+                        "{bp}.max_kv_tokens: must be > 0 (leave it out to learn it from the engine)"
+                    ));
+                }
             }
         }
         let q = &self.queue;
@@ -710,6 +786,9 @@ impl Config {
         }
         if let Err(e) = self.degrade.to_policy().validate() {
             errs.push(e.to_string());
+        }
+        if !(0.0..=0.9).contains(&self.kv.headroom) {
+            errs.push("kv.headroom: must be between 0.0 and 0.9".to_string());
         }
         if self.server.max_body_bytes == 0 {
             errs.push("server.max_body_bytes: must be > 0".to_string());

@@ -1,9 +1,11 @@
-//! Glue from the gateway's load figures to the policy [`DegradePlanner`], plus the
-//! per-model fallback (the policy step names one fallback model; levee's config gives
-//! each model its own, so the gateway resolves `use_fallback` itself).
+//! Degradation per model lane: each lane has its own [`DegradePlanner`] fed with its own
+//! signals (load over the hard watermark, P95 TTFT against the model's SLO, the share of
+//! requests refused for capacity, KV-cache fill), so a flood on one model never caps, reroutes
+//! or sheds another. An operator's forced level (`/admin/degrade`) applies to every lane.
 
 use crate::config::Config;
-use levee_policy::{DegradePlanner, LoadSignals, Tier, Timestamp, Watermarks};
+use levee_policy::{DegradePlanner, LoadSignals, Tier, Timestamp};
+use std::collections::HashMap;
 
 /// What the level in force does to a request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -18,115 +20,157 @@ pub struct DegradeDecision {
     pub shed_from_priority: Option<u8>,
 }
 
-/// The gateway's degradation state.
+#[derive(Debug)]
+struct LaneState {
+    planner: DegradePlanner,
+    signals: LoadSignals,
+}
+
+/// The gateway's degradation state: one planner per model lane.
 #[derive(Debug)]
 pub struct Degrader {
-    planner: DegradePlanner,
     policy_cfg: levee_policy::DegradeConfig,
     enabled: bool,
     kv_signal: bool,
-    use_fallback: Vec<bool>,
-    last_signals: LoadSignals,
-    /// Worst scraped KV-cache use, fed by the scraper.
-    pub kv_usage: f64,
+    refusal_signal: bool,
+    forced: Option<usize>,
+    lanes: HashMap<String, LaneState>,
 }
 
 impl Degrader {
-    /// Builds the planner from config (validated beforehand).
+    /// Builds the planners' settings from config (validated beforehand).
     pub fn new(cfg: &Config) -> Self {
         Degrader {
-            planner: DegradePlanner::new(cfg.degrade.to_policy()),
             policy_cfg: cfg.degrade.to_policy(),
             enabled: cfg.degrade.enabled,
             kv_signal: cfg.degrade.kv_signal,
-            use_fallback: cfg.degrade.levels.iter().map(|l| l.use_fallback).collect(),
-            last_signals: LoadSignals::default(),
-            kv_usage: 0.0,
+            refusal_signal: cfg.degrade.refusal_signal,
+            forced: None,
+            lanes: HashMap::new(),
         }
     }
 
     /// Applies a new config, keeping a forced level if it is still in range.
     pub fn reconfigure(&mut self, cfg: &Config) {
-        if cfg.degrade.to_policy() == *self.planner_config() {
-            self.enabled = cfg.degrade.enabled;
-            self.kv_signal = cfg.degrade.kv_signal;
-            self.use_fallback = cfg.degrade.levels.iter().map(|l| l.use_fallback).collect();
-            return;
-        }
-        let forced = self
-            .planner
-            .plan()
-            .forced
-            .then(|| self.planner.effective_level());
+        let forced = self.forced;
+        let same_levels = cfg.degrade.to_policy() == self.policy_cfg;
+        let lanes = std::mem::take(&mut self.lanes);
         *self = Degrader::new(cfg);
-        self.planner.force(forced);
+        if same_levels {
+            self.lanes = lanes;
+        }
+        self.force(forced);
     }
 
-    fn planner_config(&self) -> &levee_policy::DegradeConfig {
-        &self.policy_cfg
+    fn lane(&mut self, model: &str) -> &mut LaneState {
+        let cfg = &self.policy_cfg;
+        let forced = self.forced;
+        self.lanes.entry(model.to_string()).or_insert_with(|| {
+            let mut planner = DegradePlanner::new(cfg.clone());
+            planner.force(forced);
+            LaneState {
+                planner,
+                signals: LoadSignals::default(),
+            }
+        })
     }
 
-    /// Feeds the current load; returns the level in force.
-    pub fn observe(&mut self, load: u64, marks: &Watermarks, now: Timestamp) -> u8 {
-        let hard = marks.hard.max(1) as f64;
+    /// Feeds one lane's current signals; returns its level in force.
+    pub fn observe(&mut self, model: &str, signals: LoadSignals, now: Timestamp) -> u8 {
         let signals = if self.enabled {
             LoadSignals {
-                queue_depth_ratio: load as f64 / hard,
-                // A full backend with an empty queue is healthy use, not overload; the
-                // queue term already captures "more work than capacity".
-                in_flight_ratio: 0.0,
-                kv_cache_usage: if self.kv_signal { self.kv_usage } else { 0.0 },
+                kv_cache_usage: if self.kv_signal {
+                    signals.kv_cache_usage
+                } else {
+                    0.0
+                },
+                refusal_rate: if self.refusal_signal {
+                    signals.refusal_rate
+                } else {
+                    0.0
+                },
+                ..signals
             }
         } else {
             LoadSignals::default()
         };
-        self.last_signals = signals;
-        u8::try_from(self.planner.observe(signals, now)).unwrap_or(u8::MAX)
+        let lane = self.lane(model);
+        lane.signals = signals;
+        u8::try_from(lane.planner.observe(signals, now)).unwrap_or(u8::MAX)
     }
 
-    /// Forces a level, or back to automatic with `None`.
+    /// Forces a level on every lane, or back to automatic with `None`.
     pub fn force(&mut self, level: Option<usize>) {
-        self.planner.force(level);
+        self.forced = level;
+        for l in self.lanes.values_mut() {
+            l.planner.force(level);
+        }
     }
 
-    /// The decision for requests now.
-    pub fn decision(&self) -> DegradeDecision {
-        let plan = self.planner.plan();
-        let use_fallback = plan
-            .level
-            .checked_sub(1)
-            .and_then(|i| self.use_fallback.get(i).copied())
-            .unwrap_or(false);
-        DegradeDecision {
-            level: u8::try_from(plan.level).unwrap_or(u8::MAX),
-            max_tokens_cap: plan.step.max_tokens_cap,
-            use_fallback,
-            shed_from_priority: plan.step.shed_from_tier.map(|Tier(t)| t),
-        }
+    /// The decision for requests of `model` now.
+    pub fn decision(&self, model: &str) -> DegradeDecision {
+        let Some(lane) = self.lanes.get(model) else {
+            // A lane not yet observed runs at the forced level, or normal.
+            let mut p = DegradePlanner::new(self.policy_cfg.clone());
+            p.force(self.forced);
+            return decision_of(&p);
+        };
+        decision_of(&lane.planner)
     }
 
     /// Number of configured levels.
     pub fn max_level(&self) -> usize {
-        self.planner.max_level()
+        self.policy_cfg.levels.len()
     }
 
-    /// `/admin/state` part.
+    /// `/admin/state` part: the forced level and each lane's level and signals.
     pub fn state_json(&self) -> serde_json::Value {
-        let d = self.decision();
-        let plan = self.planner.plan();
+        let mut names: Vec<&String> = self.lanes.keys().collect();
+        names.sort();
+        let lanes: Vec<_> = names
+            .into_iter()
+            .filter_map(|n| self.lanes.get(n).map(|l| (n, l)))
+            .map(|(name, l)| {
+                let d = decision_of(&l.planner);
+                serde_json::json!({
+                    "model": name,
+                    "level": d.level,
+                    "automatic_level": l.planner.automatic_level(),
+                    "score": l.planner.last_score(),
+                    "signals": {
+                        "queue_depth_ratio": l.signals.queue_depth_ratio,
+                        "kv_cache_usage": l.signals.kv_cache_usage,
+                        "ttft_ratio": l.signals.ttft_ratio,
+                        "refusal_rate": l.signals.refusal_rate,
+                    },
+                    "max_tokens_cap": d.max_tokens_cap,
+                    "use_fallback": d.use_fallback,
+                    "shed_from_priority": d.shed_from_priority,
+                })
+            })
+            .collect();
+        let level = self
+            .lanes
+            .values()
+            .map(|l| l.planner.effective_level())
+            .max()
+            .unwrap_or(self.forced.unwrap_or(0));
         serde_json::json!({
-            "level": d.level,
-            "automatic_level": self.planner.automatic_level(),
-            "forced": plan.forced,
+            "level": level,
+            "forced": self.forced.is_some(),
+            "forced_level": self.forced,
             "max_level": self.max_level(),
-            "score": self.planner.last_score(),
-            "signals": {
-                "queue_depth_ratio": self.last_signals.queue_depth_ratio,
-                "kv_cache_usage": self.last_signals.kv_cache_usage,
-            },
-            "max_tokens_cap": d.max_tokens_cap,
-            "use_fallback": d.use_fallback,
-            "shed_from_priority": d.shed_from_priority,
+            "lanes": lanes,
         })
+    }
+}
+
+fn decision_of(planner: &DegradePlanner) -> DegradeDecision {
+    let plan = planner.plan();
+    DegradeDecision {
+        level: u8::try_from(plan.level).unwrap_or(u8::MAX),
+        max_tokens_cap: plan.step.max_tokens_cap,
+        use_fallback: plan.step.use_fallback,
+        shed_from_priority: plan.step.shed_from_tier.map(|Tier(t)| t),
     }
 }

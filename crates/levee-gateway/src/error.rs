@@ -116,6 +116,11 @@ pub struct GatewayError {
     /// Rate-limit figures for the `x-ratelimit-*` headers (boxed: most errors have none,
     /// and a small error keeps every `Result` on the request path small).
     pub rate: Option<Box<RateInfo>>,
+    /// The admission decision behind a refusal (typed: callers branch on it, not on
+    /// `code`).
+    pub refusal: Option<levee_policy::RefusalReason>,
+    /// The place in the queue the request had or would have had (`x-levee-queue-position`).
+    pub position: Option<u32>,
 }
 
 impl std::fmt::Display for GatewayError {
@@ -150,7 +155,34 @@ impl GatewayError {
             param: None,
             retry_after: None,
             rate: None,
+            refusal: None,
+            position: None,
         }
+    }
+
+    /// Records the admission decision behind this error.
+    pub fn with_refusal(mut self, r: levee_policy::RefusalReason) -> Self {
+        self.refusal = Some(r);
+        self
+    }
+
+    /// Records the request's place in the queue.
+    pub fn with_position(mut self, p: u32) -> Self {
+        self.position = Some(p);
+        self
+    }
+
+    /// 400 `context_length_exceeded`: prompt + completion budget longer than the model's
+    /// context (or than any backend's KV cache).
+    pub fn context_length_exceeded(message: impl Into<String>) -> Self {
+        Self::new(
+            Origin::Client,
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            "context_length_exceeded",
+            message,
+        )
+        .with_param("messages")
     }
 
     /// Whether the same request may succeed later without change.
@@ -402,6 +434,12 @@ impl IntoResponse for GatewayError {
         }
         if let Some(r) = &self.rate {
             r.write_headers(h);
+        }
+        if let Some(p) = self.position {
+            h.insert(
+                HeaderName::from_static("x-levee-queue-position"),
+                HeaderValue::from(p),
+            );
         }
         if self.origin != Origin::Upstream || self.status == StatusCode::SERVICE_UNAVAILABLE {
             h.insert(

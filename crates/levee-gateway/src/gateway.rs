@@ -1,15 +1,19 @@
 //! The gateway's shared state: the live configuration (swapped atomically on reload), the
-//! per-model lanes (queues + backends, kept across reloads), limiters, degradation and
-//! drain state, metrics.
+//! one [`Admission`] state every request passes through (limits, lanes, queues, backends,
+//! breakers — levee-policy's pure composition behind one lock), each model's lane handle
+//! (its backends' I/O side and its dispatcher task), degradation and drain state, metrics.
 
 use crate::clock::TokioClock;
-use crate::config::{Config, ModelConfig, TenantConfig, TierConfig};
+use crate::config::{BackendConfig, Config, ModelConfig, TenantConfig, TierConfig};
 use crate::degrade::Degrader;
-use crate::lane::Lane;
-use crate::limits::Limits;
+use crate::lane::{Lane, Waiter};
 use crate::metrics::{BackendLabel, Metrics};
+use crate::tokenize::TokenCounter;
 use crate::upstream::{build_client, Backend, HttpClient};
-use levee_policy::{Clock, DrainRate, KeyedGcra, Quota, RetryBounds, WaitBudget, Watermarks};
+use levee_policy::{
+    Admission, AdmissionConfig, BackendLimits, Clock, HeavyRule, KeyedGcra, LaneConfig, LimitSpec,
+    ModelSpec, Quota, RetryBounds, TenantSpec, Tier, WaitBudget, Watermarks,
+};
 use parking_lot::{Mutex, RwLock};
 use std::collections::HashMap;
 use std::net::IpAddr;
@@ -18,44 +22,51 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
+/// The admission state: levee-policy's one path, keyed by tenant and model names.
+pub type Adm = Admission<Waiter, Arc<str>>;
+
 /// One tenant at run time.
 #[derive(Debug)]
 pub struct Tenant {
-    /// Name.
-    pub name: String,
+    /// Name (also its key in the admission state and the fair queue).
+    pub name: Arc<str>,
     /// Tier name.
     pub tier: String,
     /// Strict priority (0 first), from the tier.
     pub priority: u8,
-    /// Queue wait budgets, from the tier.
-    pub budget: WaitBudget,
-    /// Degradation level 3 may shed this tenant's tier.
+    /// Degradation may shed this tenant's tier.
     pub sheddable: bool,
-    /// Fairness weight inside the tier.
-    pub weight: f64,
-    /// Requests/min, tokens/min, concurrency.
-    pub limits: Arc<Limits>,
-    /// The tighter limit for heavy requests.
-    pub heavy: Arc<Limits>,
     /// This tenant's per-request metric series (kept across reloads with the tenant).
     pub metrics: crate::metrics::TenantMetrics,
-    /// The name as the fair queue's tenant key (cloned, not allocated, per queued request).
-    pub queue_key: Arc<str>,
     cfg: TenantConfig,
     tier_cfg: TierConfig,
 }
 
-/// One model at run time (its limits; its queue and backends live in its [`Lane`]).
+impl Tenant {
+    /// Its tier as the policy sees it.
+    pub fn tier_key(&self) -> Tier {
+        Tier(self.priority)
+    }
+}
+
+/// One model at run time (its queue and backends live in its [`Lane`] and the admission
+/// state).
 #[derive(Debug)]
 pub struct Model {
-    /// Public name.
-    pub name: String,
+    /// Public name (also its key in the admission state).
+    pub name: Arc<str>,
     /// Fallback model under degradation.
     pub fallback: Option<String>,
     /// Canned reply instead of a 503 when no backend can serve.
     pub fallback_response: Option<String>,
-    /// Model-wide limits.
-    pub limits: Arc<Limits>,
+    /// Completion budget injected when a request gives no `max_tokens`.
+    pub default_max_tokens: u32,
+    /// Longest context (prompt + completion) a request may ask for, from config.
+    pub max_context_tokens: Option<u64>,
+    /// Time-to-first-token target for degradation (1.5× it is the alarm line).
+    pub ttft_slo: Option<Duration>,
+    /// How prompt tokens are counted.
+    pub counter: TokenCounter,
     cfg: ModelConfig,
 }
 
@@ -71,12 +82,6 @@ pub struct Runtime {
     pub tenants: Vec<Arc<Tenant>>,
     /// Models by name.
     pub models: HashMap<String, Arc<Model>>,
-    /// Global limits.
-    pub global: Arc<Limits>,
-    /// Queue watermarks over queued + in flight.
-    pub watermarks: Watermarks,
-    /// Bounds for capacity Retry-After estimates.
-    pub retry_bounds: RetryBounds,
 }
 
 fn decode_key(hex_digest: &str) -> Option<[u8; 32]> {
@@ -84,30 +89,30 @@ fn decode_key(hex_digest: &str) -> Option<[u8; 32]> {
     v.try_into().ok()
 }
 
+fn limit_spec(rpm: u32, burst: u32, tpm: u64, concurrency: u32) -> LimitSpec {
+    LimitSpec {
+        requests_per_minute: (rpm > 0).then_some(u64::from(rpm)),
+        request_burst: (rpm > 0 && burst > 0).then_some(u64::from(burst)),
+        tokens_per_minute: (tpm > 0).then_some(tpm),
+        token_burst: None,
+        max_concurrent: (concurrency > 0)
+            .then(|| usize::try_from(concurrency).unwrap_or(usize::MAX)),
+    }
+}
+
+/// Converts a fractional fairness weight to the policy's integer weight (two decimals).
+fn weight_units(w: f64) -> u32 {
+    (w * 100.0).round().clamp(1.0, f64::from(u32::MAX)) as u32
+}
+
 impl Runtime {
-    /// Builds the runtime view of `cfg`, reusing limiter state from `prev` for tenants,
-    /// models and global limits whose settings did not change (a reload must not hand every
-    /// tenant a fresh quota).
+    /// Builds the runtime view of `cfg`, reusing tenants and models whose settings did not
+    /// change (they keep their metric handles and tokenizers).
     pub fn build(cfg: Config, prev: Option<&Runtime>) -> Result<Runtime, Vec<String>> {
         let errors = cfg.validate();
         if !errors.is_empty() {
             return Err(errors);
         }
-        let watermarks = Watermarks::new(
-            u64::from(cfg.queue.safe),
-            u64::from(cfg.queue.soft),
-            u64::from(cfg.queue.hard),
-        )
-        .map_err(|e| vec![format!("queue: {e}")])?;
-        let global = match prev {
-            Some(p) if p.cfg.limits == cfg.limits => p.global.clone(),
-            _ => Arc::new(Limits::new(
-                "global",
-                cfg.limits.requests_per_minute,
-                cfg.limits.tokens_per_minute,
-                cfg.limits.max_concurrency,
-            )),
-        };
         let mut tenants = Vec::new();
         let mut keys = HashMap::new();
         for t in &cfg.tenants {
@@ -115,37 +120,16 @@ impl Runtime {
             let reuse = prev.and_then(|p| {
                 p.tenants
                     .iter()
-                    .find(|o| o.cfg == *t && o.tier_cfg == tier_cfg && p.cfg.heavy == cfg.heavy)
+                    .find(|o| o.cfg == *t && o.tier_cfg == tier_cfg)
                     .cloned()
             });
             let tenant = reuse.unwrap_or_else(|| {
                 Arc::new(Tenant {
-                    name: t.name.clone(),
+                    name: Arc::from(t.name.as_str()),
                     tier: t.tier.clone(),
                     priority: tier_cfg.priority,
-                    budget: WaitBudget {
-                        normal: Duration::from_millis(tier_cfg.queue_wait_ms),
-                        soft: Duration::from_millis(tier_cfg.soft_queue_wait_ms),
-                    },
                     sheddable: tier_cfg.sheddable,
-                    weight: t.weight,
-                    limits: Arc::new(
-                        Limits::new(
-                            format!("tenant {}", t.name),
-                            t.requests_per_minute,
-                            t.tokens_per_minute,
-                            t.max_concurrency,
-                        )
-                        .with_request_burst(t.requests_burst),
-                    ),
-                    heavy: Arc::new(Limits::new(
-                        format!("tenant {} heavy requests", t.name),
-                        cfg.heavy.requests_per_minute,
-                        cfg.heavy.tokens_per_minute,
-                        0,
-                    )),
                     metrics: crate::metrics::TenantMetrics::default(),
-                    queue_key: Arc::from(t.name.as_str()),
                     cfg: t.clone(),
                     tier_cfg: tier_cfg.clone(),
                 })
@@ -165,39 +149,49 @@ impl Runtime {
             tenants.push(tenant);
         }
         let mut models = HashMap::new();
-        for m in &cfg.models {
+        let mut errors = Vec::new();
+        for (i, m) in cfg.models.iter().enumerate() {
             let reuse = prev
                 .and_then(|p| p.models.get(&m.name))
-                .filter(|o| o.cfg.requests_per_minute == m.requests_per_minute)
-                .filter(|o| o.cfg.tokens_per_minute == m.tokens_per_minute)
-                .map(|o| o.limits.clone());
-            let limits = reuse.unwrap_or_else(|| {
-                Arc::new(Limits::new(
-                    format!("model {}", m.name),
-                    m.requests_per_minute,
-                    m.tokens_per_minute,
-                    0,
-                ))
-            });
-            models.insert(
-                m.name.clone(),
-                Arc::new(Model {
-                    name: m.name.clone(),
-                    fallback: m.fallback.clone(),
-                    fallback_response: m.fallback_response.clone(),
-                    limits,
-                    cfg: m.clone(),
-                }),
-            );
+                .filter(|o| o.cfg == *m && p_default(prev) == cfg.server.default_max_tokens)
+                .cloned();
+            let model = match reuse {
+                Some(m) => m,
+                None => {
+                    let counter = match &m.tokenizer {
+                        None => TokenCounter::CharsPerToken,
+                        Some(path) => match TokenCounter::from_file(path) {
+                            Ok(c) => c,
+                            Err(e) => {
+                                errors.push(format!("models[{i}].tokenizer: {e}"));
+                                continue;
+                            }
+                        },
+                    };
+                    Arc::new(Model {
+                        name: Arc::from(m.name.as_str()),
+                        fallback: m.fallback.clone(),
+                        fallback_response: m.fallback_response.clone(),
+                        default_max_tokens: m
+                            .default_max_tokens
+                            .unwrap_or(cfg.server.default_max_tokens),
+                        max_context_tokens: m.max_context_tokens,
+                        ttft_slo: m.ttft_slo_ms.map(Duration::from_millis),
+                        counter,
+                        cfg: m.clone(),
+                    })
+                }
+            };
+            models.insert(m.name.clone(), model);
+        }
+        if !errors.is_empty() {
+            return Err(errors);
         }
         Ok(Runtime {
             cfg: Arc::new(cfg),
             keys,
             tenants,
             models,
-            global,
-            watermarks,
-            retry_bounds: RetryBounds::default(),
         })
     }
 
@@ -207,12 +201,83 @@ impl Runtime {
         let digest: [u8; 32] = Sha256::digest(key.as_bytes()).into();
         self.keys.get(&digest)
     }
+
+    /// The admission settings of this configuration.
+    fn admission_config(&self) -> AdmissionConfig {
+        let cfg = &self.cfg;
+        let max_prio = cfg.tiers.values().map(|t| t.priority).max().unwrap_or(0);
+        let mut tiers = vec![
+            WaitBudget {
+                normal: Duration::from_secs(1),
+                soft: Duration::ZERO,
+            };
+            usize::from(max_prio) + 1
+        ];
+        for t in cfg.tiers.values() {
+            tiers[usize::from(t.priority)] = WaitBudget {
+                normal: Duration::from_millis(t.queue_wait_ms),
+                soft: Duration::from_millis(t.soft_queue_wait_ms),
+            };
+        }
+        let h = &cfg.heavy;
+        AdmissionConfig {
+            global: limit_spec(
+                cfg.limits.requests_per_minute,
+                0,
+                cfg.limits.tokens_per_minute,
+                cfg.limits.max_concurrency,
+            ),
+            tenant_default: LimitSpec::UNLIMITED,
+            heavy: Some(HeavyRule {
+                prompt_tokens_over: if h.prompt_tokens_over == 0 {
+                    u64::MAX
+                } else {
+                    h.prompt_tokens_over
+                },
+                completion_tokens_over: if h.max_tokens_over == 0 {
+                    u64::MAX
+                } else {
+                    h.max_tokens_over
+                },
+                per_tenant: limit_spec(h.requests_per_minute, 0, h.tokens_per_minute, 0),
+            }),
+            tiers,
+            max_tracked_keys: 100_000,
+            retry: RetryBounds::default(),
+        }
+    }
+
+    fn lane_config(&self) -> LaneConfig {
+        let q = &self.cfg.queue;
+        let marks = Watermarks::new(u64::from(q.safe), u64::from(q.soft), u64::from(q.hard))
+            .unwrap_or(Watermarks {
+                safe: 256,
+                soft: 1024,
+                hard: 4096,
+            });
+        let mut lane = LaneConfig::new(marks);
+        lane.queue_max_tokens = match q.max_queued_tokens {
+            0 => u64::MAX,
+            n => n,
+        };
+        lane.fair_share_window = Duration::from_millis(q.fair_share_window_ms);
+        lane.kv_headroom = self.cfg.kv.headroom;
+        lane.report_max_age = Duration::from_millis(self.cfg.kv.report_max_age_ms);
+        lane.breaker = self.cfg.breaker.to_policy();
+        lane
+    }
+}
+
+fn p_default(prev: Option<&Runtime>) -> u32 {
+    prev.map(|p| p.cfg.server.default_max_tokens).unwrap_or(0)
 }
 
 /// The shared gateway.
 pub struct Gateway {
     runtime: RwLock<Arc<Runtime>>,
     lanes: RwLock<HashMap<String, Arc<Lane>>>,
+    /// The admission state (one lock; see `docs/policy.md` for why one is enough).
+    pub admission: Mutex<Adm>,
     /// Every exported metric.
     pub metrics: Metrics,
     /// The pooled upstream client.
@@ -221,15 +286,13 @@ pub struct Gateway {
     pub clock: TokioClock,
     draining: AtomicBool,
     stopped: CancellationToken,
-    /// Degradation state (automatic level, forced level, hysteresis).
+    /// Degradation state, per model lane.
     pub degrader: Mutex<Degrader>,
     ip_guard: Mutex<KeyedGcra<IpAddr>>,
-    /// Requests queued, all lanes (part of the watermark load).
+    /// Requests queued, all lanes.
     pub queued: AtomicI64,
-    /// Requests admitted and not finished past the queue, all lanes.
+    /// Requests admitted and not yet finished past the queue, all lanes.
     pub in_flight: AtomicI64,
-    /// How fast the queue drains (dispatches per second), for Retry-After estimates.
-    pub drain_rate: Mutex<DrainRate>,
 }
 
 impl std::fmt::Debug for Gateway {
@@ -259,9 +322,11 @@ impl Gateway {
         let clock = TokioClock::new();
         let degrader = Degrader::new(&rt.cfg);
         let ip_guard = KeyedGcra::new(ip_quota(&rt.cfg), 100_000);
+        let admission = Admission::new(rt.admission_config());
         let gw = Arc::new(Gateway {
             runtime: RwLock::new(Arc::new(rt)),
             lanes: RwLock::new(HashMap::new()),
+            admission: Mutex::new(admission),
             metrics: Metrics::new(),
             client: build_client(),
             clock,
@@ -271,7 +336,6 @@ impl Gateway {
             ip_guard: Mutex::new(ip_guard),
             queued: AtomicI64::new(0),
             in_flight: AtomicI64::new(0),
-            drain_rate: Mutex::new(DrainRate::new(Duration::from_secs(5))),
         });
         gw.sync_lanes();
         Ok(gw)
@@ -282,7 +346,7 @@ impl Gateway {
         self.runtime.read().cfg.clone()
     }
 
-    /// The runtime in force (tenants, models, limits).
+    /// The runtime in force (tenants, models).
     pub fn runtime(&self) -> Arc<Runtime> {
         self.runtime.read().clone()
     }
@@ -299,26 +363,11 @@ impl Gateway {
         v
     }
 
-    /// Watermark load: queued + in flight.
+    /// Requests queued + in flight, all lanes.
     pub fn load(&self) -> u64 {
         let q = self.queued.load(Ordering::Relaxed).max(0);
         let f = self.in_flight.load(Ordering::Relaxed).max(0);
         u64::try_from(q + f).unwrap_or(0)
-    }
-
-    /// The watermark load a request of priority `priority` sees: everything in flight plus
-    /// what is queued at its priority or higher. Requests of lower tiers would be served
-    /// after it, so they must not push it over a watermark: a flood of free-tier traffic can
-    /// fill the queue to the hard mark, but cannot lock premium out of it.
-    pub fn load_for_priority(&self, priority: u8) -> u64 {
-        let f = self.in_flight.load(Ordering::Relaxed).max(0);
-        let q: usize = self
-            .lanes
-            .read()
-            .values()
-            .map(|l| l.queued_at_or_above(priority))
-            .sum();
-        u64::try_from(f).unwrap_or(0) + u64::try_from(q).unwrap_or(u64::MAX)
     }
 
     /// Per-IP guard: `Err(retry_after)` if `ip` is over its rate.
@@ -331,8 +380,8 @@ impl Gateway {
     }
 
     /// Applies a new configuration. Validation failures leave the old one in force.
-    /// Limiter state carries over where settings did not change; lanes keep their queues
-    /// and the in-flight counts of backends whose URL did not change.
+    /// Limiter state carries over (debt is kept), lanes keep their queues and the live state
+    /// of backends whose URL did not change.
     pub fn reload(self: &Arc<Self>, cfg: Config) -> Result<(), Vec<String>> {
         let old = self.runtime();
         if cfg.listen != old.cfg.listen {
@@ -342,6 +391,7 @@ impl Gateway {
         let ip_changed = rt.cfg.ip_guard != old.cfg.ip_guard;
         let new_ip_quota = ip_quota(&rt.cfg);
         self.degrader.lock().reconfigure(&rt.cfg);
+        self.admission.lock().reconfigure(rt.admission_config());
         *self.runtime.write() = Arc::new(rt);
         if ip_changed {
             *self.ip_guard.lock() = KeyedGcra::new(new_ip_quota, 100_000);
@@ -350,15 +400,37 @@ impl Gateway {
         Ok(())
     }
 
-    /// Makes the lanes match the models of the current config.
+    /// Makes the lanes and the admission state match the models and tenants of the
+    /// current config.
     fn sync_lanes(self: &Arc<Self>) {
         let rt = self.runtime();
+        let lane_cfg = rt.lane_config();
+        {
+            let mut adm = self.admission.lock();
+            for t in &rt.tenants {
+                adm.set_tenant(
+                    t.name.clone(),
+                    TenantSpec {
+                        limits: limit_spec(
+                            t.cfg.requests_per_minute,
+                            t.cfg.requests_burst,
+                            t.cfg.tokens_per_minute,
+                            t.cfg.max_concurrency,
+                        ),
+                        weight: weight_units(t.cfg.weight),
+                    },
+                );
+            }
+        }
         let mut lanes = self.lanes.write();
         for m in &rt.cfg.models {
+            let Some(model) = rt.models.get(&m.name) else {
+                continue;
+            };
             let lane = lanes
                 .entry(m.name.clone())
                 .or_insert_with(|| {
-                    let lane = Lane::new(&m.name);
+                    let lane = Lane::new(model.name.clone());
                     lane.spawn_dispatcher(Arc::downgrade(self));
                     lane
                 })
@@ -368,18 +440,30 @@ impl Gateway {
                 .iter()
                 .map(|b| {
                     let fresh = Backend::new(&m.name, b);
-                    // Reuse live state (in-flight count, breaker, adaptive limit) when only
-                    // the cap changed; a backend whose settings changed starts fresh (its
-                    // in-flight requests still release the old one).
+                    // Reuse live state (learned limits, health, adaptive limit) when only the
+                    // caps changed; a backend whose settings changed starts fresh.
                     lane.existing_backend(&fresh.id)
                         .filter(|old| old.same_settings(&fresh))
-                        .inspect(|old| {
-                            old.max_in_flight.store(b.max_in_flight, Ordering::Relaxed);
-                        })
+                        .inspect(|old| old.set_config(b))
                         .unwrap_or_else(|| Arc::new(fresh))
                 })
                 .collect();
-            lane.configure(backends, &rt.cfg.breaker, self);
+            let limits: Vec<(Arc<str>, BackendLimits)> = backends
+                .iter()
+                .map(|b| (b.key.clone(), b.limits()))
+                .collect();
+            lane.set_backends(backends);
+            let mut adm = self.admission.lock();
+            adm.set_model(
+                model.name.clone(),
+                ModelSpec {
+                    limits: limit_spec(m.requests_per_minute, 0, m.tokens_per_minute, 0),
+                    lane: lane_cfg.clone(),
+                },
+            );
+            adm.set_backends(&model.name, limits);
+            drop(adm);
+            lane.wake();
         }
         // Models removed from the config: no new requests reach them (the model lookup
         // fails first), and their queued requests still drain to their backends.
@@ -388,6 +472,13 @@ impl Gateway {
                 lane.retire();
             }
         }
+    }
+
+    /// Pushes a backend's current limits (config, learned, adaptive) to the admission state.
+    pub fn push_backend_limits(&self, lane: &Lane, b: &Backend) {
+        self.admission
+            .lock()
+            .set_backend_limits(&lane.model, &b.key, b.limits());
     }
 
     /// Whether the gateway is draining (refusing new work).
@@ -417,9 +508,19 @@ impl Gateway {
         self.stopped.clone()
     }
 
-    /// Whether the load is at the hard watermark (then `/readyz` says 503).
+    /// Whether every lane is at its hard watermark (then `/readyz` says 503: this replica
+    /// can take nothing more).
     pub fn at_hard_watermark(&self) -> bool {
-        self.load() >= self.runtime().watermarks.hard
+        let hard = u64::from(self.config().queue.hard);
+        let adm = self.admission.lock();
+        let mut any = false;
+        for m in adm.models() {
+            any = true;
+            if adm.lane(m).is_some_and(|l| l.load() < hard) {
+                return false;
+            }
+        }
+        any
     }
 
     /// Spawns the scraper and the degradation ticker.
@@ -427,13 +528,19 @@ impl Gateway {
         let gw = self.clone();
         let stop = self.stopped.clone();
         tokio::spawn(async move {
+            // The first scrape runs at once: a backend that is down at start must not draw
+            // traffic until three scrapes have failed.
+            let mut first = true;
             loop {
                 let cfg = gw.config();
                 let interval = Duration::from_millis(cfg.scrape.interval_ms.max(50));
-                tokio::select! {
-                    _ = stop.cancelled() => break,
-                    _ = tokio::time::sleep(interval) => {}
+                if !first {
+                    tokio::select! {
+                        _ = stop.cancelled() => break,
+                        _ = tokio::time::sleep(interval) => {}
+                    }
                 }
+                first = false;
                 if cfg.scrape.interval_ms == 0 {
                     continue;
                 }
@@ -441,18 +548,27 @@ impl Gateway {
                 let mut jobs = Vec::new();
                 for lane in gw.lanes() {
                     for b in lane.backends() {
-                        let client = gw.client.clone();
+                        let gw = gw.clone();
+                        let lane = lane.clone();
                         let n = cfg.scrape.unhealthy_after.max(1);
                         jobs.push(async move {
-                            b.scrape(&client, timeout, n).await;
+                            b.scrape(&gw.client, timeout, n).await;
+                            let now = gw.clock.now();
+                            let mut adm = gw.admission.lock();
+                            adm.set_backend_limits(&lane.model, &b.key, b.limits());
+                            adm.set_routable(&lane.model, &b.key, b.is_routable());
+                            if let Some(r) = b.report() {
+                                adm.report(&lane.model, &b.key, r, now);
+                            }
                         });
                     }
                 }
                 futures::future::join_all(jobs).await;
                 gw.refresh_backend_metrics();
-                // A backend that came back healthy may have room for queued requests.
+                // A backend that came back may have room for queued requests; one that went
+                // away may leave its lane unable to serve them.
                 for lane in gw.lanes() {
-                    lane.pump(&gw);
+                    lane.wake();
                 }
             }
         });
@@ -469,42 +585,76 @@ impl Gateway {
         });
     }
 
-    /// Re-evaluates the automatic degradation level from the current load.
+    /// Re-evaluates each lane's automatic degradation level; returns the highest.
     pub fn update_degrade(&self) -> u8 {
-        let rt = self.runtime();
-        let load = self.load();
         let now = self.clock.now();
-        let level = self.degrader.lock().observe(load, &rt.watermarks, now);
-        self.metrics.degrade_level.set(i64::from(level));
-        level
+        let rt = self.runtime();
+        let hard = u64::from(rt.cfg.queue.hard).max(1) as f64;
+        let mut top = 0;
+        for lane in self.lanes() {
+            let (load, kv) = {
+                let adm = self.admission.lock();
+                match adm.lane(&lane.model) {
+                    Some(l) => (l.load(), l.kv_fill(now)),
+                    None => continue,
+                }
+            };
+            let slo = rt.models.get(&*lane.model).and_then(|m| m.ttft_slo);
+            let signals = lane.signals(load as f64 / hard, kv, slo, now);
+            let level = self.degrader.lock().observe(&lane.model, signals, now);
+            top = top.max(level);
+        }
+        self.metrics.degrade_level.set(i64::from(top));
+        top
     }
 
-    /// Updates per-backend gauges from the lanes.
+    /// Updates per-backend gauges from the admission state.
     pub fn refresh_backend_metrics(&self) {
+        let now = self.clock.now();
         for lane in self.lanes() {
+            let stats = {
+                let adm = self.admission.lock();
+                match adm.lane(&lane.model) {
+                    Some(l) => l.backend_stats(now),
+                    None => continue,
+                }
+            };
             for b in lane.backends() {
                 let l = BackendLabel {
                     backend: b.id.clone(),
                 };
-                self.metrics
-                    .backend_in_flight
-                    .get_or_create(&l)
-                    .set(i64::from(b.in_flight.load(Ordering::Relaxed)));
+                if let Some(st) = stats.iter().find(|s| s.id == b.key) {
+                    let as_i64 = |n: usize| i64::try_from(n).unwrap_or(i64::MAX);
+                    self.metrics
+                        .backend_in_flight
+                        .get_or_create(&l)
+                        .set(as_i64(st.in_flight));
+                    self.metrics
+                        .backend_tokens_in_flight
+                        .get_or_create(&l)
+                        .set(i64::try_from(st.tokens_in_flight).unwrap_or(i64::MAX));
+                    if let Some(kv) = st.kv_tokens {
+                        self.metrics
+                            .backend_kv_budget
+                            .get_or_create(&l)
+                            .set(i64::try_from(kv).unwrap_or(i64::MAX));
+                    }
+                    self.metrics
+                        .breaker_state
+                        .get_or_create(&l)
+                        .set(st.breaker.state.as_gauge());
+                }
                 self.metrics
                     .backend_healthy
                     .get_or_create(&l)
-                    .set(i64::from(b.healthy.load(Ordering::Relaxed)));
-                if let Some(load) = *b.load.lock() {
+                    .set(i64::from(b.is_routable()));
+                if let Some(load) = b.reported() {
                     self.metrics
                         .backend_load
                         .get_or_create(&l)
                         .set(load.running + load.waiting);
                     self.metrics.backend_kv.get_or_create(&l).set(load.kv_usage);
                 }
-                self.metrics
-                    .breaker_state
-                    .get_or_create(&l)
-                    .set(lane.breaker_code(&b.id, self.clock.now()));
             }
         }
     }
@@ -513,25 +663,42 @@ impl Gateway {
     pub fn state_json(&self) -> serde_json::Value {
         let rt = self.runtime();
         let now = self.clock.now();
+        let adm = self.admission.lock();
+        let info = |h: levee_policy::RateLimitHeaders| {
+            serde_json::json!({
+                "requests_limit": h.requests.map(|i| i.limit),
+                "requests_remaining": h.requests.map(|i| i.remaining),
+                "tokens_limit": h.tokens.map(|i| i.limit),
+                "tokens_remaining": h.tokens.map(|i| i.remaining),
+                "concurrency_limit": h.concurrency.map(|c| c.1),
+                "concurrency_in_use": h.concurrency.map(|c| c.0),
+            })
+        };
         let tenants: Vec<_> = rt
             .tenants
             .iter()
             .map(|t| {
                 serde_json::json!({
-                    "name": t.name,
+                    "name": &*t.name,
                     "tier": t.tier,
                     "priority": t.priority,
-                    "weight": t.weight,
-                    "limits": t.limits.snapshot(now),
-                    "heavy": t.heavy.snapshot(now),
+                    "weight": t.cfg.weight,
+                    "limits": info(adm.rate_limit_headers(&t.name, now)),
                 })
             })
             .collect();
+        let global = info(adm.global_headers(now));
+        let max_prio = rt.cfg.tiers.values().map(|t| t.priority).max().unwrap_or(0);
+        let mut tier_names: Vec<String> = (0..=max_prio).map(|p| format!("priority{p}")).collect();
+        for (name, t) in &rt.cfg.tiers {
+            tier_names[usize::from(t.priority)] = name.clone();
+        }
         let lanes: Vec<_> = self
             .lanes()
             .iter()
-            .map(|l| l.state_json(self, now))
+            .map(|l| l.state_json(&adm, now, &tier_names))
             .collect();
+        drop(adm);
         let deg = self.degrader.lock().state_json();
         serde_json::json!({
             "draining": self.is_draining(),
@@ -539,16 +706,26 @@ impl Gateway {
             "queued": self.queued.load(Ordering::Relaxed),
             "in_flight": self.in_flight.load(Ordering::Relaxed),
             "watermarks": {
-                "safe": rt.watermarks.safe,
-                "soft": rt.watermarks.soft,
-                "hard": rt.watermarks.hard,
-                "zone": rt.watermarks.zone(self.load()).as_str(),
+                "per_model": true,
+                "safe": rt.cfg.queue.safe,
+                "soft": rt.cfg.queue.soft,
+                "hard": rt.cfg.queue.hard,
             },
-            "drain_rate_per_s": self.drain_rate.lock().per_second(now),
             "degradation": deg,
-            "global_limits": rt.global.snapshot(now),
+            "global_limits": global,
             "tenants": tenants,
             "models": lanes,
         })
+    }
+}
+
+impl BackendConfig {
+    /// The request cap and KV budget this config gives (learned figures may lower the cap
+    /// or fill in the budget).
+    pub fn configured_limits(&self) -> BackendLimits {
+        BackendLimits {
+            max_in_flight: usize::try_from(self.max_in_flight).unwrap_or(usize::MAX),
+            kv_tokens: self.max_kv_tokens,
+        }
     }
 }

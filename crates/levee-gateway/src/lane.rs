@@ -1,66 +1,83 @@
-//! A model's lane: its backends (each with a cap and a breaker) and its fair queue.
+//! A model's lane, the I/O side: its backends (URLs, scrapes, learned sizes), its dispatcher
+//! task, and the glue that carries a request through levee-policy's admission state.
 //!
-//! This is the heart of the gateway. A request that finds a free backend slot (and nobody
-//! of its priority or higher waiting) dispatches at once. Otherwise it waits in the policy
-//! [`FairQueue`] and its handler awaits a oneshot. Whenever a slot frees, the lane's
-//! dispatcher task pops the highest-priority fair head and hands it the slot.
+//! Every decision is the policy's ([`crate::gateway::Adm`], one lock): this module only
+//! delivers them. A request that must wait holds a oneshot receiver; the lane's dispatcher
+//! task wakes whenever room may have freed (a request ended, a queued one left, a scrape
+//! changed a backend) or a queued deadline passes, asks the policy what goes next, and hands
+//! each waiter its [`Admitted`] — never while holding the lock, so a waiter that has gone
+//! away (its receiver dropped) gives its grant back through [`Admitted`]'s drop, which takes
+//! the lock itself.
 //!
-//! * A waiter whose client disconnects is dropped by hyper; its `QueueGuard` cancels the
-//!   ticket at once, so a gone client never reaches a backend.
-//! * Slots are RAII ([`Slot`]): dropping one decrements the backend's in-flight count and
-//!   wakes the dispatcher. Drop never takes the lane lock, so a slot can be dropped
-//!   anywhere — including inside a oneshot send performed under the lock.
-//! * Backend capacity (`max_in_flight`) is what gates dispatch; it keeps engines alive under
-//!   a flood.
+//! * A waiter whose client disconnects is dropped by hyper; its [`QueueGuard`] cancels the
+//!   ticket at once (refunding its charges), so a gone client never reaches a backend.
+//! * An [`Admitted`] request ends exactly once: [`Admitted::complete`] with the backend's
+//!   outcome and usage, or, when dropped before that, as cancelled (refunded if nothing was
+//!   sent upstream yet).
 
-use crate::config::BreakerConfig;
 use crate::error::GatewayError;
-use crate::gateway::{Gateway, Tenant};
+use crate::gateway::{Adm, Gateway, Tenant};
 use crate::metrics::TierLabel;
 use crate::upstream::Backend;
 use levee_policy::{
-    Breaker, BreakerTicket, Clock, FairQueue, Outcome as BreakerOutcome, QueueLimits, Ticket, Tier,
-    Timestamp,
+    AdmissionRequest, Admit, Clock, Completion, Expired, Grant, LoadSignals, Outcome, Refusal,
+    RefusalReason, Ticket, Timestamp, Unservable,
 };
-use parking_lot::Mutex;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use parking_lot::{Mutex, RwLock};
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 use tokio::sync::{oneshot, Notify};
 
-/// What a waiter receives: a slot, or the reason it will not get one.
-type WaiterResult = Result<Slot, GatewayError>;
+/// What a queued request receives: its admission, or why it will not get one.
+type WaiterResult = Result<Admitted, GatewayError>;
 
-struct Waiter {
+/// A queued request's channel.
+#[derive(Debug)]
+pub struct Waiter {
     tx: oneshot::Sender<WaiterResult>,
-    tier_name: Arc<str>,
+    tier: Arc<str>,
 }
 
-struct BackendEntry {
-    backend: Arc<Backend>,
-    breaker: Breaker,
-}
+/// How long the TTFT and refusal windows look back.
+const WINDOW: Duration = Duration::from_secs(10);
 
-struct LaneInner {
-    backends: Vec<BackendEntry>,
-    queue: FairQueue<Waiter, Arc<str>>,
-    /// Tier names by priority number, for per-tier queue metrics.
-    tier_names: Vec<Arc<str>>,
-}
-
-/// One model's backends and queue.
+/// One model's lane.
 pub struct Lane {
-    /// The model.
-    pub model: String,
-    inner: Mutex<LaneInner>,
+    /// The model (its key in the admission state).
+    pub model: Arc<str>,
+    backends: RwLock<Vec<Arc<Backend>>>,
     wake: Notify,
     retired: AtomicBool,
-    /// Mirror of the queue's length, readable without the lock: a freed slot wakes the
-    /// dispatcher only when someone waits (most requests never queue).
-    waiting: AtomicUsize,
-    /// Breaker tickets of slots dropped while the lane lock was taken (see `Slot::drop`).
-    /// Lock order: `inner` before `deferred_cancels`; `Slot::drop` never waits for `inner`.
-    deferred_cancels: Mutex<Vec<(String, BreakerTicket)>>,
+    /// Recent TTFTs (seconds) and capacity refusals, for the degradation signals.
+    recent: Mutex<Recent>,
+}
+
+#[derive(Debug, Default)]
+struct Recent {
+    ttft: VecDeque<(Timestamp, f64)>,
+    outcomes: VecDeque<(Timestamp, bool)>,
+}
+
+impl Recent {
+    fn trim(&mut self, now: Timestamp) {
+        let old = |t: &Timestamp| now.saturating_duration_since(*t) > WINDOW;
+        while self.ttft.front().is_some_and(|(t, _)| old(t)) {
+            self.ttft.pop_front();
+        }
+        while self.outcomes.front().is_some_and(|(t, _)| old(t)) {
+            self.outcomes.pop_front();
+        }
+        // Bounded whatever the rate: keep the newest.
+        const MAX: usize = 4096;
+        while self.ttft.len() > MAX {
+            self.ttft.pop_front();
+        }
+        while self.outcomes.len() > MAX {
+            self.outcomes.pop_front();
+        }
+    }
 }
 
 impl std::fmt::Debug for Lane {
@@ -69,156 +86,25 @@ impl std::fmt::Debug for Lane {
     }
 }
 
-/// A backend slot held by one request. Dropping it frees the slot.
-pub struct Slot {
-    lane: Arc<Lane>,
-    gw: Weak<Gateway>,
-    /// The backend this request goes to.
-    pub backend: Arc<Backend>,
-    ticket: Option<BreakerTicket>,
-    /// Time spent queued before the slot was granted.
-    pub queued_for: Duration,
-    armed: bool,
-}
-
-impl std::fmt::Debug for Slot {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Slot")
-            .field("backend", &self.backend.id)
-            .finish()
-    }
-}
-
-impl Slot {
-    /// Reports how the request went to the backend's breaker (call once, before drop).
-    pub fn record(&mut self, outcome: BreakerOutcome, now: Timestamp) {
-        if let Some(t) = self.ticket.take() {
-            self.lane.record(&self.backend.id, t, outcome, now);
-        }
-    }
-}
-
-impl Drop for Slot {
-    fn drop(&mut self) {
-        if !self.armed {
-            return;
-        }
-        if let Some(t) = self.ticket.take() {
-            // Never reported: the request was abandoned (client gone) or never sent. A slot
-            // can be dropped inside a oneshot send made under the lane lock (the receiver
-            // went away at that instant), so never block on the lock here: record now if it
-            // is free, else leave the record for the dispatcher.
-            let now = self.gw.upgrade().map(|g| g.clock.now()).unwrap_or_default();
-            match self.lane.inner.try_lock() {
-                Some(mut inner) => record_in(
-                    &mut inner,
-                    &self.backend.id,
-                    t,
-                    BreakerOutcome::Cancelled,
-                    now,
-                ),
-                None => {
-                    self.lane
-                        .deferred_cancels
-                        .lock()
-                        .push((self.backend.id.clone(), t));
-                    self.lane.wake.notify_one();
-                }
-            }
-        }
-        // SeqCst pairs with `acquire`: it pushes, then re-checks capacity under the lock;
-        // this side frees capacity, then checks for waiters. One of the two sees the other.
-        self.backend.in_flight.fetch_sub(1, Ordering::SeqCst);
-        if let Some(gw) = self.gw.upgrade() {
-            gw.in_flight.fetch_sub(1, Ordering::AcqRel);
-            gw.metrics.in_flight.dec();
-        }
-        // The dispatcher task does the queue work; dropping a slot never takes the lock.
-        if self.lane.waiting.load(Ordering::SeqCst) > 0 {
-            self.lane.wake.notify_one();
-        }
-    }
-}
-
-fn record_in(
-    inner: &mut LaneInner,
-    id: &str,
-    t: BreakerTicket,
-    outcome: BreakerOutcome,
-    now: Timestamp,
-) {
-    if let Some(e) = inner.backends.iter_mut().find(|e| e.backend.id == id) {
-        e.breaker.record(t, outcome, now);
-    }
-}
-
-/// Removes a waiter's ticket from the queue if its future is dropped (client gone, timeout).
-struct QueueGuard<'a> {
-    lane: &'a Lane,
-    gw: &'a Gateway,
-    ticket: Ticket,
-    armed: bool,
-}
-
-impl Drop for QueueGuard<'_> {
-    fn drop(&mut self) {
-        if self.armed {
-            let mut inner = self.lane.inner.lock();
-            if let Some(e) = inner.queue.cancel(self.ticket) {
-                left_queue(self.lane, self.gw, &inner, e.tier);
-            }
-        }
-    }
-}
-
-fn left_queue(lane: &Lane, gw: &Gateway, inner: &LaneInner, tier: Tier) {
-    lane.waiting.fetch_sub(1, Ordering::SeqCst);
-    gw.queued.fetch_sub(1, Ordering::AcqRel);
-    gw.metrics.queued.dec();
-    if let Some(name) = inner.tier_names.get(usize::from(tier.0)) {
-        gw.metrics
-            .queue_depth
-            .get_or_create(&TierLabel {
-                tier: name.to_string(),
-            })
-            .dec();
-    }
-}
-
-/// A request asking for a slot.
-pub struct SlotRequest<'a> {
-    /// Who asks.
-    pub tenant: &'a Arc<Tenant>,
-    /// Estimated tokens (the fairness cost).
-    pub cost: u64,
-    /// Longest the request may wait in the queue.
-    pub budget: Duration,
-    /// Retry-After to give if the wait runs out.
-    pub retry_after: Duration,
-}
-
 impl Lane {
-    /// A lane with no backends yet (see [`Lane::configure`]).
-    pub fn new(model: &str) -> Arc<Lane> {
+    /// A lane with no backends yet.
+    pub fn new(model: Arc<str>) -> Arc<Lane> {
         Arc::new(Lane {
-            model: model.to_string(),
-            inner: Mutex::new(LaneInner {
-                backends: Vec::new(),
-                queue: FairQueue::new(QueueLimits {
-                    tiers: 1,
-                    max_len: usize::MAX,
-                    max_tokens: u64::MAX,
-                }),
-                tier_names: Vec::new(),
-            }),
+            model,
+            backends: RwLock::new(Vec::new()),
             wake: Notify::new(),
             retired: AtomicBool::new(false),
-            waiting: AtomicUsize::new(0),
-            deferred_cancels: Mutex::new(Vec::new()),
+            recent: Mutex::new(Recent::default()),
         })
     }
 
-    /// Spawns the dispatcher task: it runs [`Lane::pump`] whenever a slot frees.
+    /// Wakes the dispatcher: room may have freed, or the lane's state changed.
+    pub fn wake(&self) {
+        self.wake.notify_one();
+    }
+
+    /// Spawns the dispatcher task: it runs [`Lane::pump`] whenever woken, and at the
+    /// earliest queued deadline.
     pub fn spawn_dispatcher(self: &Arc<Self>, gw: Weak<Gateway>) {
         let lane = self.clone();
         tokio::spawn(async move {
@@ -230,97 +116,107 @@ impl Lane {
                 tokio::pin!(notified);
                 // Register before pumping, so a wake during the pump is not lost.
                 notified.as_mut().enable();
-                {
+                let next = {
                     let Some(g) = gw.upgrade() else { break };
-                    lane.pump(&g);
-                }
+                    lane.pump(&g)
+                };
+                let sleep = async {
+                    match next {
+                        Some(at) => tokio::time::sleep_until(at).await,
+                        None => std::future::pending().await,
+                    }
+                };
                 tokio::select! {
                     _ = stop.cancelled() => break,
                     _ = &mut notified => {}
+                    _ = sleep => {}
                 }
             }
         });
     }
 
-    /// A backend of this lane by id (reload keeps its counters).
+    /// Answers what must be answered now — expired waiters, and every waiter when the lane
+    /// cannot serve anything — and dispatches every queued request that may go. Returns when
+    /// to run again for the next deadline.
+    pub fn pump(self: &Arc<Self>, gw: &Arc<Gateway>) -> Option<tokio::time::Instant> {
+        let now = gw.clock.now();
+        let (gone, ready, next) = {
+            let mut adm = gw.admission.lock();
+            let mut gone = adm.expire(&self.model, now);
+            gone.extend(adm.fail_unservable(&self.model, now));
+            let mut ready = Vec::new();
+            while let Some(d) = adm.dequeue(&self.model, now) {
+                ready.push(d);
+            }
+            let next = adm.next_deadline(&self.model);
+            (gone, ready, next)
+        };
+        for e in gone {
+            self.left_queue(gw, &e.item.tier);
+            let err = expired_error(&self.model, &e);
+            self.note_outcome(now, true);
+            let _ = e.item.tx.send(Err(err));
+        }
+        for d in ready {
+            self.left_queue(gw, &d.item.tier);
+            gw.metrics
+                .queue_wait
+                .get_or_create(&TierLabel {
+                    tier: d.item.tier.to_string(),
+                })
+                .observe(d.waited.as_secs_f64());
+            let admitted = Admitted::new(gw, self, d.grant, d.waited);
+            // A receiver that went away returns the admission, whose drop refunds it and
+            // wakes this lane again.
+            let _ = d.item.tx.send(Ok(admitted));
+        }
+        next.map(|t| gw.clock.instant_at(t))
+    }
+
+    fn left_queue(&self, gw: &Gateway, tier: &str) {
+        gw.queued.fetch_sub(1, Ordering::AcqRel);
+        gw.metrics.queued.dec();
+        gw.metrics
+            .queue_depth
+            .get_or_create(&TierLabel {
+                tier: tier.to_string(),
+            })
+            .dec();
+    }
+
+    /// Answers every queued waiter with 503 (drain / shutdown).
+    pub fn drain_queue(&self, gw: &Gateway, retry_after: Duration) {
+        let now = gw.clock.now();
+        let items = gw.admission.lock().drain(&self.model, now);
+        for w in items {
+            self.left_queue(gw, &w.tier);
+            let _ = w.tx.send(Err(GatewayError::draining(retry_after)));
+        }
+    }
+
+    /// A backend of this lane by id (reload keeps its live state).
     pub fn existing_backend(&self, id: &str) -> Option<Arc<Backend>> {
-        self.inner
-            .lock()
-            .backends
-            .iter()
-            .find(|b| b.backend.id == id)
-            .map(|b| b.backend.clone())
+        self.backends.read().iter().find(|b| b.id == id).cloned()
     }
 
     /// The backends.
     pub fn backends(&self) -> Vec<Arc<Backend>> {
-        self.inner
-            .lock()
-            .backends
-            .iter()
-            .map(|b| b.backend.clone())
-            .collect()
+        self.backends.read().clone()
     }
 
-    /// Sets the backends (keeping breakers of unchanged ones) and queue tiers from config.
-    pub fn configure(&self, backends: Vec<Arc<Backend>>, breaker: &BreakerConfig, gw: &Gateway) {
+    /// The backend with admission key `key`.
+    pub fn backend(&self, key: &str) -> Option<Arc<Backend>> {
+        self.backends
+            .read()
+            .iter()
+            .find(|b| &*b.key == key)
+            .cloned()
+    }
+
+    /// Sets the backends (the admission state gets their limits from the caller).
+    pub fn set_backends(&self, backends: Vec<Arc<Backend>>) {
         self.retired.store(false, Ordering::Relaxed);
-        let cfg = gw.config();
-        let mut tiers: Vec<(u8, &String)> =
-            cfg.tiers.iter().map(|(n, t)| (t.priority, n)).collect();
-        tiers.sort();
-        let max_prio = tiers.iter().map(|t| t.0).max().unwrap_or(0);
-        let mut names: Vec<Arc<str>> = (0..=max_prio)
-            .map(|p| Arc::from(format!("priority{p}")))
-            .collect();
-        for (p, n) in &tiers {
-            names[usize::from(*p)] = Arc::from(n.as_str());
-        }
-        let mut inner = self.inner.lock();
-        let policy_breaker = breaker.to_policy();
-        let mut entries = Vec::with_capacity(backends.len());
-        for b in backends {
-            let old = inner
-                .backends
-                .iter()
-                .position(|e| Arc::ptr_eq(&e.backend, &b))
-                .map(|i| inner.backends.swap_remove(i));
-            let breaker = match old {
-                Some(e) if *e.breaker.config() == policy_breaker => e.breaker,
-                _ => Breaker::new(policy_breaker),
-            };
-            entries.push(BackendEntry {
-                backend: b,
-                breaker,
-            });
-        }
-        inner.backends = entries;
-        let want_tiers = max_prio.saturating_add(1);
-        let max_tokens = match cfg.queue.max_queued_tokens {
-            0 => u64::MAX,
-            n => n,
-        };
-        let limits = QueueLimits {
-            tiers: want_tiers,
-            max_len: usize::try_from(cfg.queue.hard).unwrap_or(usize::MAX),
-            max_tokens,
-        };
-        if inner.queue.limits() != limits {
-            if inner.queue.is_empty() {
-                inner.queue = FairQueue::new(limits);
-            } else {
-                // Queued waiters keep their place; the new bounds apply once it empties.
-                tracing::info!(model = %self.model, "queue bounds change deferred until the queue is empty");
-            }
-        }
-        inner.tier_names = names;
-        for t in &gw.runtime().tenants {
-            inner
-                .queue
-                .set_weight(Arc::from(t.name.as_str()), weight_units(t.weight));
-        }
-        drop(inner);
-        self.wake.notify_one();
+        *self.backends.write() = backends;
     }
 
     /// Marks the lane as belonging to a model removed from the config.
@@ -333,343 +229,72 @@ impl Lane {
         self.retired.load(Ordering::Relaxed)
     }
 
-    fn record(&self, id: &str, t: BreakerTicket, outcome: BreakerOutcome, now: Timestamp) {
-        let mut inner = self.inner.lock();
-        record_in(&mut inner, id, t, outcome, now);
+    /// Records a time to first token of this lane.
+    pub fn note_ttft(&self, now: Timestamp, ttft: Duration) {
+        let mut r = self.recent.lock();
+        r.ttft.push_back((now, ttft.as_secs_f64()));
+        r.trim(now);
     }
 
-    /// Breaker state of a backend as the metrics gauge (0 closed, 1 half-open, 2 open).
-    pub fn breaker_code(&self, id: &str, now: Timestamp) -> i64 {
-        let inner = self.inner.lock();
-        inner
-            .backends
-            .iter()
-            .find(|e| e.backend.id == id)
-            .map(|e| e.breaker.state(now).as_gauge())
-            .unwrap_or(0)
+    /// Records whether a request of this lane was refused for capacity.
+    pub fn note_outcome(&self, now: Timestamp, refused: bool) {
+        let mut r = self.recent.lock();
+        r.outcomes.push_back((now, refused));
+        r.trim(now);
     }
 
-    /// Picks the backend for the next dispatch: healthy, breaker admitting, under its cap,
-    /// lowest load score. Takes the breaker ticket and the in-flight count.
-    fn take_backend(
-        inner: &mut LaneInner,
+    /// The lane's degradation signals: `queue_ratio` and `kv` as given, P95 TTFT over 1.5×
+    /// `slo`, and the share of capacity refusals, over the last 10 s.
+    pub fn signals(
+        &self,
+        queue_ratio: f64,
+        kv: f64,
+        slo: Option<Duration>,
         now: Timestamp,
-    ) -> Option<(Arc<Backend>, BreakerTicket)> {
-        Self::take_backend_except(inner, now, None)
-    }
-
-    fn take_backend_except(
-        inner: &mut LaneInner,
-        now: Timestamp,
-        except: Option<&str>,
-    ) -> Option<(Arc<Backend>, BreakerTicket)> {
-        let mut best: Option<(usize, f64)> = None;
-        for (i, e) in inner.backends.iter().enumerate() {
-            let b = &e.backend;
-            if except == Some(b.id.as_str()) {
-                continue;
+    ) -> LoadSignals {
+        let mut r = self.recent.lock();
+        r.trim(now);
+        let ttft_ratio = match slo {
+            Some(slo) if !r.ttft.is_empty() && !slo.is_zero() => {
+                let mut v: Vec<f64> = r.ttft.iter().map(|(_, s)| *s).collect();
+                v.sort_by(f64::total_cmp);
+                let i = ((v.len() as f64 * 0.95).ceil() as usize).clamp(1, v.len()) - 1;
+                v[i] / (1.5 * slo.as_secs_f64())
             }
-            if !b.healthy.load(Ordering::Relaxed) {
-                continue;
-            }
-            if b.in_flight.load(Ordering::SeqCst) >= b.cap() {
-                continue;
-            }
-            if !e.breaker.would_admit(now) {
-                continue;
-            }
-            let s = b.score();
-            if best.is_none_or(|(_, bs)| s < bs) {
-                best = Some((i, s));
-            }
-        }
-        let (i, _) = best?;
-        let e = &mut inner.backends[i];
-        let ticket = e.breaker.try_acquire(now).ok()?;
-        e.backend.in_flight.fetch_add(1, Ordering::AcqRel);
-        Some((e.backend.clone(), ticket))
-    }
-
-    /// Why no backend can ever take a request right now (as opposed to "all busy").
-    fn unavailable(&self, inner: &LaneInner, now: Timestamp) -> Option<GatewayError> {
-        if inner.backends.is_empty() {
-            return Some(GatewayError::no_healthy_backend(
-                &self.model,
-                Duration::from_secs(5),
-            ));
-        }
-        let healthy: Vec<&BackendEntry> = inner
-            .backends
-            .iter()
-            .filter(|e| e.backend.healthy.load(Ordering::Relaxed))
-            .collect();
-        if healthy.is_empty() {
-            return Some(GatewayError::no_healthy_backend(
-                &self.model,
-                Duration::from_secs(2),
-            ));
-        }
-        let all_open = healthy
-            .iter()
-            .all(|e| e.breaker.state(now) == levee_policy::BreakerState::Open);
-        if all_open {
-            // The earliest time a breaker lets a probe through.
-            let wait = healthy
-                .iter()
-                .filter_map(|e| {
-                    let mut b = e.breaker.clone();
-                    b.try_acquire(now).err().map(|o| o.retry_after)
-                })
-                .min()
-                .unwrap_or(Duration::from_secs(1));
-            return Some(GatewayError::circuit_open(&self.model, wait));
-        }
-        None
-    }
-
-    fn make_slot(
-        self: &Arc<Self>,
-        gw: &Arc<Gateway>,
-        backend: Arc<Backend>,
-        ticket: BreakerTicket,
-        queued_for: Duration,
-    ) -> Slot {
-        gw.in_flight.fetch_add(1, Ordering::AcqRel);
-        gw.metrics.in_flight.inc();
-        Slot {
-            lane: self.clone(),
-            gw: Arc::downgrade(gw),
-            backend,
-            ticket: Some(ticket),
-            queued_for,
-            armed: true,
-        }
-    }
-
-    /// Gets a backend slot: at once if one is free and nobody of this priority or higher is
-    /// waiting, else after waiting in the fair queue for at most `req.budget`.
-    pub async fn acquire(
-        self: &Arc<Self>,
-        gw: &Arc<Gateway>,
-        req: SlotRequest<'_>,
-    ) -> Result<Slot, GatewayError> {
-        let now = gw.clock.now();
-        let tier = Tier(req.tenant.priority);
-        let rx = {
-            let mut inner = self.inner.lock();
-            if let Some(e) = self.unavailable(&inner, now) {
-                return Err(e);
-            }
-            if inner.queue.len_at_or_above(tier) == 0 {
-                if let Some((b, t)) = Self::take_backend(&mut inner, now) {
-                    drop(inner);
-                    gw.drain_rate.lock().record(1, now);
-                    return Ok(self.make_slot(gw, b, t, Duration::ZERO));
-                }
-            }
-            if req.budget.is_zero() {
-                return Err(GatewayError::capacity_overload(
-                    "no free backend slot and this tier may not wait",
-                    req.retry_after,
-                ));
-            }
-            let (tx, rx) = oneshot::channel();
-            let tier_name: Arc<str> = inner
-                .tier_names
-                .get(usize::from(tier.0))
-                .cloned()
-                .unwrap_or_else(|| Arc::from(req.tenant.tier.as_str()));
-            let deadline = now + req.budget;
-            let pushed = inner.queue.push(
-                tier,
-                req.tenant.queue_key.clone(),
-                req.cost,
-                now,
-                deadline,
-                Waiter {
-                    tx,
-                    tier_name: tier_name.clone(),
-                },
-            );
-            match pushed {
-                Ok(ticket) => {
-                    self.waiting.fetch_add(1, Ordering::SeqCst);
-                    gw.queued.fetch_add(1, Ordering::AcqRel);
-                    gw.metrics.queued.inc();
-                    gw.metrics
-                        .queue_depth
-                        .get_or_create(&TierLabel {
-                            tier: tier_name.to_string(),
-                        })
-                        .inc();
-                    // A slot may have freed between the capacity check and the push.
-                    self.dispatch_locked(gw, &mut inner, now);
-                    (rx, ticket)
-                }
-                Err(rej) => {
-                    return Err(GatewayError::capacity_overload(
-                        rej.reason.as_str(),
-                        req.retry_after,
-                    ))
-                }
-            }
+            _ => 0.0,
         };
-        let (rx, ticket) = rx;
-        let mut guard = QueueGuard {
-            lane: self,
-            gw,
-            ticket,
-            armed: true,
+        let refusal_rate = if r.outcomes.is_empty() {
+            0.0
+        } else {
+            r.outcomes.iter().filter(|(_, x)| *x).count() as f64 / r.outcomes.len() as f64
         };
-        let deadline = tokio::time::Instant::now() + req.budget;
-        match tokio::time::timeout_at(deadline, rx).await {
-            Ok(Ok(r)) => {
-                // The dispatcher already took the ticket out of the queue.
-                guard.armed = false;
-                r
-            }
-            Ok(Err(_)) => {
-                guard.armed = false;
-                Err(GatewayError::internal("queue entry lost (lane shut down)"))
-            }
-            Err(_) => {
-                drop(guard); // leaves the queue now
-                Err(GatewayError::queue_timeout(req.budget, req.retry_after))
-            }
+        LoadSignals {
+            queue_depth_ratio: queue_ratio,
+            kv_cache_usage: kv,
+            ttft_ratio,
+            refusal_rate,
         }
-    }
-
-    /// A slot on another backend than `except`, only if one is free right now (used to
-    /// resend a request whose backend refused the connection; it never queues again).
-    pub fn try_take_other(self: &Arc<Self>, gw: &Arc<Gateway>, except: &str) -> Option<Slot> {
-        let now = gw.clock.now();
-        let mut inner = self.inner.lock();
-        let (b, t) = Self::take_backend_except(&mut inner, now, Some(except))?;
-        drop(inner);
-        Some(self.make_slot(gw, b, t, Duration::ZERO))
-    }
-
-    /// Hands free slots to the queue's heads; answers expired waiters.
-    pub fn pump(self: &Arc<Self>, gw: &Arc<Gateway>) {
-        let now = gw.clock.now();
-        let mut inner = self.inner.lock();
-        self.dispatch_locked(gw, &mut inner, now);
-    }
-
-    fn dispatch_locked(self: &Arc<Self>, gw: &Arc<Gateway>, inner: &mut LaneInner, now: Timestamp) {
-        for (id, t) in std::mem::take(&mut *self.deferred_cancels.lock()) {
-            record_in(inner, &id, t, BreakerOutcome::Cancelled, now);
-        }
-        let mut expired = Vec::new();
-        inner.queue.expire_into(now, &mut expired);
-        for e in expired {
-            left_queue(self, gw, inner, e.tier);
-            let waited = now - e.enqueued_at;
-            let retry = self.retry_hint(gw, inner, now);
-            let _ = e
-                .item
-                .tx
-                .send(Err(GatewayError::queue_timeout(waited, retry)));
-        }
-        while !inner.queue.is_empty() {
-            let Some((backend, ticket)) = Self::take_backend(inner, now) else {
-                break;
-            };
-            let Some(entry) = inner.queue.pop() else {
-                // Cannot happen (checked non-empty); give the slot back.
-                backend.in_flight.fetch_sub(1, Ordering::AcqRel);
-                break;
-            };
-            left_queue(self, gw, inner, entry.tier);
-            let waited = now - entry.enqueued_at;
-            if entry.item.tx.is_closed() {
-                // Client gone between cancel and pop: never send its request upstream.
-                backend.in_flight.fetch_sub(1, Ordering::AcqRel);
-                if let Some(e) = inner
-                    .backends
-                    .iter_mut()
-                    .find(|e| Arc::ptr_eq(&e.backend, &backend))
-                {
-                    e.breaker.record(ticket, BreakerOutcome::Cancelled, now);
-                }
-                continue;
-            }
-            gw.metrics
-                .queue_wait
-                .get_or_create(&TierLabel {
-                    tier: entry.item.tier_name.to_string(),
-                })
-                .observe(waited.as_secs_f64());
-            gw.drain_rate.lock().record(1, now);
-            let slot = self.make_slot(gw, backend, ticket, waited);
-            if let Err(Ok(mut slot)) = entry.item.tx.send(Ok(slot)) {
-                // The waiter left while we were sending: undo without re-locking.
-                slot.armed = false;
-                slot.backend.in_flight.fetch_sub(1, Ordering::AcqRel);
-                gw.in_flight.fetch_sub(1, Ordering::AcqRel);
-                gw.metrics.in_flight.dec();
-                if let Some(t) = slot.ticket.take() {
-                    if let Some(e) = inner
-                        .backends
-                        .iter_mut()
-                        .find(|e| Arc::ptr_eq(&e.backend, &slot.backend))
-                    {
-                        e.breaker.record(t, BreakerOutcome::Cancelled, now);
-                    }
-                }
-            }
-        }
-    }
-
-    fn retry_hint(&self, gw: &Gateway, inner: &LaneInner, now: Timestamp) -> Duration {
-        let rt = gw.runtime();
-        rt.retry_bounds
-            .for_drain(inner.queue.len() as u64 + 1, &gw.drain_rate.lock(), now)
-            .as_duration()
-    }
-
-    /// Estimated Retry-After for a request refused by this lane now.
-    pub fn retry_estimate(&self, gw: &Gateway) -> Duration {
-        let now = gw.clock.now();
-        let inner = self.inner.lock();
-        self.retry_hint(gw, &inner, now)
-    }
-
-    /// Answers every queued waiter with 503 (drain / shutdown).
-    pub fn drain_queue(&self, gw: &Gateway, retry_after: Duration) {
-        let mut inner = self.inner.lock();
-        while let Some(e) = inner.queue.pop() {
-            left_queue(self, gw, &inner, e.tier);
-            let _ = e.item.tx.send(Err(GatewayError::draining(retry_after)));
-        }
-    }
-
-    /// Queue length of this lane.
-    pub fn queue_len(&self) -> usize {
-        self.inner.lock().queue.len()
-    }
-
-    /// Requests queued in this lane at priority `priority` or higher (a lower number): the
-    /// part of the queue a request of that priority would wait behind.
-    pub fn queued_at_or_above(&self, priority: u8) -> usize {
-        // Most requests arrive to an empty queue: skip the lock then.
-        if self.waiting.load(Ordering::Relaxed) == 0 {
-            return 0;
-        }
-        self.inner.lock().queue.len_at_or_above(Tier(priority))
     }
 
     /// The lane's part of `/admin/state`.
-    pub fn state_json(&self, _gw: &Gateway, now: Timestamp) -> serde_json::Value {
-        let inner = self.inner.lock();
-        let stats = inner.queue.stats();
+    /// `tier_names[p]` names priority `p`.
+    pub fn state_json(
+        &self,
+        adm: &Adm,
+        now: Timestamp,
+        tier_names: &[String],
+    ) -> serde_json::Value {
+        let Some(l) = adm.lane(&self.model) else {
+            return serde_json::json!({"model": &*self.model, "retired": self.is_retired()});
+        };
+        let stats = l.queue_stats();
         let tiers: Vec<_> = stats
             .tiers
             .iter()
             .enumerate()
             .map(|(i, t)| {
                 serde_json::json!({
-                    "tier": inner.tier_names.get(i).map(|n| n.to_string()),
+                    "tier": tier_names.get(i),
                     "priority": i,
                     "queued": t.len,
                     "tokens": t.tokens,
@@ -677,43 +302,48 @@ impl Lane {
                 })
             })
             .collect();
-        let tenants: Vec<_> = inner
-            .queue
+        let tenants: Vec<_> = l
             .backlogged()
             .map(|(tier, k, n, tok)| {
-                serde_json::json!({"tenant": k.to_string(), "priority": tier.0, "queued": n, "tokens": tok})
+                serde_json::json!({"tenant": &**k, "priority": tier.0, "queued": n, "tokens": tok})
             })
             .collect();
-        let backends: Vec<_> = inner
-            .backends
-            .iter()
-            .map(|e| {
-                let b = &e.backend;
-                let st = e.breaker.stats(now);
+        let backends: Vec<_> = l
+            .backend_stats(now)
+            .into_iter()
+            .map(|st| {
+                let b = self.backend(&st.id);
                 serde_json::json!({
-                    "id": b.id,
-                    "url": b.base,
-                    "kind": b.kind,
-                    "healthy": b.healthy.load(Ordering::Relaxed),
-                    "in_flight": b.in_flight.load(Ordering::Relaxed),
-                    "max_in_flight": b.max_in_flight.load(Ordering::Relaxed),
-                    "adaptive_limit": b.adaptive_limit(),
-                    "reported": *b.load.lock(),
+                    "id": &*st.id,
+                    "url": b.as_ref().map(|b| b.base.clone()),
+                    "kind": b.as_ref().map(|b| b.kind),
+                    "healthy": st.routable,
+                    "in_flight": st.in_flight,
+                    "max_in_flight": st.request_cap,
+                    "tokens_in_flight": st.tokens_in_flight,
+                    "kv_tokens": st.kv_tokens,
+                    "learned": b.as_ref().map(|b| b.learned()),
+                    "adaptive_limit": b.as_ref().and_then(|b| b.adaptive_limit()),
+                    "reported": b.as_ref().and_then(|b| b.reported()),
                     "breaker": {
-                        "state": st.state.as_str(),
-                        "window_requests": st.window_requests,
-                        "window_failures": st.window_failures,
-                        "consecutive_failures": st.consecutive_failures,
-                        "opened_total": st.opened_total,
+                        "state": st.breaker.state.as_str(),
+                        "window_requests": st.breaker.window_requests,
+                        "window_failures": st.breaker.window_failures,
+                        "consecutive_failures": st.breaker.consecutive_failures,
+                        "opened_total": st.breaker.opened_total,
                     },
                 })
             })
             .collect();
         serde_json::json!({
-            "model": self.model,
+            "model": &*self.model,
             "retired": self.is_retired(),
             "queued": stats.len,
             "queued_tokens": stats.tokens,
+            "in_flight": l.in_flight(),
+            "load": l.load(),
+            "mean_service_s": l.mean_service().map(|d| d.as_secs_f64()),
+            "dispatch_rate_per_s": l.dispatch_rate(now),
             "tiers": tiers,
             "tenants": tenants,
             "backends": backends,
@@ -721,7 +351,333 @@ impl Lane {
     }
 }
 
-/// Converts a fractional fairness weight to the queue's integer weight (two decimals).
-fn weight_units(w: f64) -> u32 {
-    (w * 100.0).round().clamp(1.0, f64::from(u32::MAX)) as u32
+/// The answer for a queued request that leaves the queue unserved.
+fn expired_error(model: &str, e: &Expired<Waiter>) -> GatewayError {
+    let retry = e.retry_after.as_duration();
+    let err = match e.reason {
+        RefusalReason::Unservable(Unservable::CircuitOpen) => {
+            GatewayError::circuit_open(model, retry)
+        }
+        RefusalReason::Unservable(Unservable::NoHealthyBackend) => {
+            GatewayError::no_healthy_backend(model, retry)
+        }
+        _ => GatewayError::queue_timeout(e.waited, retry),
+    };
+    err.with_refusal(e.reason)
+}
+
+/// Removes a waiter's ticket from the queue if its future is dropped (client gone).
+struct QueueGuard<'a> {
+    gw: &'a Gateway,
+    lane: &'a Lane,
+    ticket: Ticket,
+    armed: bool,
+}
+
+impl Drop for QueueGuard<'_> {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        let now = self.gw.clock.now();
+        let item = self
+            .gw
+            .admission
+            .lock()
+            .cancel(&self.lane.model, self.ticket, now);
+        if let Some(w) = item {
+            self.lane.left_queue(self.gw, &w.tier);
+            self.gw
+                .metrics
+                .abandoned
+                .get_or_create(&TierLabel {
+                    tier: w.tier.to_string(),
+                })
+                .inc();
+        }
+        // A cancel changes who may go next (fair shares, the head of the queue).
+        self.lane.wake();
+    }
+}
+
+/// A request that holds a backend placement (or, before dispatch, its charges). It ends
+/// exactly once: [`Admitted::complete`], or its drop.
+pub struct Admitted {
+    gw: Arc<Gateway>,
+    lane: Arc<Lane>,
+    grant: Option<Grant<Arc<str>>>,
+    /// Time spent queued before dispatch.
+    pub waited: Duration,
+    sent: bool,
+}
+
+impl std::fmt::Debug for Admitted {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Admitted")
+            .field("backend", &self.grant.as_ref().and_then(|g| g.backend()))
+            .finish()
+    }
+}
+
+impl Admitted {
+    fn new(gw: &Arc<Gateway>, lane: &Arc<Lane>, grant: Grant<Arc<str>>, waited: Duration) -> Self {
+        gw.in_flight.fetch_add(1, Ordering::AcqRel);
+        gw.metrics.in_flight.inc();
+        Admitted {
+            gw: gw.clone(),
+            lane: lane.clone(),
+            grant: Some(grant),
+            waited,
+            sent: false,
+        }
+    }
+
+    /// The backend it was placed on.
+    pub fn backend(&self) -> Option<Arc<Backend>> {
+        let key = self.grant.as_ref()?.backend()?;
+        self.lane.backend(key)
+    }
+
+    /// Tokens reserved (prompt estimate + completion budget).
+    pub fn tokens(&self) -> u64 {
+        self.grant.as_ref().map_or(0, |g| g.tokens())
+    }
+
+    /// Marks that the request is going upstream: from now on, an end without an outcome
+    /// counts as a cancelled request, not as one never served.
+    pub fn mark_sent(&mut self) {
+        self.sent = true;
+    }
+
+    /// Moves it to another backend with room after its backend failed before anything
+    /// reached the client (`outcome` goes to the failed backend's breaker). `false` if no
+    /// other backend can take it now.
+    pub fn redispatch(&mut self, outcome: Outcome) -> bool {
+        let now = self.gw.clock.now();
+        let Some(g) = self.grant.as_mut() else {
+            return false;
+        };
+        let moved = self.gw.admission.lock().redispatch(g, outcome, now);
+        self.lane.wake();
+        self.sent = false;
+        moved
+    }
+
+    /// Ends it with the backend's outcome and real usage.
+    pub fn complete(mut self, done: Completion) {
+        if let Some(g) = self.grant.take() {
+            let now = self.gw.clock.now();
+            self.gw.admission.lock().complete(g, done, now);
+            self.finish();
+        }
+    }
+
+    fn finish(&self) {
+        self.gw.in_flight.fetch_sub(1, Ordering::AcqRel);
+        self.gw.metrics.in_flight.dec();
+        self.lane.wake();
+    }
+}
+
+impl Drop for Admitted {
+    fn drop(&mut self) {
+        let Some(g) = self.grant.take() else { return };
+        let now = self.gw.clock.now();
+        {
+            let mut adm = self.gw.admission.lock();
+            if self.sent {
+                // Cut short (client gone, or the proxy gave up): the backend may have spent
+                // the tokens, so the estimate stays charged.
+                let done = Completion {
+                    outcome: Outcome::Cancelled,
+                    actual_tokens: None,
+                };
+                adm.complete(g, done, now);
+            } else {
+                adm.refund(g, now);
+            }
+        }
+        self.finish();
+    }
+}
+
+/// Takes `req` through the admission state: dispatched at once, or queued until the lane's
+/// dispatcher hands it a backend (or its wait ends), or refused.
+pub async fn admit(
+    gw: &Arc<Gateway>,
+    lane: &Arc<Lane>,
+    tenant: &Tenant,
+    req: AdmissionRequest<Arc<str>>,
+) -> Result<Admitted, GatewayError> {
+    let now = gw.clock.now();
+    let (tx, rx) = oneshot::channel();
+    let tier: Arc<str> = Arc::from(tenant.tier.as_str());
+    let waiter = Waiter {
+        tx,
+        tier: tier.clone(),
+    };
+    let decided = {
+        let mut adm = gw.admission.lock();
+        let d = adm.admit(&req, waiter, now);
+        match d {
+            Admit::Refused(r) => {
+                let rate = adm.rate_limit_headers(&req.tenant, now);
+                Err(refusal_error(&req, r, rate))
+            }
+            other => {
+                if matches!(other, Admit::Queued { .. }) {
+                    gw.queued.fetch_add(1, Ordering::AcqRel);
+                }
+                Ok(other)
+            }
+        }
+    };
+    let decided = match decided {
+        Ok(d) => d,
+        Err(e) => {
+            let capacity = e
+                .refusal
+                .is_some_and(|r| !matches!(r.code(), "rate_limit_exceeded"));
+            lane.note_outcome(now, capacity);
+            return Err(e);
+        }
+    };
+    match decided {
+        Admit::Dispatch(d) => {
+            lane.note_outcome(now, false);
+            Ok(Admitted::new(gw, lane, d.grant, Duration::ZERO))
+        }
+        Admit::Queued { ticket, .. } => {
+            gw.metrics.queued.inc();
+            gw.metrics
+                .queue_depth
+                .get_or_create(&TierLabel {
+                    tier: tier.to_string(),
+                })
+                .inc();
+            lane.wake();
+            let mut guard = QueueGuard {
+                gw,
+                lane,
+                ticket,
+                armed: true,
+            };
+            let got = rx.await;
+            guard.armed = false;
+            match got {
+                Ok(Ok(a)) => {
+                    lane.note_outcome(now, false);
+                    Ok(a)
+                }
+                Ok(Err(e)) => Err(e),
+                Err(_) => Err(GatewayError::internal(
+                    "the lane's dispatcher stopped while this request waited",
+                )),
+            }
+        }
+        Admit::Refused(_) => Err(GatewayError::internal("unreachable refusal")),
+    }
+}
+
+/// The HTTP error of a refusal, with the tenant's rate-limit figures.
+fn refusal_error(
+    req: &AdmissionRequest<Arc<str>>,
+    r: Refusal<Waiter>,
+    rate: levee_policy::RateLimitHeaders,
+) -> GatewayError {
+    let retry = r
+        .retry_after
+        .map(|x| x.as_duration())
+        .unwrap_or(Duration::from_secs(1));
+    let rate_info = crate::error::RateInfo {
+        limit_requests: rate.requests.map(|i| i.limit),
+        remaining_requests: rate.requests.map(|i| i.remaining),
+        reset_requests: rate.requests.map(|i| i.reset_after),
+        limit_tokens: rate.tokens.map(|i| i.limit),
+        remaining_tokens: rate.tokens.map(|i| i.remaining),
+        reset_tokens: rate.tokens.map(|i| i.reset_after),
+    };
+    let tokens = req.tokens();
+    let e = match r.reason {
+        RefusalReason::RequestRate(s) => GatewayError::rate_limited(
+            &format!("{} requests per minute", scope_name(s, req)),
+            retry,
+            crate::error::RateInfo {
+                remaining_requests: Some(0),
+                ..rate_info
+            },
+        ),
+        RefusalReason::TokenRate(s) => GatewayError::rate_limited(
+            &format!(
+                "{} tokens per minute ({tokens} tokens estimated)",
+                scope_name(s, req)
+            ),
+            retry,
+            rate_info,
+        ),
+        RefusalReason::Concurrency(s) => match s {
+            levee_policy::Scope::Tenant | levee_policy::Scope::TenantHeavy => {
+                GatewayError::rate_limited(
+                    &format!("{}: requests in flight at its limit", scope_name(s, req)),
+                    retry,
+                    rate_info,
+                )
+            }
+            _ => GatewayError::capacity_overload(
+                &format!("{} concurrency at its limit", scope_name(s, req)),
+                retry,
+            ),
+        },
+        RefusalReason::TooLarge(s) => GatewayError::bad_request(format!(
+            "this request needs about {tokens} tokens but the {} token quota is smaller; \
+             lower max_tokens or shorten the prompt",
+            scope_name(s, req)
+        ))
+        .with_param("max_tokens"),
+        RefusalReason::ExceedsKvBudget => GatewayError::context_length_exceeded(format!(
+            "this request needs about {tokens} tokens of KV cache (prompt + max_tokens × n), \
+             more than any backend of {:?} holds; lower max_tokens or shorten the prompt",
+            &*req.model
+        )),
+        RefusalReason::Watermark(zone) => GatewayError::capacity_overload(
+            &format!("model {:?} load in zone {}", &*req.model, zone.as_str()),
+            retry,
+        ),
+        RefusalReason::QueueFull(p) => GatewayError::capacity_overload(
+            &format!("model {:?} queue: {}", &*req.model, p.as_str()),
+            retry,
+        ),
+        RefusalReason::PredictedWait => GatewayError::capacity_overload(
+            &format!(
+                "position {} in the queue of {:?}; the predicted wait of {} ms exceeds this \
+                 request's wait budget",
+                r.position.unwrap_or(0),
+                &*req.model,
+                retry.as_millis()
+            ),
+            retry,
+        ),
+        RefusalReason::QueueTimeout => GatewayError::queue_timeout(Duration::ZERO, retry),
+        RefusalReason::Unservable(Unservable::CircuitOpen) => {
+            GatewayError::circuit_open(&req.model, retry)
+        }
+        RefusalReason::Unservable(Unservable::NoHealthyBackend) => {
+            GatewayError::no_healthy_backend(&req.model, retry)
+        }
+        RefusalReason::UnknownModel => GatewayError::unknown_model(&req.model),
+    };
+    let e = e.with_refusal(r.reason);
+    match r.position {
+        Some(p) => e.with_position(u32::try_from(p).unwrap_or(u32::MAX)),
+        None => e,
+    }
+}
+
+fn scope_name(s: levee_policy::Scope, req: &AdmissionRequest<Arc<str>>) -> String {
+    match s {
+        levee_policy::Scope::Global => "global".to_string(),
+        levee_policy::Scope::Model => format!("model {}", req.model),
+        levee_policy::Scope::Tenant => format!("tenant {}", req.tenant),
+        levee_policy::Scope::TenantHeavy => format!("tenant {} heavy requests", req.tenant),
+    }
 }

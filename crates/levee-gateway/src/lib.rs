@@ -21,12 +21,12 @@ pub mod degrade;
 pub mod error;
 pub mod gateway;
 pub mod lane;
-pub mod limits;
 pub mod metrics;
 pub mod proxy;
 pub mod reload;
 pub mod routes;
 pub mod server;
+mod tokenize;
 pub mod upstream;
 
 pub use config::{hash_key, Config};

@@ -51,6 +51,13 @@ pub struct BackendLabel {
     pub backend: String,
 }
 
+/// A single `model` label (configured model names only).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ModelLabel {
+    /// Model name.
+    pub model: String,
+}
+
 /// Labels of the refusal counters.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ReasonLabels {
@@ -84,6 +91,14 @@ pub struct Metrics {
     pub tokens: Family<TenantKindLabels, Counter>,
     /// `levee_backend_in_flight{backend}`.
     pub backend_in_flight: Family<BackendLabel, Gauge>,
+    /// `levee_backend_tokens_in_flight{backend}`: KV tokens levee has reserved there.
+    pub backend_tokens_in_flight: Family<BackendLabel, Gauge>,
+    /// `levee_backend_kv_budget_tokens{backend}`: its KV budget (configured or learned).
+    pub backend_kv_budget: Family<BackendLabel, Gauge>,
+    /// `levee_abandoned_total{tier}`: clients that left while queued.
+    pub abandoned: Family<TierLabel, Counter>,
+    /// `levee_prompt_estimate_ratio{model}`: prompt estimate ÷ the backend's count.
+    pub estimate_ratio: Family<ModelLabel, Histogram>,
     /// `levee_backend_load{backend}`: last scraped running + waiting.
     pub backend_load: Family<BackendLabel, Gauge<f64, AtomicU64>>,
     /// `levee_backend_kv_usage{backend}`: last scraped KV-cache use (0..1).
@@ -171,6 +186,32 @@ impl Metrics {
             "Requests levee has outstanding at each backend",
             backend_in_flight.clone(),
         );
+        let backend_tokens_in_flight = Family::<BackendLabel, Gauge>::default();
+        registry.register(
+            "backend_tokens_in_flight",
+            "KV tokens (prompt estimate + completion budget) levee has reserved at each backend",
+            backend_tokens_in_flight.clone(),
+        );
+        let backend_kv_budget = Family::<BackendLabel, Gauge>::default();
+        registry.register(
+            "backend_kv_budget_tokens",
+            "KV-cache budget of each backend in tokens (configured or learned from the engine)",
+            backend_kv_budget.clone(),
+        );
+        let abandoned = Family::<TierLabel, Counter>::default();
+        registry.register(
+            "abandoned",
+            "Clients that went away while their request was queued",
+            abandoned.clone(),
+        );
+        let estimate_ratio = Family::<ModelLabel, Histogram>::new_with_constructor(|| {
+            Histogram::new([0.5, 0.75, 0.9, 0.95, 1.0, 1.05, 1.1, 1.25, 1.5, 2.0, 4.0])
+        });
+        registry.register(
+            "prompt_estimate_ratio",
+            "Prompt token estimate divided by the backend's own count",
+            estimate_ratio.clone(),
+        );
         let backend_load = Family::<BackendLabel, Gauge<f64, AtomicU64>>::default();
         registry.register(
             "backend_load",
@@ -227,6 +268,10 @@ impl Metrics {
             ttft,
             tokens,
             backend_in_flight,
+            backend_tokens_in_flight,
+            backend_kv_budget,
+            abandoned,
+            estimate_ratio,
             backend_load,
             backend_kv,
             backend_healthy,

@@ -8,6 +8,7 @@
 //! how a client disconnect cancels the GPU work at once.
 
 use crate::error::GatewayError;
+use crate::tokenize::PromptText;
 use crate::upstream::{Backend, HttpClient};
 use axum::body::Body;
 use axum::response::Response;
@@ -38,6 +39,8 @@ pub struct ClientRequest {
     pub max_tokens: Option<u32>,
     /// `stream_options.include_usage`.
     pub client_wants_usage: bool,
+    /// Completions asked for at once: the larger of `n` and `best_of` (1 when absent).
+    pub choices: u32,
     /// The body names its cap `max_completion_tokens` (a cap is written under that key).
     has_max_completion_tokens: bool,
 }
@@ -51,6 +54,10 @@ struct Head {
     max_tokens: Option<serde_json::Value>,
     max_completion_tokens: Option<serde_json::Value>,
     stream_options: Option<serde_json::Value>,
+    messages: Option<serde_json::Value>,
+    prompt: Option<serde_json::Value>,
+    n: Option<serde_json::Value>,
+    best_of: Option<serde_json::Value>,
 }
 
 enum HeadKey {
@@ -59,6 +66,10 @@ enum HeadKey {
     MaxTokens,
     MaxCompletionTokens,
     StreamOptions,
+    Messages,
+    Prompt,
+    N,
+    BestOf,
     Other,
 }
 
@@ -77,6 +88,10 @@ impl<'de> Deserialize<'de> for HeadKey {
                     "max_tokens" => HeadKey::MaxTokens,
                     "max_completion_tokens" => HeadKey::MaxCompletionTokens,
                     "stream_options" => HeadKey::StreamOptions,
+                    "messages" => HeadKey::Messages,
+                    "prompt" => HeadKey::Prompt,
+                    "n" => HeadKey::N,
+                    "best_of" => HeadKey::BestOf,
                     _ => HeadKey::Other,
                 })
             }
@@ -102,6 +117,10 @@ impl<'de> Deserialize<'de> for Head {
                         HeadKey::MaxTokens => &mut h.max_tokens,
                         HeadKey::MaxCompletionTokens => &mut h.max_completion_tokens,
                         HeadKey::StreamOptions => &mut h.stream_options,
+                        HeadKey::Messages => &mut h.messages,
+                        HeadKey::Prompt => &mut h.prompt,
+                        HeadKey::N => &mut h.n,
+                        HeadKey::BestOf => &mut h.best_of,
                         HeadKey::Other => {
                             m.next_value::<serde::de::IgnoredAny>()?;
                             continue;
@@ -116,9 +135,58 @@ impl<'de> Deserialize<'de> for Head {
     }
 }
 
+/// The text of a chat message's `content`: a string, or the `text` of its text parts.
+fn content_text(content: &serde_json::Value) -> String {
+    match content {
+        serde_json::Value::String(s) => s.clone(),
+        serde_json::Value::Array(parts) => parts
+            .iter()
+            .filter_map(|p| p.get("text").and_then(|t| t.as_str()))
+            .collect::<Vec<_>>()
+            .join(""),
+        _ => String::new(),
+    }
+}
+
+/// The prompt's text: each chat message's content, or each `prompt` string.
+fn prompt_text(
+    messages: Option<&serde_json::Value>,
+    prompt: Option<&serde_json::Value>,
+) -> PromptText {
+    use serde_json::Value;
+    if let Some(Value::Array(msgs)) = messages {
+        return PromptText {
+            parts: msgs
+                .iter()
+                .map(|m| m.get("content").map(content_text).unwrap_or_default())
+                .collect(),
+            chat: true,
+            token_ids: 0,
+        };
+    }
+    let mut out = PromptText::default();
+    match prompt {
+        Some(Value::String(s)) => out.parts.push(s.clone()),
+        Some(Value::Array(items)) => {
+            for i in items {
+                match i {
+                    Value::String(s) => out.parts.push(s.clone()),
+                    Value::Number(_) => out.token_ids += 1,
+                    Value::Array(ids) => out.token_ids += ids.len() as u64,
+                    _ => {}
+                }
+            }
+        }
+        _ => {}
+    }
+    out
+}
+
 impl ClientRequest {
     /// Parses a request body. `raw` should be an allocation of its own (see the type doc).
-    pub fn parse(raw: Bytes) -> Result<ClientRequest, GatewayError> {
+    /// The prompt's text comes back beside it, to be counted and dropped (a queued request
+    /// keeps only its raw body).
+    pub fn parse(raw: Bytes) -> Result<(ClientRequest, PromptText), GatewayError> {
         use serde_json::Value;
         let head: Head = serde_json::from_slice(&raw).map_err(|e| {
             if e.classify() == serde_json::error::Category::Data {
@@ -162,14 +230,33 @@ impl ClientRequest {
             .and_then(|o| o.get("include_usage"))
             .and_then(Value::as_bool)
             .unwrap_or(false);
-        Ok(ClientRequest {
-            raw,
-            model,
-            stream,
-            max_tokens,
-            client_wants_usage,
-            has_max_completion_tokens,
-        })
+        let count = |v: Option<Value>, name: &'static str| -> Result<u32, GatewayError> {
+            match v {
+                None | Some(Value::Null) => Ok(1),
+                Some(v) => v
+                    .as_u64()
+                    .and_then(|n| u32::try_from(n).ok())
+                    .filter(|n| *n >= 1)
+                    .ok_or_else(|| {
+                        GatewayError::bad_request(format!("`{name}` must be a positive integer"))
+                            .with_param(name)
+                    }),
+            }
+        };
+        let choices = count(head.n, "n")?.max(count(head.best_of, "best_of")?);
+        let prompt = prompt_text(head.messages.as_ref(), head.prompt.as_ref());
+        Ok((
+            ClientRequest {
+                raw,
+                model,
+                stream,
+                max_tokens,
+                client_wants_usage,
+                choices,
+                has_max_completion_tokens,
+            },
+            prompt,
+        ))
     }
 
     /// Size of the body as received.
@@ -616,7 +703,7 @@ mod tests {
     fn unchanged_bodies_are_forwarded_as_received() {
         let raw =
             br#"{"model":"m","messages":[{"role":"user","content":"hi \u00e9"}],"max_tokens":5}"#;
-        let r = ClientRequest::parse(Bytes::from_static(raw)).unwrap();
+        let (r, _) = ClientRequest::parse(Bytes::from_static(raw)).unwrap();
         assert_eq!(r.len(), raw.len());
         let same = r.upstream_body("m", None, false).unwrap();
         assert_eq!(&same[..], &raw[..]);
@@ -628,7 +715,7 @@ mod tests {
         assert_eq!(v["stream_options"]["include_usage"], true);
         assert_eq!(v["messages"][0]["content"], "hi \u{e9}");
 
-        let r = ClientRequest::parse(Bytes::from_static(
+        let (r, _) = ClientRequest::parse(Bytes::from_static(
             br#"{"model":"m","max_completion_tokens":9,"max_tokens":1}"#,
         ))
         .unwrap();
@@ -653,7 +740,8 @@ mod tests {
             ClientRequest::parse(Bytes::from_static(br#"{"model":"m","stream":1}"#)).unwrap_err();
         assert_eq!(e.param, Some("stream"));
         // Later duplicates win, as with a map.
-        let r = ClientRequest::parse(Bytes::from_static(br#"{"model":"a","model":"b"}"#)).unwrap();
+        let (r, _) =
+            ClientRequest::parse(Bytes::from_static(br#"{"model":"a","model":"b"}"#)).unwrap();
         assert_eq!(r.model, "b");
     }
 

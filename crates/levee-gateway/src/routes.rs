@@ -1,24 +1,28 @@
-//! The public routes and the admission pipeline, in DESIGN.md's order:
-//! per-IP guard → authenticate → limits → queue (watermarks, priority, fairness) →
-//! degrade → backend choice → proxy → reconcile.
+//! The public routes and the request pipeline, as named phases a reader finds by name:
+//! [`authenticate`] (per-IP guard, API key → tenant and tier) → [`classify`] (model, the
+//! lane's degradation, prompt count, completion budget, context check) → [`admit_phase`]
+//! (levee-policy's one admission path: limits, watermark, fair share, KV budget, predicted
+//! wait, the fair queue) → [`dispatch`] (the backend it was placed on) → [`proxy_phase`]
+//! (send, resend once if the backend could not be reached, stream back) → settle
+//! ([`RequestSettle`]: breaker, reconcile, metrics).
 //!
-//! Degradation is decided just before the queue rather than after it: queues are per
-//! model, so routing to a fallback model and shedding a tier must happen before a request
-//! joins a queue. The `max_tokens` cap is applied when the upstream body is built.
+//! Degradation is decided before admission rather than after it: queues are per model, so
+//! routing to a fallback model and shedding a tier must happen before a request joins a
+//! queue. The `max_tokens` cap is applied when the upstream body is built.
 
 use crate::error::{GatewayError, RateInfo};
-use crate::gateway::{Gateway, Tenant};
-use crate::lane::{Slot, SlotRequest};
-use crate::limits::Grant;
+use crate::gateway::{Gateway, Model, Runtime, Tenant};
+use crate::lane::{self, Admitted, Lane};
 use crate::metrics::{TenantKindLabels, TierLabel};
 use crate::proxy::{self, Outcome, Settle, Settlement};
+use crate::upstream::Backend;
 use axum::extract::{ConnectInfo, Request, State};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
 use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, StatusCode};
-use levee_policy::{Clock, Outcome as BreakerOutcome, WatermarkAction};
+use levee_policy::{AdmissionRequest, Clock, Completion, Outcome as BreakerOutcome, RefusalReason};
 use serde_json::Value;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -98,19 +102,8 @@ fn bearer(headers: &HeaderMap) -> Option<&str> {
     headers.get("api-key").and_then(|v| v.to_str().ok())
 }
 
-fn authenticate(gw: &Gateway, headers: &HeaderMap) -> Result<Arc<Tenant>, GatewayError> {
-    let key = bearer(headers).ok_or_else(|| GatewayError::unauthorized(true))?;
-    if key.is_empty() {
-        return Err(GatewayError::unauthorized(true));
-    }
-    gw.runtime()
-        .tenant_for_key(key)
-        .cloned()
-        .ok_or_else(|| GatewayError::unauthorized(false))
-}
-
 async fn models(State(gw): State<Arc<Gateway>>, headers: HeaderMap) -> Response {
-    if let Err(e) = authenticate(&gw, &headers) {
+    if let Err(e) = tenant_of(&gw, &headers) {
         return e.into_response();
     }
     let cfg = gw.config();
@@ -141,11 +134,13 @@ fn completions(
     handle(gw, peer, Box::new(req), "/v1/completions")
 }
 
-/// Labels for the request's metrics, filled in as the pipeline learns them.
+/// Labels for the request's metrics, filled in as the pipeline learns them. `model` only
+/// ever holds a configured model's name (or `-`): a client's string never becomes a label.
 struct Labels {
-    tenant: String,
+    tenant: Arc<str>,
     tier: String,
-    model: String,
+    model: Arc<str>,
+    lane: Option<Arc<Lane>>,
 }
 
 async fn handle(
@@ -154,10 +149,12 @@ async fn handle(
     req: Box<Request>,
     path: &'static str,
 ) -> Response {
+    let dash: Arc<str> = Arc::from("-");
     let mut labels = Labels {
-        tenant: "-".into(),
+        tenant: dash.clone(),
         tier: "-".into(),
-        model: "-".into(),
+        model: dash,
+        lane: None,
     };
     match pipeline(&gw, peer, req, path, &mut labels).await {
         Ok(resp) => resp,
@@ -176,16 +173,6 @@ async fn handle(
             e.into_response()
         }
     }
-}
-
-/// The fields of a completion request the gateway reads, and its raw body.
-type Parsed = proxy::ClientRequest;
-
-/// Parses a body. The bytes are copied into an allocation of their own: the body read from
-/// hyper is a view into the connection's read buffer, and a queued request holding it would
-/// keep that 8 KiB buffer alive beside the new one hyper allocates for its next read.
-fn parse(bytes: &[u8]) -> Result<Parsed, GatewayError> {
-    proxy::ClientRequest::parse(Bytes::copy_from_slice(bytes))
 }
 
 /// Reads the body; the request head is dropped here so its buffer is not held while queued.
@@ -219,6 +206,24 @@ async fn read_body(req: Request, limit: usize) -> Result<Bytes, GatewayError> {
     }
 }
 
+/// What classification learned about a request: everything admission and the upstream call
+/// need, with the prompt text already counted and dropped.
+struct Classified {
+    parsed: proxy::ClientRequest,
+    /// The model served (the requested one, or its fallback under degradation).
+    target: Arc<Model>,
+    lane: Arc<Lane>,
+    prompt_tokens: u64,
+    /// The completion budget per choice after degradation and the default.
+    max_tokens: u32,
+    /// What to write as `max_tokens` upstream, when it differs from what the client sent.
+    cap: Option<u32>,
+    /// Measures applied (`max_tokens=256`, `fallback=small`).
+    degraded: Vec<String>,
+}
+
+/// The pipeline, one named phase after another (each a function below):
+/// authenticate → classify → admit → dispatch → proxy → settle.
 async fn pipeline(
     gw: &Arc<Gateway>,
     peer: SocketAddr,
@@ -226,15 +231,50 @@ async fn pipeline(
     path: &'static str,
     labels: &mut Labels,
 ) -> Result<Response, GatewayError> {
-    let started = Instant::now();
     let rt = gw.runtime();
-    let cfg = rt.cfg.clone();
+    let tenant = authenticate(gw, peer, req.headers())?;
+    labels.tenant = tenant.name.clone();
+    labels.tier = tenant.tier.clone();
+    let body = Box::pin(read_body(*req, rt.cfg.server.max_body_bytes)).await?;
+    let c = classify(gw, &rt, &tenant, &body, labels)?;
+    drop(body); // a view into hyper's read buffer: not held while queued
+    let admitted = match admit_phase(gw, &tenant, &c).await {
+        Ok(a) => a,
+        Err(e) => {
+            let unservable = matches!(e.refusal, Some(RefusalReason::Unservable(_)));
+            return match (&c.target.fallback_response, unservable) {
+                (Some(text), true) => Ok(fallback_reply(gw, &tenant, &c, path, text, &e)),
+                _ => Err(e),
+            };
+        }
+    };
+    gw.metrics.admitted_for(&tenant.metrics, &tenant.tier);
+    for d in &c.degraded {
+        let measure = d.split('=').next().unwrap_or("degraded").to_string();
+        gw.metrics
+            .degraded
+            .get_or_create(&crate::metrics::ReasonLabels {
+                tier: tenant.tier.clone(),
+                reason: measure,
+            })
+            .inc();
+    }
+    let (admitted, backend) = dispatch(admitted, &c)?;
+    Box::pin(proxy_phase(gw, &rt, tenant, c, admitted, backend, path)).await
+}
+
+/// Authenticate: the per-IP guard first (a flood of bad keys costs one map lookup each),
+/// then the API key decides tenant and tier; no client header can.
+fn authenticate(
+    gw: &Gateway,
+    peer: SocketAddr,
+    headers: &HeaderMap,
+) -> Result<Arc<Tenant>, GatewayError> {
     if gw.is_draining() {
         return Err(GatewayError::draining(Duration::from_millis(
-            cfg.server.drain_retry_after_ms,
+            gw.config().server.drain_retry_after_ms,
         )));
     }
-    // 1. Per-IP guard, before any work on the key or body.
     if let Err(wait) = gw.check_ip(peer.ip()) {
         return Err(GatewayError::rate_limited(
             "per-IP request rate",
@@ -242,21 +282,48 @@ async fn pipeline(
             RateInfo::default(),
         ));
     }
-    // 2. Authenticate: the key decides tenant and tier; no client header can.
-    let tenant = authenticate(gw, req.headers())?;
-    labels.tenant = tenant.name.clone();
-    labels.tier = tenant.tier.clone();
-    let bytes = Box::pin(read_body(*req, cfg.server.max_body_bytes)).await?;
-    let parsed = parse(&bytes)?;
-    drop(bytes); // a view into hyper's read buffer: not held while queued
-    labels.model = parsed.model.clone();
+    tenant_of(gw, headers)
+}
+
+fn tenant_of(gw: &Gateway, headers: &HeaderMap) -> Result<Arc<Tenant>, GatewayError> {
+    let key = bearer(headers).ok_or_else(|| GatewayError::unauthorized(true))?;
+    if key.is_empty() {
+        return Err(GatewayError::unauthorized(true));
+    }
+    gw.runtime()
+        .tenant_for_key(key)
+        .cloned()
+        .ok_or_else(|| GatewayError::unauthorized(false))
+}
+
+/// The longest context of `model`: configured, else the smallest any backend reported.
+fn max_context(model: &Model, lane: &Lane) -> Option<u64> {
+    model.max_context_tokens.or_else(|| {
+        lane.backends()
+            .iter()
+            .filter_map(|b| b.learned().max_context)
+            .min()
+    })
+}
+
+/// Classify: parse the body, resolve the model and its lane, apply the lane's degradation
+/// (shed, fallback model, `max_tokens` cap), count the prompt, inject the default
+/// completion budget, and refuse at once what can never fit the model's context.
+fn classify(
+    gw: &Gateway,
+    rt: &Runtime,
+    tenant: &Tenant,
+    body: &[u8],
+    labels: &mut Labels,
+) -> Result<Classified, GatewayError> {
+    // Copied into an allocation of its own: the body read from hyper is a view into the
+    // connection's read buffer, and a queued request holding it would keep that buffer alive.
+    let (parsed, prompt) = proxy::ClientRequest::parse(Bytes::copy_from_slice(body))?;
     let Some(model) = rt.models.get(&parsed.model).cloned() else {
         return Err(GatewayError::unknown_model(&parsed.model));
     };
-    let now = gw.clock.now();
-
-    // Degradation plan in force (see the module doc for why it is read here).
-    let decision = gw.degrader.lock().decision();
+    labels.model = model.name.clone();
+    let decision = gw.degrader.lock().decision(&model.name);
     let mut degraded: Vec<String> = Vec::new();
     if let Some(p) = decision.shed_from_priority {
         if tenant.sheddable && tenant.priority >= p {
@@ -266,16 +333,12 @@ async fn pipeline(
                     tier: tenant.tier.clone(),
                 })
                 .inc();
-            let retry = gw
-                .lane(&model.name)
-                .map(|l| l.retry_estimate(gw))
-                .unwrap_or(Duration::from_secs(1));
             return Err(GatewayError::capacity_overload(
                 &format!(
-                    "degradation level {} sheds tier {}",
-                    decision.level, tenant.tier
+                    "degradation level {} of model {:?} sheds tier {}",
+                    decision.level, &*model.name, tenant.tier
                 ),
-                retry,
+                Duration::from_secs(1),
             ));
         }
     }
@@ -286,213 +349,140 @@ async fn pipeline(
             degraded.push(format!("fallback={}", fb.name));
         }
     }
-    let requested_max = parsed.max_tokens;
-    let effective_max = match (decision.max_tokens_cap, requested_max) {
-        (Some(cap), Some(r)) if r > cap => {
-            degraded.push(format!("max_tokens={cap}"));
-            Some(cap)
-        }
-        (Some(cap), None) => {
-            degraded.push(format!("max_tokens={cap}"));
-            Some(cap)
-        }
-        (_, r) => r,
-    };
-
-    // 3. Limits: tenant first (a flooding tenant is refused before it spends shared
-    // budget), then heavy, model, global.
-    let prompt_est = (parsed.len() as u64) / 4;
-    let completion_est = u64::from(effective_max.unwrap_or(cfg.server.default_max_tokens));
-    let estimate = prompt_est + completion_est;
-    let heavy = (cfg.heavy.prompt_tokens_over > 0 && prompt_est > cfg.heavy.prompt_tokens_over)
-        || (cfg.heavy.max_tokens_over > 0 && completion_est > cfg.heavy.max_tokens_over);
-    let mut grant = Grant::new(gw.clock);
-    let scopes = [
-        Some(&tenant.limits),
-        heavy.then_some(&tenant.heavy),
-        Some(&target.limits),
-        Some(&rt.global),
-    ];
-    for scope in scopes.into_iter().flatten() {
-        if scope.is_unlimited() {
-            continue;
-        }
-        if let Err(refusal) = scope.take(estimate, now, &mut grant) {
-            let mut e = refusal.into_error();
-            if e.rate.is_none() || !Arc::ptr_eq(scope, &tenant.limits) {
-                // Report the tenant's own figures beside the scope that refused.
-                let own = tenant.limits.rate_info(now);
-                let r = e.rate.get_or_insert_with(Box::default);
-                r.limit_requests = r.limit_requests.or(own.limit_requests);
-                r.remaining_requests = r.remaining_requests.or(own.remaining_requests);
-                r.reset_requests = r.reset_requests.or(own.reset_requests);
-                r.limit_tokens = r.limit_tokens.or(own.limit_tokens);
-                r.remaining_tokens = r.remaining_tokens.or(own.remaining_tokens);
-                r.reset_tokens = r.reset_tokens.or(own.reset_tokens);
-            }
-            return Err(e);
-        }
-    }
-    let tenant_rate = tenant.limits.rate_info(now);
-    record_limiter_gauges(gw, &tenant.name, &tenant_rate);
-
-    // 4. Queue: watermarks give the wait budget (or refuse at the hard mark). The load
-    //    leaves out lower tiers' queued requests: this one would be served before them.
-    let load = gw.load_for_priority(tenant.priority);
-    let wm = rt.watermarks.decide(
-        load,
-        tenant.budget,
-        &gw.drain_rate.lock(),
-        &rt.retry_bounds,
-        now,
-    );
-    let request_timeout = Duration::from_millis(cfg.server.request_timeout_ms);
-    let budget = match wm.action {
-        WatermarkAction::Refuse => {
-            return Err(GatewayError::capacity_overload(
-                &format!("load {} in zone {}", wm.load, wm.zone.as_str()),
-                wm.retry_after.as_duration(),
-            ))
-        }
-        WatermarkAction::Wait { budget } => budget,
-        WatermarkAction::DispatchNow => tenant.budget.normal,
-    }
-    .min(request_timeout);
     let Some(lane) = gw.lane(&target.name) else {
         return Err(GatewayError::unknown_model(&target.name));
     };
-    let retry_hint = lane.retry_estimate(gw);
-    let acquired = lane
-        .acquire(
-            gw,
-            SlotRequest {
-                tenant: &tenant,
-                cost: estimate,
-                budget,
-                retry_after: retry_hint,
-            },
-        )
-        .await;
-    let slot = match acquired {
-        Ok(slot) => slot,
-        Err(e) if e.code == "circuit_open" || e.code == "no_healthy_backend" => {
-            let Some(text) = target.fallback_response.as_deref() else {
-                return Err(e);
-            };
-            // The grant is dropped unreconciled: its tokens are refunded.
-            gw.metrics
-                .degraded
-                .get_or_create(&crate::metrics::ReasonLabels {
-                    tier: tenant.tier.clone(),
-                    reason: "fallback_response".into(),
-                })
-                .inc();
-            gw.metrics
-                .request(&tenant.name, &target.name, "fallback_response");
-            return Ok(canned_response(
-                path,
-                &target.name,
-                parsed.stream,
-                text,
-                e.code,
-            ));
-        }
-        Err(e) => return Err(e),
-    };
-    gw.metrics.admitted_for(&tenant.metrics, &tenant.tier);
-    if !degraded.is_empty() {
-        for d in &degraded {
-            let measure = d.split('=').next().unwrap_or("degraded").to_string();
-            gw.metrics
-                .degraded
-                .get_or_create(&crate::metrics::ReasonLabels {
-                    tier: tenant.tier.clone(),
-                    reason: measure,
-                })
-                .inc();
+    labels.lane = Some(lane.clone());
+    let prompt_tokens = target.counter.count(&prompt);
+    drop(prompt);
+    let context = max_context(&target, &lane);
+    let requested = parsed.max_tokens;
+    if let Some(ctx) = context {
+        let asked = prompt_tokens + u64::from(requested.unwrap_or(0));
+        if prompt_tokens >= ctx || (requested.is_some() && asked > ctx) {
+            return Err(GatewayError::context_length_exceeded(format!(
+                "this model's maximum context length is {ctx} tokens; this request asks for \
+                 about {asked} (prompt ≈ {prompt_tokens}{}); shorten the prompt or lower \
+                 max_tokens",
+                requested
+                    .map(|m| format!(" + max_tokens {m}"))
+                    .unwrap_or_default()
+            )));
         }
     }
+    let mut max_tokens = requested.unwrap_or(target.default_max_tokens);
+    if let Some(ctx) = context {
+        // An injected default never asks for more than the context leaves.
+        let room = u32::try_from(ctx.saturating_sub(prompt_tokens)).unwrap_or(u32::MAX);
+        max_tokens = max_tokens.min(room.max(1));
+    }
+    if let Some(cap) = decision.max_tokens_cap {
+        if max_tokens > cap {
+            max_tokens = cap;
+            degraded.push(format!("max_tokens={cap}"));
+        }
+    }
+    let cap = (requested != Some(max_tokens)).then_some(max_tokens);
+    Ok(Classified {
+        parsed,
+        target,
+        lane,
+        prompt_tokens,
+        max_tokens,
+        cap,
+        degraded,
+    })
+}
 
-    // 5. Build the upstream request (the model name is set per backend, below).
-    let mut slot = slot;
-    let cap = effective_max.filter(|m| requested_max != Some(*m));
+/// Admit: levee-policy's one admission path (limits, the lane's watermark, fair share, KV
+/// budget, predicted wait), waiting in the lane's fair queue if it must.
+async fn admit_phase(
+    gw: &Arc<Gateway>,
+    tenant: &Tenant,
+    c: &Classified,
+) -> Result<Admitted, GatewayError> {
+    let req = AdmissionRequest {
+        tenant: tenant.name.clone(),
+        model: c.target.name.clone(),
+        tier: tenant.tier_key(),
+        prompt_tokens: c.prompt_tokens,
+        completion_tokens: u64::from(c.max_tokens) * u64::from(c.parsed.choices),
+        max_wait: None,
+    };
+    Box::pin(lane::admit(gw, &c.lane, tenant, req)).await
+}
+
+/// Dispatch: the backend the admission placed the request on.
+fn dispatch(admitted: Admitted, c: &Classified) -> Result<(Admitted, Arc<Backend>), GatewayError> {
+    match admitted.backend() {
+        Some(b) => Ok((admitted, b)),
+        // Its backend was removed by a reload between the decision and now.
+        None => Err(GatewayError::no_healthy_backend(
+            &c.target.name,
+            Duration::from_secs(1),
+        )),
+    }
+}
+
+/// Proxy: send upstream (once more to another backend if the first could not be reached),
+/// then stream or buffer the answer back. Settlement travels with the response body.
+async fn proxy_phase(
+    gw: &Arc<Gateway>,
+    rt: &Runtime,
+    tenant: Arc<Tenant>,
+    c: Classified,
+    mut admitted: Admitted,
+    mut backend: Arc<Backend>,
+    path: &'static str,
+) -> Result<Response, GatewayError> {
     // With `strip_usage`, levee asks for the usage chunk so tokens can be reconciled; it is
     // removed on the way back because this client did not ask for it.
-    let strip_usage = parsed.stream && !parsed.client_wants_usage;
-
-    let mut extra: Vec<(&'static str, HeaderValue)> = Vec::new();
-    let queued_ms = slot.queued_for.as_millis();
-    if queued_ms > 0 || slot.queued_for > Duration::ZERO {
-        if let Ok(v) = HeaderValue::from_str(&queued_ms.to_string()) {
-            extra.push(("x-levee-queue-ms", v));
-        }
-    }
-    if !degraded.is_empty() {
-        if let Ok(v) = HeaderValue::from_str(&degraded.join(", ")) {
-            extra.push(("x-levee-degraded", v));
-        }
-    }
-    let mut rate_headers = HeaderMap::new();
-    tenant_rate.write_headers(&mut rate_headers);
-    for (k, v) in rate_headers.iter() {
-        if let Some(name) = static_rate_header(k.as_str()) {
-            extra.push((name, v.clone()));
-        }
-    }
-
-    // 6. Proxy. The deadline covers the whole non-streaming exchange, and a stream's
-    // response head.
-    let deadline = started + request_timeout;
+    let strip_usage = c.parsed.stream && !c.parsed.client_wants_usage;
+    let extra = response_headers(gw, &tenant, &c, &admitted);
+    // The deadline starts at dispatch: the gateway's own queue wait is not the backend's.
+    let request_timeout = Duration::from_millis(rt.cfg.server.request_timeout_ms);
     let mut resent = false;
     let (resp, sent_at) = loop {
-        let upstream_model = slot
-            .backend
-            .upstream_model
-            .as_deref()
-            .unwrap_or(&target.name);
-        let upstream_body = parsed.upstream_body(upstream_model, cap, strip_usage)?;
+        let upstream_model = backend.upstream_model.as_deref().unwrap_or(&c.target.name);
+        let upstream_body = c.parsed.upstream_body(upstream_model, c.cap, strip_usage)?;
         let sent_at = Instant::now();
-        let backend = slot.backend.clone();
-        // Boxed, like the other stages after the queue: a queued request's future stays small.
+        admitted.mark_sent();
         match Box::pin(proxy::send(
             &gw.client,
             &backend,
             path,
             upstream_body,
-            deadline,
+            sent_at + request_timeout,
         ))
         .await
         {
             Ok(r) => break (r, sent_at),
             Err(e) => {
-                let now = gw.clock.now();
-                slot.record(BreakerOutcome::BackendFailure, now);
-                slot.backend.adaptive_sample(None, true);
-                // A refused connection means the request never reached the backend: send
-                // it once to another backend with a free slot, if there is one now.
-                if e.code == "upstream_unreachable" && !resent {
-                    if let Some(other) = lane.try_take_other(gw, &slot.backend.id) {
-                        tracing::warn!(model = %target.name, "{e}; resending to {}", other.backend.id);
-                        slot = other;
+                // Nothing reached the client yet: one more try on another backend with room.
+                if !resent && admitted.redispatch(BreakerOutcome::BackendFailure) {
+                    if let Some(other) = admitted.backend() {
+                        tracing::warn!(model = %c.target.name, "{e}; resending to {}", other.id);
+                        backend = other;
                         resent = true;
                         continue;
                     }
                 }
-                // The slot and the grant drop here: the slot frees, the tokens are refunded.
+                // The admission drops here: the slot frees and the charges come back.
                 return Err(e);
             }
         }
     };
     let settle = RequestSettle {
         gw: gw.clone(),
-        slot: Some(slot),
-        grant,
-        estimate,
-        tenant: tenant.clone(),
-        model: target.name.clone(),
+        admitted: Some(admitted),
+        backend,
+        tenant,
+        model: c.target.name.clone(),
+        lane: c.lane.clone(),
+        prompt_estimate: c.prompt_tokens,
     };
     let settlement = Settlement::new(Box::new(settle));
-    if parsed.stream && resp.status().is_success() {
+    if c.parsed.stream && resp.status().is_success() {
         Ok(proxy::stream_response(
             resp,
             settlement,
@@ -502,10 +492,75 @@ async fn pipeline(
         ))
     } else {
         Box::pin(proxy::finish_buffered(
-            resp, settlement, deadline, sent_at, &extra,
+            resp,
+            settlement,
+            sent_at + request_timeout,
+            sent_at,
+            &extra,
         ))
         .await
     }
+}
+
+/// The headers levee adds to a served response: queue wait, degradation, the tenant's
+/// rate-limit figures.
+fn response_headers(
+    gw: &Gateway,
+    tenant: &Tenant,
+    c: &Classified,
+    admitted: &Admitted,
+) -> Vec<(&'static str, HeaderValue)> {
+    let mut extra: Vec<(&'static str, HeaderValue)> = Vec::new();
+    if admitted.waited > Duration::ZERO {
+        if let Ok(v) = HeaderValue::from_str(&admitted.waited.as_millis().to_string()) {
+            extra.push(("x-levee-queue-ms", v));
+        }
+    }
+    if !c.degraded.is_empty() {
+        if let Ok(v) = HeaderValue::from_str(&c.degraded.join(", ")) {
+            extra.push(("x-levee-degraded", v));
+        }
+    }
+    let now = gw.clock.now();
+    let rate = gw.admission.lock().rate_limit_headers(&tenant.name, now);
+    let info = RateInfo {
+        limit_requests: rate.requests.map(|i| i.limit),
+        remaining_requests: rate.requests.map(|i| i.remaining),
+        reset_requests: rate.requests.map(|i| i.reset_after),
+        limit_tokens: rate.tokens.map(|i| i.limit),
+        remaining_tokens: rate.tokens.map(|i| i.remaining),
+        reset_tokens: rate.tokens.map(|i| i.reset_after),
+    };
+    record_limiter_gauges(gw, &tenant.name, &info);
+    let mut rate_headers = HeaderMap::new();
+    info.write_headers(&mut rate_headers);
+    for (k, v) in rate_headers.iter() {
+        if let Some(name) = static_rate_header(k.as_str()) {
+            extra.push((name, v.clone()));
+        }
+    }
+    extra
+}
+
+/// The model's canned reply when none of its backends can serve.
+fn fallback_reply(
+    gw: &Gateway,
+    tenant: &Tenant,
+    c: &Classified,
+    path: &str,
+    text: &str,
+    e: &GatewayError,
+) -> Response {
+    gw.metrics
+        .degraded
+        .get_or_create(&crate::metrics::ReasonLabels {
+            tier: tenant.tier.clone(),
+            reason: "fallback_response".into(),
+        })
+        .inc();
+    gw.metrics
+        .request(&tenant.name, &c.target.name, "fallback_response");
+    canned_response(path, &c.target.name, c.parsed.stream, text, e.code)
 }
 
 /// The configured fallback reply in the OpenAI shape (chat or legacy completion, streamed
@@ -579,14 +634,15 @@ fn record_limiter_gauges(gw: &Gateway, tenant: &str, r: &RateInfo) {
     }
 }
 
-/// Everything an admitted request must give back or report when it ends.
+/// Settle: everything an admitted request must give back or report when it ends.
 struct RequestSettle {
     gw: Arc<Gateway>,
-    slot: Option<Slot>,
-    grant: Grant,
-    estimate: u64,
+    admitted: Option<Admitted>,
+    backend: Arc<Backend>,
     tenant: Arc<Tenant>,
-    model: String,
+    model: Arc<str>,
+    lane: Arc<Lane>,
+    prompt_estimate: u64,
 }
 
 impl Settle for RequestSettle {
@@ -605,35 +661,53 @@ impl Settle for RequestSettle {
         } else {
             BreakerOutcome::Success
         };
-        if let Some(mut slot) = self.slot.take() {
-            slot.record(breaker_outcome, now);
-            slot.backend.adaptive_sample(
-                outcome.ttft,
-                breaker_outcome == BreakerOutcome::BackendFailure,
-            );
-            drop(slot); // frees the backend slot now, before metrics work
-        }
-        // Reconcile: real usage replaces the estimate; without usage the estimate stands,
-        // except when the backend never produced anything (refund).
-        match outcome.usage {
-            Some(u) => {
-                self.grant.reconcile(u.total(), now);
-                self.gw.metrics.tokens_for(
-                    &self.tenant.metrics,
-                    &self.tenant.name,
-                    u.prompt_tokens,
-                    u.completion_tokens,
-                );
-            }
+        let failed = breaker_outcome == BreakerOutcome::BackendFailure;
+        let in_flight = self
+            .gw
+            .admission
+            .lock()
+            .lane(&self.model)
+            .and_then(|l| l.in_flight_of(&self.backend.key))
+            .unwrap_or(0);
+        self.backend
+            .adaptive_sample(outcome.ttft, failed, in_flight);
+        // Reconcile: real usage replaces the estimate; a backend that produced nothing
+        // (an error before any token) charges nothing.
+        let actual_tokens = match outcome.usage {
+            Some(u) => Some(u.total()),
             None if outcome.transport_error || outcome.status >= 400 || outcome.status == 0 => {
-                self.grant.refund(now)
+                Some(0)
             }
-            None => self.grant.reconcile(self.estimate, now),
+            None => None,
+        };
+        if let Some(a) = self.admitted.take() {
+            a.complete(Completion {
+                outcome: breaker_outcome,
+                actual_tokens,
+            });
+        }
+        if let Some(u) = outcome.usage {
+            self.gw.metrics.tokens_for(
+                &self.tenant.metrics,
+                &self.tenant.name,
+                u.prompt_tokens,
+                u.completion_tokens,
+            );
+            if u.prompt_tokens > 0 {
+                self.gw
+                    .metrics
+                    .estimate_ratio
+                    .get_or_create(&crate::metrics::ModelLabel {
+                        model: self.model.to_string(),
+                    })
+                    .observe(self.prompt_estimate as f64 / u.prompt_tokens as f64);
+            }
         }
         if let Some(t) = outcome.ttft {
             self.gw
                 .metrics
                 .ttft_for(&self.tenant.metrics, &self.tenant.tier, t.as_secs_f64());
+            self.lane.note_ttft(now, t);
         }
         let label = if outcome.client_gone {
             "client_gone"
@@ -655,6 +729,10 @@ impl Settle for RequestSettle {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn parse(b: &[u8]) -> Result<proxy::ClientRequest, GatewayError> {
+        proxy::ClientRequest::parse(Bytes::copy_from_slice(b)).map(|(r, _)| r)
+    }
 
     #[test]
     fn parse_reads_the_fields_we_need() {

@@ -7,9 +7,9 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
-use levee_policy::{AdaptiveConfig, AdaptiveLimit};
+use levee_policy::{AdaptiveConfig, AdaptiveLimit, BackendLimits, BackendReport};
 use parking_lot::Mutex;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -40,6 +40,8 @@ pub struct ReportedLoad {
     pub waiting: f64,
     /// KV-cache use in [0, 1] (`vllm:kv_cache_usage_perc`, `llamacpp:kv_cache_usage_ratio`).
     pub kv_usage: f64,
+    /// Whether the engine reported its KV use at all.
+    pub kv_known: bool,
 }
 
 /// Parses Prometheus text exposition and picks the load figures of one backend kind.
@@ -82,17 +84,90 @@ pub fn parse_load(kind: BackendKind, text: &str) -> Option<ReportedLoad> {
             found = true;
         } else if kv.contains(&name) {
             load.kv_usage = load.kv_usage.max(value);
+            load.kv_known = true;
             found = true;
         }
     }
     found.then_some(load)
 }
 
+/// What a backend says about its own size: KV-cache tokens, the longest context a request
+/// may use, and its sequence slots.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct Learned {
+    /// KV-cache capacity in tokens (vLLM: `num_gpu_blocks × block_size` from
+    /// `vllm:cache_config_info`; llama.cpp: per-slot `n_ctx` × `total_slots` from `/props`).
+    pub kv_tokens: Option<u64>,
+    /// Longest prompt + completion of one request (vLLM: `max_model_len` in `/v1/models`;
+    /// llama.cpp: the per-slot `n_ctx`).
+    pub max_context: Option<u64>,
+    /// Sequences it runs at once (llama.cpp: `total_slots`).
+    pub slots: Option<u32>,
+}
+
+/// Reads `vllm:cache_config_info{block_size="16",num_gpu_blocks="2048",...} 1`: the KV
+/// cache in tokens. vLLM exports its cache settings as the labels of an info gauge.
+pub fn parse_vllm_cache_tokens(text: &str) -> Option<u64> {
+    let line = text
+        .lines()
+        .find(|l| l.starts_with("vllm:cache_config_info{"))?;
+    let labels = &line[line.find('{')? + 1..line.rfind('}')?];
+    let label = |name: &str| -> Option<u64> {
+        labels
+            .split(',')
+            .find_map(|kv| {
+                let (k, v) = kv.split_once('=')?;
+                (k.trim() == name).then(|| v.trim().trim_matches('"').parse::<f64>().ok())?
+            })
+            .map(|v| v as u64)
+    };
+    let blocks = label("num_gpu_blocks")?;
+    let size = label("block_size")?;
+    (blocks > 0 && size > 0).then(|| blocks.saturating_mul(size))
+}
+
+/// Reads `max_model_len` of `model` (or of the only model) from a `/v1/models` answer.
+pub fn parse_max_model_len(body: &str, model: &str) -> Option<u64> {
+    let v: serde_json::Value = serde_json::from_str(body).ok()?;
+    let data = v.get("data")?.as_array()?;
+    let pick = data
+        .iter()
+        .find(|m| m.get("id").and_then(|i| i.as_str()) == Some(model))
+        .or_else(|| (data.len() == 1).then(|| &data[0]))?;
+    pick.get("max_model_len")?.as_u64()
+}
+
+/// Reads llama.cpp's `/props`: `total_slots` and the per-slot context
+/// (`default_generation_settings.n_ctx`, or a top-level `n_ctx`).
+pub fn parse_llamacpp_props(body: &str) -> Learned {
+    let Ok(v) = serde_json::from_str::<serde_json::Value>(body) else {
+        return Learned::default();
+    };
+    let slots = v
+        .get("total_slots")
+        .and_then(|s| s.as_u64())
+        .and_then(|s| u32::try_from(s).ok())
+        .filter(|s| *s > 0);
+    let n_ctx = v
+        .get("default_generation_settings")
+        .and_then(|g| g.get("n_ctx"))
+        .or_else(|| v.get("n_ctx"))
+        .and_then(|n| n.as_u64())
+        .filter(|n| *n > 0);
+    Learned {
+        kv_tokens: n_ctx.map(|n| n * u64::from(slots.unwrap_or(1))),
+        max_context: n_ctx,
+        slots,
+    }
+}
+
 /// One upstream server and what levee knows about it right now.
 #[derive(Debug)]
 pub struct Backend {
-    /// `model/url`, unique, used in metrics and admin state.
+    /// `model@url`, unique, used in metrics and admin state.
     pub id: String,
+    /// The same id, as the admission state's key for this backend.
+    pub key: Arc<str>,
     /// Public model name this backend serves.
     pub model: String,
     /// Base URL without a trailing slash.
@@ -103,9 +178,10 @@ pub struct Backend {
     pub upstream_model: Option<String>,
     /// Cap on requests levee sends at once (may change on reload).
     pub max_in_flight: AtomicU32,
-    /// Requests levee has sent and not yet finished. Changed only under the model lane's
-    /// lock so dispatch decisions see a consistent figure.
-    pub in_flight: AtomicU32,
+    /// KV budget from config (0: learn it from the engine).
+    max_kv_tokens: AtomicU64,
+    /// What the engine said about its size.
+    learned: Mutex<Learned>,
     /// False after `scrape.unhealthy_after` failed scrapes (or connect errors) in a row.
     pub healthy: AtomicBool,
     /// Failed scrapes in a row.
@@ -141,15 +217,18 @@ impl Backend {
     pub fn new(model: &str, cfg: &BackendConfig) -> Backend {
         let base = cfg.url.trim_end_matches('/').to_string();
         let uris = PROXIED_PATHS.map(|p| format!("{base}{p}").parse().ok());
+        let id = format!("{model}@{base}");
         Backend {
             uris,
-            id: format!("{model}@{base}"),
+            key: Arc::from(id.as_str()),
+            id,
             model: model.to_string(),
             base,
             kind: cfg.kind,
             upstream_model: cfg.upstream_model.clone(),
             max_in_flight: AtomicU32::new(cfg.max_in_flight),
-            in_flight: AtomicU32::new(0),
+            max_kv_tokens: AtomicU64::new(cfg.max_kv_tokens.unwrap_or(0)),
+            learned: Mutex::new(Learned::default()),
             healthy: AtomicBool::new(true),
             scrape_failures: AtomicU32::new(0),
             load: Mutex::new(None),
@@ -180,18 +259,66 @@ impl Backend {
             && self.adaptive.is_some() == other.adaptive.is_some()
     }
 
-    /// Requests this backend may have in flight now.
+    /// Takes the caps of a reloaded config (live state stays).
+    pub fn set_config(&self, cfg: &BackendConfig) {
+        self.max_in_flight
+            .store(cfg.max_in_flight, Ordering::Relaxed);
+        self.max_kv_tokens
+            .store(cfg.max_kv_tokens.unwrap_or(0), Ordering::Relaxed);
+    }
+
+    /// Requests this backend may have in flight now: the configured cap, lowered by the
+    /// adaptive limit and by the slots the engine says it has.
     pub fn cap(&self) -> u32 {
+        let slots = self.learned.lock().slots.unwrap_or(u32::MAX);
         self.max_in_flight
             .load(Ordering::Relaxed)
             .min(self.adaptive_cap.load(Ordering::Relaxed))
+            .min(slots)
+    }
+
+    /// The limits the admission state applies: the request cap and the KV budget (from
+    /// config, else learned from the engine; unknown until then).
+    pub fn limits(&self) -> BackendLimits {
+        let configured = self.max_kv_tokens.load(Ordering::Relaxed);
+        BackendLimits {
+            max_in_flight: usize::try_from(self.cap()).unwrap_or(usize::MAX).max(1),
+            kv_tokens: if configured > 0 {
+                Some(configured)
+            } else {
+                self.learned.lock().kv_tokens
+            },
+        }
+    }
+
+    /// What the engine said about its size.
+    pub fn learned(&self) -> Learned {
+        *self.learned.lock()
+    }
+
+    /// Whether requests may be routed here now.
+    pub fn is_routable(&self) -> bool {
+        self.healthy.load(Ordering::Relaxed)
+    }
+
+    /// The last load report, if any.
+    pub fn reported(&self) -> Option<ReportedLoad> {
+        *self.load.lock()
+    }
+
+    /// The last load report as the admission state reads it.
+    pub fn report(&self) -> Option<BackendReport> {
+        self.reported().map(|l| BackendReport {
+            running: l.running,
+            waiting: l.waiting,
+            kv_usage: l.kv_known.then_some(l.kv_usage),
+        })
     }
 
     /// Feeds one finished request to the adaptive limit (if on): its time to first byte and
     /// whether the backend failed it.
-    pub fn adaptive_sample(&self, ttft: Option<Duration>, failed: bool) {
+    pub fn adaptive_sample(&self, ttft: Option<Duration>, failed: bool, in_flight: usize) {
         let Some(a) = &self.adaptive else { return };
-        let in_flight = usize::try_from(self.in_flight.load(Ordering::Relaxed)).unwrap_or(0);
         let mut a = a.lock();
         let limit = match (ttft, failed) {
             (_, true) => a.on_sample(Duration::ZERO, in_flight, true),
@@ -209,20 +336,6 @@ impl Backend {
             .map(|_| self.adaptive_cap.load(Ordering::Relaxed))
     }
 
-    /// Load score used to pick among backends with free capacity: our own outstanding
-    /// count first (always fresh), the engine's own queue and KV pressure as tie-breakers
-    /// (they lag by a scrape interval).
-    pub fn score(&self) -> f64 {
-        let own = f64::from(self.in_flight.load(Ordering::Relaxed));
-        let cap = f64::from(self.cap().max(1));
-        let reported = self
-            .load
-            .lock()
-            .map(|l| l.waiting / cap + l.kv_usage)
-            .unwrap_or(0.0);
-        own / cap + reported * 0.5
-    }
-
     /// Checks `/health` and reads `/metrics` once; updates load and health. Health is the
     /// `/health` answer (vLLM and llama-server both serve it; a crashed or restarting engine
     /// answers 503 there while its `/metrics` may still answer); metrics are best effort.
@@ -230,10 +343,36 @@ impl Backend {
         let health = tokio::time::timeout(timeout, self.get(client, "/health")).await;
         let ok = matches!(health, Ok(Ok(_)));
         if ok {
-            if let Ok(Ok(text)) = tokio::time::timeout(timeout, self.get(client, "/metrics")).await
-            {
+            let get = |path: &'static str| tokio::time::timeout(timeout, self.get(client, path));
+            if let Ok(Ok(text)) = get("/metrics").await {
                 if let Some(l) = parse_load(self.kind, &text) {
                     *self.load.lock() = Some(l);
+                }
+                if self.kind == BackendKind::Vllm {
+                    if let Some(kv) = parse_vllm_cache_tokens(&text) {
+                        self.learned.lock().kv_tokens = Some(kv);
+                    }
+                }
+            }
+            // The engine's size changes only when it restarts: read it until known.
+            let known = self.learned.lock().max_context.is_some();
+            if !known {
+                match self.kind {
+                    BackendKind::Vllm => {
+                        if let Ok(Ok(body)) = get("/v1/models").await {
+                            let model = self.upstream_model.as_deref().unwrap_or(&self.model);
+                            self.learned.lock().max_context = parse_max_model_len(&body, model);
+                        }
+                    }
+                    BackendKind::Llamacpp => {
+                        if let Ok(Ok(body)) = get("/props").await {
+                            let props = parse_llamacpp_props(&body);
+                            let mut l = self.learned.lock();
+                            l.max_context = props.max_context;
+                            l.kv_tokens = props.kv_tokens;
+                            l.slots = props.slots;
+                        }
+                    }
                 }
             }
         }
@@ -244,6 +383,8 @@ impl Backend {
             let n = self.scrape_failures.fetch_add(1, Ordering::Relaxed) + 1;
             if n >= unhealthy_after {
                 self.healthy.store(false, Ordering::Relaxed);
+                // A restarted engine may come back with another size.
+                *self.learned.lock() = Learned::default();
             }
         }
     }
@@ -291,17 +432,16 @@ mod tests {
             },
         );
         assert_eq!(b.cap(), 32);
-        b.in_flight.store(32, Ordering::Relaxed);
         for _ in 0..200 {
-            b.adaptive_sample(Some(Duration::from_millis(10)), false);
+            b.adaptive_sample(Some(Duration::from_millis(10)), false, 32);
         }
         let steady = b.cap();
         for _ in 0..50 {
-            b.adaptive_sample(Some(Duration::from_millis(200)), false);
+            b.adaptive_sample(Some(Duration::from_millis(200)), false, 32);
         }
         assert!(b.cap() < steady, "{} !< {steady}", b.cap());
         let before = b.cap();
-        b.adaptive_sample(None, true);
+        b.adaptive_sample(None, true, 32);
         assert!(b.cap() <= before);
         let plain = Backend::new("m", &BackendConfig::default());
         assert_eq!(plain.cap(), 64);

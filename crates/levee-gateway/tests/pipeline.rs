@@ -360,6 +360,8 @@ async fn forced_degradation_via_admin_and_shedding() {
     let m = mock().await;
     let mut cfg = config(&[m.url()], 4);
     cfg.degrade.levels[2].shed_from_priority = Some(2);
+    // A default budget above the level's cap, so the cap shows.
+    cfg.server.default_max_tokens = 1024;
     let gw = start(cfg).await.unwrap();
     let c = client();
     let r = c
@@ -675,7 +677,7 @@ async fn reload_on_file_change() {
     std::fs::write(&path, toml::to_string(&new_cfg).unwrap()).unwrap();
     let g = gw.gateway().clone();
     wait_until("new tenant live", || {
-        g.runtime().tenants.iter().any(|t| t.name == "later")
+        g.runtime().tenants.iter().any(|t| &*t.name == "later")
     })
     .await;
     assert_eq!(chat(&c, &gw.public_url(), "later", "x").await.status(), 200);

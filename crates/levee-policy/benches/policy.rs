@@ -1,6 +1,7 @@
 //! levee-policy benchmarks: our GCRA beside `governor`'s on the same quota, and the full
-//! admission decision (limits + watermark + enqueue + dequeue + completion) on one thread and
-//! under two threads contending for one `parking_lot::Mutex`.
+//! admission decision as the gateway runs it (limits + watermark + fair share + KV budget +
+//! dispatch or enqueue + completion + dequeue) on one thread and under two threads
+//! contending for one `parking_lot::Mutex`.
 //!
 //! Run: `cargo bench -p levee-policy --bench policy` (about a minute).
 
@@ -128,21 +129,28 @@ fn gcra(c: &mut Criterion) {
     g.finish();
 }
 
-/// The admission setup the benchmark drives: every scope limited (global, model, tenant:
-/// requests/min, tokens/min, concurrency), the heavy rule on, 64 tenants with [`Key`] keys.
-/// Watermark `safe = 0` so every request takes the queue path (enqueue + dequeue).
+/// The admission setup the benchmark drives — the composition the gateway runs, with every
+/// scope limited (global, model, tenant: requests/min, tokens/min, concurrency), the heavy
+/// rule on, 64 tenants in 3 tiers, and one model lane of 2 backends with request caps and
+/// KV budgets. 160 requests are kept outstanding against 128 backend slots, so about 32 wait
+/// in the fair queue: a decision admits one request (dispatched, or queued behind others),
+/// completes the oldest in flight, and dispatches what that frees (fair share, KV fit).
 struct Bench<K> {
     adm: Admission<u64, K>,
     reqs: Vec<AdmissionRequest<K>>,
+    model: K,
+    in_flight: std::collections::VecDeque<Grant<K>>,
     now: u64,
     i: usize,
 }
 
 type KeyBench = Bench<Key>;
 
+const OUTSTANDING: usize = 160;
+
 impl<K: std::hash::Hash + Eq + Ord + Clone> Bench<K> {
     fn new(key: fn(&str) -> K) -> Self {
-        let mut cfg = AdmissionConfig::with_capacity(256);
+        let mut cfg = AdmissionConfig::new();
         let big = LimitSpec {
             requests_per_minute: Some(10_000_000_000),
             request_burst: Some(1_000_000),
@@ -153,136 +161,119 @@ impl<K: std::hash::Hash + Eq + Ord + Clone> Bench<K> {
         cfg.global = big;
         cfg.tenant_default = big;
         cfg.heavy = Some(HeavyRule {
-            min_tokens: 8_000,
-            max_concurrent: 64,
+            prompt_tokens_over: 8_000,
+            completion_tokens_over: 4_096,
+            per_tenant: big,
         });
-        cfg.watermarks = Watermarks {
-            safe: 0,
-            soft: 10_000,
-            hard: 20_000,
-        };
-        cfg.queue_max_len = 10_000;
-        cfg.queue_max_tokens = 100_000_000;
         let mut adm = Admission::new(cfg);
         let model = key("llama-3-8b");
-        adm.set_model_limits(model.clone(), big);
+        let mut lane = LaneConfig::new(Watermarks {
+            safe: 1_000,
+            soft: 10_000,
+            hard: 20_000,
+        });
+        lane.queue_max_tokens = 100_000_000;
+        adm.set_model(model.clone(), ModelSpec { limits: big, lane });
+        let backends = (0..2)
+            .map(|i| {
+                (
+                    Arc::from(format!("llama-3-8b@http://10.0.0.{i}:8000").as_str()),
+                    BackendLimits {
+                        max_in_flight: 64,
+                        kv_tokens: Some(400_000),
+                    },
+                )
+            })
+            .collect();
+        adm.set_backends(&model, backends);
         let mut reqs = Vec::new();
         for t in 0..64 {
             let tenant = key(&format!("tenant-{t:02}"));
-            if t % 4 == 0 {
-                adm.set_tenant(
-                    tenant.clone(),
-                    TenantSpec {
-                        limits: big,
-                        weight: 2,
-                    },
-                );
-            }
+            adm.set_tenant(
+                tenant.clone(),
+                TenantSpec {
+                    limits: big,
+                    weight: if t % 4 == 0 { 2 } else { 1 },
+                },
+            );
             reqs.push(AdmissionRequest {
                 tenant,
                 model: model.clone(),
                 tier: Tier((t % 3) as u8),
-                estimated_tokens: 300 + (t as u64 * 37) % 900,
+                prompt_tokens: 200 + (t as u64 * 37) % 800,
+                completion_tokens: 256,
                 max_wait: None,
             });
         }
         Bench {
             adm,
             reqs,
+            model,
+            in_flight: std::collections::VecDeque::new(),
             now: 1_000_000,
             i: 0,
         }
     }
 
-    /// One full decision: admit (all limits, watermark, enqueue), dequeue, complete.
+    fn done(g: &Grant<K>) -> Completion {
+        Completion {
+            outcome: Outcome::Success,
+            actual_tokens: Some(g.tokens() / 2),
+        }
+    }
+
+    /// One full decision: admit (all limits, watermark, fair share, KV fit, dispatch or
+    /// enqueue), complete the oldest request in flight, dispatch what that frees.
     #[inline]
     fn cycle(&mut self) {
         self.now += 1_000;
         self.i = (self.i + 1) % self.reqs.len();
         let now = Timestamp::from_nanos(self.now);
-        let admitted = self.adm.admit(&self.reqs[self.i], self.i as u64, now);
-        debug_assert!(matches!(admitted, Admit::Queued { .. }));
-        black_box(&admitted);
-        if let Some(d) = self.adm.dequeue(now) {
-            let actual = d.grant.estimated_tokens() / 2;
-            self.adm.complete(d.grant, actual, now);
+        match self.adm.admit(&self.reqs[self.i], self.i as u64, now) {
+            Admit::Dispatch(d) => self.in_flight.push_back(d.grant),
+            other => {
+                black_box(&other);
+            }
+        }
+        if self.in_flight.len() + self.adm.lane(&self.model).map_or(0, |l| l.queued()) > OUTSTANDING
+        {
+            if let Some(g) = self.in_flight.pop_front() {
+                let done = Self::done(&g);
+                self.adm.complete(g, done, now);
+            }
+        }
+        while let Some(d) = self.adm.dequeue(&self.model, now) {
+            self.in_flight.push_back(d.grant);
         }
     }
 }
 
 fn admission(c: &mut Criterion) {
     let mut g = c.benchmark_group("admission");
+    // The gateway's keys: `Arc<str>` tenant and model names.
     g.bench_function("full_decision/1_thread", |b| {
-        let mut s = KeyBench::new(Key::new);
-        b.iter(|| s.cycle())
-    });
-    // The same with plain `Arc<str>` keys (a string hash and compare per lookup).
-    g.bench_function("full_decision/1_thread_arc_str_keys", |b| {
         let mut s: Bench<Arc<str>> = Bench::new(|n| Arc::from(n));
         b.iter(|| s.cycle())
     });
-    // Two threads share one Admission behind a parking_lot::Mutex. Each thread runs `iters`
-    // decisions: lock → admit + dequeue → unlock, lock → complete → unlock. Reported time per
-    // iteration is wall time / iters, i.e. the latency of one decision as each thread sees
-    // it, waiting for the lock included.
+    // The same with interned `Key` keys (hashing a u64 instead of a string).
+    g.bench_function("full_decision/1_thread_interned_keys", |b| {
+        let mut s = KeyBench::new(Key::new);
+        b.iter(|| s.cycle())
+    });
+    // Two threads share one Admission behind a parking_lot::Mutex, as in the gateway: each
+    // decision takes the lock once. Reported time per iteration is wall time / iters, i.e.
+    // the latency of one decision as each thread sees it, waiting for the lock included.
     g.bench_function("full_decision/2_threads_contended", |b| {
         b.iter_custom(|iters| {
-            let shared = Arc::new(Mutex::new(KeyBench::new(Key::new)));
+            let shared = Arc::new(Mutex::new(Bench::<Arc<str>>::new(|n| Arc::from(n))));
             let start = Instant::now();
             std::thread::scope(|sc| {
                 for _ in 0..2 {
                     let shared = Arc::clone(&shared);
                     sc.spawn(move || {
                         for _ in 0..iters {
-                            let d = {
-                                let mut s = shared.lock();
-                                s.now += 1_000;
-                                s.i = (s.i + 1) % s.reqs.len();
-                                let now = Timestamp::from_nanos(s.now);
-                                let i = s.i;
-                                let Bench { adm, reqs, .. } = &mut *s;
-                                let admitted = adm.admit(&reqs[i], i as u64, now);
-                                black_box(&admitted);
-                                adm.dequeue(now).map(|d| (d, now))
-                            };
-                            if let Some((d, now)) = d {
-                                let actual = d.grant.estimated_tokens() / 2;
-                                shared.lock().adm.complete(d.grant, actual, now);
-                            }
+                            shared.lock().cycle();
                         }
-                    });
-                }
-            });
-            start.elapsed()
-        })
-    });
-    // The same two threads, one lock acquisition per request: settle the previous request,
-    // then decide the next (admit + dequeue), all under one lock.
-    g.bench_function("full_decision/2_threads_one_lock_per_request", |b| {
-        b.iter_custom(|iters| {
-            let shared = Arc::new(Mutex::new(KeyBench::new(Key::new)));
-            let start = Instant::now();
-            std::thread::scope(|sc| {
-                for _ in 0..2 {
-                    let shared = Arc::clone(&shared);
-                    sc.spawn(move || {
-                        let mut prev: Option<Grant<Key>> = None;
-                        for _ in 0..iters {
-                            let mut s = shared.lock();
-                            s.now += 1_000;
-                            s.i = (s.i + 1) % s.reqs.len();
-                            let now = Timestamp::from_nanos(s.now);
-                            let i = s.i;
-                            let Bench { adm, reqs, .. } = &mut *s;
-                            if let Some(g) = prev.take() {
-                                let actual = g.estimated_tokens() / 2;
-                                adm.complete(g, actual, now);
-                            }
-                            let admitted = adm.admit(&reqs[i], i as u64, now);
-                            black_box(&admitted);
-                            prev = adm.dequeue(now).map(|d| d.grant);
-                        }
-                        drop(prev);
                     });
                 }
             });

@@ -1,29 +1,40 @@
-//! The admission pipeline for one request: limits (global, model, tenant; requests/min,
-//! tokens/min, concurrency; the heavy-request rule), then the watermark decision, then
-//! dispatch or enqueue; and [`Admission::dequeue`] when a dispatch slot frees.
+//! The one admission path: every decision the gateway makes about a request between
+//! authentication and the upstream call, as pure code over a manual-clock-friendly state.
 //!
-//! Checks run before anything is charged, so a refused request costs the tenant nothing: the
-//! rate limiters are peeked, the watermark and queue room are checked, and only then are the
-//! limiters committed. Concurrency permits are RAII and live in the [`Grant`]: dropping the
-//! grant (or passing it to [`Admission::complete`]) releases them.
+//! For one request, in order: the lane (the model) must be able to serve at all and the
+//! request must fit a backend's KV budget; then concurrency (tenant, model, global), the
+//! heavy-request rule and the rates (requests/min and tokens/min at global, model, tenant and
+//! tenant-heavy scope) are *checked* without charging anything; then the lane's watermark
+//! gives the wait budget (or refuses at the hard mark); then the request either goes to a
+//! backend at once (nobody of its priority or higher waits, a backend has room in requests
+//! and KV tokens, and its tenant is within its fair share) or joins the lane's fair queue —
+//! unless the wait predicted from its position and the lane's measured service time exceeds
+//! its budget, when it is refused at once. Only a request certain to be taken is charged.
 //!
-//! Tenant and model concurrency count *outstanding* requests (queued + in flight), so one
-//! tenant cannot fill the queue. The dispatch limit (`max_in_flight`) counts in-flight only.
+//! A request charged and later not served — expired in the queue, cancelled, failed before
+//! reaching a backend, or drained because no backend can serve — gets its request-rate and
+//! token charges back ([`Admission::refund`]). A served request reconciles its estimate with
+//! its real usage ([`Admission::complete`]): a refund when it used less, a charge when it used
+//! more, carried as debt up to one bucket's worth so a client cannot dodge its token quota by
+//! under-declaring `max_tokens`.
+//!
+//! A [`Grant`] must end in exactly one of `complete`, `refund` or (while queued) `cancel`;
+//! dropping one leaks its backend slot. The gateway wraps it in an RAII guard.
 
+use crate::breaker::Outcome;
 use crate::clock::Timestamp;
 use crate::concurrency::{ConcurrencyLimit, Permit};
-use crate::degrade::LoadSignals;
 use crate::fasthash::FastState;
 use crate::gcra::{Gcra, Quota, RateLimitInfo};
 use crate::keyed::{BoundedMap, Evictable};
-use crate::queue::{Entry, FairQueue, PushRefusal, QueueLimits, QueueStats, Ticket, Tier};
-use crate::retry::{DrainRate, RetryAfter, RetryBounds};
+use crate::lane::{BackendLimits, BackendReport, Lane, LaneConfig, Placement, Unservable};
+use crate::queue::{Entry, PushRefusal, Ticket, Tier};
+use crate::retry::{RetryAfter, RetryBounds};
 use crate::tokens::{Refused, TokenBucket, TokenQuota};
-use crate::watermark::{
-    ConfigError, LoadZone, WaitBudget, WatermarkAction, WatermarkDecision, Watermarks,
-};
+use crate::watermark::{ConfigError, LoadZone, WaitBudget, WatermarkAction, WatermarkDecision};
 use std::collections::HashMap;
 use std::hash::Hash;
+use std::sync::Arc;
 use std::time::Duration;
 
 /// Limits at one scope. `None` fields are unlimited.
@@ -74,23 +85,31 @@ impl LimitSpec {
     }
 }
 
+/// The heavy-request rule: a request whose prompt or completion budget passes a threshold
+/// also passes its tenant's heavy limits (rates only).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HeavyRule {
+    /// Prompt tokens above which a request is heavy (`u64::MAX`: never).
+    pub prompt_tokens_over: u64,
+    /// Completion tokens (effective `max_tokens` × choices) above which it is heavy.
+    pub completion_tokens_over: u64,
+    /// Each tenant's limits for its heavy requests.
+    pub per_tenant: LimitSpec,
+}
+
+impl HeavyRule {
+    fn applies(&self, prompt: u64, completion: u64) -> bool {
+        prompt > self.prompt_tokens_over || completion > self.completion_tokens_over
+    }
+}
+
 /// A tenant's limits and fairness weight.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct TenantSpec {
     /// Limits.
     pub limits: LimitSpec,
-    /// Weight in the fair queue (≥ 1).
+    /// Weight in the fair queue and in the lanes' fair shares (≥ 1).
     pub weight: u32,
-}
-
-/// Requests whose estimate is at least `min_tokens` are "heavy": at most `max_concurrent` of
-/// them may be outstanding at once, across all tenants.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct HeavyRule {
-    /// Threshold in estimated tokens.
-    pub min_tokens: u64,
-    /// Outstanding heavy requests allowed.
-    pub max_concurrent: usize,
 }
 
 /// Settings for [`Admission`].
@@ -102,75 +121,46 @@ pub struct AdmissionConfig {
     pub tenant_default: LimitSpec,
     /// The heavy-request rule.
     pub heavy: Option<HeavyRule>,
-    /// Requests dispatched to backends at once (the dispatch slots).
-    pub max_in_flight: usize,
-    /// Watermarks over `queued + in flight`.
-    pub watermarks: Watermarks,
     /// Wait budgets per tier; the number of tiers is `tiers.len()` (tier 0 first).
     pub tiers: Vec<WaitBudget>,
-    /// Queue bound in entries.
-    pub queue_max_len: usize,
-    /// Queue bound in tokens.
-    pub queue_max_tokens: u64,
     /// Per-key limiter state kept at most (tenants).
     pub max_tracked_keys: usize,
-    /// Time constant of the dispatch-rate average used for Retry-After.
-    pub drain_time_constant: Duration,
     /// Bounds on capacity Retry-After estimates.
     pub retry: RetryBounds,
 }
 
 impl AdmissionConfig {
-    /// A small working configuration: `max_in_flight` slots, watermarks at 1×/2×/4× of it,
-    /// three tiers, no rate limits.
-    pub fn with_capacity(max_in_flight: usize) -> Self {
-        let c = max_in_flight.max(1) as u64;
+    /// No limits and three tiers waiting 30 s / 15 s / 5 s (soft zone 10 s / 3 s / none).
+    pub fn new() -> Self {
+        let budget = |normal: u64, soft: u64| WaitBudget {
+            normal: Duration::from_secs(normal),
+            soft: Duration::from_secs(soft),
+        };
         AdmissionConfig {
             global: LimitSpec::UNLIMITED,
             tenant_default: LimitSpec::UNLIMITED,
             heavy: None,
-            max_in_flight: max_in_flight.max(1),
-            watermarks: Watermarks {
-                safe: c,
-                soft: 2 * c,
-                hard: 4 * c,
-            },
-            tiers: vec![
-                WaitBudget {
-                    normal: Duration::from_secs(30),
-                    soft: Duration::from_secs(10),
-                },
-                WaitBudget {
-                    normal: Duration::from_secs(15),
-                    soft: Duration::from_secs(3),
-                },
-                WaitBudget {
-                    normal: Duration::from_secs(5),
-                    soft: Duration::ZERO,
-                },
-            ],
-            queue_max_len: 3 * max_in_flight.max(1),
-            queue_max_tokens: u64::MAX,
+            tiers: vec![budget(30, 10), budget(15, 3), budget(5, 0)],
             max_tracked_keys: 100_000,
-            drain_time_constant: Duration::from_secs(5),
             retry: RetryBounds::default(),
         }
     }
 
     /// Checks the settings; each message names the field.
     pub fn validate(&self) -> Result<(), ConfigError> {
-        let w = self.watermarks;
-        Watermarks::new(w.safe, w.soft, w.hard)?;
         if self.tiers.is_empty() || self.tiers.len() > 255 {
             return Err(ConfigError("tiers: need between 1 and 255 tiers".into()));
-        }
-        if self.max_in_flight == 0 {
-            return Err(ConfigError("max_in_flight: must be > 0".into()));
         }
         if self.retry.min > self.retry.max {
             return Err(ConfigError("retry: min must be <= max".into()));
         }
         Ok(())
+    }
+}
+
+impl Default for AdmissionConfig {
+    fn default() -> Self {
+        Self::new()
     }
 }
 
@@ -183,6 +173,20 @@ pub enum Scope {
     Model,
     /// One tenant.
     Tenant,
+    /// One tenant's heavy requests.
+    TenantHeavy,
+}
+
+impl Scope {
+    /// `global`, `model`, `tenant`, `tenant_heavy`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Scope::Global => "global",
+            Scope::Model => "model",
+            Scope::Tenant => "tenant",
+            Scope::TenantHeavy => "tenant_heavy",
+        }
+    }
 }
 
 /// Why a request was refused.
@@ -196,30 +200,41 @@ pub enum RefusalReason {
     TooLarge(Scope),
     /// Outstanding-request limit.
     Concurrency(Scope),
-    /// Too many heavy requests outstanding.
-    HeavyRequests,
-    /// The degradation plan sheds this tier.
-    Shed,
+    /// Larger than any backend's KV budget: it can never be served as sent.
+    ExceedsKvBudget,
     /// Load watermark: at `hard`, or in a zone where the tier may not wait.
     Watermark(LoadZone),
     /// The queue is full.
     QueueFull(PushRefusal),
+    /// The wait predicted from its place in the queue exceeds its budget.
+    PredictedWait,
+    /// It waited its whole budget in the queue.
+    QueueTimeout,
+    /// The lane cannot serve anything now (no healthy backend, every breaker open).
+    Unservable(Unservable),
+    /// The model has no lane.
+    UnknownModel,
 }
 
 impl RefusalReason {
-    /// The OpenAI-shaped error code: `rate_limit_exceeded` for a quota of the tenant (or a
-    /// global/model rate), `capacity_overload` for load.
+    /// The OpenAI-shaped error code.
     pub fn code(&self) -> &'static str {
         match self {
             RefusalReason::RequestRate(_)
             | RefusalReason::TokenRate(_)
             | RefusalReason::TooLarge(_)
-            | RefusalReason::Concurrency(Scope::Tenant) => "rate_limit_exceeded",
+            | RefusalReason::Concurrency(Scope::Tenant | Scope::TenantHeavy) => {
+                "rate_limit_exceeded"
+            }
             RefusalReason::Concurrency(_)
-            | RefusalReason::HeavyRequests
-            | RefusalReason::Shed
             | RefusalReason::Watermark(_)
-            | RefusalReason::QueueFull(_) => "capacity_overload",
+            | RefusalReason::QueueFull(_)
+            | RefusalReason::PredictedWait => "capacity_overload",
+            RefusalReason::ExceedsKvBudget => "context_length_exceeded",
+            RefusalReason::QueueTimeout => "queue_timeout",
+            RefusalReason::Unservable(Unservable::NoHealthyBackend) => "no_healthy_backend",
+            RefusalReason::Unservable(Unservable::CircuitOpen) => "circuit_open",
+            RefusalReason::UnknownModel => "model_not_found",
         }
     }
 
@@ -229,24 +244,36 @@ impl RefusalReason {
             RefusalReason::RequestRate(Scope::Global) => "global_requests",
             RefusalReason::RequestRate(Scope::Model) => "model_requests",
             RefusalReason::RequestRate(Scope::Tenant) => "tenant_requests",
+            RefusalReason::RequestRate(Scope::TenantHeavy) => "heavy_requests",
             RefusalReason::TokenRate(Scope::Global) => "global_tokens",
             RefusalReason::TokenRate(Scope::Model) => "model_tokens",
             RefusalReason::TokenRate(Scope::Tenant) => "tenant_tokens",
+            RefusalReason::TokenRate(Scope::TenantHeavy) => "heavy_tokens",
             RefusalReason::TooLarge(_) => "too_large",
             RefusalReason::Concurrency(Scope::Global) => "global_concurrency",
             RefusalReason::Concurrency(Scope::Model) => "model_concurrency",
             RefusalReason::Concurrency(Scope::Tenant) => "tenant_concurrency",
-            RefusalReason::HeavyRequests => "heavy_requests",
-            RefusalReason::Shed => "shed",
+            RefusalReason::Concurrency(Scope::TenantHeavy) => "heavy_concurrency",
+            RefusalReason::ExceedsKvBudget => "exceeds_kv_budget",
             RefusalReason::Watermark(LoadZone::AtHard) => "hard_watermark",
             RefusalReason::Watermark(_) => "soft_watermark",
             RefusalReason::QueueFull(p) => p.as_str(),
+            RefusalReason::PredictedWait => "predicted_wait",
+            RefusalReason::QueueTimeout => "queue_timeout",
+            RefusalReason::Unservable(Unservable::NoHealthyBackend) => "no_healthy_backend",
+            RefusalReason::Unservable(Unservable::CircuitOpen) => "circuit_open",
+            RefusalReason::UnknownModel => "unknown_model",
         }
     }
 
-    /// False when retrying the same request cannot help ([`RefusalReason::TooLarge`]).
+    /// False when retrying the same request cannot help.
     pub fn is_retryable(&self) -> bool {
-        !matches!(self, RefusalReason::TooLarge(_))
+        !matches!(
+            self,
+            RefusalReason::TooLarge(_)
+                | RefusalReason::ExceedsKvBudget
+                | RefusalReason::UnknownModel
+        )
     }
 }
 
@@ -255,36 +282,46 @@ impl RefusalReason {
 pub struct AdmissionRequest<K> {
     /// The tenant (from the API key, never from a client header).
     pub tenant: K,
-    /// The model asked for (after any degradation reroute).
+    /// The model's lane (after any degradation reroute).
     pub model: K,
     /// The tenant's tier.
     pub tier: Tier,
-    /// Prompt estimate + max_tokens.
-    pub estimated_tokens: u64,
+    /// Estimated prompt tokens.
+    pub prompt_tokens: u64,
+    /// Completion budget: the effective `max_tokens` × the number of choices.
+    pub completion_tokens: u64,
     /// The client's own limit on queueing, if shorter than the tier budget.
     pub max_wait: Option<Duration>,
 }
 
-/// What one admitted request holds until it completes: its reservations and permits.
-/// Pass it to [`Admission::complete`] with the actual token count; dropping it instead releases
-/// the permits and leaves the estimate charged.
+impl<K> AdmissionRequest<K> {
+    /// Tokens charged to quotas and reserved in a backend's KV cache.
+    pub fn tokens(&self) -> u64 {
+        self.prompt_tokens.saturating_add(self.completion_tokens)
+    }
+}
+
+/// What one admitted request holds until it ends: its charges, its permits and, once
+/// dispatched, its backend placement. End it with [`Admission::complete`],
+/// [`Admission::refund`] or [`Admission::cancel`].
 #[derive(Debug)]
-#[must_use = "pass the grant to Admission::complete when the request ends"]
+#[must_use = "end a grant with Admission::complete or Admission::refund"]
 pub struct Grant<K> {
     tenant: K,
     model: K,
     tier: Tier,
-    estimated_tokens: u64,
-    charged_global: bool,
-    charged_model: bool,
-    charged_tenant: bool,
+    tokens: u64,
+    charged: [bool; 4],
+    rated: [bool; 4],
     admitted_at: Timestamp,
-    _tenant_permit: Option<Permit>,
-    _model_permit: Option<Permit>,
-    _heavy_permit: Option<Permit>,
-    _global_permit: Option<Permit>,
-    dispatch_permit: Option<Permit>,
+    placement: Option<Placement>,
+    _permits: [Option<Permit>; 3],
 }
+
+const GLOBAL: usize = 0;
+const MODEL: usize = 1;
+const TENANT: usize = 2;
+const HEAVY: usize = 3;
 
 impl<K> Grant<K> {
     /// The tenant.
@@ -299,18 +336,17 @@ impl<K> Grant<K> {
     pub fn tier(&self) -> Tier {
         self.tier
     }
-    /// Tokens reserved.
-    pub fn estimated_tokens(&self) -> u64 {
-        self.estimated_tokens
+    /// Tokens reserved (prompt estimate + completion budget).
+    pub fn tokens(&self) -> u64 {
+        self.tokens
     }
     /// When it was admitted.
     pub fn admitted_at(&self) -> Timestamp {
         self.admitted_at
     }
-    /// True once it holds a dispatch slot (it came out of `admit` or `dequeue` as
-    /// [`Dispatched`]).
-    pub fn is_dispatched(&self) -> bool {
-        self.dispatch_permit.is_some()
+    /// The backend it was sent to, once dispatched.
+    pub fn backend(&self) -> Option<&Arc<str>> {
+        self.placement.as_ref().map(|p| &p.backend)
     }
 }
 
@@ -319,7 +355,7 @@ impl<K> Grant<K> {
 pub struct Dispatched<T, K> {
     /// The caller's payload.
     pub item: T,
-    /// Reservations and permits (including the dispatch slot).
+    /// Charges, permits and the backend placement.
     pub grant: Grant<K>,
     /// Time spent queued (zero if dispatched at once).
     pub waited: Duration,
@@ -334,6 +370,8 @@ pub struct Refusal<T> {
     pub reason: RefusalReason,
     /// When to retry; `None` if retrying cannot help.
     pub retry_after: Option<RetryAfter>,
+    /// The place in the queue it had or would have had, for refusals by the queue.
+    pub position: Option<usize>,
 }
 
 /// The admission decision.
@@ -341,31 +379,30 @@ pub struct Refusal<T> {
 pub enum Admit<T, K> {
     /// Send it now.
     Dispatch(Dispatched<T, K>),
-    /// Queued; it comes out of [`Admission::dequeue`], [`Admission::expire`] or
-    /// [`Admission::cancel`].
+    /// Queued; it comes out of [`Admission::dequeue`], [`Admission::expire`],
+    /// [`Admission::fail_unservable`] or [`Admission::cancel`].
     Queued {
         /// For cancelling.
         ticket: Ticket,
-        /// The watermark decision (zone, budget, expected wait).
+        /// The watermark decision (zone, budget).
         decision: WatermarkDecision,
         /// When it expires.
         deadline: Timestamp,
+        /// Its estimated place in the queue (1 = next).
+        position: usize,
     },
     /// Refused.
     Refused(Refusal<T>),
 }
 
-/// A queued request that waited past its deadline: answer `queue_timeout`.
-#[derive(Debug)]
-pub struct Expired<T> {
-    /// The caller's payload.
-    pub item: T,
-    /// Its tier.
-    pub tier: Tier,
-    /// How long it waited.
-    pub waited: Duration,
-    /// Suggested Retry-After from the current backlog and drain rate.
-    pub retry_after: RetryAfter,
+/// How a dispatched request ended, for [`Admission::complete`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Completion {
+    /// What it tells the backend's breaker.
+    pub outcome: Outcome,
+    /// Tokens really used (prompt + completion), if the backend said; `None` keeps the
+    /// estimate charged.
+    pub actual_tokens: Option<u64>,
 }
 
 /// Rate-limit figures for the `x-ratelimit-*` headers.
@@ -375,102 +412,185 @@ pub struct RateLimitHeaders {
     pub requests: Option<RateLimitInfo>,
     /// The `-tokens` trio (tenant scope), if limited.
     pub tokens: Option<RateLimitInfo>,
+    /// Outstanding requests and the limit, if limited.
+    pub concurrency: Option<(usize, usize)>,
 }
 
-/// Figures for metrics.
+/// A model's settings.
 #[derive(Debug, Clone, PartialEq)]
-pub struct AdmissionStats {
-    /// Queue depth and tokens, per tier.
-    pub queue: QueueStats,
-    /// Requests in flight (holding a dispatch slot).
-    pub in_flight: usize,
-    /// Dispatch slots.
-    pub max_in_flight: usize,
-    /// The watermark load (queued + in flight).
-    pub load: u64,
-    /// Its zone.
-    pub zone: LoadZone,
-    /// Measured dispatches per second.
-    pub dispatch_rate: f64,
-    /// Tenants with limiter state.
-    pub tracked_tenants: usize,
+pub struct ModelSpec {
+    /// Limits across tenants for this model.
+    pub limits: LimitSpec,
+    /// Its lane.
+    pub lane: LaneConfig,
 }
 
 #[derive(Debug)]
-struct ModelLimits {
+struct RateLimits {
     rpm: Option<Gcra>,
     tpm: Option<TokenBucket>,
     concurrency: Option<ConcurrencyLimit>,
 }
 
-/// Everything kept per tenant, in one map entry so a decision hashes the tenant once.
-#[derive(Debug)]
-struct TenantState {
-    rpm: Option<Gcra>,
-    tpm: Option<TokenBucket>,
-    concurrency: Option<ConcurrencyLimit>,
-}
-
-impl TenantState {
+impl RateLimits {
     fn new(spec: &LimitSpec) -> Self {
-        TenantState {
+        RateLimits {
             rpm: spec.request_quota().map(Gcra::new),
             tpm: spec.token_quota().map(TokenBucket::new),
             concurrency: spec.max_concurrent.map(ConcurrencyLimit::new),
         }
     }
+
+    /// Changes the quotas in place, keeping debt.
+    fn update(&mut self, spec: &LimitSpec) {
+        match (spec.request_quota(), self.rpm.as_mut()) {
+            (Some(q), Some(g)) => g.set_quota(q),
+            (q, _) => self.rpm = q.map(Gcra::new),
+        }
+        match (spec.token_quota(), self.tpm.as_mut()) {
+            (Some(q), Some(b)) => b.set_quota(q),
+            (q, _) => self.tpm = q.map(TokenBucket::new),
+        }
+        match (spec.max_concurrent, self.concurrency.as_ref()) {
+            (Some(n), Some(c)) => c.set_limit(n),
+            (n, _) => self.concurrency = n.map(ConcurrencyLimit::new),
+        }
+    }
+
+    fn peek(&self, tokens: u64, now: Timestamp, scope: Scope) -> Result<Peeked, Refused2> {
+        let rpm = match &self.rpm {
+            None => None,
+            Some(g) => Some(
+                g.peek(now)
+                    .map_err(|e| (RefusalReason::RequestRate(scope), rate_retry(e.retry_after)))?,
+            ),
+        };
+        let tpm = match &self.tpm {
+            None => None,
+            Some(b) => Some(b.peek(tokens, now).map_err(|e| match e {
+                Refused::NotUntil { retry_after } => {
+                    (RefusalReason::TokenRate(scope), rate_retry(retry_after))
+                }
+                Refused::TooLarge { .. } => (RefusalReason::TooLarge(scope), None),
+            })?),
+        };
+        Ok(Peeked { rpm, tpm })
+    }
+
+    fn commit(&mut self, p: Peeked) -> (bool, bool) {
+        if let (Some(g), Some(t)) = (self.rpm.as_mut(), p.rpm) {
+            g.commit(t);
+        }
+        if let (Some(b), Some(t)) = (self.tpm.as_mut(), p.tpm) {
+            b.commit(t);
+        }
+        (p.rpm.is_some(), p.tpm.is_some())
+    }
+
+    fn settle(&mut self, rated: bool, charged: bool, reserved: u64, actual: u64, now: Timestamp) {
+        if charged && reserved != actual {
+            if let Some(b) = self.tpm.as_mut() {
+                b.reconcile(reserved, actual, now);
+            }
+        }
+        if rated {
+            if let Some(g) = self.rpm.as_mut() {
+                g.refund(now);
+            }
+        }
+    }
+
+    fn acquire(&self, scope: Scope, retry: Option<RetryAfter>) -> Result<Option<Permit>, Refused2> {
+        match self.concurrency.as_ref().map(|c| c.try_acquire()) {
+            None => Ok(None),
+            Some(Ok(p)) => Ok(Some(p)),
+            Some(Err(_)) => Err((RefusalReason::Concurrency(scope), retry)),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Peeked {
+    rpm: Option<u128>,
+    tpm: Option<u128>,
+}
+
+type Refused2 = (RefusalReason, Option<RetryAfter>);
+
+/// Everything kept per tenant, in one map entry so a decision hashes the tenant once.
+#[derive(Debug)]
+struct TenantState {
+    limits: RateLimits,
+    heavy: RateLimits,
 }
 
 impl Evictable for TenantState {
     fn is_idle(&self, now: Timestamp) -> bool {
-        self.rpm.as_ref().is_none_or(|g| g.is_idle(now))
-            && self.tpm.as_ref().is_none_or(|b| b.is_idle(now))
+        [&self.limits, &self.heavy].iter().all(|l| {
+            l.rpm.as_ref().is_none_or(|g| g.is_idle(now))
+                && l.tpm.as_ref().is_none_or(|b| b.is_idle(now))
+        })
     }
     fn debt(&self, now: Timestamp) -> u128 {
-        let a = self.rpm.as_ref().map_or(0, |g| g.debt(now));
-        let b = self.tpm.as_ref().map_or(0, |t| t.debt(now));
-        a.max(b)
+        [&self.limits, &self.heavy]
+            .iter()
+            .map(|l| {
+                let a = l.rpm.as_ref().map_or(0, |g| g.debt(now));
+                let b = l.tpm.as_ref().map_or(0, |t| t.debt(now));
+                a.max(b)
+            })
+            .max()
+            .unwrap_or(0)
     }
     fn pinned(&self) -> bool {
         // Live permits point at this limit; a fresh one would let the tenant exceed it.
-        self.concurrency.as_ref().is_some_and(|c| c.in_use() > 0)
+        self.limits
+            .concurrency
+            .as_ref()
+            .is_some_and(|c| c.in_use() > 0)
     }
 }
 
+/// A queued request inside a lane: the caller's payload and its grant.
 #[derive(Debug)]
-struct Pending<T, K> {
+pub struct Pending<T, K> {
     item: T,
     grant: Grant<K>,
 }
 
-/// The admission state for one gateway. `&mut self`: hold it behind one lock. Permits inside
-/// grants are atomics and may be dropped anywhere.
-///
-/// Tenant and model maps use a fast seeded hash (keys are authenticated identities, not
-/// client-chosen strings); per-tenant state is bounded by `max_tracked_keys`.
 #[derive(Debug)]
-pub struct Admission<T, K> {
-    cfg: AdmissionConfig,
-    global_rpm: Option<Gcra>,
-    global_tpm: Option<TokenBucket>,
-    global_concurrency: Option<ConcurrencyLimit>,
-    models: HashMap<K, ModelLimits, FastState>,
-    tenant_specs: HashMap<K, LimitSpec, FastState>,
-    tenants: BoundedMap<K, TenantState, FastState>,
-    heavy: Option<(u64, ConcurrencyLimit)>,
-    dispatch: ConcurrencyLimit,
-    queue: FairQueue<Pending<T, K>, K>,
-    drain: DrainRate,
-    shed_from: Option<Tier>,
+struct ModelState<T, K> {
+    spec: ModelSpec,
+    limits: RateLimits,
+    lane: Lane<Pending<T, K>, K>,
+    /// Entries `dequeue` found past their deadline, for `expire`.
     expired: Vec<Entry<Pending<T, K>, K>>,
 }
 
-fn refused<T, K>(item: T, reason: RefusalReason, retry_after: Option<RetryAfter>) -> Admit<T, K> {
-    Admit::Refused(Refusal {
-        item,
-        reason,
-        retry_after,
-    })
+/// A queued request that waited past its deadline, or was drained: answer it with `reason`.
+#[derive(Debug)]
+pub struct Expired<T> {
+    /// The caller's payload.
+    pub item: T,
+    /// Its tier.
+    pub tier: Tier,
+    /// How long it waited.
+    pub waited: Duration,
+    /// Why it leaves the queue unserved.
+    pub reason: RefusalReason,
+    /// Suggested Retry-After.
+    pub retry_after: RetryAfter,
+}
+
+/// The admission state of one gateway. `&mut self`: hold it behind one lock. Permits inside
+/// grants are atomics and may be dropped anywhere.
+#[derive(Debug)]
+pub struct Admission<T, K> {
+    cfg: AdmissionConfig,
+    global: RateLimits,
+    models: HashMap<K, ModelState<T, K>, FastState>,
+    tenant_specs: HashMap<K, TenantSpec, FastState>,
+    tenants: BoundedMap<K, TenantState, FastState>,
 }
 
 fn rate_retry(wait: Duration) -> Option<RetryAfter> {
@@ -479,63 +599,24 @@ fn rate_retry(wait: Duration) -> Option<RetryAfter> {
     ))
 }
 
-fn token_refusal(scope: Scope, r: Refused) -> (RefusalReason, Option<RetryAfter>) {
-    match r {
-        Refused::NotUntil { retry_after } => {
-            (RefusalReason::TokenRate(scope), rate_retry(retry_after))
-        }
-        Refused::TooLarge { .. } => (RefusalReason::TooLarge(scope), None),
-    }
-}
-
-/// Peeks an optional limiter; `Err` carries the refusal.
-macro_rules! peek_rate {
-    ($lim:expr, $now:expr, $scope:expr) => {
-        match $lim.map(|g| g.peek($now)) {
-            None => Ok(None),
-            Some(Ok(t)) => Ok(Some(t)),
-            Some(Err(e)) => Err((
-                RefusalReason::RequestRate($scope),
-                rate_retry(e.retry_after),
-            )),
-        }
-    };
-}
-
-macro_rules! peek_tokens {
-    ($lim:expr, $est:expr, $now:expr, $scope:expr) => {
-        match $lim.map(|b| b.peek($est, $now)) {
-            None => Ok(None),
-            Some(Ok(t)) => Ok(Some(t)),
-            Some(Err(e)) => Err(token_refusal($scope, e)),
-        }
-    };
+fn refused<T, K>(item: T, (reason, retry_after): Refused2) -> Admit<T, K> {
+    Admit::Refused(Refusal {
+        item,
+        reason,
+        retry_after,
+        position: None,
+    })
 }
 
 impl<T, K: Hash + Eq + Ord + Clone> Admission<T, K> {
     /// Builds the admission state. Call [`AdmissionConfig::validate`] first to report bad
     /// settings; here they are clamped.
     pub fn new(cfg: AdmissionConfig) -> Self {
-        let tiers = cfg.tiers.len().clamp(1, 255) as u8;
         Admission {
-            global_rpm: cfg.global.request_quota().map(Gcra::new),
-            global_tpm: cfg.global.token_quota().map(TokenBucket::new),
-            global_concurrency: cfg.global.max_concurrent.map(ConcurrencyLimit::new),
+            global: RateLimits::new(&cfg.global),
             models: HashMap::default(),
             tenant_specs: HashMap::default(),
             tenants: BoundedMap::new(cfg.max_tracked_keys),
-            heavy: cfg
-                .heavy
-                .map(|h| (h.min_tokens, ConcurrencyLimit::new(h.max_concurrent))),
-            dispatch: ConcurrencyLimit::new(cfg.max_in_flight.max(1)),
-            queue: FairQueue::new(QueueLimits {
-                tiers,
-                max_len: cfg.queue_max_len,
-                max_tokens: cfg.queue_max_tokens,
-            }),
-            drain: DrainRate::new(cfg.drain_time_constant),
-            shed_from: None,
-            expired: Vec::new(),
             cfg,
         }
     }
@@ -545,244 +626,279 @@ impl<T, K: Hash + Eq + Ord + Clone> Admission<T, K> {
         &self.cfg
     }
 
+    fn tiers(&self) -> u8 {
+        self.cfg.tiers.len().clamp(1, 255) as u8
+    }
+
+    /// Applies new settings, keeping limiter state (debt) where the quotas did not change
+    /// and the lanes' queues and backends.
+    pub fn reconfigure(&mut self, cfg: AdmissionConfig) {
+        if cfg.global != self.cfg.global {
+            self.global.update(&cfg.global);
+        }
+        if cfg.heavy != self.cfg.heavy || cfg.tenant_default != self.cfg.tenant_default {
+            // Default-limit tenants and heavy limits are rebuilt on next use.
+            let specs = &self.tenant_specs;
+            let default = cfg.tenant_default;
+            let heavy = cfg
+                .heavy
+                .map(|h| h.per_tenant)
+                .unwrap_or(LimitSpec::UNLIMITED);
+            self.tenants.for_each_mut(|k, st| {
+                st.limits
+                    .update(specs.get(k).map_or(&default, |s| &s.limits));
+                st.heavy.update(&heavy);
+            });
+        }
+        self.cfg = cfg;
+        let tiers = self.tiers();
+        for m in self.models.values_mut() {
+            let lane_cfg = m.spec.lane.clone();
+            m.lane.reconfigure(lane_cfg, tiers);
+        }
+    }
+
     /// Configures a tenant's limits and weight (replacing the default for it). Debt already
     /// accrued is kept; a changed concurrency limit applies to new permits.
     pub fn set_tenant(&mut self, tenant: K, spec: TenantSpec) {
-        let l = spec.limits;
         if let Some(st) = self.tenants.get_mut(&tenant) {
-            match (l.request_quota(), st.rpm.as_mut()) {
-                (Some(q), Some(g)) => g.set_quota(q),
-                (q, _) => st.rpm = q.map(Gcra::new),
+            st.limits.update(&spec.limits);
+        }
+        self.tenant_specs.insert(tenant, spec);
+    }
+
+    /// Adds or reconfigures a model and its lane (queue, watermarks, breaker settings).
+    pub fn set_model(&mut self, model: K, spec: ModelSpec) {
+        let tiers = self.tiers();
+        match self.models.get_mut(&model) {
+            Some(m) => {
+                if m.spec.limits != spec.limits {
+                    m.limits.update(&spec.limits);
+                }
+                m.lane.reconfigure(spec.lane.clone(), tiers);
+                m.spec = spec;
             }
-            match (l.token_quota(), st.tpm.as_mut()) {
-                (Some(q), Some(b)) => b.set_quota(q),
-                (q, _) => st.tpm = q.map(TokenBucket::new),
-            }
-            match (l.max_concurrent, st.concurrency.as_ref()) {
-                (Some(n), Some(c)) => c.set_limit(n),
-                (n, _) => st.concurrency = n.map(ConcurrencyLimit::new),
+            None => {
+                self.models.insert(
+                    model,
+                    ModelState {
+                        limits: RateLimits::new(&spec.limits),
+                        lane: Lane::new(spec.lane.clone(), tiers),
+                        expired: Vec::new(),
+                        spec,
+                    },
+                );
             }
         }
-        self.tenant_specs.insert(tenant.clone(), l);
-        self.queue.set_weight(tenant, spec.weight);
     }
 
-    /// Configures a model's limits (models without limits are not limited per model).
-    pub fn set_model_limits(&mut self, model: K, limits: LimitSpec) {
-        self.models.insert(
-            model,
-            ModelLimits {
-                rpm: limits.request_quota().map(Gcra::new),
-                tpm: limits.token_quota().map(TokenBucket::new),
-                concurrency: limits.max_concurrent.map(ConcurrencyLimit::new),
-            },
-        );
+    /// Sets a model's backends by id, keeping the live state of those that stay.
+    pub fn set_backends(&mut self, model: &K, backends: Vec<(Arc<str>, BackendLimits)>) {
+        if let Some(m) = self.models.get_mut(model) {
+            m.lane.set_backends(backends);
+        }
     }
 
-    /// Sheds new requests of `tier` and lower priorities (from the degradation plan);
-    /// `None` stops shedding.
-    pub fn set_shed_from(&mut self, tier: Option<Tier>) {
-        self.shed_from = tier;
+    /// Changes one backend's limits (learned from the engine).
+    pub fn set_backend_limits(&mut self, model: &K, backend: &str, limits: BackendLimits) {
+        if let Some(m) = self.models.get_mut(model) {
+            m.lane.set_backend_limits(backend, limits);
+        }
     }
 
-    /// Changes the number of dispatch slots (e.g. the sum of the backends' adaptive limits).
-    pub fn set_max_in_flight(&mut self, n: usize) {
-        self.dispatch.set_limit(n.max(1));
+    /// Marks a backend routable or not (health, outlier ejection).
+    pub fn set_routable(&mut self, model: &K, backend: &str, routable: bool) {
+        if let Some(m) = self.models.get_mut(model) {
+            m.lane.set_routable(backend, routable);
+        }
     }
 
-    /// The watermark load: queued + in flight.
-    #[inline]
-    pub fn load(&self) -> u64 {
-        (self.queue.len() + self.dispatch.in_use()) as u64
+    /// Records a backend's own report of its load.
+    pub fn report(&mut self, model: &K, backend: &str, report: BackendReport, now: Timestamp) {
+        if let Some(m) = self.models.get_mut(model) {
+            m.lane.report(backend, report, now);
+        }
     }
 
-    fn capacity_retry(&self, items: u64, now: Timestamp) -> RetryAfter {
-        self.cfg.retry.for_drain(items, &self.drain, now)
+    /// A model's lane, for figures.
+    pub fn lane(&self, model: &K) -> Option<&Lane<Pending<T, K>, K>> {
+        self.models.get(model).map(|m| &m.lane)
     }
 
-    /// Decides one request at `now`. `item` is the caller's payload (a response channel, a
-    /// request context); it comes back in the decision.
+    /// The models with lanes.
+    pub fn models(&self) -> impl Iterator<Item = &K> + '_ {
+        self.models.keys()
+    }
+
+    /// Decides one request at `now`. `item` is the caller's payload (a response channel);
+    /// it comes back in the decision.
     pub fn admit(&mut self, req: &AdmissionRequest<K>, item: T, now: Timestamp) -> Admit<T, K> {
-        let est = req.estimated_tokens;
+        let est = req.tokens();
         let Some(&tier_budget) = self.cfg.tiers.get(req.tier.0 as usize) else {
             return refused(
                 item,
-                RefusalReason::QueueFull(PushRefusal::NoSuchTier),
-                None,
+                (RefusalReason::QueueFull(PushRefusal::NoSuchTier), None),
             );
         };
-        if matches!(self.shed_from, Some(s) if req.tier >= s) {
-            let r = self.capacity_retry(self.load() + 1, now);
-            return refused(item, RefusalReason::Shed, Some(r));
-        }
         let retry = self.cfg.retry;
+        let Some(model) = self.models.get_mut(&req.model) else {
+            return refused(item, (RefusalReason::UnknownModel, None));
+        };
+        if let Some((u, wait)) = model.lane.unservable(now) {
+            let wait = wait.unwrap_or(retry.min.max(Duration::from_secs(1)));
+            return refused(item, (RefusalReason::Unservable(u), rate_retry(wait)));
+        }
+        if model.lane.largest_fit().is_some_and(|max| est > max) {
+            return refused(item, (RefusalReason::ExceedsKvBudget, None));
+        }
 
         // One lookup for all of the tenant's state.
+        let spec = self.tenant_specs.get(&req.tenant);
+        let weight = spec.map_or(1, |s| s.weight);
         let tenant = match self.tenants.get_mut(&req.tenant) {
             Some(t) => t,
             None => {
-                let spec = self
-                    .tenant_specs
-                    .get(&req.tenant)
-                    .unwrap_or(&self.cfg.tenant_default);
-                let st = TenantState::new(spec);
+                let limits = spec.map_or(&self.cfg.tenant_default, |s| &s.limits);
+                let heavy = self
+                    .cfg
+                    .heavy
+                    .map(|h| h.per_tenant)
+                    .unwrap_or(LimitSpec::UNLIMITED);
+                let st = TenantState {
+                    limits: RateLimits::new(limits),
+                    heavy: RateLimits::new(&heavy),
+                };
                 self.tenants.insert_new(&req.tenant, now, st)
             }
         };
+        let heavy = self
+            .cfg
+            .heavy
+            .is_some_and(|h| h.applies(req.prompt_tokens, req.completion_tokens));
 
-        // Concurrency first: permits roll back by drop on any later refusal.
-        let tenant_permit = match tenant.concurrency.as_ref().map(|c| c.try_acquire()) {
-            None => None,
-            Some(Ok(p)) => Some(p),
-            Some(Err(s)) => {
-                let r = retry.for_drain(s.in_use as u64, &self.drain, now);
-                return refused(item, RefusalReason::Concurrency(Scope::Tenant), Some(r));
-            }
-        };
-        let global_permit = match self.global_concurrency.as_ref().map(|c| c.try_acquire()) {
-            None => None,
-            Some(Ok(p)) => Some(p),
-            Some(Err(s)) => {
-                let r = retry.for_drain(s.in_use as u64, &self.drain, now);
-                return refused(item, RefusalReason::Concurrency(Scope::Global), Some(r));
-            }
-        };
-        let heavy_permit = match &self.heavy {
-            Some((min, c)) if est >= *min => match c.try_acquire() {
-                Ok(p) => Some(p),
-                Err(s) => {
-                    let r = retry.for_drain(s.in_use as u64, &self.drain, now);
-                    return refused(item, RefusalReason::HeavyRequests, Some(r));
-                }
-            },
-            _ => None,
-        };
-        let mut model = self.models.get_mut(&req.model);
-        let model_permit = match model
-            .as_ref()
-            .and_then(|m| m.concurrency.as_ref())
-            .map(|c| c.try_acquire())
-        {
-            None => None,
-            Some(Ok(p)) => Some(p),
-            Some(Err(s)) => {
-                let r = retry.for_drain(s.in_use as u64, &self.drain, now);
-                return refused(item, RefusalReason::Concurrency(Scope::Model), Some(r));
-            }
+        // Concurrency first: permits roll back by drop on any later refusal. A permit frees
+        // when some request ends: about one mean service time.
+        let soon = capacity_retry(&model.lane, &retry, 1);
+        let permits = (|| {
+            Ok::<_, Refused2>([
+                tenant.limits.acquire(Scope::Tenant, soon)?,
+                model.limits.acquire(Scope::Model, soon)?,
+                self.global.acquire(Scope::Global, soon)?,
+            ])
+        })();
+        let permits = match permits {
+            Ok(p) => p,
+            Err(r) => return refused(item, r),
         };
 
         // Rates: peek everything, commit only once the request is certain to be taken.
         let peeked = (|| {
-            Ok((
-                peek_rate!(self.global_rpm.as_ref(), now, Scope::Global)?,
-                peek_rate!(
-                    model.as_ref().and_then(|m| m.rpm.as_ref()),
-                    now,
-                    Scope::Model
-                )?,
-                peek_rate!(tenant.rpm.as_ref(), now, Scope::Tenant)?,
-                peek_tokens!(self.global_tpm.as_ref(), est, now, Scope::Global)?,
-                peek_tokens!(
-                    model.as_ref().and_then(|m| m.tpm.as_ref()),
-                    est,
-                    now,
-                    Scope::Model
-                )?,
-                peek_tokens!(tenant.tpm.as_ref(), est, now, Scope::Tenant)?,
-            ))
+            Ok::<_, Refused2>([
+                self.global.peek(est, now, Scope::Global)?,
+                model.limits.peek(est, now, Scope::Model)?,
+                tenant.limits.peek(est, now, Scope::Tenant)?,
+                if heavy {
+                    tenant.heavy.peek(est, now, Scope::TenantHeavy)?
+                } else {
+                    Peeked {
+                        rpm: None,
+                        tpm: None,
+                    }
+                },
+            ])
         })();
-        let (g_rpm, m_rpm, t_rpm, g_tpm, m_tpm, t_tpm) = match peeked {
+        let peeked = match peeked {
             Ok(p) => p,
-            Err((reason, r)) => return refused(item, reason, r),
+            Err(r) => return refused(item, r),
         };
 
-        // Watermark.
-        let load = (self.queue.len() + self.dispatch.in_use()) as u64;
-        let decision = self
-            .cfg
-            .watermarks
-            .decide(load, tier_budget, &self.drain, &retry, now);
-        let mut dispatch_permit = None;
+        // The lane: watermark, then dispatch now or queue.
+        let lane = &mut model.lane;
+        lane.note_arrival(&req.tenant, req.tier, weight, now);
+        let load = lane.load_for(req.tier);
+        let decision =
+            lane.config()
+                .watermarks
+                .decide(load, tier_budget, lane.drain(), &retry, now);
         let budget = match decision.action {
             WatermarkAction::Refuse => {
-                let reason = RefusalReason::Watermark(decision.zone);
-                return refused(item, reason, Some(decision.retry_after));
+                let r = capacity_retry(lane, &retry, 1);
+                return refused(item, (RefusalReason::Watermark(decision.zone), r));
             }
-            WatermarkAction::DispatchNow => {
-                // Never overtake queued requests of equal or higher priority.
-                if self.queue.len_at_or_above(req.tier) == 0 {
-                    dispatch_permit = self.dispatch.try_acquire().ok();
-                }
-                tier_budget.normal
-            }
+            WatermarkAction::DispatchNow => tier_budget.normal,
             WatermarkAction::Wait { budget } => budget,
         };
         let budget = match req.max_wait {
             Some(w) => budget.min(w),
             None => budget,
         };
-        if dispatch_permit.is_none() {
-            if budget.is_zero() {
-                let reason = RefusalReason::Watermark(decision.zone);
-                return refused(item, reason, Some(decision.retry_after));
-            }
-            if let Err(p) = self.queue.can_push(req.tier, est) {
-                let r = retry.for_drain(self.queue.len() as u64 + 1, &self.drain, now);
-                return refused(item, RefusalReason::QueueFull(p), Some(r));
+        let target = if lane.queued_at_or_above(req.tier) == 0 {
+            lane.can_dispatch(&req.tenant, est, now, None)
+        } else {
+            None
+        };
+        let mut position = 0;
+        if target.is_none() {
+            let (pos, predicted) = lane.predict_wait(req.tier, &req.tenant);
+            position = pos;
+            let refusal = if budget.is_zero() {
+                Some((
+                    RefusalReason::Watermark(decision.zone),
+                    capacity_retry(lane, &retry, pos),
+                ))
+            } else if let Some(wait) = predicted.filter(|w| *w > budget) {
+                let r = RetryAfter::from_duration(wait).clamp(retry.min, retry.max);
+                Some((RefusalReason::PredictedWait, Some(r)))
+            } else if let Err(p) = lane.can_push(req.tier, est) {
+                Some((
+                    RefusalReason::QueueFull(p),
+                    capacity_retry(lane, &retry, pos),
+                ))
+            } else {
+                None
+            };
+            if let Some((reason, retry_after)) = refusal {
+                return Admit::Refused(Refusal {
+                    item,
+                    reason,
+                    retry_after,
+                    position: Some(pos),
+                });
             }
         }
 
         // Commit.
-        if let (Some(g), Some(t)) = (self.global_rpm.as_mut(), g_rpm) {
-            g.commit(t);
-        }
-        if let (Some(g), Some(t)) = (self.global_tpm.as_mut(), g_tpm) {
-            g.commit(t);
-        }
-        if let Some(m) = model.as_mut() {
-            if let (Some(g), Some(t)) = (m.rpm.as_mut(), m_rpm) {
-                g.commit(t);
-            }
-            if let (Some(g), Some(t)) = (m.tpm.as_mut(), m_tpm) {
-                g.commit(t);
-            }
-        }
-        if let (Some(g), Some(t)) = (tenant.rpm.as_mut(), t_rpm) {
-            g.commit(t);
-        }
-        if let (Some(g), Some(t)) = (tenant.tpm.as_mut(), t_tpm) {
-            g.commit(t);
-        }
-        let grant = Grant {
+        let (g_r, g_t) = self.global.commit(peeked[GLOBAL]);
+        let (m_r, m_t) = model.limits.commit(peeked[MODEL]);
+        let (t_r, t_t) = tenant.limits.commit(peeked[TENANT]);
+        let (h_r, h_t) = tenant.heavy.commit(peeked[HEAVY]);
+        let mut grant = Grant {
             tenant: req.tenant.clone(),
             model: req.model.clone(),
             tier: req.tier,
-            estimated_tokens: est,
-            charged_global: g_tpm.is_some(),
-            charged_model: m_tpm.is_some(),
-            charged_tenant: t_tpm.is_some(),
+            tokens: est,
+            charged: [g_t, m_t, t_t, h_t],
+            rated: [g_r, m_r, t_r, h_r],
             admitted_at: now,
-            _tenant_permit: tenant_permit,
-            _model_permit: model_permit,
-            _heavy_permit: heavy_permit,
-            _global_permit: global_permit,
-            dispatch_permit: None,
+            placement: None,
+            _permits: permits,
         };
-        if let Some(p) = dispatch_permit {
-            self.drain.record(1, now);
-            return Admit::Dispatch(Dispatched {
-                item,
-                grant: Grant {
-                    dispatch_permit: Some(p),
-                    ..grant
-                },
-                waited: Duration::ZERO,
-            });
+        let lane = &mut model.lane;
+        if let Some(i) = target {
+            if let Some(p) = lane.place(i, &req.tenant, est, now) {
+                lane.charge(req.tier, &req.tenant, est);
+                grant.placement = Some(p);
+                return Admit::Dispatch(Dispatched {
+                    item,
+                    grant,
+                    waited: Duration::ZERO,
+                });
+            }
         }
         let deadline = now + budget;
-        match self.queue.push(
+        match lane.push(
             req.tier,
-            req.tenant.clone(),
+            &req.tenant,
             est,
             now,
             deadline,
@@ -792,177 +908,296 @@ impl<T, K: Hash + Eq + Ord + Clone> Admission<T, K> {
                 ticket,
                 decision,
                 deadline,
+                position: position.max(1),
             },
             Err(rej) => {
-                // Unreachable after can_push; undo the charge to be safe.
+                // Unreachable after can_push; undo the charge.
                 let reason = RefusalReason::QueueFull(rej.reason);
                 let Pending { item, grant } = rej.item;
                 self.refund(grant, now);
-                refused(item, reason, None)
+                Admit::Refused(Refusal {
+                    item,
+                    reason,
+                    retry_after: None,
+                    position: None,
+                })
             }
         }
     }
 
-    /// Takes the next queued request if a dispatch slot is free. Call it whenever a slot may
-    /// have freed (a request completed, was cancelled, or right after `Admit::Queued`), in a
-    /// loop until `None`. Entries past their deadline are set aside for
-    /// [`Admission::expire`].
-    pub fn dequeue(&mut self, now: Timestamp) -> Option<Dispatched<T, K>> {
+    /// Takes the next queued request of `model` that may go now, placed on a backend. Call
+    /// it after anything that may free room (a completion, a cancel, a backend coming back,
+    /// right after `Admit::Queued`) in a loop until `None`. Entries past their deadline are
+    /// left for [`Admission::expire`].
+    pub fn dequeue(&mut self, model: &K, now: Timestamp) -> Option<Dispatched<T, K>> {
+        let m = self.models.get_mut(model)?;
+        let lane = &mut m.lane;
+        let expired = &mut m.expired;
         loop {
-            if self.queue.is_empty() {
-                return None;
-            }
-            let permit = self.dispatch.try_acquire().ok()?;
-            let e = self.queue.pop()?;
+            let (e, i) = lane.next_ready(now, |_, cost| cost)?;
             if e.deadline <= now {
-                self.expired.push(e);
+                // Expiry runs on its own timer; leave this one for it.
+                expired.push(e);
                 continue;
             }
-            self.drain.record(1, now);
-            let Pending { item, grant } = e.item;
-            return Some(Dispatched {
-                item,
-                grant: Grant {
-                    dispatch_permit: Some(permit),
-                    ..grant
-                },
-                waited: now - e.enqueued_at,
-            });
+            let Pending { item, mut grant } = e.item;
+            match lane.place(i, &e.tenant, e.cost, now) {
+                Some(p) => {
+                    grant.placement = Some(p);
+                    return Some(Dispatched {
+                        item,
+                        grant,
+                        waited: now.saturating_duration_since(e.enqueued_at),
+                    });
+                }
+                None => {
+                    // The breaker refused between the check and the take (they read the
+                    // same state, so this does not happen): keep the request queued.
+                    let pending = Pending { item, grant };
+                    let back = lane.push(
+                        e.tier,
+                        &e.tenant,
+                        e.cost,
+                        e.enqueued_at,
+                        e.deadline,
+                        pending,
+                    );
+                    if let Err(rej) = back {
+                        let Pending { item: _, grant } = rej.item;
+                        self.refund(grant, now);
+                    }
+                    return None;
+                }
+            }
         }
     }
 
-    /// Removes every queued request past its deadline and refunds its reservations.
-    /// Call it on a timer (see [`Admission::next_deadline`]) and before `dequeue`.
-    pub fn expire(&mut self, now: Timestamp) -> Vec<Expired<T>> {
-        let mut entries = std::mem::take(&mut self.expired);
-        self.queue.expire_into(now, &mut entries);
+    /// Removes every queued request of `model` past its deadline and refunds it.
+    pub fn expire(&mut self, model: &K, now: Timestamp) -> Vec<Expired<T>> {
+        let Some(m) = self.models.get_mut(model) else {
+            return Vec::new();
+        };
+        let mut entries = Vec::new();
+        m.lane.expire_into(now, &mut entries);
+        entries.append(&mut m.expired);
         if entries.is_empty() {
-            self.expired = entries;
             return Vec::new();
         }
-        let retry = self.capacity_retry(self.load().max(1), now);
-        entries
-            .into_iter()
-            .map(|e| {
-                let Pending { item, grant } = e.item;
-                self.refund(grant, now);
-                Expired {
-                    item,
-                    tier: e.tier,
-                    waited: now - e.enqueued_at,
-                    retry_after: retry,
-                }
-            })
-            .collect()
+        let retry = capacity_retry(&m.lane, &self.cfg.retry, 1)
+            .unwrap_or(RetryAfter::from_duration(self.cfg.retry.min));
+        let mut out = Vec::with_capacity(entries.len());
+        for e in entries {
+            let Pending { item, grant } = e.item;
+            self.refund(grant, now);
+            out.push(Expired {
+                item,
+                tier: e.tier,
+                waited: now.saturating_duration_since(e.enqueued_at),
+                reason: RefusalReason::QueueTimeout,
+                retry_after: retry,
+            });
+        }
+        out
     }
 
-    /// The earliest queued deadline, to schedule the next [`Admission::expire`].
-    pub fn next_deadline(&self) -> Option<Timestamp> {
-        match self.expired.first() {
+    /// When `model`'s lane cannot serve anything (no healthy backend, every breaker open),
+    /// takes every queued request out, refunded, to be answered at once rather than left to
+    /// wait out its budget. Empty otherwise.
+    pub fn fail_unservable(&mut self, model: &K, now: Timestamp) -> Vec<Expired<T>> {
+        let Some(m) = self.models.get_mut(model) else {
+            return Vec::new();
+        };
+        let Some((u, wait)) = m.lane.unservable(now) else {
+            return Vec::new();
+        };
+        let mut entries = Vec::new();
+        m.lane.drain_into(&mut entries);
+        let wait = wait.unwrap_or(self.cfg.retry.min.max(Duration::from_secs(1)));
+        let mut out = Vec::with_capacity(entries.len());
+        for e in entries {
+            let Pending { item, grant } = e.item;
+            self.refund(grant, now);
+            out.push(Expired {
+                item,
+                tier: e.tier,
+                waited: now.saturating_duration_since(e.enqueued_at),
+                reason: RefusalReason::Unservable(u),
+                retry_after: RetryAfter::from_duration(wait),
+            });
+        }
+        out
+    }
+
+    /// Takes every queued request of `model` out, refunded (the gateway is draining).
+    pub fn drain(&mut self, model: &K, now: Timestamp) -> Vec<T> {
+        let Some(m) = self.models.get_mut(model) else {
+            return Vec::new();
+        };
+        let mut entries = std::mem::take(&mut m.expired);
+        m.lane.drain_into(&mut entries);
+        let mut out = Vec::with_capacity(entries.len());
+        for e in entries {
+            let Pending { item, grant } = e.item;
+            self.refund(grant, now);
+            out.push(item);
+        }
+        out
+    }
+
+    /// The earliest queued deadline of `model`, to schedule the next [`Admission::expire`].
+    pub fn next_deadline(&self, model: &K) -> Option<Timestamp> {
+        let m = self.models.get(model)?;
+        match m.expired.first() {
             Some(e) => Some(e.deadline),
-            None => self.queue.next_deadline(),
+            None => m.lane.next_deadline(),
         }
     }
 
     /// Withdraws a queued request (the client went away) and refunds it. `None` if it already
     /// left the queue.
-    pub fn cancel(&mut self, ticket: Ticket, now: Timestamp) -> Option<T> {
-        let e = self.queue.cancel(ticket)?;
+    pub fn cancel(&mut self, model: &K, ticket: Ticket, now: Timestamp) -> Option<T> {
+        let e = self.models.get_mut(model)?.lane.cancel(ticket)?;
         let Pending { item, grant } = e.item;
         self.refund(grant, now);
         Some(item)
     }
 
-    fn refund(&mut self, grant: Grant<K>, now: Timestamp) {
-        self.complete(grant, 0, now);
+    /// Moves a dispatched request whose backend failed before anything reached the client
+    /// to another backend with room (never the one that failed). `outcome` is reported to the
+    /// failed backend's breaker. `false` if no other backend can take it now; the grant then
+    /// holds no placement and should be refunded.
+    pub fn redispatch(&mut self, grant: &mut Grant<K>, outcome: Outcome, now: Timestamp) -> bool {
+        let Some(m) = self.models.get_mut(&grant.model) else {
+            return false;
+        };
+        let Some(p) = grant.placement.take() else {
+            return false;
+        };
+        let failed = p.backend.clone();
+        m.lane.release(&grant.tenant, p, outcome, now);
+        let Some(i) = m
+            .lane
+            .can_dispatch(&grant.tenant, grant.tokens, now, Some(&failed))
+        else {
+            return false;
+        };
+        grant.placement = m.lane.place(i, &grant.tenant, grant.tokens, now);
+        grant.placement.is_some()
     }
 
-    /// Settles a finished request with its actual token count (prompt + completion), refunding
-    /// or charging each token bucket, and releases its permits.
-    pub fn complete(&mut self, grant: Grant<K>, actual_tokens: u64, now: Timestamp) {
-        let est = grant.estimated_tokens;
-        if est != actual_tokens {
-            if grant.charged_global {
-                if let Some(b) = self.global_tpm.as_mut() {
-                    b.reconcile(est, actual_tokens, now);
-                }
+    /// Ends a request that was never served (refused after admission, expired, cancelled, or
+    /// failed before reaching a backend): every token and request-rate charge comes back.
+    pub fn refund(&mut self, grant: Grant<K>, now: Timestamp) {
+        self.settle(grant, Outcome::Cancelled, 0, true, now);
+    }
+
+    /// Ends a dispatched request: frees its backend, reports `outcome` to the breaker, and
+    /// reconciles its token estimate with the real usage (the difference is refunded, or
+    /// charged as debt of at most one bucket).
+    pub fn complete(&mut self, grant: Grant<K>, done: Completion, now: Timestamp) {
+        let actual = done.actual_tokens.unwrap_or(grant.tokens);
+        self.settle(grant, done.outcome, actual, false, now);
+    }
+
+    fn settle(
+        &mut self,
+        grant: Grant<K>,
+        outcome: Outcome,
+        actual: u64,
+        refund: bool,
+        now: Timestamp,
+    ) {
+        let Grant {
+            tenant,
+            model,
+            tokens,
+            charged,
+            rated,
+            placement,
+            ..
+        } = grant;
+        let reserved = tokens;
+        if let Some(m) = self.models.get_mut(&model) {
+            if let Some(p) = placement {
+                m.lane.release(&tenant, p, outcome, now);
             }
-            if grant.charged_model {
-                if let Some(b) = self
-                    .models
-                    .get_mut(&grant.model)
-                    .and_then(|m| m.tpm.as_mut())
-                {
-                    b.reconcile(est, actual_tokens, now);
-                }
-            }
-            if grant.charged_tenant {
-                // If the tenant's state was evicted meanwhile, its fresh bucket is full: a
-                // refund has nothing to add and a charge is forgiven.
-                if let Some(b) = self
-                    .tenants
-                    .get_mut(&grant.tenant)
-                    .and_then(|t| t.tpm.as_mut())
-                {
-                    b.reconcile(est, actual_tokens, now);
-                }
-            }
+            m.limits.settle(
+                refund && rated[MODEL],
+                charged[MODEL],
+                reserved,
+                actual,
+                now,
+            );
         }
-        drop(grant);
+        self.global.settle(
+            refund && rated[GLOBAL],
+            charged[GLOBAL],
+            reserved,
+            actual,
+            now,
+        );
+        // If the tenant's state was evicted meanwhile, its fresh bucket is full: a refund has
+        // nothing to add and a charge is forgiven.
+        if let Some(t) = self.tenants.get_mut(&tenant) {
+            t.limits.settle(
+                refund && rated[TENANT],
+                charged[TENANT],
+                reserved,
+                actual,
+                now,
+            );
+            t.heavy.settle(
+                refund && rated[HEAVY],
+                charged[HEAVY],
+                reserved,
+                actual,
+                now,
+            );
+        }
     }
 
     /// The tenant's `x-ratelimit-*` figures at `now`.
     pub fn rate_limit_headers(&self, tenant: &K, now: Timestamp) -> RateLimitHeaders {
         match self.tenants.get(tenant) {
             Some(t) => RateLimitHeaders {
-                requests: t.rpm.as_ref().map(|g| g.info(now)),
-                tokens: t.tpm.as_ref().map(|b| b.info(now)),
+                requests: t.limits.rpm.as_ref().map(|g| g.info(now)),
+                tokens: t.limits.tpm.as_ref().map(|b| b.info(now)),
+                concurrency: t
+                    .limits
+                    .concurrency
+                    .as_ref()
+                    .map(|c| (c.in_use(), c.limit())),
             },
             None => {
                 let spec = self
                     .tenant_specs
                     .get(tenant)
-                    .unwrap_or(&self.cfg.tenant_default);
+                    .map_or(&self.cfg.tenant_default, |s| &s.limits);
                 RateLimitHeaders {
                     requests: spec.request_quota().map(|q| Gcra::new(q).info(now)),
                     tokens: spec.token_quota().map(|q| TokenBucket::new(q).info(now)),
+                    concurrency: spec.max_concurrent.map(|n| (0, n)),
                 }
             }
         }
     }
 
-    /// Queue and in-flight ratios for the degradation planner; the caller adds backend KV
-    /// usage.
-    pub fn load_signals(&self, kv_cache_usage: f64) -> LoadSignals {
-        LoadSignals {
-            queue_depth_ratio: self.queue.len() as f64 / self.cfg.queue_max_len.max(1) as f64,
-            in_flight_ratio: self.dispatch.in_use() as f64 / self.dispatch.limit().max(1) as f64,
-            kv_cache_usage,
+    /// Global figures (`requests`, `tokens`, `concurrency`) for admin state.
+    pub fn global_headers(&self, now: Timestamp) -> RateLimitHeaders {
+        RateLimitHeaders {
+            requests: self.global.rpm.as_ref().map(|g| g.info(now)),
+            tokens: self.global.tpm.as_ref().map(|b| b.info(now)),
+            concurrency: self
+                .global
+                .concurrency
+                .as_ref()
+                .map(|c| (c.in_use(), c.limit())),
         }
     }
 
-    /// Figures for metrics.
-    pub fn stats(&self, now: Timestamp) -> AdmissionStats {
-        let load = self.load();
-        AdmissionStats {
-            queue: self.queue.stats(),
-            in_flight: self.dispatch.in_use(),
-            max_in_flight: self.dispatch.limit(),
-            load,
-            zone: self.cfg.watermarks.zone(load),
-            dispatch_rate: self.drain.per_second(now),
-            tracked_tenants: self.tenants.len(),
-        }
-    }
-
-    /// Entries queued.
-    pub fn queued(&self) -> usize {
-        self.queue.len()
-    }
-
-    /// Requests in flight.
-    pub fn in_flight(&self) -> usize {
-        self.dispatch.in_use()
+    /// Tenants with limiter state.
+    pub fn tracked_tenants(&self) -> usize {
+        self.tenants.len()
     }
 
     /// Drops limiter state of idle tenants (optional housekeeping; the cap holds anyway).
@@ -973,9 +1208,23 @@ impl<T, K: Hash + Eq + Ord + Clone> Admission<T, K> {
     #[doc(hidden)]
     pub fn for_each_tenant_bucket(&mut self, mut f: impl FnMut(&mut TokenBucket)) {
         for t in self.tenants.values_mut() {
-            if let Some(b) = t.tpm.as_mut() {
+            if let Some(b) = t.limits.tpm.as_mut() {
                 f(b);
             }
         }
     }
+}
+
+/// Retry-After for a capacity refusal: the time for `items` requests to drain at the lane's
+/// measured service rate, within the bounds.
+fn capacity_retry<P, K: Hash + Eq + Ord + Clone>(
+    lane: &Lane<P, K>,
+    bounds: &RetryBounds,
+    items: usize,
+) -> Option<RetryAfter> {
+    let d = match lane.mean_service() {
+        Some(s) => s.mul_f64(items.max(1) as f64 / lane.in_flight().max(1) as f64),
+        None => bounds.min,
+    };
+    Some(RetryAfter::from_duration(d).clamp(bounds.min, bounds.max))
 }

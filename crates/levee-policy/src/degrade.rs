@@ -1,6 +1,6 @@
 //! The degradation planner: turns load signals into a level, with hysteresis, and the level
-//! into configured steps (cap `max_tokens`, route to a fallback model, skip optional work,
-//! shed the lowest tiers).
+//! into configured steps (cap `max_tokens`, route to a fallback model, shed the lowest
+//! tiers).
 //!
 //! The load score is the largest of the signals (each 0..1). Level `i` (1-based) is entered
 //! when the score reaches `levels[i-1].enter` and left when it falls below `levels[i-1].exit`
@@ -13,15 +13,17 @@ use crate::queue::Tier;
 use crate::watermark::ConfigError;
 use std::time::Duration;
 
-/// Load signals, each a ratio where 1.0 means "at capacity".
+/// Load signals, each a ratio where 1.0 means "at the limit".
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct LoadSignals {
-    /// Queued entries over the queue's bound (or over the hard watermark).
+    /// Load (queued + in flight) over the hard watermark.
     pub queue_depth_ratio: f64,
-    /// In-flight requests over dispatch capacity.
-    pub in_flight_ratio: f64,
-    /// Backend KV-cache usage, 0..1 (vLLM's `kv_cache_usage_perc`; the max over backends).
+    /// Backend KV-cache fill, 0..1 (the worst backend).
     pub kv_cache_usage: f64,
+    /// What users feel: P95 time to first token over its alarm line (1.5× the SLO).
+    pub ttft_ratio: f64,
+    /// Share of recent requests refused for capacity, 0..1.
+    pub refusal_rate: f64,
 }
 
 impl LoadSignals {
@@ -29,8 +31,9 @@ impl LoadSignals {
     pub fn score(&self) -> f64 {
         [
             self.queue_depth_ratio,
-            self.in_flight_ratio,
             self.kv_cache_usage,
+            self.ttft_ratio,
+            self.refusal_rate,
         ]
         .into_iter()
         .map(|x| if x.is_nan() { 0.0 } else { x.max(0.0) })
@@ -44,10 +47,8 @@ impl LoadSignals {
 pub struct DegradeStep {
     /// Cap each request's `max_tokens` at this.
     pub max_tokens_cap: Option<u32>,
-    /// Route requests to this model instead.
-    pub fallback_model: Option<String>,
-    /// Skip optional post-processing.
-    pub skip_optional: bool,
+    /// Route requests to their model's fallback model (each model names its own).
+    pub use_fallback: bool,
     /// Refuse new requests of this tier and every lower-priority (larger-numbered) tier.
     pub shed_from_tier: Option<Tier>,
 }
@@ -228,8 +229,7 @@ mod tests {
                     exit: 0.8,
                     step: DegradeStep {
                         max_tokens_cap: Some(256),
-                        fallback_model: Some("small".into()),
-                        skip_optional: true,
+                        use_fallback: true,
                         shed_from_tier: Some(Tier(2)),
                     },
                 },

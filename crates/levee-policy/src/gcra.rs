@@ -147,6 +147,15 @@ impl Gcra {
         Ok(())
     }
 
+    /// Gives back one admitted request (it was refused later, or never served): the
+    /// limiter is as if it had not been admitted, except for time already passed.
+    pub fn refund(&mut self, now: Timestamp) {
+        let t = self.quota.units.units_at(now);
+        if self.tat > t {
+            self.tat = self.tat.saturating_sub(self.quota.units.unit()).max(t);
+        }
+    }
+
     /// Header figures at `now`.
     pub fn info(&self, now: Timestamp) -> RateLimitInfo {
         let q = &self.quota;

@@ -67,6 +67,12 @@ impl<K: Hash + Eq + Clone, V: Evictable, S: BuildHasher + Default> BoundedMap<K,
         self.map.remove(key)
     }
 
+    pub(crate) fn for_each_mut(&mut self, mut f: impl FnMut(&K, &mut V)) {
+        for (k, v) in self.map.iter_mut() {
+            f(k, v);
+        }
+    }
+
     pub(crate) fn values_mut(&mut self) -> impl Iterator<Item = &mut V> {
         self.map.values_mut()
     }

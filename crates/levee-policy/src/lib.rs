@@ -20,6 +20,7 @@ mod fasthash;
 mod gcra;
 mod key;
 mod keyed;
+mod lane;
 mod queue;
 mod retry;
 mod tokens;
@@ -28,8 +29,9 @@ mod watermark;
 
 pub use adaptive::{AdaptiveConfig, AdaptiveLimit};
 pub use admission::{
-    Admission, AdmissionConfig, AdmissionRequest, AdmissionStats, Admit, Dispatched, Expired,
-    Grant, HeavyRule, LimitSpec, RateLimitHeaders, Refusal, RefusalReason, Scope, TenantSpec,
+    Admission, AdmissionConfig, AdmissionRequest, Admit, Completion, Dispatched, Expired, Grant,
+    HeavyRule, LimitSpec, ModelSpec, Pending, RateLimitHeaders, Refusal, RefusalReason, Scope,
+    TenantSpec,
 };
 pub use breaker::{
     Breaker, BreakerConfig, BreakerOpen, BreakerState, BreakerStats, BreakerTicket, Outcome,
@@ -41,9 +43,12 @@ pub use degrade::{
 };
 pub use gcra::{Gcra, KeyedGcra, NotUntil, Quota, RateLimitInfo};
 pub use key::Key;
+pub use lane::{
+    BackendLimits, BackendReport, BackendStats, Lane, LaneConfig, Placement, Unservable,
+};
 pub use queue::{
-    Entry, FairQueue, PushRefusal, QueueLimits, QueueStats, Rejected, TenantBacklog, Ticket, Tier,
-    TierStats, VIRTUAL_SCALE,
+    Entry, FairQueue, Pick, PushRefusal, QueueLimits, QueueStats, Rejected, TenantBacklog, Ticket,
+    Tier, TierStats, VIRTUAL_SCALE,
 };
 pub use retry::{DrainRate, RetryAfter, RetryBounds};
 pub use tokens::{Refused, Reservation, TokenBucket, TokenLimiter, TokenQuota};

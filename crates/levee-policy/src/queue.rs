@@ -184,6 +184,17 @@ struct TierQ {
     tokens: u64,
 }
 
+/// What [`FairQueue::pop_where`] does with a candidate.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pick {
+    /// Pop it.
+    Take,
+    /// Pass over this tenant for now; look at the next one.
+    SkipTenant,
+    /// Pop nothing now.
+    Stop,
+}
+
 /// The fair priority queue. `K` is the tenant key.
 ///
 /// Internally entries live in a slab (a ticket is slot index + generation), tenants are
@@ -306,6 +317,16 @@ impl<T, K: Hash + Eq + Ord + Clone> FairQueue<T, K> {
     }
 
     #[inline]
+    fn peek_slot(&self, ticket: u64) -> Option<&Slot<T, K>> {
+        let (idx, generation) = split(ticket);
+        let s = self.slab.get(idx)?;
+        if s.generation != generation {
+            return None;
+        }
+        s.data.as_ref()
+    }
+
+    #[inline]
     fn is_live(&self, ticket: u64) -> bool {
         let (idx, generation) = split(ticket);
         matches!(self.slab.get(idx), Some(s) if s.generation == generation && s.data.is_some())
@@ -408,8 +429,39 @@ impl<T, K: Hash + Eq + Ord + Clone> FairQueue<T, K> {
     /// the smallest virtual counter, from it the oldest entry. Deadlines are not checked;
     /// call [`FairQueue::expire`] first.
     pub fn pop(&mut self) -> Option<Entry<T, K>> {
-        let ti = self.tiers.iter().position(|t| t.len > 0)?;
-        let (counter, id) = self.tiers[ti].active.pop_first()?;
+        self.pop_where(|_, _| Pick::Take)
+    }
+
+    /// Like [`FairQueue::pop`], but asks `judge` about each candidate in the fair order (the
+    /// head entry of each backlogged tenant: its tenant and cost). [`Pick::Take`] pops it;
+    /// [`Pick::SkipTenant`] passes over that tenant (it is held back, e.g. over its fair
+    /// share), so later tenants and lower tiers may go; [`Pick::Stop`] takes nothing (the
+    /// candidate must go first but cannot go yet, e.g. no backend has room for it).
+    pub fn pop_where(&mut self, mut judge: impl FnMut(&K, u64) -> Pick) -> Option<Entry<T, K>> {
+        let mut chosen = None;
+        'tiers: for ti in 0..self.tiers.len() {
+            if self.tiers[ti].len == 0 {
+                continue;
+            }
+            for &(counter, id) in &self.tiers[ti].active {
+                let rec = &self.tenants[id as usize];
+                let head = rec.per_tier[ti]
+                    .fifo
+                    .iter()
+                    .find_map(|t| self.peek_slot(*t));
+                let Some(slot) = head else { continue };
+                match judge(&slot.key, slot.cost) {
+                    Pick::Take => {
+                        chosen = Some((ti, counter, id));
+                        break 'tiers;
+                    }
+                    Pick::SkipTenant => continue,
+                    Pick::Stop => return None,
+                }
+            }
+        }
+        let (ti, counter, id) = chosen?;
+        self.tiers[ti].active.remove(&(counter, id));
         let (ticket, slot) = loop {
             let t = self.tenants[id as usize].per_tier[ti].fifo.pop_front()?;
             if let Some(s) = self.take(t) {
@@ -538,6 +590,65 @@ impl<T, K: Hash + Eq + Ord + Clone> FairQueue<T, K> {
             .take(tier.0 as usize + 1)
             .map(|t| t.len)
             .sum()
+    }
+
+    /// Charges `tenant` for `cost` served in `tier` without passing through the queue (a
+    /// request dispatched at once), so that the fair order counts everything a tenant got:
+    /// a tenant that filled the backends directly waits behind one that had nothing.
+    pub fn charge(&mut self, tier: Tier, tenant: &K, cost: u64) {
+        if tier.0 >= self.limits.tiers {
+            return;
+        }
+        let id = match self.ids.get(tenant) {
+            Some(&id) => id,
+            None => self.intern(tenant),
+        };
+        let floor = self.tiers[tier.0 as usize].floor;
+        let rec = &mut self.tenants[id as usize];
+        let weight = rec.weight;
+        let tt = &mut rec.per_tier[tier.0 as usize];
+        if tt.live == 0 {
+            tt.counter = tt.counter.max(floor) + vcost(cost, weight);
+        } else {
+            // Backlogged: its place in the active set is keyed by the counter.
+            let tq = &mut self.tiers[tier.0 as usize];
+            tq.active.remove(&(tt.counter, id));
+            tt.counter += vcost(cost, weight);
+            tq.active.insert((tt.counter, id));
+        }
+    }
+
+    /// Where a new entry of `tenant` in `tier` would stand in the fair order: everything
+    /// queued in higher tiers, plus, in its own tier, each backlogged tenant's entries up to
+    /// the share that tenant gets before this one is reached (weighted round robin by count;
+    /// the queue itself orders by token cost, so this is an estimate).
+    pub fn position_estimate(&self, tier: Tier, tenant: &K) -> usize {
+        let ti = tier.0 as usize;
+        let Some(tq) = self.tiers.get(ti) else {
+            return self.len;
+        };
+        let ahead: usize = self.tiers[..ti].iter().map(|t| t.len).sum();
+        if tq.len == 0 {
+            return ahead;
+        }
+        let own_id = self.ids.get(tenant).copied();
+        let own_weight = self.weights.get(tenant).copied().unwrap_or(1).max(1) as u64;
+        let own_live = own_id
+            .map(|id| self.tenants[id as usize].per_tier[ti].live)
+            .unwrap_or(0) as u64;
+        // This entry is the tenant's (own_live + 1)-th; by then each other tenant of weight
+        // w has had about (own_live + 1) · w / own_weight turns.
+        let rounds = own_live + 1;
+        let mut same_tier = own_live as usize;
+        for &(_, id) in &tq.active {
+            if Some(id) == own_id {
+                continue;
+            }
+            let rec = &self.tenants[id as usize];
+            let turns = (rounds * rec.weight.max(1) as u64).div_ceil(own_weight);
+            same_tier += (rec.per_tier[ti].live as u64).min(turns) as usize;
+        }
+        ahead + same_tier
     }
 
     /// Whether `ticket` is still queued.

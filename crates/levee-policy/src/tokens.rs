@@ -2,8 +2,9 @@
 //!
 //! At admission the gateway reserves an estimate (prompt tokens + `max_tokens`); when the
 //! response ends it reconciles with the actual count, refunding or charging the difference.
-//! The bucket never holds more than its capacity and never goes below zero: a charge past
-//! empty is forgiven (the request already ran), a refund past full is dropped.
+//! The bucket never holds more than its capacity; a charge past empty is carried as debt of
+//! at most one capacity (the client waits until it is paid back: under-declaring
+//! `max_tokens` does not dodge the quota), and a refund past full is dropped.
 //!
 //! Like [`crate::Gcra`], the state is a theoretical arrival time in exact `ns × count` units.
 
@@ -161,14 +162,16 @@ impl TokenBucket {
     }
 
     /// Settles a reservation of `reserved` tokens that actually used `actual`: refunds or
-    /// charges the difference, keeping the level within `0..=capacity`.
+    /// charges the difference. A charge past empty is carried as debt, down to one
+    /// capacity below zero (the level stays within `-capacity..=capacity`): the client
+    /// waits until it is paid back instead of having its overage forgiven.
     pub fn reconcile(&mut self, reserved: u64, actual: u64, now: Timestamp) {
         let q = &self.quota;
         let t = q.units.units_at(now);
         let tat = self.tat.max(t);
         self.tat = if actual >= reserved {
             let charge = q.units.unit() * (actual - reserved) as u128;
-            (tat + charge).min(t + q.tolerance())
+            (tat + charge).min(t + 2 * q.tolerance())
         } else {
             let refund = q.units.unit() * (reserved - actual) as u128;
             tat.saturating_sub(refund).max(t)
@@ -189,7 +192,7 @@ impl TokenBucket {
 
     /// Internal state for invariant tests: `(debt, capacity)` in internal units, where the
     /// level is `capacity − debt`. `debt` is never negative by construction; the invariant
-    /// "never below zero" is `debt ≤ capacity`.
+    /// "never more than one capacity below zero" is `debt ≤ 2 × capacity`.
     #[doc(hidden)]
     pub fn debt_units(&self, now: Timestamp) -> (u128, u128) {
         let q = &self.quota;
@@ -362,11 +365,13 @@ mod tests {
         assert_eq!(b.available(t0), 5800);
         b.reconcile(100, 600, t0);
         assert_eq!(b.available(t0), 5300);
-        // A huge charge empties the bucket but never below zero.
+        // A huge charge empties the bucket and leaves a debt of at most one capacity.
         b.reconcile(0, 1_000_000, t0);
         assert_eq!(b.available(t0), 0);
-        // Refill: 100 tokens per second.
-        let t1 = t0 + Duration::from_secs(2);
+        // Refill: 100 tokens per second pays the 6,000 of debt back first.
+        let t1 = t0 + Duration::from_secs(60);
+        assert_eq!(b.available(t1), 0);
+        let t1 = t0 + Duration::from_secs(62);
         assert_eq!(b.available(t1), 200);
         // A refund never overfills.
         b.reconcile(1_000_000, 0, t1);

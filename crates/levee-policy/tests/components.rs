@@ -184,8 +184,7 @@ fn degrade_planner_with_manual_clock() {
             exit: 0.5,
             step: DegradeStep {
                 max_tokens_cap: Some(256),
-                fallback_model: Some("small".into()),
-                skip_optional: true,
+                use_fallback: true,
                 shed_from_tier: Some(Tier(2)),
             },
         }],
@@ -195,11 +194,12 @@ fn degrade_planner_with_manual_clock() {
     let mut p = DegradePlanner::new(cfg);
     let hot = LoadSignals {
         queue_depth_ratio: 0.2,
-        in_flight_ratio: 0.9,
+        ttft_ratio: 0.9,
+        refusal_rate: 0.1,
         kv_cache_usage: 0.85,
     };
     assert_eq!(p.observe(hot, clock.now()), 1);
-    assert_eq!(p.plan().step.fallback_model.as_deref(), Some("small"));
+    assert!(p.plan().step.use_fallback);
     let cool = LoadSignals::default();
     clock.advance(Duration::from_secs(29));
     assert_eq!(p.observe(cool, clock.now()), 1, "dwell");

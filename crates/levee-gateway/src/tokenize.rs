@@ -1,0 +1,106 @@
+//! Counting a request's prompt tokens before it is admitted: exactly, with the model's own
+//! tokenizer when one is configured (a Hugging Face `tokenizer.json`), or by the fallback
+//! rule of about one token per 4 characters of message text.
+//!
+//! Both count chat prompts the same way around the text: 4 tokens per message (role and
+//! delimiters) and 2 per prompt (the reply header), as OpenAI documents for its chat format.
+//! The fallback is an estimate; the error of either is exported as
+//! `levee_prompt_estimate_ratio` (estimate ÷ the backend's own count) so an operator sees it.
+
+use std::path::Path;
+use std::sync::Arc;
+
+/// Tokens per chat message for its role and delimiters.
+const TOKENS_PER_MESSAGE: u64 = 4;
+/// Tokens per chat prompt for the reply header.
+const TOKENS_PER_CHAT: u64 = 2;
+/// Characters per token of the fallback rule.
+const CHARS_PER_TOKEN: u64 = 4;
+
+/// The text of a request's prompt, as read from its body.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct PromptText {
+    /// Each message's text (chat), or each prompt string (completions).
+    pub parts: Vec<String>,
+    /// Whether it is a chat (`messages`) rather than a plain `prompt`.
+    pub chat: bool,
+    /// Tokens given as ids (a `prompt` of integers): counted as they are.
+    pub token_ids: u64,
+}
+
+/// How prompt tokens are counted for one model.
+#[derive(Clone, Default)]
+pub enum TokenCounter {
+    /// ⌈characters / 4⌉ per part.
+    #[default]
+    CharsPerToken,
+    /// The model's tokenizer.
+    Tokenizer(Arc<tokenizers::Tokenizer>),
+}
+
+impl std::fmt::Debug for TokenCounter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            TokenCounter::CharsPerToken => f.write_str("CharsPerToken"),
+            TokenCounter::Tokenizer(_) => f.write_str("Tokenizer"),
+        }
+    }
+}
+
+impl TokenCounter {
+    /// Loads a `tokenizer.json`. The error says what is wrong with the file.
+    pub fn from_file(path: &Path) -> Result<Self, String> {
+        tokenizers::Tokenizer::from_file(path)
+            .map(|t| TokenCounter::Tokenizer(Arc::new(t)))
+            .map_err(|e| {
+                format!(
+                    "cannot load {} as a Hugging Face tokenizer.json: {e}",
+                    path.display()
+                )
+            })
+    }
+
+    /// Prompt tokens of `prompt`.
+    pub fn count(&self, prompt: &PromptText) -> u64 {
+        let text_tokens: u64 = prompt
+            .parts
+            .iter()
+            .map(|p| match self {
+                TokenCounter::CharsPerToken => (p.chars().count() as u64).div_ceil(CHARS_PER_TOKEN),
+                TokenCounter::Tokenizer(t) => match t.encode(p.as_str(), false) {
+                    Ok(enc) => enc.len() as u64,
+                    // A text the tokenizer cannot encode still costs something.
+                    Err(_) => (p.chars().count() as u64).div_ceil(CHARS_PER_TOKEN),
+                },
+            })
+            .sum();
+        let framing = if prompt.chat {
+            TOKENS_PER_CHAT + TOKENS_PER_MESSAGE * prompt.parts.len() as u64
+        } else {
+            0
+        };
+        framing + text_tokens + prompt.token_ids
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fallback_matches_the_chat_rule() {
+        let p = PromptText {
+            parts: vec!["hello world!".into(), "".into()],
+            chat: true,
+            token_ids: 0,
+        };
+        // 2 + (4 + 3) + (4 + 0)
+        assert_eq!(TokenCounter::CharsPerToken.count(&p), 13);
+        let c = PromptText {
+            parts: vec!["abcde".into()],
+            chat: false,
+            token_ids: 3,
+        };
+        assert_eq!(TokenCounter::CharsPerToken.count(&c), 5);
+    }
+}

@@ -1,0 +1,834 @@
+//! One model's lane: its backends (each budgeted in requests *and* KV-cache tokens, behind
+//! its own breaker), its fair queue, its watermarks, and the rules that decide which queued
+//! request goes to which backend next.
+//!
+//! What kills an inference engine is tokens in its KV cache, not the number of requests, so
+//! a backend takes a request only while the prompt estimate + completion budget of everything
+//! levee has in flight there, plus this request, fits its KV budget (less a headroom). The
+//! engine's own report corrects levee's count: when it says more of its cache is in use than
+//! levee thinks, the larger figure counts; when it says requests are waiting inside it, levee
+//! sends no more than it is running. A report older than `report_max_age` is ignored.
+//!
+//! Inside the lane, tenants share capacity by weight. When a tenant is not alone — another
+//! tenant of the same or a higher priority has requests outstanding, or had some within
+//! `fair_share_window` — it may hold at most the capacity the others leave it: each of them
+//! keeps in reserve the smaller of its weighted share and its recent peak use (plus one
+//! request), and the tenant gets the rest, never less than its own weighted share. A quiet
+//! tenant so finds room at once when it comes back, while a busy one still uses whatever the
+//! others do not need (the lane stays work-conserving up to those small reserves).
+
+use crate::breaker::{Breaker, BreakerConfig, BreakerState, BreakerStats, BreakerTicket, Outcome};
+use crate::clock::Timestamp;
+use crate::fasthash::FastState;
+use crate::queue::{Entry, FairQueue, Pick, QueueLimits, QueueStats, Tier};
+use crate::retry::DrainRate;
+use crate::watermark::Watermarks;
+use std::collections::HashMap;
+use std::hash::Hash;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Settings of one lane.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LaneConfig {
+    /// Watermarks over this lane's load (in flight + queued at the same or higher priority).
+    pub watermarks: Watermarks,
+    /// Queue bound in entries.
+    pub queue_max_len: usize,
+    /// Queue bound in estimated tokens.
+    pub queue_max_tokens: u64,
+    /// Share of each backend's KV budget kept free (0.0..1.0).
+    pub kv_headroom: f64,
+    /// A backend's own load report is trusted this long after it was read.
+    pub report_max_age: Duration,
+    /// How long a tenant's recent peak use is kept in reserve for it.
+    pub fair_share_window: Duration,
+    /// The breaker of each backend.
+    pub breaker: BreakerConfig,
+}
+
+impl LaneConfig {
+    /// A working configuration: watermarks at `safe`/`soft`/`hard`, no queue bounds besides
+    /// `hard`, 5% KV headroom, reports trusted 3 s, a 10 s fair-share window.
+    pub fn new(watermarks: Watermarks) -> Self {
+        LaneConfig {
+            queue_max_len: usize::try_from(watermarks.hard).unwrap_or(usize::MAX),
+            queue_max_tokens: u64::MAX,
+            watermarks,
+            kv_headroom: 0.05,
+            report_max_age: Duration::from_secs(3),
+            fair_share_window: Duration::from_secs(10),
+            breaker: BreakerConfig::default(),
+        }
+    }
+}
+
+/// What a backend may hold.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BackendLimits {
+    /// Requests in flight at most (the engine's sequence slots).
+    pub max_in_flight: usize,
+    /// KV-cache tokens of the engine (before headroom); `None` while unknown, when only the
+    /// request cap applies.
+    pub kv_tokens: Option<u64>,
+}
+
+/// What a backend last reported about itself.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct BackendReport {
+    /// Sequences it is running.
+    pub running: f64,
+    /// Requests waiting inside it.
+    pub waiting: f64,
+    /// Share of its KV cache in use (0..1), if it says.
+    pub kv_usage: Option<f64>,
+}
+
+#[derive(Debug)]
+struct Backend {
+    id: Arc<str>,
+    limits: BackendLimits,
+    routable: bool,
+    breaker: Breaker,
+    in_flight: usize,
+    tokens: u64,
+    report: Option<(BackendReport, Timestamp)>,
+}
+
+impl Backend {
+    fn fresh_report(&self, now: Timestamp, max_age: Duration) -> Option<&BackendReport> {
+        match &self.report {
+            Some((r, at)) if now.saturating_duration_since(*at) <= max_age => Some(r),
+            _ => None,
+        }
+    }
+
+    /// KV tokens levee may fill, after headroom.
+    fn usable_tokens(&self, headroom: f64) -> Option<u64> {
+        self.limits
+            .kv_tokens
+            .map(|t| (t as f64 * (1.0 - headroom.clamp(0.0, 0.95))).floor() as u64)
+    }
+
+    /// Requests it may hold now: its cap, or what it is running when it reports a queue.
+    fn request_cap(&self, now: Timestamp, cfg: &LaneConfig) -> usize {
+        let cap = self.limits.max_in_flight;
+        match self.fresh_report(now, cfg.report_max_age) {
+            Some(r) if r.waiting >= 1.0 => cap.min((r.running.max(1.0)) as usize),
+            _ => cap,
+        }
+    }
+
+    /// KV tokens in use as far as anyone knows: levee's reservations, or the engine's own
+    /// figure when it is larger.
+    fn tokens_in_use(&self, now: Timestamp, cfg: &LaneConfig) -> u64 {
+        let reported = match (
+            self.fresh_report(now, cfg.report_max_age),
+            self.limits.kv_tokens,
+        ) {
+            (
+                Some(BackendReport {
+                    kv_usage: Some(u), ..
+                }),
+                Some(total),
+            ) => (u.clamp(0.0, 1.0) * total as f64) as u64,
+            _ => 0,
+        };
+        self.tokens.max(reported)
+    }
+
+    /// Whether it can take a request of `kv_cost` tokens now.
+    fn has_room(&self, kv_cost: u64, now: Timestamp, cfg: &LaneConfig) -> bool {
+        if !self.routable || self.in_flight >= self.request_cap(now, cfg) {
+            return false;
+        }
+        if let Some(usable) = self.usable_tokens(cfg.kv_headroom) {
+            if self.tokens_in_use(now, cfg).saturating_add(kv_cost) > usable {
+                return false;
+            }
+        }
+        self.breaker.would_admit(now)
+    }
+
+    /// Fill in [0, 1+]: the larger of its request and token fill, plus half the engine's own
+    /// queue (a tie-breaker that lags by a scrape).
+    fn fill(&self, now: Timestamp, cfg: &LaneConfig) -> f64 {
+        let cap = self.limits.max_in_flight.max(1) as f64;
+        let by_requests = self.in_flight as f64 / cap;
+        let by_tokens = match self.usable_tokens(cfg.kv_headroom) {
+            Some(u) if u > 0 => self.tokens_in_use(now, cfg) as f64 / u as f64,
+            _ => 0.0,
+        };
+        let queued = self
+            .fresh_report(now, cfg.report_max_age)
+            .map(|r| r.waiting / cap)
+            .unwrap_or(0.0);
+        by_requests.max(by_tokens) + 0.5 * queued
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct TenantUse {
+    tier: Tier,
+    weight: u32,
+    in_flight: usize,
+    tokens: u64,
+    queued: usize,
+    queued_tokens: u64,
+    peak_requests: usize,
+    peak_tokens: u64,
+    peak_at: Timestamp,
+    last_seen: Timestamp,
+}
+
+impl TenantUse {
+    fn new(tier: Tier, weight: u32, now: Timestamp) -> Self {
+        TenantUse {
+            tier,
+            weight: weight.max(1),
+            in_flight: 0,
+            tokens: 0,
+            queued: 0,
+            queued_tokens: 0,
+            peak_requests: 0,
+            peak_tokens: 0,
+            peak_at: now,
+            last_seen: now,
+        }
+    }
+
+    fn idle(&self) -> bool {
+        self.in_flight == 0 && self.queued == 0
+    }
+
+    fn active(&self, now: Timestamp, window: Duration) -> bool {
+        !self.idle() || now.saturating_duration_since(self.last_seen) <= window
+    }
+
+    /// Keeps the peak outstanding use of the last window.
+    fn note_peak(&mut self, now: Timestamp, window: Duration) {
+        let req = self.in_flight + self.queued;
+        let tok = self.tokens + self.queued_tokens;
+        if now.saturating_duration_since(self.peak_at) > window {
+            self.peak_requests = req;
+            self.peak_tokens = tok;
+            self.peak_at = now;
+        } else {
+            if req >= self.peak_requests {
+                self.peak_requests = req;
+                self.peak_at = now;
+            }
+            self.peak_tokens = self.peak_tokens.max(tok);
+        }
+    }
+}
+
+/// Where a dispatched request went: held by its grant until it completes.
+#[derive(Debug)]
+pub struct Placement {
+    /// The backend's id.
+    pub backend: Arc<str>,
+    /// KV tokens reserved there.
+    pub kv_tokens: u64,
+    ticket: Option<BreakerTicket>,
+    at: Timestamp,
+}
+
+impl Placement {
+    /// When it was dispatched.
+    pub fn dispatched_at(&self) -> Timestamp {
+        self.at
+    }
+}
+
+/// Why a lane cannot take a request now, as opposed to "all busy".
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Unservable {
+    /// No backend is configured, or none is healthy.
+    NoHealthyBackend,
+    /// Every healthy backend's breaker is open.
+    CircuitOpen,
+}
+
+/// Figures of one backend for metrics and admin state.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BackendStats {
+    /// Its id.
+    pub id: Arc<str>,
+    /// Routable (healthy, not ejected).
+    pub routable: bool,
+    /// Requests in flight through levee.
+    pub in_flight: usize,
+    /// Request cap in force now.
+    pub request_cap: usize,
+    /// KV tokens levee has reserved there.
+    pub tokens_in_flight: u64,
+    /// KV budget (before headroom), if known.
+    pub kv_tokens: Option<u64>,
+    /// Its breaker's figures.
+    pub breaker: BreakerStats,
+}
+
+/// One model's lane. `P` is the queued payload, `K` the tenant key.
+#[derive(Debug)]
+pub struct Lane<P, K> {
+    cfg: LaneConfig,
+    backends: Vec<Backend>,
+    queue: FairQueue<P, K>,
+    tenants: HashMap<K, TenantUse, FastState>,
+    in_flight: usize,
+    drain: DrainRate,
+    /// Mean time a request holds a backend (EWMA, seconds), from completions.
+    service_secs: Option<f64>,
+}
+
+/// Weight of one completion in the service-time average.
+const SERVICE_ALPHA: f64 = 0.05;
+
+impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
+    /// An empty lane with `tiers` priority tiers and no backends.
+    pub fn new(cfg: LaneConfig, tiers: u8) -> Self {
+        Lane {
+            queue: FairQueue::new(QueueLimits {
+                tiers: tiers.max(1),
+                max_len: cfg.queue_max_len,
+                max_tokens: cfg.queue_max_tokens,
+            }),
+            cfg,
+            backends: Vec::new(),
+            tenants: HashMap::default(),
+            in_flight: 0,
+            drain: DrainRate::new(Duration::from_secs(5)),
+            service_secs: None,
+        }
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &LaneConfig {
+        &self.cfg
+    }
+
+    /// Applies new settings. Queue bounds change only once the queue is empty (queued
+    /// requests keep their place); breakers restart only if their settings changed.
+    pub fn reconfigure(&mut self, cfg: LaneConfig, tiers: u8) {
+        let limits = QueueLimits {
+            tiers: tiers.max(1),
+            max_len: cfg.queue_max_len,
+            max_tokens: cfg.queue_max_tokens,
+        };
+        if self.queue.limits() != limits && self.queue.is_empty() {
+            self.queue = FairQueue::new(limits);
+        }
+        if cfg.breaker != self.cfg.breaker {
+            for b in &mut self.backends {
+                b.breaker = Breaker::new(cfg.breaker);
+            }
+        }
+        self.cfg = cfg;
+    }
+
+    /// Sets the backends by id, keeping the live state (in flight, breaker, report) of those
+    /// that stay. A removed backend's in-flight requests finish; their completion finds no
+    /// backend and only settles the tenant's figures.
+    pub fn set_backends(&mut self, backends: Vec<(Arc<str>, BackendLimits)>) {
+        let mut old = std::mem::take(&mut self.backends);
+        for (id, limits) in backends {
+            let kept = old
+                .iter()
+                .position(|b| b.id == id)
+                .map(|i| old.swap_remove(i));
+            let b = match kept {
+                Some(mut b) => {
+                    b.limits = limits;
+                    b
+                }
+                None => Backend {
+                    id,
+                    limits,
+                    routable: true,
+                    breaker: Breaker::new(self.cfg.breaker),
+                    in_flight: 0,
+                    tokens: 0,
+                    report: None,
+                },
+            };
+            self.backends.push(b);
+        }
+        self.in_flight = self.backends.iter().map(|b| b.in_flight).sum();
+    }
+
+    fn backend_mut(&mut self, id: &str) -> Option<&mut Backend> {
+        self.backends.iter_mut().find(|b| &*b.id == id)
+    }
+
+    /// Changes a backend's limits (learned from the engine). `false` if there is no such
+    /// backend.
+    pub fn set_backend_limits(&mut self, id: &str, limits: BackendLimits) -> bool {
+        self.backend_mut(id).map(|b| b.limits = limits).is_some()
+    }
+
+    /// Marks a backend routable or not (health checks, outlier ejection).
+    pub fn set_routable(&mut self, id: &str, routable: bool) {
+        if let Some(b) = self.backend_mut(id) {
+            b.routable = routable;
+        }
+    }
+
+    /// Records what a backend reported about its own load at `now`.
+    pub fn report(&mut self, id: &str, report: BackendReport, now: Timestamp) {
+        if let Some(b) = self.backend_mut(id) {
+            b.report = Some((report, now));
+        }
+    }
+
+    /// The largest request (in KV tokens) any backend could ever hold, if every backend's
+    /// budget is known.
+    pub fn largest_fit(&self) -> Option<u64> {
+        let mut best = 0u64;
+        for b in &self.backends {
+            best = best.max(b.usable_tokens(self.cfg.kv_headroom)?);
+        }
+        (!self.backends.is_empty()).then_some(best)
+    }
+
+    fn tenant_entry(&mut self, tenant: &K, tier: Tier, weight: u32, now: Timestamp) {
+        if !self.tenants.contains_key(tenant) {
+            if self.tenants.len() >= 1024 {
+                let window = self.cfg.fair_share_window;
+                self.tenants.retain(|_, u| u.active(now, window));
+            }
+            self.tenants
+                .insert(tenant.clone(), TenantUse::new(tier, weight, now));
+        }
+        if let Some(u) = self.tenants.get_mut(tenant) {
+            u.tier = tier;
+            u.weight = weight.max(1);
+        }
+    }
+
+    /// Records an arrival of `tenant` (for the fair-share reserve) and sets its weight.
+    pub fn note_arrival(&mut self, tenant: &K, tier: Tier, weight: u32, now: Timestamp) {
+        self.tenant_entry(tenant, tier, weight, now);
+        if let Some(u) = self.tenants.get_mut(tenant) {
+            u.last_seen = now;
+        }
+        self.queue.set_weight(tenant.clone(), weight);
+    }
+
+    fn view(&self) -> LaneView<'_, K> {
+        LaneView {
+            backends: &self.backends,
+            tenants: &self.tenants,
+            cfg: &self.cfg,
+        }
+    }
+
+    /// The backend `tenant`'s request of `kv_cost` would go to now, if it may go at all.
+    /// `except` skips one backend (a resend after it failed).
+    pub(crate) fn can_dispatch(
+        &self,
+        tenant: &K,
+        kv_cost: u64,
+        now: Timestamp,
+        except: Option<&str>,
+    ) -> Option<usize> {
+        let v = self.view();
+        if !v.within_share(tenant, kv_cost, now) {
+            return None;
+        }
+        v.pick(kv_cost, now, except)
+    }
+
+    /// Takes backend `i` for `tenant`'s request of `kv_cost`. `None` if its breaker refused
+    /// at the last moment.
+    pub(crate) fn place(
+        &mut self,
+        i: usize,
+        tenant: &K,
+        kv_cost: u64,
+        now: Timestamp,
+    ) -> Option<Placement> {
+        let b = self.backends.get_mut(i)?;
+        let ticket = b.breaker.try_acquire(now).ok()?;
+        b.in_flight += 1;
+        b.tokens += kv_cost;
+        let id = b.id.clone();
+        self.in_flight += 1;
+        self.drain.record(1, now);
+        let window = self.cfg.fair_share_window;
+        if let Some(u) = self.tenants.get_mut(tenant) {
+            u.in_flight += 1;
+            u.tokens += kv_cost;
+            u.note_peak(now, window);
+        }
+        Some(Placement {
+            backend: id,
+            kv_tokens: kv_cost,
+            ticket: Some(ticket),
+            at: now,
+        })
+    }
+
+    /// Counts a request dispatched at once in the fair order (see [`FairQueue::charge`]).
+    pub(crate) fn charge(&mut self, tier: Tier, tenant: &K, cost: u64) {
+        self.queue.charge(tier, tenant, cost);
+    }
+
+    /// Gives back a placement: frees the backend's slot and tokens, reports `outcome` to its
+    /// breaker, and (for a request that ran) feeds the service-time average.
+    pub(crate) fn release(&mut self, tenant: &K, p: Placement, outcome: Outcome, now: Timestamp) {
+        let Placement {
+            backend,
+            kv_tokens,
+            ticket,
+            at,
+        } = p;
+        if let Some(b) = self.backend_mut(&backend) {
+            b.in_flight = b.in_flight.saturating_sub(1);
+            b.tokens = b.tokens.saturating_sub(kv_tokens);
+            if let Some(t) = ticket {
+                b.breaker.record(t, outcome, now);
+            }
+            self.in_flight = self.in_flight.saturating_sub(1);
+        }
+        if let Some(u) = self.tenants.get_mut(tenant) {
+            u.in_flight = u.in_flight.saturating_sub(1);
+            u.tokens = u.tokens.saturating_sub(kv_tokens);
+        }
+        if outcome == Outcome::Success {
+            let secs = now.saturating_duration_since(at).as_secs_f64();
+            self.service_secs = Some(match self.service_secs {
+                None => secs,
+                Some(m) => m + SERVICE_ALPHA * (secs - m),
+            });
+        }
+    }
+
+    /// Queues a payload.
+    pub(crate) fn push(
+        &mut self,
+        tier: Tier,
+        tenant: &K,
+        cost: u64,
+        now: Timestamp,
+        deadline: Timestamp,
+        item: P,
+    ) -> Result<crate::queue::Ticket, crate::queue::Rejected<P>> {
+        let t = self
+            .queue
+            .push(tier, tenant.clone(), cost, now, deadline, item)?;
+        let window = self.cfg.fair_share_window;
+        if let Some(u) = self.tenants.get_mut(tenant) {
+            u.queued += 1;
+            u.queued_tokens += cost;
+            u.note_peak(now, window);
+        }
+        Ok(t)
+    }
+
+    fn left_queue(&mut self, tenant: &K, cost: u64) {
+        if let Some(u) = self.tenants.get_mut(tenant) {
+            u.queued = u.queued.saturating_sub(1);
+            u.queued_tokens = u.queued_tokens.saturating_sub(cost);
+        }
+    }
+
+    /// Takes the next queued entry that may go now, with the backend it goes to. `kv_of`
+    /// gives an entry's KV cost (its payload knows it).
+    pub(crate) fn next_ready(
+        &mut self,
+        now: Timestamp,
+        kv_of: impl Fn(&K, u64) -> u64,
+    ) -> Option<(Entry<P, K>, usize)> {
+        let mut target = None;
+        // `pop_where` needs the queue mutably while the judge reads the rest of the lane.
+        let Lane {
+            queue,
+            backends,
+            tenants,
+            cfg,
+            ..
+        } = self;
+        let view = LaneView {
+            backends,
+            tenants,
+            cfg,
+        };
+        let entry = queue.pop_where(|tenant, cost| {
+            let kv = kv_of(tenant, cost);
+            if !view.within_share(tenant, kv, now) {
+                return Pick::SkipTenant;
+            }
+            match view.pick(kv, now, None) {
+                Some(i) => {
+                    target = Some(i);
+                    Pick::Take
+                }
+                None => Pick::Stop,
+            }
+        })?;
+        self.left_queue(&entry.tenant, entry.cost);
+        Some((entry, target?))
+    }
+
+    /// Removes a queued entry (cancelled).
+    pub(crate) fn cancel(&mut self, ticket: crate::queue::Ticket) -> Option<Entry<P, K>> {
+        let e = self.queue.cancel(ticket)?;
+        self.left_queue(&e.tenant, e.cost);
+        Some(e)
+    }
+
+    /// Removes every entry past its deadline into `out`.
+    pub(crate) fn expire_into(&mut self, now: Timestamp, out: &mut Vec<Entry<P, K>>) {
+        let from = out.len();
+        self.queue.expire_into(now, out);
+        for e in &out[from..] {
+            if let Some(u) = self.tenants.get_mut(&e.tenant) {
+                u.queued = u.queued.saturating_sub(1);
+                u.queued_tokens = u.queued_tokens.saturating_sub(e.cost);
+            }
+        }
+    }
+
+    /// Removes every queued entry into `out` (the lane cannot serve them).
+    pub(crate) fn drain_into(&mut self, out: &mut Vec<Entry<P, K>>) {
+        while let Some(e) = self.queue.pop() {
+            self.left_queue(&e.tenant, e.cost);
+            out.push(e);
+        }
+    }
+
+    /// The earliest queued deadline.
+    pub fn next_deadline(&self) -> Option<Timestamp> {
+        self.queue.next_deadline()
+    }
+
+    /// The watermark load a request of `tier` sees: everything in flight plus what is
+    /// queued at its priority or higher (lower tiers would be served after it).
+    pub fn load_for(&self, tier: Tier) -> u64 {
+        (self.in_flight + self.queue.len_at_or_above(tier)) as u64
+    }
+
+    /// In flight + queued.
+    pub fn load(&self) -> u64 {
+        (self.in_flight + self.queue.len()) as u64
+    }
+
+    /// Requests queued.
+    pub fn queued(&self) -> usize {
+        self.queue.len()
+    }
+
+    /// Requests queued at `tier` or higher.
+    pub fn queued_at_or_above(&self, tier: Tier) -> usize {
+        self.queue.len_at_or_above(tier)
+    }
+
+    /// Requests in flight at backend `id`.
+    pub fn in_flight_of(&self, id: &str) -> Option<usize> {
+        self.backends
+            .iter()
+            .find(|b| &*b.id == id)
+            .map(|b| b.in_flight)
+    }
+
+    /// Requests in flight.
+    pub fn in_flight(&self) -> usize {
+        self.in_flight
+    }
+
+    /// Whether a request of `cost` tokens may join the queue in `tier`.
+    pub(crate) fn can_push(&self, tier: Tier, cost: u64) -> Result<(), crate::queue::PushRefusal> {
+        self.queue.can_push(tier, cost)
+    }
+
+    /// The measured dispatch rate.
+    pub fn drain(&self) -> &DrainRate {
+        &self.drain
+    }
+
+    /// Dispatches per second (recent).
+    pub fn dispatch_rate(&self, now: Timestamp) -> f64 {
+        self.drain.per_second(now)
+    }
+
+    /// Mean time a request holds a backend, once measured.
+    pub fn mean_service(&self) -> Option<Duration> {
+        self.service_secs.map(Duration::from_secs_f64)
+    }
+
+    /// Where a new request of `tenant` in `tier` would stand, and how long it would wait
+    /// there: position × mean service time ÷ requests in flight (Little's law over the
+    /// lane's measured service). `None` until a service time has been measured.
+    pub fn predict_wait(&self, tier: Tier, tenant: &K) -> (usize, Option<Duration>) {
+        let position = self.queue.position_estimate(tier, tenant) + 1;
+        let wait = self.service_secs.map(|s| {
+            let servers = self.in_flight.max(1) as f64;
+            Duration::from_secs_f64((position as f64 * s / servers).min(1e6))
+        });
+        (position, wait)
+    }
+
+    /// Why nothing can be served now, if so, and when to try again (the earliest breaker
+    /// probe; `None` when that is unknown).
+    pub fn unservable(&self, now: Timestamp) -> Option<(Unservable, Option<Duration>)> {
+        let healthy: Vec<&Backend> = self.backends.iter().filter(|b| b.routable).collect();
+        if healthy.is_empty() {
+            return Some((Unservable::NoHealthyBackend, None));
+        }
+        if healthy
+            .iter()
+            .all(|b| b.breaker.state(now) == BreakerState::Open)
+        {
+            let wait = healthy
+                .iter()
+                .filter_map(|b| {
+                    b.breaker
+                        .clone()
+                        .try_acquire(now)
+                        .err()
+                        .map(|o| o.retry_after)
+                })
+                .min();
+            return Some((Unservable::CircuitOpen, wait));
+        }
+        None
+    }
+
+    /// Queue figures.
+    pub fn queue_stats(&self) -> QueueStats {
+        self.queue.stats()
+    }
+
+    /// Backlogged tenants: `(tier, tenant, entries, tokens)`.
+    pub fn backlogged(&self) -> impl Iterator<Item = (Tier, &K, usize, u64)> + '_ {
+        self.queue.backlogged()
+    }
+
+    /// Per-backend figures.
+    pub fn backend_stats(&self, now: Timestamp) -> Vec<BackendStats> {
+        self.backends
+            .iter()
+            .map(|b| BackendStats {
+                id: b.id.clone(),
+                routable: b.routable,
+                in_flight: b.in_flight,
+                request_cap: b.request_cap(now, &self.cfg),
+                tokens_in_flight: b.tokens,
+                kv_tokens: b.limits.kv_tokens,
+                breaker: b.breaker.stats(now),
+            })
+            .collect()
+    }
+
+    /// Largest KV use of any backend as a share of its budget (levee's reservations or the
+    /// engine's report, whichever is larger), for the degradation planner.
+    pub fn kv_fill(&self, now: Timestamp) -> f64 {
+        self.backends
+            .iter()
+            .filter_map(|b| {
+                let total = b.limits.kv_tokens? as f64;
+                (total > 0.0).then(|| b.tokens_in_use(now, &self.cfg) as f64 / total)
+            })
+            .fold(0.0, f64::max)
+    }
+}
+
+/// The parts of a lane that `next_ready`'s judge reads while the queue is borrowed.
+struct LaneView<'a, K> {
+    backends: &'a [Backend],
+    tenants: &'a HashMap<K, TenantUse, FastState>,
+    cfg: &'a LaneConfig,
+}
+
+impl<K: Hash + Eq> LaneView<'_, K> {
+    /// The most `tenant` may hold now, in requests and KV tokens, or `None` when it is
+    /// alone at its priority and may take everything.
+    fn share_cap(&self, tenant: &K, now: Timestamp) -> Option<(usize, Option<u64>)> {
+        let me = self.tenants.get(tenant)?;
+        let window = self.cfg.fair_share_window;
+        let mut weights = u64::from(me.weight);
+        let mut others = false;
+        for (k, u) in self.tenants.iter() {
+            if k == tenant || u.tier > me.tier || !u.active(now, window) {
+                continue;
+            }
+            others = true;
+            weights += u64::from(u.weight);
+        }
+        if !others {
+            return None;
+        }
+        let slots: usize = self
+            .backends
+            .iter()
+            .filter(|b| b.routable)
+            .map(|b| b.limits.max_in_flight)
+            .sum();
+        let tokens: Option<u64> = self
+            .backends
+            .iter()
+            .filter(|b| b.routable)
+            .map(|b| b.usable_tokens(self.cfg.kv_headroom))
+            .sum();
+        let share = |total: u64, w: u32| total.saturating_mul(u64::from(w)) / weights.max(1);
+        let (mut reserve_req, mut reserve_tok) = (0u64, 0u64);
+        for (k, u) in self.tenants.iter() {
+            if k == tenant || u.tier > me.tier || !u.active(now, window) {
+                continue;
+            }
+            let recent = now.saturating_duration_since(u.peak_at) <= window;
+            let (peak_r, peak_t) = if recent {
+                (u.peak_requests, u.peak_tokens)
+            } else {
+                (0, 0)
+            };
+            let need_r = (u.in_flight + u.queued).max(peak_r) as u64 + 1;
+            reserve_req += share(slots as u64, u.weight).min(need_r);
+            if let Some(t) = tokens {
+                // One average request of headroom on top of its peak.
+                let per_req = (u.tokens + u.queued_tokens)
+                    .max(peak_t)
+                    .checked_div(need_r.saturating_sub(1))
+                    .unwrap_or(0);
+                let need_t = (u.tokens + u.queued_tokens).max(peak_t) + per_req;
+                reserve_tok += share(t, u.weight).min(need_t);
+            }
+        }
+        let cap_req =
+            share(slots as u64, me.weight).max((slots as u64).saturating_sub(reserve_req));
+        let cap_tok = tokens.map(|t| share(t, me.weight).max(t.saturating_sub(reserve_tok)));
+        Some((usize::try_from(cap_req).unwrap_or(usize::MAX), cap_tok))
+    }
+
+    /// Whether `tenant` may take one more request of `kv_cost` under its fair share.
+    fn within_share(&self, tenant: &K, kv_cost: u64, now: Timestamp) -> bool {
+        let Some(u) = self.tenants.get(tenant) else {
+            return true;
+        };
+        if u.in_flight == 0 {
+            return true; // everyone may have one request running
+        }
+        match self.share_cap(tenant, now) {
+            None => true,
+            Some((req, tok)) => {
+                u.in_flight < req && tok.is_none_or(|t| u.tokens.saturating_add(kv_cost) <= t)
+            }
+        }
+    }
+
+    /// The backend with room for `kv_cost` and the lowest fill, skipping `except`.
+    fn pick(&self, kv_cost: u64, now: Timestamp, except: Option<&str>) -> Option<usize> {
+        let mut best: Option<(usize, f64)> = None;
+        for (i, b) in self.backends.iter().enumerate() {
+            if except == Some(&*b.id) || !b.has_room(kv_cost, now, self.cfg) {
+                continue;
+            }
+            let f = b.fill(now, self.cfg);
+            if best.is_none_or(|(_, bf)| f < bf) {
+                best = Some((i, f));
+            }
+        }
+        best.map(|(i, _)| i)
+    }
+}
