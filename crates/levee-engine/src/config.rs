@@ -14,6 +14,12 @@ pub enum OverloadMode {
     Crash,
 }
 
+/// Tokens per KV-cache block: vLLM's default `block_size`. The cache is paged in whole
+/// blocks, so [`GpuParams::kv_capacity_tokens`] must be a multiple of it; the engine
+/// describes its cache as `vllm:cache_config_info{block_size, num_gpu_blocks}` with
+/// `block_size × num_gpu_blocks = kv_capacity_tokens` exactly.
+pub const KV_BLOCK_SIZE: u32 = 16;
+
 /// Parameters of the simulated GPU (continuous batching over a paged KV cache).
 ///
 /// Times are simulated: they are divided by [`EngineConfig::time_scale`] to get wall time.
@@ -21,7 +27,8 @@ pub enum OverloadMode {
 #[serde(deny_unknown_fields, default)]
 pub struct GpuParams {
     /// KV-cache capacity in tokens, summed over all running sequences
-    /// (each holds `prompt + generated so far` tokens).
+    /// (each holds `prompt + generated so far` tokens). A whole number of
+    /// [`KV_BLOCK_SIZE`]-token blocks.
     pub kv_capacity_tokens: u32,
     /// Most sequences in the running batch (vLLM's `max_num_seqs`).
     pub max_running_seqs: u32,
@@ -41,6 +48,13 @@ pub struct GpuParams {
     pub overload: OverloadMode,
     /// How long a crashed engine stays down, in simulated seconds.
     pub restart_secs: f64,
+}
+
+impl GpuParams {
+    /// KV-cache blocks of [`KV_BLOCK_SIZE`] tokens (vLLM's `num_gpu_blocks`).
+    pub fn kv_blocks(&self) -> u32 {
+        self.kv_capacity_tokens / KV_BLOCK_SIZE
+    }
 }
 
 impl Default for GpuParams {
@@ -159,7 +173,8 @@ impl EngineConfig {
             output_tokens_min: 16,
             output_tokens_max: 16,
             gpu: GpuParams {
-                kv_capacity_tokens: u32::MAX / 2,
+                // The largest whole number of blocks in u32::MAX / 2.
+                kv_capacity_tokens: (u32::MAX / 2) / KV_BLOCK_SIZE * KV_BLOCK_SIZE,
                 max_running_seqs: 1_000_000,
                 max_batched_prefill_tokens: u32::MAX / 2,
                 max_model_len: 1_000_000,
@@ -222,6 +237,15 @@ impl EngineConfig {
             self.time_scale
         );
         anyhow::ensure!(
+            g.kv_capacity_tokens >= KV_BLOCK_SIZE
+                && g.kv_capacity_tokens.is_multiple_of(KV_BLOCK_SIZE),
+            "engine config: gpu.kv_capacity_tokens ({}) must be a whole number (>= 1) of \
+             {KV_BLOCK_SIZE}-token KV blocks; use {} or {}",
+            g.kv_capacity_tokens,
+            (g.kv_capacity_tokens / KV_BLOCK_SIZE).max(1) * KV_BLOCK_SIZE,
+            (g.kv_capacity_tokens / KV_BLOCK_SIZE + 1) * KV_BLOCK_SIZE
+        );
+        anyhow::ensure!(
             g.max_running_seqs >= 1,
             "engine config: gpu.max_running_seqs must be at least 1"
         );
@@ -273,6 +297,28 @@ mod tests {
         assert!(err.contains("max_model_len"), "{err}");
         let mut cfg = EngineConfig::tiny_fast();
         cfg.time_scale = 0.0;
+        assert!(cfg.validate().is_err());
+    }
+
+    #[test]
+    fn kv_capacity_is_whole_blocks() {
+        for name in PROFILE_NAMES {
+            let g = EngineConfig::profile(name).unwrap().gpu;
+            assert_eq!(
+                g.kv_blocks() * KV_BLOCK_SIZE,
+                g.kv_capacity_tokens,
+                "{name}"
+            );
+        }
+        let mut cfg = EngineConfig::tiny_fast();
+        cfg.gpu.kv_capacity_tokens = 2050;
+        let err = cfg.validate().unwrap_err().to_string();
+        assert!(
+            err.contains("kv_capacity_tokens") && err.contains("2048 or 2064"),
+            "{err}"
+        );
+        cfg.gpu.kv_capacity_tokens = 8;
+        cfg.gpu.max_model_len = 4;
         assert!(cfg.validate().is_err());
     }
 

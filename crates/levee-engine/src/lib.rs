@@ -26,7 +26,7 @@ mod scheduler;
 mod server;
 pub mod tokens;
 
-pub use config::{EngineConfig, GpuParams, OverloadMode, PROFILE_NAMES};
+pub use config::{EngineConfig, GpuParams, OverloadMode, KV_BLOCK_SIZE, PROFILE_NAMES};
 pub use scheduler::{EngineState, EngineStats, Faults, FaultsUpdate};
 pub use server::AdminState;
 pub use tokens::{estimate_chat_prompt_tokens, estimate_prompt_tokens};

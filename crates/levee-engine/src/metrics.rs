@@ -34,6 +34,13 @@ pub(crate) struct ReasonLabel {
     pub reason: &'static str,
 }
 
+/// Labels of `vllm:cache_config_info`: how the KV cache is paged.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(crate) struct CacheConfigLabels {
+    pub block_size: u32,
+    pub num_gpu_blocks: u32,
+}
+
 /// The engine's metrics and the registry that renders them.
 pub(crate) struct Metrics {
     registry: Registry,
@@ -54,8 +61,9 @@ pub(crate) struct Metrics {
 }
 
 impl Metrics {
-    /// Metrics labelled `model_name=<model>` as vLLM labels its own.
-    pub fn new(model: &str) -> Self {
+    /// Metrics labelled `model_name=<model>` as vLLM labels its own, describing a KV cache of
+    /// `num_gpu_blocks` blocks of `block_size` tokens.
+    pub fn new(model: &str, block_size: u32, num_gpu_blocks: u32) -> Self {
         let mut registry = Registry::with_labels(
             [(Cow::Borrowed("model_name"), Cow::Owned(model.to_string()))].into_iter(),
         );
@@ -94,6 +102,20 @@ impl Metrics {
             "vllm:gpu_cache_usage_perc",
             "KV-cache usage, 0 to 1 (the name vLLM used before 0.10)",
             m.gpu_cache_usage.clone(),
+        );
+        // vLLM describes its cache config as the labels of a gauge that is always 1; the
+        // gateway reads the KV budget from it (block_size × num_gpu_blocks tokens).
+        let cache_config = Family::<CacheConfigLabels, Gauge>::default();
+        cache_config
+            .get_or_create(&CacheConfigLabels {
+                block_size,
+                num_gpu_blocks,
+            })
+            .set(1);
+        registry.register(
+            "vllm:cache_config_info",
+            "Information of the KV cache config (block_size x num_gpu_blocks = KV tokens)",
+            cache_config,
         );
         registry.register(
             "vllm:time_to_first_token_seconds",

@@ -286,7 +286,11 @@ pub(crate) fn start(
     );
     let (stats_tx, stats_rx) = watch::channel(initial);
     let shared = Arc::new(Shared {
-        metrics: Metrics::new(&config.model),
+        metrics: Metrics::new(
+            &config.model,
+            crate::config::KV_BLOCK_SIZE,
+            config.gpu.kv_blocks(),
+        ),
         config,
         clock,
         commands,

@@ -250,6 +250,51 @@ async fn chat_and_completions_follow_the_openai_shapes_with_exact_usage() {
     engine.shutdown().await.unwrap();
 }
 
+/// The value of a label in a Prometheus sample line (`name{a="1",b="2"} v`).
+fn label_value<'a>(line: &'a str, label: &str) -> &'a str {
+    let start = line.find(&format!("{label}=\"")).unwrap() + label.len() + 2;
+    let len = line[start..].find('"').unwrap();
+    &line[start..start + len]
+}
+
+#[tokio::test(start_paused = true)]
+async fn describes_its_kv_cache_and_context_like_vllm() {
+    let mut config = EngineConfig::tiny_fast();
+    config.gpu.kv_capacity_tokens = 3 * 1024 + 16;
+    config.gpu.max_model_len = 777;
+    let (engine, client) = start(config).await;
+
+    // vLLM's cache config: an info gauge (always 1) whose labels page the KV capacity.
+    let metrics = get(&client, &engine, "/metrics")
+        .await
+        .text()
+        .await
+        .unwrap();
+    let lines: Vec<&str> = metrics
+        .lines()
+        .filter(|l| l.starts_with("vllm:cache_config_info{"))
+        .collect();
+    assert_eq!(lines.len(), 1, "{metrics}");
+    assert!(
+        metrics.contains("# TYPE vllm:cache_config_info gauge"),
+        "{metrics}"
+    );
+    let block_size: u32 = label_value(lines[0], "block_size").parse().unwrap();
+    let blocks: u32 = label_value(lines[0], "num_gpu_blocks").parse().unwrap();
+    assert_eq!(block_size, levee_engine::KV_BLOCK_SIZE);
+    assert_eq!(block_size * blocks, 3 * 1024 + 16);
+    assert_eq!(metric(&metrics, "vllm:cache_config_info", ""), 1.0);
+
+    // vLLM's context length on each model object.
+    let models: Value = get(&client, &engine, "/v1/models")
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(models["data"][0]["max_model_len"], 777);
+    engine.shutdown().await.unwrap();
+}
+
 #[tokio::test(start_paused = true)]
 async fn ttft_rises_with_queue_length() {
     let (engine, client) = start(EngineConfig::tiny_fast()).await;
