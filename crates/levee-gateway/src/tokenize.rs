@@ -88,6 +88,39 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_tokenizer_json_counts_exactly() {
+        use tokenizers::models::wordlevel::WordLevel;
+        use tokenizers::pre_tokenizers::whitespace::Whitespace;
+        let vocab = [("[UNK]", 0u32), ("hello", 1), ("world", 2)]
+            .into_iter()
+            .map(|(w, i)| (w.to_string(), i))
+            .collect();
+        let model = WordLevel::builder()
+            .vocab(vocab)
+            .unk_token("[UNK]".into())
+            .build()
+            .unwrap();
+        let mut t = tokenizers::Tokenizer::new(model);
+        t.with_pre_tokenizer(Some(Whitespace {}));
+        let dir = std::env::temp_dir().join(format!("levee-tok-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("tokenizer.json");
+        t.save(&path, false).unwrap();
+        let counter = TokenCounter::from_file(&path).unwrap();
+        let p = PromptText {
+            // 5 words: 5 tokens (the fallback rule would say ⌈29 / 4⌉ = 8).
+            parts: vec!["hello world hello world xyzzy".into()],
+            chat: false,
+            token_ids: 0,
+        };
+        assert_eq!(counter.count(&p), 5);
+        assert_eq!(TokenCounter::CharsPerToken.count(&p), 8);
+        let err = TokenCounter::from_file(&dir.join("missing.json")).unwrap_err();
+        assert!(err.contains("missing.json"), "{err}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
     fn fallback_matches_the_chat_rule() {
         let p = PromptText {
             parts: vec!["hello world!".into(), "".into()],

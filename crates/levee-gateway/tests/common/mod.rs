@@ -29,6 +29,8 @@ pub struct MockState {
     pub hold: AtomicBool,
     /// Permits releasing held requests.
     pub gate: Semaphore,
+    /// What `/props` answers (llama.cpp's self-description); 404 when unset.
+    pub props: Mutex<Option<Value>>,
 }
 
 impl Default for MockState {
@@ -40,6 +42,7 @@ impl Default for MockState {
             fail: AtomicBool::new(false),
             hold: AtomicBool::new(false),
             gate: Semaphore::new(0),
+            props: Mutex::new(None),
         }
     }
 }
@@ -156,6 +159,13 @@ async fn metrics(State(st): State<Arc<MockState>>) -> String {
     )
 }
 
+async fn props(State(st): State<Arc<MockState>>) -> Response {
+    match st.props.lock().clone() {
+        Some(v) => axum::Json(v).into_response(),
+        None => http::StatusCode::NOT_FOUND.into_response(),
+    }
+}
+
 /// Starts a mock backend on an ephemeral port.
 pub async fn mock() -> Mock {
     let state = Arc::new(MockState::default());
@@ -163,6 +173,7 @@ pub async fn mock() -> Mock {
         .route("/v1/chat/completions", post(completion))
         .route("/v1/completions", post(completion))
         .route("/metrics", get(metrics))
+        .route("/props", get(props))
         .route("/health", get(|| async { "ok" }))
         .with_state(state.clone());
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

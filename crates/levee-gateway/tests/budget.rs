@@ -1,0 +1,231 @@
+//! Token- and KV-aware admission end to end: budgets learned from the engines, context
+//! checks, the injected completion budget, choices counted, lanes isolated per model.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is the report
+
+mod common;
+
+use common::*;
+use levee_gateway::config::{BackendConfig, BackendKind, ModelConfig};
+use levee_gateway::start;
+use serde_json::Value;
+use std::time::Duration;
+
+async fn state(c: &reqwest::Client, admin: &str) -> Value {
+    c.get(format!("{admin}/admin/state"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap()
+}
+
+/// A chat asking `max_tokens` with a prompt of about `prompt_tokens` tokens.
+fn sized(prompt_tokens: usize, max_tokens: u64) -> Value {
+    serde_json::json!({"model": "m", "max_tokens": max_tokens,
+        "messages": [{"role": "user", "content": "abcd".repeat(prompt_tokens)}]})
+}
+
+#[tokio::test]
+async fn a_vllm_style_engine_is_budgeted_by_the_kv_tokens_it_reports() {
+    // 2,048 KV tokens and 8 sequence slots, in crash mode: more tokens in flight than its
+    // cache holds and it restarts, failing everything it runs.
+    let mut ecfg = levee_engine::EngineConfig::tiny_fast();
+    ecfg.model = "m".into();
+    ecfg.gpu.overload = levee_engine::OverloadMode::Crash;
+    let e = levee_engine::spawn(ecfg, "127.0.0.1:0".parse().unwrap())
+        .await
+        .unwrap();
+    let mut cfg = config(&[e.base_url()], 8);
+    cfg.scrape.interval_ms = 50;
+    let gw = start(cfg).await.unwrap();
+    let c = client();
+    let admin = gw.admin_url();
+    // Learned: 128 blocks × 16 tokens, and max_model_len 1,024.
+    let mut learned = Value::Null;
+    for _ in 0..200 {
+        learned = state(&c, &admin).await["models"][0]["backends"][0].clone();
+        if learned["kv_tokens"] == 2048 && learned["learned"]["max_context"] == 1024 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(learned["kv_tokens"], 2048, "{learned}");
+    assert_eq!(learned["learned"]["max_context"], 1024, "{learned}");
+    // Longer than the context: refused at the gateway, before any queue.
+    let r = c
+        .post(format!("{}/v1/chat/completions", gw.public_url()))
+        .bearer_auth("key-s")
+        .json(&sized(1_100, 16))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 400);
+    assert_eq!(
+        error_json(r).await["error"]["code"],
+        "context_length_exceeded"
+    );
+    // Eight requests of ~700 tokens each: 5,600 tokens would crash the engine; levee keeps
+    // at most two in flight (1,945 usable tokens after 5% headroom) and serves them all.
+    let mut tasks = Vec::new();
+    for _ in 0..8 {
+        let (c, url) = (c.clone(), gw.public_url());
+        tasks.push(tokio::spawn(async move {
+            c.post(format!("{url}/v1/chat/completions"))
+                .bearer_auth("key-s")
+                .json(&sized(600, 100))
+                .send()
+                .await
+                .unwrap()
+                .status()
+        }));
+    }
+    let mut peak = 0u64;
+    while !tasks.iter().all(|t| t.is_finished()) {
+        let b = state(&c, &admin).await["models"][0]["backends"][0].clone();
+        peak = peak.max(b["tokens_in_flight"].as_u64().unwrap_or(0));
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    for t in tasks {
+        assert_eq!(t.await.unwrap(), 200);
+    }
+    assert!(peak <= 1_945, "peak {peak} tokens in flight");
+    assert!(peak > 0);
+    gw.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_llamacpp_style_server_is_budgeted_by_its_slots_and_context() {
+    let m = mock().await;
+    *m.state.props.lock() = Some(serde_json::json!({
+        "total_slots": 2,
+        "default_generation_settings": {"n_ctx": 512},
+    }));
+    let mut cfg = config(&[m.url()], 64);
+    cfg.models[0].backends[0].kind = BackendKind::Llamacpp;
+    cfg.scrape.interval_ms = 50;
+    let gw = start(cfg).await.unwrap();
+    let c = client();
+    let mut b = Value::Null;
+    for _ in 0..200 {
+        b = state(&c, &gw.admin_url()).await["models"][0]["backends"][0].clone();
+        if b["max_in_flight"] == 2 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(b["max_in_flight"], 2, "{b}");
+    assert_eq!(b["kv_tokens"], 1024, "{b}");
+    assert_eq!(b["learned"]["max_context"], 512, "{b}");
+    let r = c
+        .post(format!("{}/v1/chat/completions", gw.public_url()))
+        .bearer_auth("key-s")
+        .json(&sized(400, 200))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 400);
+    // Two slots: a third request waits in levee, not in the server.
+    m.hold(true);
+    let held: Vec<_> = (0..3)
+        .map(|i| spawn_chat(&c, &gw.public_url(), "s", &format!("h{i}")))
+        .collect();
+    let g = gw.gateway().clone();
+    wait_until("two running, one queued", || {
+        m.count() == 2 && g.queued.load(std::sync::atomic::Ordering::SeqCst) == 1
+    })
+    .await;
+    m.release(3);
+    for h in held {
+        assert_eq!(h.await.unwrap().status(), 200);
+    }
+    assert_eq!(m.count(), 3);
+    gw.shutdown().await;
+}
+
+#[tokio::test]
+async fn the_default_completion_budget_is_injected_and_choices_multiply_it() {
+    let m = mock().await;
+    let mut cfg = config(&[m.url()], 4);
+    cfg.models[0].default_max_tokens = Some(77);
+    cfg.tenants[1].tokens_per_minute = 400;
+    let gw = start(cfg).await.unwrap();
+    let c = client();
+    let send = |body: Value| {
+        c.post(format!("{}/v1/chat/completions", gw.public_url()))
+            .bearer_auth("key-s")
+            .json(&body)
+            .send()
+    };
+    let r =
+        send(serde_json::json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]}))
+            .await
+            .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(m.received().last().unwrap()["max_tokens"], 77);
+    // n = 6 choices of 77 tokens: 462 tokens, more than the tenant's 400 per minute.
+    let r = send(serde_json::json!({"model": "m", "n": 6,
+        "messages": [{"role": "user", "content": "hi"}]}))
+    .await
+    .unwrap();
+    assert_eq!(r.status(), 400, "{:?}", r.text().await);
+    // The client's own max_tokens is sent as it is.
+    let r = send(serde_json::json!({"model": "m", "max_tokens": 5,
+        "messages": [{"role": "user", "content": "hi"}]}))
+    .await
+    .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(m.received().last().unwrap()["max_tokens"], 5);
+    gw.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_flood_on_one_model_leaves_another_alone() {
+    let a = mock().await;
+    let b = mock().await;
+    let mut cfg = config(&[a.url()], 2);
+    cfg.queue.safe = 2;
+    cfg.queue.soft = 4;
+    cfg.queue.hard = 6;
+    cfg.models.push(ModelConfig {
+        name: "other".into(),
+        backends: vec![BackendConfig {
+            url: b.url(),
+            max_in_flight: 2,
+            ..BackendConfig::default()
+        }],
+        ..ModelConfig::default()
+    });
+    let gw = start(cfg).await.unwrap();
+    let c = client();
+    a.hold(true);
+    // Model m at its hard mark: 2 running, 4 queued, the rest refused.
+    let flood: Vec<_> = (0..10)
+        .map(|i| spawn_chat(&c, &gw.public_url(), "s", &format!("f{i}")))
+        .collect();
+    let g = gw.gateway().clone();
+    wait_until("model m full", || {
+        a.count() == 2 && g.queued.load(std::sync::atomic::Ordering::SeqCst) == 4
+    })
+    .await;
+    // Model "other" is served at once.
+    let mut body = chat_body("quiet");
+    body["model"] = "other".into();
+    let r = c
+        .post(format!("{}/v1/chat/completions", gw.public_url()))
+        .bearer_auth("key-s")
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert!(r.headers().get("x-levee-queue-ms").is_none());
+    a.release(10);
+    let mut codes = Vec::new();
+    for t in flood {
+        codes.push(t.await.unwrap().status().as_u16());
+    }
+    assert_eq!(codes.iter().filter(|c| **c == 200).count(), 6, "{codes:?}");
+    assert_eq!(codes.iter().filter(|c| **c == 429).count(), 4, "{codes:?}");
+    gw.shutdown().await;
+}
