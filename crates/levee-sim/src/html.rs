@@ -31,6 +31,9 @@ pub struct Page {
     pub lead_html: String,
     /// Vertical lines on every chart.
     pub markers: Vec<Marker>,
+    /// More lines on the charts of one run only (by position in the runs), e.g. the crashes
+    /// that run saw.
+    pub run_markers: Vec<Vec<Marker>>,
 }
 
 const WIDTH: u32 = 900;
@@ -295,8 +298,10 @@ pub fn write_page(runs: &[(&str, &Report)], page: &Page, path: &Path) -> anyhow:
             markers,
         )?);
     }
-    for (label, r) in runs {
-        run_section(&mut out, label, r, markers)?;
+    for (i, (label, r)) in runs.iter().enumerate() {
+        let mut own = markers.to_vec();
+        own.extend(page.run_markers.get(i).into_iter().flatten().cloned());
+        run_section(&mut out, label, r, &own)?;
     }
     out.push_str("</body></html>\n");
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {

@@ -333,4 +333,68 @@ mod tests {
         proxy.shutdown().await;
         dead.shutdown().await;
     }
+
+    #[tokio::test]
+    async fn the_capped_proxy_holds_a_slot_until_the_answer_ends_and_queues_in_order() {
+        let cfg = levee_engine::EngineConfig::profile("tiny-fast").unwrap();
+        let model = cfg.model.clone();
+        let engine = levee_engine::spawn(cfg, "127.0.0.1:0".parse().unwrap())
+            .await
+            .unwrap();
+        let cap = Cap {
+            per_backend: 1,
+            queue_len: 0,
+            queue_timeout: Duration::from_secs(30),
+        };
+        let proxy = Passthrough::start_capped(vec![engine.base_url()], cap)
+            .await
+            .unwrap();
+        let client = reqwest::Client::new();
+        let url = format!("{}/v1/chat/completions", proxy.base_url());
+        let body = |n: u32| {
+            serde_json::json!({
+                "model": model,
+                "messages": [{"role": "user", "content": "hello"}],
+                "max_tokens": n,
+                "stream": true,
+            })
+        };
+        // The first stream holds the only slot while its body is unread.
+        let first = client.post(&url).json(&body(64)).send().await.unwrap();
+        assert_eq!(first.status(), 200);
+        // No queue: the next request is refused at once, in OpenAI's error shape.
+        let refused = client.post(&url).json(&body(4)).send().await.unwrap();
+        assert_eq!(refused.status(), 503);
+        let v: serde_json::Value = refused.json().await.unwrap();
+        assert_eq!(v["error"]["code"], "queue_full");
+        // Once the first answer has ended, its slot is free again.
+        assert!(first.text().await.unwrap().contains("[DONE]"));
+        let next = client.post(&url).json(&body(4)).send().await.unwrap();
+        assert_eq!(next.status(), 200);
+        next.text().await.unwrap();
+        proxy.shutdown().await;
+
+        // With a queue, a request waits for the slot instead of failing.
+        let proxy = Passthrough::start_capped(
+            vec![engine.base_url()],
+            Cap {
+                queue_len: 4,
+                ..cap
+            },
+        )
+        .await
+        .unwrap();
+        let url = format!("{}/v1/chat/completions", proxy.base_url());
+        let first = client.post(&url).json(&body(64)).send().await.unwrap();
+        let queued = tokio::spawn({
+            let client = client.clone();
+            let url = url.clone();
+            let b = body(4);
+            async move { client.post(&url).json(&b).send().await.unwrap().status() }
+        });
+        first.text().await.unwrap();
+        assert_eq!(queued.await.unwrap(), 200);
+        proxy.shutdown().await;
+        engine.shutdown().await.unwrap();
+    }
 }
