@@ -34,6 +34,7 @@ pub use tokens::{estimate_chat_prompt_tokens, estimate_prompt_tokens};
 use anyhow::Context as _;
 use scheduler::{Command, Shared};
 use std::net::SocketAddr;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::watch;
@@ -142,6 +143,18 @@ impl EngineHandle {
     /// The same JSON `GET /admin/state` answers.
     pub fn admin_state(&self) -> AdminState {
         server::admin_state_of(&self.shared)
+    }
+
+    /// Crashes ordered from outside (`POST /admin/crash` or [`Self::crash_now`]) so far; the
+    /// rest of [`EngineStats::crashes`] came from KV-cache overload.
+    pub fn injected_crashes(&self) -> u64 {
+        self.shared.injected_crashes.load(Ordering::Relaxed)
+    }
+
+    /// Inference requests answered 503 `engine_unavailable` because the engine was down
+    /// after a crash: traffic a router sent to a dead backend.
+    pub fn refused_while_down(&self) -> u64 {
+        self.shared.metrics.failures("unavailable")
     }
 
     /// Crashes the engine now, as `POST /admin/crash` does.

@@ -177,4 +177,9 @@ impl Metrics {
     pub fn fail(&self, reason: &'static str) {
         self.failed.get_or_create(&ReasonLabel { reason }).inc();
     }
+
+    /// Requests failed for `reason` so far.
+    pub fn failures(&self, reason: &'static str) -> u64 {
+        self.failed.get_or_create(&ReasonLabel { reason }).get()
+    }
 }

@@ -224,6 +224,9 @@ pub(crate) struct Shared {
     pub faults: parking_lot::Mutex<Faults>,
     pub metrics: Metrics,
     pub next_id: AtomicU64,
+    /// Crashes ordered from outside (`POST /admin/crash`, [`crate::EngineHandle::crash_now`]),
+    /// as opposed to those the KV cache caused: a drill reports the two apart.
+    pub injected_crashes: AtomicU64,
 }
 
 impl Shared {
@@ -297,6 +300,7 @@ pub(crate) fn start(
         stats: stats_rx,
         faults: parking_lot::Mutex::new(Faults::default()),
         next_id: AtomicU64::new(1),
+        injected_crashes: AtomicU64::new(0),
     });
     let scheduler = Scheduler {
         model,
@@ -447,6 +451,7 @@ impl Scheduler {
             Command::Crash => {
                 if self.model.health() == Health::Healthy {
                     self.model.crash(now, &mut self.events);
+                    self.shared.injected_crashes.fetch_add(1, Ordering::Relaxed);
                 }
             }
             Command::Hang(hang) => self.hung = hang,

@@ -460,6 +460,9 @@ async fn crash_mode_overload_fails_in_flight_then_recovers_after_restart_secs() 
     assert_eq!(resp.status(), 503);
     let err: Value = resp.json().await.unwrap();
     assert_eq!(err["error"]["code"], "engine_unavailable");
+    // An overload crash is not an injected one; the refusal while down is counted.
+    assert_eq!(engine.injected_crashes(), 0);
+    assert_eq!(engine.refused_while_down(), 1);
 
     // Still down just before restart_secs have passed, up just after.
     tokio::time::sleep(Duration::from_secs_f64(restart_in - 0.05)).await;
@@ -772,6 +775,7 @@ async fn admin_faults_inject_errors_latency_hang_and_crash() {
         .unwrap();
     assert_eq!(state["stats"]["state"], "crashed");
     assert_eq!(state["stats"]["crashes"], 1);
+    assert_eq!(engine.injected_crashes(), 1);
     assert_eq!(get(&client, &engine, "/health").await.status(), 503);
     engine
         .wait_for(|s| s.state == EngineState::Healthy)

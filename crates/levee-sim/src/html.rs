@@ -9,12 +9,44 @@ use std::path::Path;
 
 type Series = (String, Vec<(f64, f64)>);
 
+/// A vertical line across every chart of a page: where the offered load changes phase, or
+/// where a fault hit (e.g. an engine crash).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Marker {
+    /// Seconds from the start of the run.
+    pub at_s: f64,
+    /// Short text drawn by the line.
+    pub label: String,
+    /// A fault (drawn red) rather than a phase change (drawn grey).
+    pub fault: bool,
+}
+
+/// What a page shows besides the runs: an HTML section placed first (e.g. a drill's verdicts
+/// and side-by-side table, already escaped) and markers on every chart.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Page {
+    /// Page title.
+    pub title: Option<String>,
+    /// HTML inserted right after the title.
+    pub lead_html: String,
+    /// Vertical lines on every chart.
+    pub markers: Vec<Marker>,
+    /// More lines on the charts of one run only (by position in the runs), e.g. the crashes
+    /// that run saw.
+    pub run_markers: Vec<Vec<Marker>>,
+}
+
 const WIDTH: u32 = 900;
 const HEIGHT: u32 = 320;
 
 /// Draws one line chart as an SVG string. Empty series are skipped; an all-empty chart
 /// still draws its axes so the page layout stays the same.
-fn line_chart(title: &str, y_desc: &str, series: &[Series]) -> anyhow::Result<String> {
+fn line_chart(
+    title: &str,
+    y_desc: &str,
+    series: &[Series],
+    markers: &[Marker],
+) -> anyhow::Result<String> {
     let mut svg = String::new();
     {
         let root = SVGBackend::with_string(&mut svg, (WIDTH, HEIGHT)).into_drawing_area();
@@ -44,6 +76,28 @@ fn line_chart(title: &str, y_desc: &str, series: &[Series]) -> anyhow::Result<St
             .light_line_style(WHITE.mix(0.0))
             .draw()
             .map_err(|e| err(&e))?;
+        for m in markers.iter().filter(|m| m.at_s >= 0.0 && m.at_s <= x_max) {
+            let color = if m.fault {
+                RED.mix(0.8)
+            } else {
+                BLACK.mix(0.35)
+            };
+            chart
+                .draw_series(DashedLineSeries::new(
+                    [(m.at_s, 0.0), (m.at_s, y_max)],
+                    6,
+                    4,
+                    color.stroke_width(1),
+                ))
+                .map_err(|e| err(&e))?;
+            chart
+                .draw_series(std::iter::once(Text::new(
+                    m.label.clone(),
+                    (m.at_s, y_max * 0.97),
+                    ("sans-serif", 11).into_font().color(&color),
+                )))
+                .map_err(|e| err(&e))?;
+        }
         for (i, (name, points)) in series.iter().enumerate() {
             if points.is_empty() {
                 continue;
@@ -92,7 +146,12 @@ fn escape(s: &str) -> String {
         .replace('"', "&quot;")
 }
 
-fn run_section(out: &mut String, label: &str, r: &Report) -> anyhow::Result<()> {
+fn run_section(
+    out: &mut String,
+    label: &str,
+    r: &Report,
+    markers: &[Marker],
+) -> anyhow::Result<()> {
     let _ = writeln!(
         out,
         "<h2>{}</h2><p>{} — seed {}, target {}, started {}, client <b>{}</b></p>",
@@ -120,6 +179,7 @@ fn run_section(out: &mut String, label: &str, r: &Report) -> anyhow::Result<()> 
             ("ok".into(), per_second(r, |s| s.ok as f64)),
             ("goodput (met SLO)".into(), per_second(r, |s| s.good as f64)),
         ],
+        markers,
     )?);
     out.push_str(&line_chart(
         "Latency percentiles (from intended send time)",
@@ -134,6 +194,7 @@ fn run_section(out: &mut String, label: &str, r: &Report) -> anyhow::Result<()> 
                 per_second_present(r, |s| s.lag_p99),
             ),
         ],
+        markers,
     )?);
     out.push_str(&line_chart(
         "Errors by kind",
@@ -148,6 +209,7 @@ fn run_section(out: &mut String, label: &str, r: &Report) -> anyhow::Result<()> 
             ),
             ("other".into(), per_second(r, |s| s.other_errors as f64)),
         ],
+        markers,
     )?);
     let mut names: Vec<&str> = r.metrics.iter().map(|m| m.name.as_str()).collect();
     names.sort();
@@ -164,7 +226,7 @@ fn run_section(out: &mut String, label: &str, r: &Report) -> anyhow::Result<()> 
                 )
             })
             .collect();
-        out.push_str(&line_chart(name, name, &series)?);
+        out.push_str(&line_chart(name, name, &series, markers)?);
     }
     if !r.errors.is_empty() {
         out.push_str("<table><tr><th>error</th><th>count</th></tr>");
@@ -180,12 +242,26 @@ fn run_section(out: &mut String, label: &str, r: &Report) -> anyhow::Result<()> 
 /// side-by-side table and charts that overlay the runs' goodput and p99 TTFT, then shows
 /// each run in full.
 pub fn write_html(runs: &[(&str, &Report)], path: &Path) -> anyhow::Result<()> {
+    write_page(runs, &Page::default(), path)
+}
+
+/// Escapes text for HTML (for a [`Page::lead_html`] built from plain text).
+pub fn escape_html(s: &str) -> String {
+    escape(s)
+}
+
+/// [`write_html`] with a lead section first and markers on every chart.
+pub fn write_page(runs: &[(&str, &Report)], page: &Page, path: &Path) -> anyhow::Result<()> {
     let mut out = String::new();
-    let title = runs
-        .iter()
-        .map(|(l, _)| escape(l))
-        .collect::<Vec<_>>()
-        .join(" vs ");
+    let markers = &page.markers[..];
+    let title = match &page.title {
+        Some(t) => escape(t),
+        None => runs
+            .iter()
+            .map(|(l, _)| escape(l))
+            .collect::<Vec<_>>()
+            .join(" vs "),
+    };
     let _ = write!(
         out,
         "<!doctype html><html><head><meta charset=\"utf-8\"><title>levee sim: {title}</title>\
@@ -194,6 +270,7 @@ pub fn write_html(runs: &[(&str, &Report)], path: &Path) -> anyhow::Result<()> {
          table{{border-collapse:collapse}}td,th{{border:1px solid #ccc;padding:2px 8px;text-align:right}}\
          svg{{display:block;margin:1em 0}}</style></head><body><h1>levee sim: {title}</h1>"
     );
+    out.push_str(&page.lead_html);
     if runs.len() > 1 {
         let _ = writeln!(
             out,
@@ -209,6 +286,7 @@ pub fn write_html(runs: &[(&str, &Report)], path: &Path) -> anyhow::Result<()> {
             "Goodput (requests meeting the SLO)",
             "requests / s",
             &overlay(|s| s.good as f64),
+            markers,
         )?);
         out.push_str(&line_chart(
             "TTFT p99 (from intended send time)",
@@ -217,10 +295,13 @@ pub fn write_html(runs: &[(&str, &Report)], path: &Path) -> anyhow::Result<()> {
                 .iter()
                 .map(|(l, r)| (l.to_string(), per_second_present(r, |s| s.ttft_p99)))
                 .collect::<Vec<_>>(),
+            markers,
         )?);
     }
-    for (label, r) in runs {
-        run_section(&mut out, label, r)?;
+    for (i, (label, r)) in runs.iter().enumerate() {
+        let mut own = markers.to_vec();
+        own.extend(page.run_markers.get(i).into_iter().flatten().cloned());
+        run_section(&mut out, label, r, &own)?;
     }
     out.push_str("</body></html>\n");
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {

@@ -123,6 +123,44 @@ impl Scenario {
         self.phases.iter().map(Phase::duration_s).sum()
     }
 
+    /// Requests per second the scenario offers `t` seconds into the run (first turns only:
+    /// session follow-ups depend on answers): the share tenants' phases plus every tenant's
+    /// own phases.
+    pub fn offered_rps_at(&self, t: f64) -> f64 {
+        let rps = |r: Rate| self.resolve(r);
+        let mut total = 0.0;
+        if self.tenants.iter().any(|x| x.share > 0.0) {
+            total += phases_rate_at(&self.phases, t, &rps);
+        }
+        for tenant in &self.tenants {
+            if let Some(phases) = &tenant.phases {
+                total += phases_rate_at(phases, t, &rps);
+            }
+        }
+        total
+    }
+
+    /// Times (seconds from the start) at which the offered load changes phase, the share
+    /// traffic's and each tenant's own, sorted, without the start and the end.
+    pub fn phase_changes(&self) -> Vec<f64> {
+        let end = self.duration_s();
+        let mut times = Vec::new();
+        let lists =
+            std::iter::once(&self.phases).chain(self.tenants.iter().flat_map(|t| &t.phases));
+        for phases in lists {
+            let mut at = 0.0;
+            for p in phases {
+                at += p.duration_s();
+                if at < end - 1e-9 {
+                    times.push(at);
+                }
+            }
+        }
+        times.sort_by(f64::total_cmp);
+        times.dedup_by(|a, b| (*a - *b).abs() < 1e-6);
+        times
+    }
+
     /// Requests per second that a [`Rate`] means in this scenario (after `rate_scale`).
     pub fn resolve(&self, rate: Rate) -> f64 {
         rate.rps(self.capacity_rps) * self.rate_scale
@@ -211,6 +249,20 @@ impl Scenario {
         }
         Ok(())
     }
+}
+
+/// The rate of a list of phases run one after another, `t` seconds from their start (0 past
+/// their end).
+fn phases_rate_at(phases: &[Phase], t: f64, rps: &dyn Fn(Rate) -> f64) -> f64 {
+    let mut start = 0.0;
+    for p in phases {
+        let d = p.duration_s();
+        if t >= start && t < start + d {
+            return p.rate_at(t - start, rps);
+        }
+        start += d;
+    }
+    0.0
 }
 
 fn validate_phases(phases: &[Phase], path: &str) -> anyhow::Result<()> {

@@ -27,6 +27,14 @@ pub const BUILTIN: &[(&str, &str)] = &[
         "backend-failure",
         include_str!("../../../scenarios/backend-failure.toml"),
     ),
+    (
+        "heavy-tail",
+        include_str!("../../../scenarios/heavy-tail.toml"),
+    ),
+    (
+        "crash-mid-flood",
+        include_str!("../../../scenarios/crash-mid-flood.toml"),
+    ),
 ];
 
 /// Names of the shipped scenarios.

@@ -1,19 +1,35 @@
 //! `levee drill`: the whole story in one command.
 //!
-//! It starts simulated engines in `crash` mode, measures what the fleet can serve, then floods
-//! it twice with the same scenario and seed — once through a plain round-robin pass-through
-//! (what an unprotected fleet runs) and once through levee — on fresh engines each time, and
-//! prints the runs side by side with a verdict on each target.
+//! 1. **Capacity, without levee.** A saturating sweep straight at fresh simulated engines
+//!    (through the plain round-robin proxy, no limit anywhere): open-loop steps of rising
+//!    rate with the scenario's own request mix (classes, sessions), no retries. Each step
+//!    runs on freshly started engines; its goodput is the requests meeting the scenario's
+//!    SLO per second after a warm-up. A step in which an engine crashes ends the sweep and
+//!    does not count; so does the first step that adds less than 2% over the best. The
+//!    knee — the best goodput of a crash-free step — is the reference, and the scenario's
+//!    `1x` is set to it.
+//! 2. **Three contenders, same flood, same seed, fresh engines each**: a plain round-robin
+//!    pass-through (unprotected), a capped pass-through (each engine capped at its sequence
+//!    capacity, one FIFO queue: nginx `max_conns` + `queue`), and levee with one fixed
+//!    operator configuration (`drill-gateway.toml`, or `--gateway-config FILE`).
+//! 3. **Calm runs** when a tenant floods: the same traffic with the flooder at its normal
+//!    rate, through the capped pass-through and through levee, the reference of isolation.
+//! 4. **Verdicts** ([`verdicts`]) side by side, a report page, JSON reports, and the logs of
+//!    the in-process gateway and engines in `drill.log`.
 
-use crate::passthrough::Passthrough;
+mod verdicts;
+
+use crate::passthrough::{Cap, Passthrough};
 use anyhow::Context;
 use levee_engine::{EngineConfig, EngineHandle, OverloadMode};
-use levee_sim::report::{Group, Report};
-use levee_sim::scenario::{Phase, Rate, Scenario};
+use levee_sim::report::{Marker, Page, Report};
+use levee_sim::scenario::{Behaviour, Phase, Rate, Scenario, Tenant};
 use levee_sim::{RunOptions, Target};
+use rand::SeedableRng;
 use std::fmt::Write as _;
 use std::path::PathBuf;
 use std::time::Duration;
+use verdicts::Check;
 
 /// Command-line arguments of `levee drill`.
 #[derive(Debug, Clone, clap::Args)]
@@ -21,7 +37,7 @@ pub struct DrillArgs {
     /// Shipped scenario name (`levee sim list`) or a scenario TOML file.
     #[arg(long, default_value = "flash-crowd")]
     pub scenario: String,
-    /// Directory for `report.html`, `drill.json` and each run's JSON report.
+    /// Directory for `report.html`, `drill.json`, `drill.log` and each run's JSON report.
     #[arg(long, default_value = "levee-drill")]
     pub out: PathBuf,
     /// How many simulated engines form the fleet.
@@ -30,6 +46,14 @@ pub struct DrillArgs {
     /// Overrides the scenario's seed.
     #[arg(long)]
     pub seed: Option<u64>,
+    /// levee's configuration for the drill (its backends are pointed at the drill's
+    /// engines); default: the shipped `drill-gateway.toml`.
+    #[arg(long, value_name = "FILE")]
+    pub gateway_config: Option<PathBuf>,
+    /// A time-scaled drill: the scenario's timeline at a fifth (rates unchanged), a shorter
+    /// capacity sweep; under a minute for the shipped flash-crowd.
+    #[arg(long)]
+    pub quick: bool,
     /// Hide the live progress lines.
     #[arg(long)]
     pub quiet: bool,
@@ -38,14 +62,14 @@ pub struct DrillArgs {
     pub strict: bool,
 }
 
-/// Requests in flight levee allows on one drill engine. The drill engine's KV cache holds
-/// 24,576 tokens; at a mean of ~510 tokens per sequence (prompt + max_tokens), 32 sequences
-/// stay well under it even with unlucky long prompts, while the engine's own limit (64
-/// sequences, admitted optimistically) lets an unprotected flood overflow it.
-const BACKEND_CAP: u32 = 32;
+/// The gateway configuration shipped for the drill's fleet; its comments give the formula
+/// of every number.
+pub const SHIPPED_GATEWAY_CONFIG: &str = include_str!("../drill-gateway.toml");
 
 /// The simulated GPU every drill engine runs: the `small` profile in `crash` mode with a
-/// faster decode, so that a drill of a few dozen seconds holds many request lifetimes.
+/// faster decode, so that a drill of a few dozen seconds holds many request lifetimes. It
+/// admits up to 64 sequences (its `max_num_seqs`) optimistically, and 64 sequences of
+/// ~500 tokens overflow its 24,576-token cache: what crashes it is tokens, not requests.
 pub fn drill_engine_config() -> EngineConfig {
     let mut c = EngineConfig::small();
     c.profile = "drill".into();
@@ -59,16 +83,69 @@ pub fn drill_engine_config() -> EngineConfig {
     c
 }
 
+/// How long things last: the full drill or `--quick`.
+#[derive(Debug, Clone, Copy)]
+struct Timing {
+    /// Factor on the scenario's timeline and the engines' restart time.
+    time_scale: f64,
+    /// Sweep: rates tried, as multiples of the first estimate.
+    ladder: &'static [f64],
+    /// Sweep: length of one step, and the first seconds of it left out.
+    step_s: f64,
+    step_warm_s: f64,
+    /// After a run's last scheduled send, how long requests still in flight may finish.
+    drain_s: f64,
+    /// First seconds of a flood stretch left out of the goodput window.
+    flood_warm_s: f64,
+}
+
+const FULL: Timing = Timing {
+    time_scale: 1.0,
+    ladder: &[0.4, 0.55, 0.7, 0.85, 1.0, 1.15, 1.3, 1.5, 1.75],
+    step_s: 10.0,
+    step_warm_s: 4.0,
+    drain_s: 6.0,
+    flood_warm_s: 2.0,
+};
+
+const QUICK: Timing = Timing {
+    time_scale: 0.2,
+    ladder: &[0.5, 0.75, 1.0, 1.25],
+    step_s: 5.0,
+    step_warm_s: 2.0,
+    drain_s: 2.0,
+    flood_warm_s: 1.0,
+};
+
+/// The capped baseline's queue: as long as the fleet's slots, and a wait as long as
+/// levee's longest tier wait in the shipped configuration.
+fn capped_limits(engine: &EngineConfig, engines: usize) -> Cap {
+    Cap {
+        per_backend: engine.gpu.max_running_seqs,
+        queue_len: engine.gpu.max_running_seqs as usize * engines,
+        queue_timeout: Duration::from_millis(1500),
+    }
+}
+
 struct Fleet {
     engines: Vec<EngineHandle>,
 }
 
+/// What a fleet went through in one run.
+#[derive(Debug, Clone, Copy, Default)]
+struct FleetStats {
+    crashes: u64,
+    injected_crashes: u64,
+    /// Requests answered 503 because their engine was down after a crash.
+    sent_to_down: u64,
+}
+
 impl Fleet {
-    async fn start(n: usize) -> anyhow::Result<Self> {
+    async fn start(n: usize, config: &EngineConfig) -> anyhow::Result<Self> {
         let mut engines = Vec::with_capacity(n);
         for i in 0..n {
             let bind = "127.0.0.1:0".parse().context("loopback address")?;
-            let e = levee_engine::spawn(drill_engine_config(), bind)
+            let e = levee_engine::spawn(config.clone(), bind)
                 .await
                 .with_context(|| format!("starting drill engine {i}"))?;
             engines.push(e);
@@ -80,8 +157,14 @@ impl Fleet {
         self.engines.iter().map(|e| e.base_url()).collect()
     }
 
-    fn crashes(&self) -> u64 {
-        self.engines.iter().map(|e| e.stats().crashes).sum()
+    fn stats(&self) -> FleetStats {
+        let mut s = FleetStats::default();
+        for e in &self.engines {
+            s.crashes += e.stats().crashes;
+            s.injected_crashes += e.injected_crashes();
+            s.sent_to_down += e.refused_while_down();
+        }
+        s
     }
 
     fn target(&self, base_url: String) -> Target {
@@ -94,6 +177,41 @@ impl Fleet {
         t
     }
 
+    /// Runs the scenario against `target` and notes, every 100 ms, which engine crashed
+    /// when (for the charts; the counts come from the engines themselves).
+    async fn run(
+        &self,
+        scenario: &Scenario,
+        target: &Target,
+        opts: &RunOptions,
+    ) -> anyhow::Result<(Report, Vec<Marker>)> {
+        let start = std::time::Instant::now();
+        let run = levee_sim::run(scenario, target, opts);
+        tokio::pin!(run);
+        let mut seen: Vec<u64> = self.engines.iter().map(|e| e.stats().crashes).collect();
+        let mut markers = Vec::new();
+        let mut tick = tokio::time::interval(Duration::from_millis(100));
+        let report = loop {
+            tokio::select! {
+                r = &mut run => break r?,
+                _ = tick.tick() => {
+                    for (i, e) in self.engines.iter().enumerate() {
+                        let c = e.stats().crashes;
+                        if c > seen[i] {
+                            seen[i] = c;
+                            markers.push(Marker {
+                                at_s: start.elapsed().as_secs_f64(),
+                                label: format!("engine {i} crashed"),
+                                fault: true,
+                            });
+                        }
+                    }
+                }
+            }
+        };
+        Ok((report, markers))
+    }
+
     async fn stop(self) {
         for e in self.engines {
             if let Err(err) = e.shutdown().await {
@@ -103,619 +221,894 @@ impl Fleet {
     }
 }
 
-/// How long requests still in flight after a run's last send may finish: longer than a
-/// drill request's longest life behind levee (queue budget plus generation).
-const DRAIN_S: f64 = 6.0;
+/// The three contenders.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Contender {
+    Unprotected,
+    Capped,
+    Levee,
+}
 
-/// Each tenant's request quota, as a multiple of its normal traffic (its share of 1x capacity).
-const QUOTA_HEADROOM: f64 = 1.25;
+impl Contender {
+    const ALL: [Contender; 3] = [Contender::Unprotected, Contender::Capped, Contender::Levee];
 
-/// The gateway configuration the drill runs levee with: every tenant of the scenario gets a
-/// key, its tier, a request quota of [`QUOTA_HEADROOM`] × its normal traffic (what an
-/// operator would contract) and at most three quarters of the fleet's slots;
-/// every engine is a backend capped at [`BACKEND_CAP`]; the queue holds about one second of
-/// the fleet's work.
-pub fn drill_gateway_config(
+    fn label(self) -> &'static str {
+        match self {
+            Contender::Unprotected => "unprotected",
+            Contender::Capped => "capped",
+            Contender::Levee => "levee",
+        }
+    }
+
+    fn what(self) -> &'static str {
+        match self {
+            Contender::Unprotected => "plain round-robin pass-through",
+            Contender::Capped => "capped pass-through (max_conns per engine + FIFO queue)",
+            Contender::Levee => "levee",
+        }
+    }
+}
+
+/// One run's outcome.
+struct Outcome {
+    report: Report,
+    fleet: FleetStats,
+    crash_markers: Vec<Marker>,
+}
+
+/// Everything a run needs besides the scenario.
+struct Setup<'a> {
+    engines: usize,
+    engine: EngineConfig,
+    gateway_text: &'a str,
+    opts: RunOptions,
+}
+
+async fn run_contender(
+    who: Contender,
+    scenario: &Scenario,
+    setup: &Setup<'_>,
+) -> anyhow::Result<Outcome> {
+    let fleet = Fleet::start(setup.engines, &setup.engine).await?;
+    let result = match who {
+        Contender::Unprotected | Contender::Capped => {
+            let proxy = if who == Contender::Capped {
+                Passthrough::start_capped(fleet.urls(), capped_limits(&setup.engine, setup.engines))
+                    .await?
+            } else {
+                Passthrough::start(fleet.urls()).await?
+            };
+            let target = fleet.target(proxy.base_url());
+            let r = fleet.run(scenario, &target, &setup.opts).await;
+            proxy.shutdown().await;
+            r
+        }
+        Contender::Levee => {
+            let cfg = gateway_config(setup.gateway_text, scenario, &fleet.urls())?;
+            let gw = levee_gateway::start(cfg)
+                .await
+                .context("starting the drill's gateway")?;
+            let mut target = fleet.target(gw.public_url());
+            target
+                .metrics
+                .push(("gateway".into(), format!("{}/metrics", gw.admin_url())));
+            let r = fleet.run(scenario, &target, &setup.opts).await;
+            gw.shutdown().await;
+            r
+        }
+    };
+    let stats = fleet.stats();
+    fleet.stop().await;
+    let (report, crash_markers) = result?;
+    Ok(Outcome {
+        report,
+        fleet: stats,
+        crash_markers,
+    })
+}
+
+/// levee's configuration for a run: the given TOML with its listeners on ephemeral loopback
+/// ports and the scenario model's backends pointed at the drill's engines in order (a
+/// missing backend entry copies the first). A scenario tenant whose key the configuration
+/// does not list is added with the quotas of the first listed tenant of its tier label.
+pub fn gateway_config(
+    text: &str,
     scenario: &Scenario,
     engine_urls: &[String],
-    quotas: bool,
 ) -> anyhow::Result<levee_gateway::Config> {
-    let model = &scenario.request.model;
-    let fleet_cap = BACKEND_CAP as usize * engine_urls.len();
-    let mut t = String::new();
-    let _ = writeln!(
-        t,
-        r#"[listen]
-public = "127.0.0.1:0"
-admin = "127.0.0.1:0"
-
-[ip_guard]
-enabled = false
-
-[tiers.premium]
-priority = 0
-queue_wait_ms = 1500
-soft_queue_wait_ms = 1500
-sheddable = false
-
-[tiers.standard]
-priority = 1
-queue_wait_ms = 1000
-soft_queue_wait_ms = 500
-sheddable = false
-
-[tiers.free]
-priority = 2
-queue_wait_ms = 1000
-soft_queue_wait_ms = 0
-sheddable = true
-
-[queue]
-safe = {safe}
-soft = {soft}
-hard = {hard}
-
-[scrape]
-interval_ms = 250
-timeout_ms = 200
-unhealthy_after = 3
-
-[degrade]
-enabled = false
-"#,
-        safe = fleet_cap,
-        soft = fleet_cap + fleet_cap / 2,
-        hard = fleet_cap * 2,
-    );
-    let mut seen = std::collections::BTreeSet::new();
-    for tenant in &scenario.tenants {
-        if !seen.insert(tenant.api_key.clone()) {
-            continue;
-        }
-        let tier = match tenant.tier.as_str() {
-            "premium" | "standard" | "free" => tenant.tier.as_str(),
-            _ => "standard",
-        };
-        // A flooder starts at its contracted share: that is its quota. The others' normal
-        // traffic is bursty, so they get headroom over it; premium contracts buy more.
-        let headroom = if is_flooder(scenario, tenant) {
-            1.0
-        } else if tier == "premium" {
-            2.0 * QUOTA_HEADROOM
-        } else {
-            QUOTA_HEADROOM
-        };
-        let quota_rps = normal_rps(scenario, tenant) * headroom;
-        let (rpm, burst) = if quotas {
-            // A few seconds' worth of burst: enough for bursty arrivals, not for a flood.
-            (
-                (quota_rps * 60.0).ceil().max(60.0),
-                (quota_rps * 3.0).ceil().max(1.0),
-            )
-        } else {
-            (0.0, 0.0)
-        };
-        let _ = writeln!(
-            t,
-            r#"[[tenants]]
-name = {name:?}
-tier = "{tier}"
-key_sha256 = ["{hash}"]
-requests_per_minute = {rpm}
-requests_burst = {burst}
-max_concurrency = {conc}
-"#,
-            name = tenant.name,
-            hash = levee_gateway::hash_key(&tenant.api_key),
-            // No tenant may hold more than three quarters of the fleet.
-            conc = (fleet_cap * 3 / 4).max(1),
-        );
-    }
-    let _ = writeln!(t, "[[models]]\nname = {model:?}\n");
-    for url in engine_urls {
-        let _ = writeln!(
-            t,
-            "[[models.backends]]\nkind = \"vllm\"\nurl = {url:?}\nmax_in_flight = {BACKEND_CAP}\n"
-        );
-    }
-    levee_gateway::Config::from_toml_str(&t).map_err(|errors| {
+    let invalid = |errors: Vec<String>| {
         anyhow::anyhow!(
             "the drill's gateway configuration is invalid:\n  {}",
             errors.join("\n  ")
         )
-    })
+    };
+    let mut cfg = levee_gateway::Config::from_toml_str(text).map_err(invalid)?;
+    let loopback: std::net::SocketAddr = "127.0.0.1:0".parse().context("loopback address")?;
+    cfg.listen.public = loopback;
+    cfg.listen.admin = loopback;
+    let model_name = &scenario.request.model;
+    let known: Vec<String> = cfg.models.iter().map(|m| m.name.clone()).collect();
+    let model = cfg
+        .models
+        .iter_mut()
+        .find(|m| &m.name == model_name)
+        .with_context(|| {
+            format!(
+                "the gateway configuration has no [[models]] entry named {model_name:?} (the \
+                 scenario's model); it has {known:?}"
+            )
+        })?;
+    let template = model.backends.first().cloned().with_context(|| {
+        format!("model {model_name:?} in the gateway configuration has no backends to copy")
+    })?;
+    model.backends = engine_urls
+        .iter()
+        .enumerate()
+        .map(|(i, url)| {
+            let mut b = model
+                .backends
+                .get(i)
+                .cloned()
+                .unwrap_or_else(|| template.clone());
+            b.url = url.clone();
+            b
+        })
+        .collect();
+    for tenant in &scenario.tenants {
+        let hash = levee_gateway::hash_key(&tenant.api_key);
+        if cfg.tenants.iter().any(|t| t.key_sha256.contains(&hash)) {
+            continue;
+        }
+        let like = cfg
+            .tenants
+            .iter()
+            .find(|t| t.tier == tenant.tier)
+            .cloned()
+            .with_context(|| {
+                format!(
+                    "scenario tenant {:?}: its key is not in the gateway configuration, and no \
+                     tenant of its tier {:?} is there to copy quotas from; add it to the \
+                     configuration",
+                    tenant.name, tenant.tier
+                )
+            })?;
+        cfg.tenants.push(levee_gateway::config::TenantConfig {
+            name: format!("drill-{}", tenant.name),
+            key_sha256: vec![hash],
+            key_env: Vec::new(),
+            ..like
+        });
+    }
+    let errors = cfg.validate();
+    if !errors.is_empty() {
+        return Err(invalid(errors));
+    }
+    Ok(cfg)
 }
 
-/// One run of the drill, labelled for the tables.
-struct Run {
-    label: &'static str,
-    report: Report,
-    crashes: u64,
+/// One step of the capacity sweep.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct SweepStep {
+    offered_rps: f64,
+    goodput_rps: f64,
+    crashed: bool,
 }
 
-/// A scenario that offers `rps_multiple` × capacity steadily for `secs`, with the scenario's
-/// classes, tenants (those with their own schedule left out) and client behaviour.
-fn steady_variant(base: &Scenario, name: &str, rps_multiple: f64, secs: f64) -> Scenario {
+/// The capacity sweep's result.
+#[derive(Debug, Clone, PartialEq)]
+struct Sweep {
+    steps: Vec<SweepStep>,
+    knee_rps: f64,
+}
+
+/// The scenario's request mix offered steadily at `rps` for `secs`: its classes and sessions
+/// from one tenant, no retries, no faults.
+fn sweep_scenario(base: &Scenario, rps: f64, secs: f64) -> Scenario {
     let mut s = base.clone();
-    s.name = format!("{} ({name})", base.name);
+    s.name = format!("{} (capacity sweep at {rps:.1} req/s)", base.name);
     s.phases = vec![Phase::Steady {
         duration_s: secs,
-        rps: Rate::Multiple(rps_multiple),
+        rps: Rate::Rps(rps),
     }];
-    s.tenants.retain(|t| !is_flooder(base, t));
+    s.rate_scale = 1.0;
+    s.tenants = vec![Tenant::default()];
     s.faults.clear();
+    s.client.behaviour = Behaviour::None;
+    s.client.max_attempts = 1;
     s
 }
 
+/// A first guess of the fleet's capacity for the scenario's mix, only to place the sweep's
+/// steps: per engine, the sequences whose prompt and output fit the KV cache (at most its
+/// sequence limit), each producing its output at one decode step per token.
+fn estimated_capacity(scenario: &Scenario, engines: usize, engine: &EngineConfig) -> f64 {
+    let mut rng = rand::rngs::SmallRng::seed_from_u64(scenario.seed);
+    let total_weight: f64 = scenario.classes.iter().map(|c| c.weight.max(0.0)).sum();
+    let (mut prompt, mut output) = (0.0, 0.0);
+    for c in &scenario.classes {
+        let w = c.weight.max(0.0) / total_weight.max(1e-9);
+        let n = 500;
+        let (mut p, mut o) = (0.0, 0.0);
+        for _ in 0..n {
+            p += c.prompt_tokens.sample(&mut rng);
+            let natural = f64::from(
+                engine.output_tokens_min
+                    + (engine.output_tokens_max - engine.output_tokens_min) / 2,
+            );
+            o += c.max_tokens.sample(&mut rng).min(natural);
+        }
+        prompt += w * p / f64::from(n);
+        output += w * o / f64::from(n);
+    }
+    let g = &engine.gpu;
+    let per_seq = (prompt + output).max(1.0);
+    // Arrivals are random: keep the cache 60% full on average so that bursts fit.
+    let seqs = (0.6 * f64::from(g.kv_capacity_tokens) / per_seq).min(f64::from(g.max_running_seqs));
+    let step_s = (g.decode_base_ms + g.decode_per_seq_ms * seqs) / 1000.0;
+    engines as f64 * seqs / (output.max(1.0) * step_s)
+}
+
+/// One step of the sweep: `rps` of the scenario's mix on fresh engines behind the plain
+/// proxy; goodput over `window` (seconds of the step).
+async fn sweep_step(
+    scenario: &Scenario,
+    setup: &Setup<'_>,
+    timing: &Timing,
+    rps: f64,
+    opts: &RunOptions,
+    window: &[u32],
+) -> anyhow::Result<SweepStep> {
+    let s = sweep_scenario(scenario, rps, timing.step_s);
+    let fleet = Fleet::start(setup.engines, &setup.engine).await?;
+    let proxy = Passthrough::start(fleet.urls()).await?;
+    let target = fleet.target(proxy.base_url());
+    let run = fleet.run(&s, &target, opts).await;
+    proxy.shutdown().await;
+    let crashed = fleet.stats().crashes > 0;
+    fleet.stop().await;
+    let (report, _) = run?;
+    Ok(SweepStep {
+        offered_rps: rps,
+        goodput_rps: verdicts::window_goodput(&report, window).unwrap_or(0.0),
+        crashed,
+    })
+}
+
+async fn measure_knee(
+    scenario: &Scenario,
+    setup: &Setup<'_>,
+    timing: &Timing,
+) -> anyhow::Result<Sweep> {
+    let estimate = estimated_capacity(scenario, setup.engines, &setup.engine);
+    let mut steps: Vec<SweepStep> = Vec::new();
+    let opts = RunOptions {
+        drain: Some(Duration::from_millis(500)),
+        ..setup.opts.clone()
+    };
+    let window: Vec<u32> = (timing.step_warm_s as u32..timing.step_s as u32).collect();
+    let mut rates: Vec<f64> = timing.ladder.iter().map(|m| estimate * m).collect();
+    let mut i = 0;
+    while i < rates.len() {
+        let rps = rates[i];
+        let step = sweep_step(scenario, setup, timing, rps, &opts, &window).await?;
+        eprintln!(
+            "      {rps:>6.1} req/s offered → {:>6.1} req/s within the SLO{}",
+            step.goodput_rps,
+            if step.crashed {
+                "  (an engine crashed)"
+            } else {
+                ""
+            }
+        );
+        let best_before = steps
+            .iter()
+            .filter(|s| !s.crashed)
+            .map(|s| s.goodput_rps)
+            .fold(0.0, f64::max);
+        let saturated = step.crashed || step.goodput_rps < 0.8 * rps;
+        steps.push(step);
+        if i == 0 && saturated && steps.len() == 1 {
+            // The first guess was already past the knee: start lower.
+            rates[0] = rps * 0.5;
+            continue;
+        }
+        if step.crashed || (i > 0 && step.goodput_rps < best_before * 1.02) {
+            break;
+        }
+        i += 1;
+    }
+    let knee = steps
+        .iter()
+        .filter(|s| !s.crashed)
+        .map(|s| s.goodput_rps)
+        .fold(0.0, f64::max);
+    anyhow::ensure!(
+        knee > 0.5,
+        "the capacity sweep found no crash-free step with goodput (steps: {steps:?}); the \
+         engines cannot serve this scenario's mix within its SLO"
+    );
+    Ok(Sweep {
+        steps,
+        knee_rps: knee,
+    })
+}
+
 /// A tenant with its own schedule that at some point sends at least the fleet's whole
-/// capacity by itself: the noisy neighbour the others must be isolated from.
-fn is_flooder(scenario: &Scenario, tenant: &levee_sim::scenario::Tenant) -> bool {
+/// capacity by itself: the noisy neighbour the others must be isolated from. (The drill
+/// knows the scenario; levee's configuration does not.)
+fn is_flooder(scenario: &Scenario, tenant: &Tenant) -> bool {
     let Some(phases) = &tenant.phases else {
         return false;
     };
-    let rps = |r: &Rate| match r {
-        Rate::Rps(x) => *x,
-        Rate::Multiple(m) => m * scenario.capacity_rps,
-    };
-    let peak = phases
-        .iter()
-        .map(|p| match p {
-            Phase::Steady { rps: r, .. } => rps(r),
-            Phase::Ramp {
-                from_rps, to_rps, ..
+    let total: f64 = phases.iter().map(Phase::duration_s).sum();
+    let steps = (total * 10.0).ceil() as u32;
+    (0..steps).any(|i| {
+        let t = f64::from(i) / 10.0;
+        let mut start = 0.0;
+        for p in phases {
+            if t < start + p.duration_s() {
+                return p.rate_at(t - start, &|r| scenario.resolve(r)) >= scenario.capacity_rps;
             }
-            | Phase::Step {
-                from_rps, to_rps, ..
-            } => rps(from_rps).max(rps(to_rps)),
-            Phase::Spike {
-                base_rps, peak_rps, ..
-            } => rps(base_rps).max(rps(peak_rps)),
-            Phase::Sine {
-                mean_rps,
-                amplitude_rps,
-                ..
-            } => rps(mean_rps) + rps(amplitude_rps),
-        })
-        .fold(0.0, f64::max);
-    peak >= scenario.capacity_rps
-}
-
-/// Requests per second a tenant sends in normal times: its share of 1x capacity, or for a
-/// tenant with its own schedule, the rate that schedule starts at.
-fn normal_rps(scenario: &Scenario, tenant: &levee_sim::scenario::Tenant) -> f64 {
-    let to_rps = |r: Rate| match r {
-        Rate::Rps(x) => x,
-        Rate::Multiple(m) => m * scenario.capacity_rps,
-    };
-    match &tenant.phases {
-        Some(phases) => phases.first().map_or(0.0, |p| p.rate_at(0.0, &to_rps)),
-        None => {
-            let total: f64 = scenario
-                .tenants
-                .iter()
-                .filter(|t| t.phases.is_none())
-                .map(|t| t.share)
-                .sum();
-            if total > 0.0 {
-                scenario.capacity_rps * tenant.share / total
-            } else {
-                0.0
-            }
+            start += p.duration_s();
         }
-    }
+        false
+    })
 }
 
-/// The same scenario with every flooder calm: sending all along at the rate it starts at
-/// (its normal share) instead of flooding. What the quiet tenants see in normal times.
+/// The same scenario with every flooder calm: sending all along at the rate it starts at.
 fn calm_flooders(base: &Scenario) -> Scenario {
     let mut s = base.clone();
     s.name = format!("{} (flooder calm)", base.name);
-    let total: f64 = base.phases.iter().map(|p| p.duration_s()).sum();
+    let total = base.duration_s();
     for t in s.tenants.iter_mut() {
         if is_flooder(base, t) {
-            let rps = normal_rps(base, t);
+            let first = t
+                .phases
+                .as_ref()
+                .and_then(|p| p.first())
+                .map_or(0.0, |p| p.rate_at(0.0, &|r| base.resolve(r)));
             t.phases = Some(vec![Phase::Steady {
                 duration_s: total,
-                rps: Rate::Rps(rps),
+                rps: Rate::Rps(first),
             }]);
         }
     }
     s
 }
 
-async fn run_levee(
-    scenario: &Scenario,
-    engines: usize,
-    opts: &RunOptions,
-    quotas: bool,
-) -> anyhow::Result<(Report, u64)> {
-    let fleet = Fleet::start(engines).await?;
-    let cfg = drill_gateway_config(scenario, &fleet.urls(), quotas)?;
-    let gw = levee_gateway::start(cfg)
-        .await
-        .context("starting the drill gateway")?;
-    let mut target = fleet.target(gw.public_url());
-    target
-        .metrics
-        .push(("gateway".into(), format!("{}/metrics", gw.admin_url())));
-    let report = levee_sim::run(scenario, &target, opts).await;
-    let crashes = fleet.crashes();
-    gw.shutdown().await;
-    fleet.stop().await;
-    Ok((report?, crashes))
+/// Premium requests of the schedule (first turns) that a client-side rate check with each
+/// premium tenant's configured quota finds over it: the independent bound on how many
+/// premium refusals may be excused as over quota.
+fn premium_over_quota(scenario: &Scenario, cfg: &levee_gateway::Config) -> anyhow::Result<u64> {
+    use levee_policy::{Gcra, Quota, Timestamp};
+    let schedule = levee_sim::arrivals::build(scenario)?;
+    let mut over = 0;
+    for (i, tenant) in scenario.tenants.iter().enumerate() {
+        if tenant.tier != "premium" {
+            continue;
+        }
+        let hash = levee_gateway::hash_key(&tenant.api_key);
+        let Some(conf) = cfg.tenants.iter().find(|t| t.key_sha256.contains(&hash)) else {
+            continue;
+        };
+        if conf.requests_per_minute == 0 {
+            continue;
+        }
+        let burst = if conf.requests_burst == 0 {
+            conf.requests_per_minute
+        } else {
+            conf.requests_burst
+        };
+        let mut gcra = Gcra::new(
+            Quota::per_minute(u64::from(conf.requests_per_minute)).with_burst(u64::from(burst)),
+        );
+        for a in schedule
+            .arrivals
+            .iter()
+            .filter(|a| usize::from(a.tenant) == i)
+        {
+            if gcra.check(Timestamp::from_nanos(a.at_ns)).is_err() {
+                over += 1;
+            }
+        }
+    }
+    Ok(over)
 }
 
-async fn run_unprotected(
-    scenario: &Scenario,
-    engines: usize,
-    opts: &RunOptions,
-) -> anyhow::Result<(Report, u64)> {
-    let fleet = Fleet::start(engines).await?;
-    let proxy = Passthrough::start(fleet.urls()).await?;
-    let target = fleet.target(proxy.base_url());
-    let report = levee_sim::run(scenario, &target, opts).await;
-    let crashes = fleet.crashes();
-    proxy.shutdown().await;
-    fleet.stop().await;
-    Ok((report?, crashes))
-}
-
-/// Requests per second the fleet completes when saturated through levee: the steady-state
-/// completion rate (the first seconds, while the batch fills, are left out).
-fn saturated_throughput(report: &Report) -> f64 {
-    steady_rate(&report.timeseries).unwrap_or(report.rates.ok_rps)
-}
-
-/// Mean completions per second from the fourth second on, if the run lasted that long.
-fn steady_rate(seconds: &[levee_sim::report::Second]) -> Option<f64> {
-    let warm: Vec<_> = seconds.iter().filter(|s| s.t >= 3).collect();
-    (!warm.is_empty()).then(|| warm.iter().map(|s| s.ok as f64).sum::<f64>() / warm.len() as f64)
+/// A row of the verdict table: a target and each contender's check.
+struct VerdictRow {
+    target: String,
+    checks: Vec<Check>,
 }
 
 /// Runs `levee drill`.
 pub async fn run_cli(args: DrillArgs) -> anyhow::Result<()> {
     anyhow::ensure!(args.engines >= 1, "--engines must be at least 1");
     let started = std::time::Instant::now();
+    let timing = if args.quick { QUICK } else { FULL };
     let mut scenario = levee_sim::load_scenario(&args.scenario)?;
     if let Some(seed) = args.seed {
         scenario.seed = seed;
     }
+    scenario.scale_time(timing.time_scale);
+    let gateway_text = match &args.gateway_config {
+        Some(path) => std::fs::read_to_string(path)
+            .with_context(|| format!("cannot read the gateway configuration {}", path.display()))?,
+        None => SHIPPED_GATEWAY_CONFIG.to_string(),
+    };
+    let placeholder: Vec<String> = (0..args.engines)
+        .map(|i| format!("http://127.0.0.1:{}", 1 + i))
+        .collect();
+    // Fail before any run if the configuration does not fit the scenario.
+    let cfg_check = gateway_config(&gateway_text, &scenario, &placeholder)?;
     std::fs::create_dir_all(&args.out)
         .with_context(|| format!("cannot create the output directory {}", args.out.display()))?;
-    let opts = |drain_s: f64| RunOptions {
-        progress: !args.quiet,
-        drain: Some(Duration::from_secs_f64(drain_s)),
-        ..RunOptions::default()
+    let gw_copy = args.out.join("gateway.toml");
+    std::fs::write(&gw_copy, &gateway_text)
+        .with_context(|| format!("cannot write {}", gw_copy.display()))?;
+    let mut engine = drill_engine_config();
+    engine.gpu.restart_secs *= timing.time_scale;
+    let setup = Setup {
+        engines: args.engines,
+        engine: engine.clone(),
+        gateway_text: &gateway_text,
+        opts: RunOptions {
+            progress: !args.quiet,
+            drain: Some(Duration::from_secs_f64(timing.drain_s)),
+            ..RunOptions::default()
+        },
     };
+    let flooders: Vec<String> = scenario
+        .tenants
+        .iter()
+        .filter(|t| is_flooder(&scenario, t))
+        .map(|t| t.name.clone())
+        .collect();
+    let total_steps = 4 + if flooders.is_empty() { 0 } else { 2 };
     eprintln!(
-        "levee drill: scenario {:?}, {} simulated engines (crash mode, {} KV tokens, {} seqs each)",
+        "levee drill{}: scenario {:?}, {} simulated engines ({} KV tokens, {} sequences each, \
+         crash on KV overflow); logs in {}",
+        if args.quick { " --quick" } else { "" },
         scenario.name,
         args.engines,
-        drill_engine_config().gpu.kv_capacity_tokens,
-        drill_engine_config().gpu.max_running_seqs
+        engine.gpu.kv_capacity_tokens,
+        engine.gpu.max_running_seqs,
+        args.out.join("drill.log").display(),
     );
 
-    // 1. Capacity: saturate the fleet through levee and measure what it completes.
-    let mut probe = steady_variant(&scenario, "capacity probe", 3.0, 8.0);
-    probe.capacity_rps = estimated_capacity(args.engines);
-    probe.client.behaviour = levee_sim::scenario::Behaviour::None;
-    eprintln!("[1/4] measuring the fleet's capacity (saturated, through levee)");
-    let (probe_report, _) = run_levee(&probe, args.engines, &opts(2.0), false).await?;
-    let capacity = saturated_throughput(&probe_report);
-    anyhow::ensure!(
-        capacity > 0.5,
-        "the fleet completed almost nothing while saturated ({capacity:.2} req/s); the drill cannot go on"
+    eprintln!(
+        "[1/{total_steps}] capacity without levee: open-loop steps straight at fresh engines"
     );
-    scenario.capacity_rps = capacity;
-    eprintln!("      capacity: {capacity:.1} req/s");
+    let sweep = measure_knee(&scenario, &setup, &timing).await?;
+    scenario.capacity_rps = sweep.knee_rps;
+    eprintln!(
+        "      knee: {:.1} req/s within the SLO (1x from here on)",
+        sweep.knee_rps
+    );
 
-    // 2. The reference: the same fleet offered exactly its capacity or, when the scenario
-    //    has a flooding tenant, the same traffic without the flooder.
-    let has_flooders = scenario.tenants.iter().any(|t| is_flooder(&scenario, t));
-    let (reference_label, reference) = if has_flooders {
-        ("flooder calm", calm_flooders(&scenario))
-    } else {
-        (
-            "1x capacity",
-            steady_variant(&scenario, "1x capacity", 1.0, 12.0),
-        )
+    let mut step = 1;
+    let mut outcomes = Vec::new();
+    for who in Contender::ALL {
+        step += 1;
+        eprintln!("[{step}/{total_steps}] {}: {}", scenario.name, who.what());
+        outcomes.push((who, run_contender(who, &scenario, &setup).await?));
+    }
+    let mut calm: Vec<(Contender, Outcome)> = Vec::new();
+    if !flooders.is_empty() {
+        let calm_scenario = calm_flooders(&scenario);
+        for who in [Contender::Capped, Contender::Levee] {
+            step += 1;
+            eprintln!(
+                "[{step}/{total_steps}] calm reference ({} at its normal rate): {}",
+                flooders.join(", "),
+                who.what()
+            );
+            calm.push((who, run_contender(who, &calm_scenario, &setup).await?));
+        }
+    }
+
+    // References and verdicts.
+    let down: Vec<(f64, f64)> = scenario
+        .faults
+        .iter()
+        .filter(|f| f.action == levee_sim::scenario::FaultAction::Crash)
+        .map(|f| (f.at_s, f.at_s + engine.gpu.restart_secs + 1.0))
+        .collect();
+    let window = verdicts::flood_window(
+        scenario.duration_s(),
+        &|t| scenario.offered_rps_at(t),
+        sweep.knee_rps,
+        timing.flood_warm_s,
+        &down,
+    );
+    let over_quota = premium_over_quota(&scenario, &cfg_check)?;
+    let quiet_groups = quiet_groups(&scenario);
+    let mut rows: Vec<VerdictRow> = Vec::new();
+    let per = |f: &dyn Fn(&Outcome) -> Option<Check>| -> Option<Vec<Check>> {
+        let v: Vec<Option<Check>> = outcomes.iter().map(|(_, o)| f(o)).collect();
+        v.iter().any(Option::is_some).then(|| {
+            v.into_iter()
+                .map(|c| {
+                    c.unwrap_or(Check {
+                        measured: "-".into(),
+                        met: None,
+                    })
+                })
+                .collect()
+        })
     };
-    eprintln!("[2/4] reference run: {reference_label} (through levee)");
-    let (cap_report, cap_crashes) =
-        run_levee(&reference, args.engines, &opts(DRAIN_S), true).await?;
+    if let Some(checks) = per(&|o| verdicts::goodput(&o.report, &window, sweep.knee_rps)) {
+        rows.push(VerdictRow {
+            target: format!(
+                "goodput in the flood ≥ {:.0}% of the knee ({:.1} req/s, {} s window)",
+                verdicts::GOODPUT_TARGET * 100.0,
+                sweep.knee_rps,
+                window.len()
+            ),
+            checks,
+        });
+    }
+    if let Some(checks) =
+        per(&|o| Some(verdicts::crashes(o.fleet.crashes, o.fleet.injected_crashes)))
+    {
+        rows.push(VerdictRow {
+            target: "0 overload crashes (injected ones stated apart)".into(),
+            checks,
+        });
+    }
+    if let Some(checks) = per(&|o| verdicts::premium(&o.report, over_quota)) {
+        rows.push(VerdictRow {
+            target: format!(
+                "premium ≥ {:.1}% of its in-quota requests",
+                verdicts::PREMIUM_TARGET * 100.0
+            ),
+            checks,
+        });
+    }
+    for who_group in &quiet_groups {
+        let checks = outcomes
+            .iter()
+            .map(|(who, o)| {
+                let reference = calm.iter().find(|(c, _)| c == who).map(|(_, c)| c);
+                match (
+                    reference.and_then(|c| who_group.of(&c.report)),
+                    who_group.of(&o.report),
+                ) {
+                    (Some(before), Some(after)) => verdicts::isolation(before, after),
+                    _ => Check {
+                        measured: "- (no calm run)".into(),
+                        met: None,
+                    },
+                }
+            })
+            .collect();
+        rows.push(VerdictRow {
+            target: format!(
+                "{} vs calm: success −≤1 pt, p99 TTFT +≤10% while {} floods",
+                who_group.name,
+                flooders.join(", ")
+            ),
+            checks,
+        });
+    }
+    if let Some(checks) = per(&|o| Some(verdicts::amplification(&o.report))) {
+        rows.push(VerdictRow {
+            target: "retry amplification (attempts / scheduled)".into(),
+            checks,
+        });
+    }
 
-    // 3. The flood, unprotected.
-    eprintln!("[3/4] {}: unprotected round-robin", scenario.name);
-    let (raw_report, raw_crashes) =
-        run_unprotected(&scenario, args.engines, &opts(DRAIN_S)).await?;
+    let table = side_by_side(&scenario, &sweep, &outcomes);
+    let verdict_text = render_verdicts(&rows);
+    let sweep_text = render_sweep(&sweep, &timing);
+    println!("{sweep_text}\n{table}\n{verdict_text}");
 
-    // 4. The flood, through levee.
-    eprintln!("[4/4] {}: through levee", scenario.name);
-    let (levee_report, levee_crashes) =
-        run_levee(&scenario, args.engines, &opts(DRAIN_S), true).await?;
-
-    let runs = [
-        Run {
-            label: reference_label,
-            report: cap_report,
-            crashes: cap_crashes,
-        },
-        Run {
-            label: "unprotected",
-            report: raw_report,
-            crashes: raw_crashes,
-        },
-        Run {
-            label: "levee",
-            report: levee_report,
-            crashes: levee_crashes,
-        },
-    ];
-    let verdicts = verdicts(&scenario, &runs);
-    println!("{}", side_by_side(&scenario, capacity, &runs));
-    println!("{}", render_verdicts(&verdicts));
-
-    for run in &runs {
+    // Files.
+    let mut pages: Vec<(String, &Report)> = Vec::new();
+    let mut run_markers: Vec<Vec<Marker>> = Vec::new();
+    for (who, o) in &outcomes {
+        pages.push((who.label().to_string(), &o.report));
+        run_markers.push(o.crash_markers.clone());
+    }
+    for (who, o) in &calm {
+        pages.push((format!("{} (calm)", who.label()), &o.report));
+        run_markers.push(o.crash_markers.clone());
+    }
+    for (label, report) in &pages {
         let file = args
             .out
-            .join(format!("{}.json", run.label.replace(' ', "-")));
-        levee_sim::report::write_json(&run.report, &file)?;
+            .join(format!("{}.json", label.replace([' ', '(', ')'], "")));
+        levee_sim::report::write_json(report, &file)?;
     }
-    let pages: Vec<(&str, &Report)> = runs.iter().map(|r| (r.label, &r.report)).collect();
+    let mut markers: Vec<Marker> = scenario
+        .phase_changes()
+        .into_iter()
+        .map(|at_s| Marker {
+            at_s,
+            label: format!(
+                "{:.1}x",
+                scenario.offered_rps_at(at_s + 1e-6) / sweep.knee_rps
+            ),
+            fault: false,
+        })
+        .collect();
+    for f in &scenario.faults {
+        markers.push(Marker {
+            at_s: f.at_s,
+            label: format!(
+                "{} engine {} (injected)",
+                levee_sim::faults::action_name(f.action),
+                f.engine
+            ),
+            fault: true,
+        });
+    }
+    let esc = levee_sim::report::escape_html;
+    let lead_html = format!(
+        "<h2>Verdicts</h2><pre>{}</pre><h2>Side by side</h2><pre>{}</pre>\
+         <h2>Capacity without levee</h2><pre>{}</pre>\
+         <p>Dashed lines: grey where the offered load changes (as a multiple of the knee), red \
+         where an engine crashed. In-process logs: drill.log.</p>",
+        esc(&verdict_text),
+        esc(&table),
+        esc(&sweep_text)
+    );
+    let page = Page {
+        title: Some(format!("levee drill: {}", scenario.name)),
+        lead_html,
+        markers,
+        run_markers,
+    };
+    let page_runs: Vec<(&str, &Report)> = pages.iter().map(|(l, r)| (l.as_str(), *r)).collect();
     let html = args.out.join("report.html");
-    levee_sim::report::write_html(&pages, &html)?;
+    levee_sim::report::write_page(&page_runs, &page, &html)?;
     let summary = serde_json::json!({
         "scenario": scenario.name,
+        "quick": args.quick,
         "engines": args.engines,
-        "capacity_rps": capacity,
-        "runs": runs.iter().map(|r| serde_json::json!({
-            "label": r.label,
-            "engine_crashes": r.crashes,
-            "goodput_rps": r.report.rates.goodput_rps,
-            "success_rate": r.report.rates.success_rate,
-            "p99_ttft_ms": r.report.latency.ttft.p99,
-            "errors": r.report.errors,
+        "capacity": {
+            "method": "open-loop steps straight at fresh engines (plain round-robin proxy), \
+                       the scenario's mix without retries; goodput = requests meeting the SLO \
+                       per second after the warm-up; crashed steps do not count",
+            "knee_rps": sweep.knee_rps,
+            "steps": sweep.steps.iter().map(|s| serde_json::json!({
+                "offered_rps": s.offered_rps,
+                "goodput_rps": s.goodput_rps,
+                "crashed": s.crashed,
+            })).collect::<Vec<_>>(),
+        },
+        "flood_window_s": window,
+        "premium_over_quota_estimate": over_quota,
+        "runs": outcomes.iter().chain(calm.iter()).map(|(who, o)| serde_json::json!({
+            "contender": who.label(),
+            "scenario": o.report.scenario,
+            "engine_crashes": o.fleet.crashes,
+            "injected_crashes": o.fleet.injected_crashes,
+            "sent_to_down_engine": o.fleet.sent_to_down,
+            "goodput_rps": o.report.rates.goodput_rps,
+            "flood_goodput_rps": verdicts::window_goodput(&o.report, &window),
+            "success_rate": o.report.rates.success_rate,
+            "p99_ttft_ms": o.report.latency.ttft.p99,
+            "attempts": o.report.totals.attempts,
+            "scheduled": o.report.totals.scheduled,
+            "errors": o.report.errors,
         })).collect::<Vec<_>>(),
-        "verdicts": verdicts.iter().map(|v| serde_json::json!({
-            "target": v.target, "measured": v.measured, "met": v.met,
+        "verdicts": rows.iter().map(|r| serde_json::json!({
+            "target": r.target,
+            "results": Contender::ALL.iter().zip(&r.checks).map(|(who, c)| serde_json::json!({
+                "contender": who.label(), "measured": c.measured, "met": c.met,
+            })).collect::<Vec<_>>(),
         })).collect::<Vec<_>>(),
     });
     let summary_path = args.out.join("drill.json");
     std::fs::write(&summary_path, serde_json::to_string_pretty(&summary)?)
         .with_context(|| format!("cannot write {}", summary_path.display()))?;
     println!(
-        "report: {} (runs: {}/*.json, summary: {})  — {:.0} s",
+        "report: {}  (runs: {}/*.json, summary: {}, gateway config: {}, logs: {})  — {:.0} s",
         html.display(),
         args.out.display(),
         summary_path.display(),
+        gw_copy.display(),
+        args.out.join("drill.log").display(),
         started.elapsed().as_secs_f64()
     );
-    if args.strict && verdicts.iter().any(|v| !v.met) {
-        anyhow::bail!("a drill target was missed (see the verdicts above)");
+    let levee_missed = rows
+        .iter()
+        .any(|r| r.checks.get(2).and_then(|c| c.met) == Some(false));
+    if args.strict && levee_missed {
+        anyhow::bail!("levee missed a drill target (see the verdicts above)");
     }
     Ok(())
 }
 
-/// A first guess of the fleet's capacity, only used to size the saturation probe (the drill
-/// measures the real figure): each engine holds [`BACKEND_CAP`] sequences of ~130 output
-/// tokens at one decode step each.
-fn estimated_capacity(engines: usize) -> f64 {
-    let g = drill_engine_config().gpu;
-    let step_s = (g.decode_base_ms + g.decode_per_seq_ms * f64::from(BACKEND_CAP)) / 1000.0;
-    engines as f64 * f64::from(BACKEND_CAP) / (130.0 * step_s)
+/// The quiet tenants whose isolation is judged: the scenario's tenant groups without a
+/// flooder in them, or else each tenant that does not flood.
+struct QuietGroup {
+    name: String,
+    group: Option<String>,
+    tenant: Option<String>,
 }
 
-struct Verdict {
-    target: String,
-    measured: String,
-    met: bool,
+impl QuietGroup {
+    fn of<'r>(&self, r: &'r Report) -> Option<&'r levee_sim::report::Group> {
+        match (&self.group, &self.tenant) {
+            (Some(g), _) => r.per_group.get(g),
+            (None, Some(t)) => r.per_tenant.get(t),
+            (None, None) => None,
+        }
+    }
 }
 
-fn verdicts(scenario: &Scenario, runs: &[Run; 3]) -> Vec<Verdict> {
-    let [cap, raw, levee] = runs;
-    let mut out = Vec::new();
-    let base = cap.report.rates.goodput_rps;
-    let ratio = if base > 0.0 {
-        levee.report.rates.goodput_rps / base
-    } else {
-        0.0
-    };
-    let flooders: Vec<&str> = scenario
+fn quiet_groups(scenario: &Scenario) -> Vec<QuietGroup> {
+    let flooders: Vec<&Tenant> = scenario
         .tenants
         .iter()
         .filter(|t| is_flooder(scenario, t))
-        .map(|t| t.name.as_str())
         .collect();
     if flooders.is_empty() {
-        out.push(Verdict {
-            target: "levee goodput under the flood ≥ 95% of goodput at 1x capacity".into(),
-            measured: format!(
-                "{:.1} vs {:.1} req/s = {:.1}%{}",
-                levee.report.rates.goodput_rps,
-                base,
-                ratio * 100.0,
-                shortfall(ratio, 0.95)
-            ),
-            met: ratio >= 0.95,
-        });
+        return Vec::new();
     }
-    out.push(Verdict {
-        target: "no engine crash behind levee".into(),
-        measured: format!("{} crashes", levee.crashes),
-        met: levee.crashes == 0,
-    });
-    if let Some(p) = levee.report.per_tier.get("premium") {
-        out.push(Verdict {
-            target: "premium tier ≥ 99.9% successful behind levee".into(),
-            measured: format!(
-                "{:.2}% of {} requests{}",
-                p.success_rate * 100.0,
-                p.requests,
-                shortfall(p.success_rate, 0.999)
-            ),
-            met: p.success_rate >= 0.999,
-        });
-    }
-    let raw_ratio = if base > 0.0 {
-        raw.report.rates.goodput_rps / base
-    } else {
-        0.0
-    };
-    out.push(Verdict {
-        target: "the unprotected fleet shows the collapse (crashes or goodput falling)".into(),
-        measured: format!(
-            "{} crashes, goodput {:.1}% of the reference run",
-            raw.crashes,
-            raw_ratio * 100.0
-        ),
-        met: raw.crashes > 0 || raw_ratio < 0.95,
-    });
-    // Isolation: the quiet tenants' p99 TTFT with the flooder calm and flooding. Pooled by
-    // the scenario's tenant groups when it names them (more samples, a steadier p99), else
-    // tenant by tenant.
-    if !flooders.is_empty() {
-        let flooder_groups: Vec<&str> = scenario
-            .tenants
-            .iter()
-            .filter(|t| is_flooder(scenario, t))
-            .filter_map(|t| t.group.as_deref())
+    let flooder_groups: Vec<&str> = flooders.iter().filter_map(|t| t.group.as_deref()).collect();
+    let mut groups: Vec<&str> = scenario
+        .tenants
+        .iter()
+        .filter_map(|t| t.group.as_deref())
+        .filter(|g| !flooder_groups.contains(g))
+        .collect();
+    groups.sort();
+    groups.dedup();
+    if !groups.is_empty() {
+        return groups
+            .into_iter()
+            .map(|g| QuietGroup {
+                name: format!("group {g}"),
+                group: Some(g.to_string()),
+                tenant: None,
+            })
             .collect();
-        let mut quiet: Vec<(String, &Group, &Group)> = Vec::new();
-        for (name, before) in &cap.report.per_group {
-            if let Some(after) = levee.report.per_group.get(name) {
-                if !flooder_groups.contains(&name.as_str()) {
-                    quiet.push((format!("group {name}"), before, after));
-                }
-            }
-        }
-        if quiet.is_empty() {
-            for t in scenario.tenants.iter().filter(|t| !is_flooder(scenario, t)) {
-                if let (Some(before), Some(after)) = (
-                    cap.report.per_tenant.get(&t.name),
-                    levee.report.per_tenant.get(&t.name),
-                ) {
-                    quiet.push((format!("tenant {}", t.name), before, after));
-                }
-            }
-        }
-        for (who, before, after) in quiet {
-            let (b, a) = (before.ttft.p99, after.ttft.p99);
-            let moved = if b > 0.0 { (a - b) / b } else { 0.0 };
-            out.push(Verdict {
-                target: format!(
-                    "{who} p99 TTFT moves ≤ 10% while {} floods",
-                    flooders.join(", ")
-                ),
-                measured: format!(
-                    "{b:.0} ms → {a:.0} ms ({:+.1}%, {} and {} samples)",
-                    moved * 100.0,
-                    before.ttft.count,
-                    after.ttft.count
-                ),
-                met: moved <= 0.10,
-            });
-        }
     }
-    out
+    scenario
+        .tenants
+        .iter()
+        .filter(|t| !is_flooder(scenario, t))
+        .map(|t| QuietGroup {
+            name: format!("tenant {}", t.name),
+            group: None,
+            tenant: Some(t.name.clone()),
+        })
+        .collect()
 }
 
-fn shortfall(measured: f64, target: f64) -> String {
-    if measured >= target {
-        String::new()
-    } else {
-        format!(
-            " — short of the target by {:.2} points",
-            (target - measured) * 100.0
-        )
-    }
-}
-
-fn render_verdicts(verdicts: &[Verdict]) -> String {
-    let mut s = String::from("targets:\n");
-    for v in verdicts {
+fn render_sweep(sweep: &Sweep, timing: &Timing) -> String {
+    let mut s = format!(
+        "capacity without levee: open-loop steps of {:.0} s straight at fresh engines, the \
+         scenario's mix, no retries; goodput = requests within the SLO per second after {:.0} s\n",
+        timing.step_s, timing.step_warm_s
+    );
+    for st in &sweep.steps {
         let _ = writeln!(
             s,
-            "  [{}] {} — {}",
-            if v.met { "MET " } else { "MISS" },
-            v.target,
-            v.measured
+            "  offered {:>6.1} req/s → goodput {:>6.1} req/s{}",
+            st.offered_rps,
+            st.goodput_rps,
+            if st.crashed {
+                "  (engine crashed: not counted)"
+            } else {
+                ""
+            }
         );
+    }
+    let _ = write!(s, "  knee: {:.1} req/s", sweep.knee_rps);
+    s
+}
+
+fn render_verdicts(rows: &[VerdictRow]) -> String {
+    let mut s = String::from("targets (MET / MISS per contender):\n");
+    for r in rows {
+        let _ = writeln!(s, "  {}", r.target);
+        for (who, c) in Contender::ALL.iter().zip(&r.checks) {
+            let mark = match c.met {
+                Some(true) => "MET ",
+                Some(false) => "MISS",
+                None => "    ",
+            };
+            let _ = writeln!(s, "    [{mark}] {:<12} {}", who.label(), c.measured);
+        }
     }
     s
 }
 
-fn side_by_side(scenario: &Scenario, capacity: f64, runs: &[Run; 3]) -> String {
-    let mut rows: Vec<(String, [String; 3])> = Vec::new();
-    let mut row = |name: &str, f: &dyn Fn(&Run) -> String| {
-        rows.push((name.to_string(), [f(&runs[0]), f(&runs[1]), f(&runs[2])]));
+fn side_by_side(scenario: &Scenario, sweep: &Sweep, runs: &[(Contender, Outcome)]) -> String {
+    let mut rows: Vec<(String, Vec<String>)> = Vec::new();
+    let mut row = |name: &str, f: &dyn Fn(&Outcome) -> String| {
+        rows.push((name.to_string(), runs.iter().map(|(_, o)| f(o)).collect()));
     };
-    row("offered req/s", &|r| {
-        format!("{:.1}", r.report.rates.offered_rps)
+    row("offered req/s", &|o| {
+        format!("{:.1}", o.report.rates.offered_rps)
     });
-    row("goodput req/s", &|r| {
-        format!("{:.1}", r.report.rates.goodput_rps)
+    row("goodput req/s", &|o| {
+        format!("{:.1}", o.report.rates.goodput_rps)
     });
-    row("goodput tokens/s", &|r| {
-        format!("{:.0}", r.report.rates.goodput_tps)
+    row("goodput tokens/s", &|o| {
+        format!("{:.0}", o.report.rates.goodput_tps)
     });
-    row("success", &|r| pct(r.report.rates.success_rate));
+    row("success", &|o| pct(o.report.rates.success_rate));
     let mut tiers: Vec<String> = Vec::new();
-    for r in runs {
-        for t in r.report.per_tier.keys() {
+    for (_, o) in runs {
+        for t in o.report.per_tier.keys() {
             if !tiers.contains(t) {
                 tiers.push(t.clone());
             }
         }
     }
     for tier in &tiers {
-        row(&format!("success, {tier}"), &|r| {
-            r.report
+        row(&format!("success, {tier}"), &|o| {
+            o.report
                 .per_tier
                 .get(tier)
                 .map(|g| pct(g.success_rate))
                 .unwrap_or_else(|| "-".into())
         });
     }
-    row("p50 TTFT ms", &|r| ms(r.report.latency.ttft.p50));
-    row("p99 TTFT ms", &|r| ms(r.report.latency.ttft.p99));
-    row("engine crashes", &|r| r.crashes.to_string());
-    row("429s", &|r| r.report.rate_limited().to_string());
-    row("5xx", &|r| r.report.server_errors().to_string());
-    row("timeouts", &|r| {
-        r.report
+    row("p50 TTFT ms", &|o| {
+        format!("{:.0}", o.report.latency.ttft.p50)
+    });
+    row("p99 TTFT ms", &|o| {
+        format!("{:.0}", o.report.latency.ttft.p99)
+    });
+    row("overload crashes", &|o| {
+        o.fleet
+            .crashes
+            .saturating_sub(o.fleet.injected_crashes)
+            .to_string()
+    });
+    if !scenario.faults.is_empty() {
+        row("injected crashes", &|o| {
+            o.fleet.injected_crashes.to_string()
+        });
+    }
+    row("sent to a down engine", &|o| {
+        o.fleet.sent_to_down.to_string()
+    });
+    row("429s", &|o| o.report.rate_limited().to_string());
+    row("5xx", &|o| o.report.server_errors().to_string());
+    row("timeouts", &|o| {
+        o.report
             .errors
             .get("timeout")
             .copied()
             .unwrap_or(0)
             .to_string()
     });
-    row("broken streams", &|r| {
-        r.report
+    row("broken streams", &|o| {
+        o.report
             .errors
             .get("broken_stream")
             .copied()
             .unwrap_or(0)
             .to_string()
     });
-    row("retries sent", &|r| r.report.totals.retries.to_string());
+    row("attempts / scheduled", &|o| {
+        verdicts::amplification(&o.report).measured
+    });
 
     let mut s = String::new();
     let _ = writeln!(
         s,
-        "\nlevee drill — {} (fleet capacity measured at {:.1} req/s)\n",
-        scenario.name, capacity
+        "levee drill — {}: {} (1x = the knee, {:.1} req/s)\n",
+        scenario.name, scenario.description, sweep.knee_rps
     );
-    let _ = writeln!(
-        s,
-        "{:<22}{:>16}{:>16}{:>16}",
-        "", runs[0].label, runs[1].label, runs[2].label
-    );
+    let _ = write!(s, "{:<24}", "");
+    for (who, _) in runs {
+        let _ = write!(s, "{:>14}", who.label());
+    }
+    let _ = writeln!(s);
     for (name, cells) in rows {
-        let _ = writeln!(
-            s,
-            "{:<22}{:>16}{:>16}{:>16}",
-            name, cells[0], cells[1], cells[2]
-        );
+        let _ = write!(s, "{name:<24}");
+        for c in cells {
+            let _ = write!(s, "{c:>14}");
+        }
+        let _ = writeln!(s);
     }
     s
 }
@@ -724,21 +1117,20 @@ fn pct(x: f64) -> String {
     format!("{:.2}%", x * 100.0)
 }
 
-fn ms(v: f64) -> String {
-    format!("{v:.0}")
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn noisy() -> Scenario {
-        levee_sim::scenarios::builtin("noisy-neighbor").unwrap()
+    fn urls(n: usize) -> Vec<String> {
+        (0..n)
+            .map(|i| format!("http://127.0.0.1:{}", 1 + i))
+            .collect()
     }
 
     #[test]
-    fn the_noisy_tenant_is_the_only_flooder() {
-        let s = noisy();
+    fn the_flooders_are_found_from_the_scenario_not_from_the_gateway_config() {
+        let mut s = levee_sim::scenarios::builtin("noisy-neighbor").unwrap();
+        s.capacity_rps = 20.0;
         let flooders: Vec<&str> = s
             .tenants
             .iter()
@@ -746,112 +1138,143 @@ mod tests {
             .map(|t| t.name.as_str())
             .collect();
         assert_eq!(flooders, ["noisy"]);
-        // flash-crowd's premium tenant has its own schedule but never floods.
+        // flash-crowd's premium tenants have their own schedules but never flood.
         let fc = levee_sim::scenarios::builtin("flash-crowd").unwrap();
         assert!(fc.tenants.iter().all(|t| !is_flooder(&fc, t)));
-        assert!(fc.tenants.iter().any(|t| t.phases.is_some()));
-    }
-
-    #[test]
-    fn normal_rates_follow_shares_and_starting_rates() {
-        let mut s = noisy();
-        s.capacity_rps = 40.0;
-        let rate = |name: &str| normal_rps(&s, s.tenants.iter().find(|t| t.name == name).unwrap());
-        // Three quiet tenants with equal shares split 1x; the noisy one starts at 0.25x.
-        assert!((rate("quiet-a") - 40.0 / 3.0).abs() < 1e-9);
-        assert!((rate("noisy") - 10.0).abs() < 1e-9);
-    }
-
-    #[test]
-    fn calm_flooders_keep_the_flooder_at_its_share_for_the_whole_run() {
-        let s = noisy();
+        // The calm variant keeps the flooder at its starting rate all along.
         let calm = calm_flooders(&s);
-        let total: f64 = s.phases.iter().map(|p| p.duration_s()).sum();
         let n = calm.tenants.iter().find(|t| t.name == "noisy").unwrap();
-        let phases = n.phases.as_ref().unwrap();
-        assert_eq!(phases.len(), 1);
-        assert!((phases[0].duration_s() - total).abs() < 1e-9);
         assert!(!is_flooder(&calm, n));
-        // The quiet tenants are untouched.
-        for (a, b) in s.tenants.iter().zip(&calm.tenants) {
-            if a.name != "noisy" {
-                assert_eq!(a, b);
-            }
-        }
+        let groups = quiet_groups(&s);
+        assert_eq!(groups.len(), 1);
+        assert_eq!(groups[0].group.as_deref(), Some("quiet"));
     }
 
     #[test]
-    fn steady_variant_drops_flooders_and_faults() {
-        let s = levee_sim::scenarios::builtin("backend-failure").unwrap();
-        let v = steady_variant(&s, "probe", 3.0, 8.0);
-        assert!(v.faults.is_empty());
-        assert_eq!(v.phases.len(), 1);
-        assert!((v.phases[0].duration_s() - 8.0).abs() < 1e-9);
+    fn the_noisy_neighbour_floods_inside_the_quiet_tenants_tier() {
+        let s = levee_sim::scenarios::builtin("noisy-neighbor").unwrap();
+        let noisy = s.tenants.iter().find(|t| t.name == "noisy").unwrap();
+        assert!(s
+            .tenants
+            .iter()
+            .filter(|t| t.name.starts_with("quiet"))
+            .all(|t| t.tier == noisy.tier));
     }
 
     #[test]
-    fn every_shipped_scenario_gives_a_valid_gateway_config() {
-        let urls = vec![
-            "http://127.0.0.1:1".to_string(),
-            "http://127.0.0.1:2".to_string(),
-        ];
+    fn the_shipped_config_fits_every_shipped_scenario_without_knowing_the_flooder() {
         for name in levee_sim::scenarios::names() {
             let s = levee_sim::scenarios::builtin(name).unwrap();
-            for quotas in [false, true] {
-                let cfg = drill_gateway_config(&s, &urls, quotas)
-                    .unwrap_or_else(|e| panic!("{name}: {e:#}"));
-                assert!(cfg.validate().is_empty(), "{name}: {:?}", cfg.validate());
-                assert_eq!(cfg.models.len(), 1);
-                assert_eq!(cfg.models[0].backends.len(), 2);
-                for t in &cfg.tenants {
-                    assert_eq!(t.requests_per_minute > 0, quotas, "{name}/{}", t.name);
-                }
+            let cfg = gateway_config(SHIPPED_GATEWAY_CONFIG, &s, &urls(2))
+                .unwrap_or_else(|e| panic!("{name}: {e:#}"));
+            assert_eq!(cfg.models[0].backends.len(), 2);
+            assert_eq!(cfg.models[0].backends[1].url, "http://127.0.0.1:2");
+            // Every backend is capped at the engine's sequence capacity.
+            for b in &cfg.models[0].backends {
+                assert_eq!(b.max_in_flight, drill_engine_config().gpu.max_running_seqs);
+            }
+            // Quotas depend on the tier alone: the flooder gets the same as its peers.
+            for t in &cfg.tenants {
+                let peer = cfg.tenants.iter().find(|p| p.tier == t.tier).unwrap();
+                assert_eq!(
+                    (t.requests_per_minute, t.requests_burst, t.max_concurrency),
+                    (
+                        peer.requests_per_minute,
+                        peer.requests_burst,
+                        peer.max_concurrency
+                    ),
+                    "{name}/{}",
+                    t.name
+                );
             }
         }
     }
 
     #[test]
-    fn quotas_hold_a_flooder_to_its_share_and_give_premium_headroom() {
-        let urls = vec!["http://127.0.0.1:1".to_string()];
-        let rpm = |s: &Scenario, name: &str| {
-            let cfg = drill_gateway_config(s, &urls, true).unwrap();
-            let t = cfg.tenants.iter().find(|t| t.name == name).unwrap();
-            f64::from(t.requests_per_minute)
-        };
-        let mut nn = noisy();
-        nn.capacity_rps = 40.0;
-        // The noisy tenant's share is 0.25x = 10 req/s: exactly its quota.
-        assert_eq!(rpm(&nn, "noisy"), 600.0);
-        assert!(rpm(&nn, "quiet-a") > 40.0 / 3.0 * 60.0);
-        // flash-crowd's premium tenant keeps its own steady schedule: it gets premium
-        // headroom, not a flooder's exact share.
-        let mut fc = levee_sim::scenarios::builtin("flash-crowd").unwrap();
-        fc.capacity_rps = 40.0;
-        let acme = fc.tenants.iter().find(|t| t.tier == "premium").unwrap();
-        let normal = normal_rps(&fc, acme) * 60.0;
-        assert!(rpm(&fc, &acme.name) >= 2.0 * normal);
+    fn unknown_keys_get_their_tiers_quotas_and_more_engines_copy_the_first_backend() {
+        let mut s = levee_sim::scenarios::builtin("steady").unwrap();
+        s.tenants[0].api_key = "sk-somebody-new".into();
+        s.tenants[0].tier = "free".into();
+        let cfg = gateway_config(SHIPPED_GATEWAY_CONFIG, &s, &urls(3)).unwrap();
+        let added = cfg
+            .tenants
+            .iter()
+            .find(|t| t.key_sha256 == [levee_gateway::hash_key("sk-somebody-new")])
+            .unwrap();
+        let free = cfg.tenants.iter().find(|t| t.tier == "free").unwrap();
+        assert_eq!(added.requests_per_minute, free.requests_per_minute);
+        assert_eq!(cfg.models[0].backends.len(), 3);
+        // A tier the configuration lacks is an error that says what to do.
+        s.tenants[0].tier = "platinum".into();
+        let e = gateway_config(SHIPPED_GATEWAY_CONFIG, &s, &urls(2)).unwrap_err();
+        assert!(
+            format!("{e:#}").contains("add it to the configuration"),
+            "{e:#}"
+        );
     }
 
     #[test]
-    fn the_drill_engine_crashes_unprotected_but_not_at_levees_cap() {
-        let g = drill_engine_config().gpu;
-        assert_eq!(g.overload, OverloadMode::Crash);
-        // levee's cap times a long sequence fits the cache; the engine's own limit does not.
-        let long_seq = 700;
-        assert!(BACKEND_CAP * long_seq <= g.kv_capacity_tokens);
-        assert!(g.max_running_seqs * long_seq > g.kv_capacity_tokens);
+    fn the_sweep_sends_the_mix_without_retries_tenants_or_faults() {
+        let base = levee_sim::scenarios::builtin("crash-mid-flood").unwrap();
+        let s = sweep_scenario(&base, 12.0, 10.0);
+        assert!(s.faults.is_empty());
+        assert_eq!(s.client.behaviour, Behaviour::None);
+        assert_eq!(s.classes, base.classes);
+        assert_eq!(s.sessions, base.sessions);
+        assert!((s.offered_rps_at(5.0) - 12.0).abs() < 1e-9);
+        assert!(estimated_capacity(&base, 2, &drill_engine_config()) > 1.0);
     }
 
     #[test]
-    fn saturated_throughput_skips_the_warm_up() {
-        let seconds: Vec<levee_sim::report::Second> = (0..8u32)
-            .map(|t| levee_sim::report::Second {
-                t,
-                ok: if t < 3 { 1 } else { 20 },
-                ..Default::default()
-            })
-            .collect();
-        assert_eq!(steady_rate(&seconds), Some(20.0));
-        assert_eq!(steady_rate(&seconds[..3]), None);
+    fn premium_over_quota_counts_only_what_exceeds_the_configured_rate() {
+        let mut s = levee_sim::scenarios::builtin("flash-crowd").unwrap();
+        s.capacity_rps = 30.0;
+        let cfg = gateway_config(SHIPPED_GATEWAY_CONFIG, &s, &urls(2)).unwrap();
+        // Each premium tenant peaks at 0.3x = 9 req/s, under its 15 req/s quota.
+        assert_eq!(premium_over_quota(&s, &cfg).unwrap(), 0);
+        // At 10x the capacity, most of their traffic is over quota.
+        s.capacity_rps = 300.0;
+        let over = premium_over_quota(&s, &cfg).unwrap();
+        assert!(over > 1000, "{over}");
+    }
+
+    #[test]
+    fn every_shipped_flood_has_sessions_a_heavy_tail_and_both_stream_kinds() {
+        for name in [
+            "flash-crowd",
+            "noisy-neighbor",
+            "heavy-tail",
+            "crash-mid-flood",
+        ] {
+            let s = levee_sim::scenarios::builtin(name).unwrap();
+            assert!(s.sessions.share > 0.0, "{name}");
+            assert!(s.classes.iter().any(|c| c.stream), "{name}");
+            assert!(s.classes.iter().any(|c| !c.stream), "{name}");
+            assert!(
+                s.classes
+                    .iter()
+                    .any(|c| matches!(c.prompt_tokens, levee_sim::dist::Dist::Lognormal { .. })),
+                "{name}"
+            );
+        }
+        // heavy-tail: about 10% of requests at >= 3,000 prompt tokens, all within context.
+        let s = levee_sim::scenarios::builtin("heavy-tail").unwrap();
+        let sched = levee_sim::arrivals::build(&s).unwrap();
+        let long = sched
+            .arrivals
+            .iter()
+            .filter(|a| a.prompt_tokens >= 3000)
+            .count() as f64;
+        let share = long / sched.arrivals.len() as f64;
+        assert!((0.08..0.13).contains(&share), "{share}");
+        let ctx = drill_engine_config().gpu.max_model_len;
+        assert!(sched
+            .arrivals
+            .iter()
+            .all(|a| a.prompt_tokens + a.max_tokens <= ctx));
+        // crash-mid-flood crashes an engine while the flood is on.
+        let c = levee_sim::scenarios::builtin("crash-mid-flood").unwrap();
+        let f = &c.faults[0];
+        assert!(c.offered_rps_at(f.at_s) >= 5.0 * c.capacity_rps);
     }
 }

@@ -54,18 +54,35 @@ enum ConfigCommand {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    // The drill tells its story on stdout; its components' info lines would bury it.
-    let default_filter = match cli.command {
-        Command::Drill(_) => "warn",
-        _ => "info",
+    let filter = |default: &str| {
+        tracing_subscriber::EnvFilter::try_from_default_env()
+            .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default))
     };
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter)),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    if let Command::Drill(args) = &cli.command {
+        // The drill tells its story on the terminal; the in-process gateway's and engines'
+        // logs go to a file beside its reports, never over the progress and the tables.
+        let log = args.out.join("drill.log");
+        let file = std::fs::create_dir_all(&args.out).and_then(|()| std::fs::File::create(&log));
+        match file {
+            Ok(file) => tracing_subscriber::fmt()
+                .with_env_filter(filter("info"))
+                .with_ansi(false)
+                .with_writer(std::sync::Mutex::new(file))
+                .init(),
+            Err(e) => {
+                eprintln!(
+                    "levee drill: cannot create the log file {}: {e}",
+                    log.display()
+                );
+                return ExitCode::FAILURE;
+            }
+        }
+    } else {
+        tracing_subscriber::fmt()
+            .with_env_filter(filter("info"))
+            .with_writer(std::io::stderr)
+            .init();
+    }
     if let Command::Config {
         command: ConfigCommand::Check { file },
     } = &cli.command

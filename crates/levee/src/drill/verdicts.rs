@@ -1,0 +1,356 @@
+//! The drill's verdicts: pure functions of run reports and independently measured
+//! references, so that each can be shown failing on a synthetic report.
+//!
+//! - **goodput**: requests meeting the SLO per second during the flood (the seconds in which
+//!   the scenario offers at least [`FLOOD_FACTOR`] × the knee, after the first seconds of
+//!   each flood stretch, and outside the time an injected fault holds an engine down),
+//!   against the knee measured without levee: met at ≥ 95%.
+//! - **crashes**: engine crashes caused by overload (all crashes minus injected ones): met at 0.
+//! - **premium**: premium requests that succeeded, over those within the premium tenants'
+//!   quota: met at ≥ 99.9%. A request refused as over quota (429 `rate_limit_exceeded`) is
+//!   excused only up to the number a client-side rate check of the schedule finds over the
+//!   configured quota, so a gateway cannot excuse its own failures by calling them over quota.
+//! - **isolation**: the quiet tenants' success within 1 point of the calm run (the same
+//!   traffic with the flooder at its normal rate, through the same contender) and their p99
+//!   TTFT at most 10% above it. A failed request counts as an infinitely late first token:
+//!   when more than 1% failed, the p99 is infinite and the verdict fails.
+//! - **retry amplification**: attempts per scheduled request, stated for every contender.
+
+use levee_sim::report::{Group, Report};
+
+/// The flood is where the scenario offers at least this multiple of the knee.
+pub const FLOOD_FACTOR: f64 = 1.5;
+/// Goodput during the flood must reach this share of the knee.
+pub const GOODPUT_TARGET: f64 = 0.95;
+/// Premium success target over its in-quota requests.
+pub const PREMIUM_TARGET: f64 = 0.999;
+/// Largest fall of the quiet tenants' success rate, in points (as a fraction).
+pub const ISOLATION_SUCCESS_POINTS: f64 = 0.01;
+/// Largest rise of the quiet tenants' p99 TTFT, as a fraction of the calm run's.
+pub const ISOLATION_TTFT_RISE: f64 = 0.10;
+
+/// One contender's result on one target.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Check {
+    /// The figure, in words.
+    pub measured: String,
+    /// Whether the target is met; `None` when the row only states a figure.
+    pub met: Option<bool>,
+}
+
+impl Check {
+    fn judged(measured: String, met: bool) -> Self {
+        Self {
+            measured,
+            met: Some(met),
+        }
+    }
+}
+
+/// Seconds of the run (by index into the report's timeseries) over which flood goodput is
+/// measured.
+///
+/// `offered_at(t)` is the scenario's offered rate at `t` seconds; a second is in the window
+/// when the offered rate at its middle is at least [`FLOOD_FACTOR`] × `knee_rps`, it is not
+/// among the first `warm_s` seconds of a flood stretch, and it does not overlap any of the
+/// `down` intervals (start, end in seconds) in which an injected fault holds an engine down.
+pub fn flood_window(
+    duration_s: f64,
+    offered_at: &dyn Fn(f64) -> f64,
+    knee_rps: f64,
+    warm_s: f64,
+    down: &[(f64, f64)],
+) -> Vec<u32> {
+    let mut window = Vec::new();
+    let mut stretch_start: Option<f64> = None;
+    let seconds = duration_s.ceil().max(0.0) as u32;
+    for s in 0..seconds {
+        let (a, b) = (f64::from(s), f64::from(s) + 1.0);
+        if offered_at(a + 0.5) < FLOOD_FACTOR * knee_rps {
+            stretch_start = None;
+            continue;
+        }
+        let started = *stretch_start.get_or_insert(a);
+        let warm = a < started + warm_s;
+        let held_down = down.iter().any(|&(from, to)| a < to && b > from);
+        if !warm && !held_down {
+            window.push(s);
+        }
+    }
+    window
+}
+
+/// Requests meeting the SLO per second over `window` (a second missing from the report's
+/// timeseries counts as zero); `None` for an empty window.
+pub fn window_goodput(report: &Report, window: &[u32]) -> Option<f64> {
+    if window.is_empty() {
+        return None;
+    }
+    let good: u64 = window
+        .iter()
+        .map(|&t| {
+            report
+                .timeseries
+                .iter()
+                .find(|s| s.t == t)
+                .map_or(0, |s| s.good)
+        })
+        .sum();
+    Some(good as f64 / window.len() as f64)
+}
+
+/// Goodput during the flood against the knee.
+pub fn goodput(report: &Report, window: &[u32], knee_rps: f64) -> Option<Check> {
+    let g = window_goodput(report, window)?;
+    let ratio = if knee_rps > 0.0 { g / knee_rps } else { 0.0 };
+    Some(Check::judged(
+        format!("{g:.1} req/s = {:.0}%", ratio * 100.0),
+        ratio >= GOODPUT_TARGET,
+    ))
+}
+
+/// Overload crashes (injected ones are stated apart and never count).
+pub fn crashes(total: u64, injected: u64) -> Check {
+    let overload = total.saturating_sub(injected);
+    let measured = if injected > 0 {
+        format!("{overload} (+{injected} injected)")
+    } else {
+        overload.to_string()
+    };
+    Check::judged(measured, overload == 0)
+}
+
+/// Premium success over its in-quota requests. `over_quota_estimate` is the number of
+/// premium requests an independent rate check of the schedule finds over quota.
+pub fn premium(report: &Report, over_quota_estimate: u64) -> Option<Check> {
+    let g = report.per_tier.get("premium")?;
+    if g.requests == 0 {
+        return None;
+    }
+    let refused_as_over_quota = g
+        .errors
+        .get("429:rate_limit_exceeded")
+        .copied()
+        .unwrap_or(0);
+    let excused = refused_as_over_quota.min(over_quota_estimate);
+    let in_quota = g.requests - excused;
+    let rate = if in_quota == 0 {
+        1.0
+    } else {
+        (g.ok as f64 / in_quota as f64).min(1.0)
+    };
+    Some(Check::judged(
+        format!("{:.2}% of {in_quota}", rate * 100.0),
+        rate >= PREMIUM_TARGET,
+    ))
+}
+
+/// The p99 TTFT of a group where a failed request counts as an infinitely late first
+/// token: infinite when more than 1% failed or nothing succeeded. With at most 1% failed,
+/// the successful requests' p99 is an upper bound of it.
+pub fn p99_ttft_counting_failures(g: &Group) -> f64 {
+    if g.requests == 0 || g.ttft.count == 0 {
+        return f64::INFINITY;
+    }
+    let failed = 1.0 - g.ok as f64 / g.requests as f64;
+    if failed > 0.01 {
+        f64::INFINITY
+    } else {
+        g.ttft.p99
+    }
+}
+
+/// Whether the quiet tenants (`flood`) kept the success and p99 TTFT of the `calm` run.
+pub fn isolation(calm: &Group, flood: &Group) -> Check {
+    let before = calm.ttft.p99;
+    let after = p99_ttft_counting_failures(flood);
+    let fell = calm.success_rate - flood.success_rate;
+    let success_ok = fell <= ISOLATION_SUCCESS_POINTS + 1e-12;
+    if calm.ttft.count == 0 || before <= 0.0 {
+        return Check::judged("no calm reference (nothing succeeded)".into(), false);
+    }
+    let ttft_ok = after <= before * (1.0 + ISOLATION_TTFT_RISE);
+    let after_text = if after.is_finite() {
+        format!("{after:.0} ms ({:+.0}%)", (after / before - 1.0) * 100.0)
+    } else {
+        "∞ (failures)".into()
+    };
+    Check::judged(
+        format!(
+            "success {:.1}→{:.1}%, p99 TTFT {before:.0}→{after_text}",
+            calm.success_rate * 100.0,
+            flood.success_rate * 100.0
+        ),
+        success_ok && ttft_ok,
+    )
+}
+
+/// Attempts per scheduled request (1.0 = no retry).
+pub fn amplification(report: &Report) -> Check {
+    let a = if report.totals.scheduled > 0 {
+        report.totals.attempts as f64 / report.totals.scheduled as f64
+    } else {
+        0.0
+    };
+    Check {
+        measured: format!("{a:.2}×"),
+        met: None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use levee_sim::report::{Percentiles, Second};
+
+    pub(crate) fn report_with(seconds: Vec<Second>) -> Report {
+        Report {
+            schema: levee_sim::report::SCHEMA.into(),
+            scenario: "synthetic".into(),
+            description: String::new(),
+            seed: 1,
+            target: "http://127.0.0.1:1".into(),
+            started_at: String::new(),
+            duration_s: seconds.len() as f64,
+            wall_s: seconds.len() as f64,
+            client: "none".into(),
+            slo: levee_sim::report::SloSpec {
+                ttft_ms: Some(2000.0),
+                tpot_ms: None,
+                e2e_ms: None,
+            },
+            totals: Default::default(),
+            rates: Default::default(),
+            latency: Default::default(),
+            errors: Default::default(),
+            per_tier: Default::default(),
+            per_group: Default::default(),
+            per_tenant: Default::default(),
+            per_class: Default::default(),
+            timeseries: seconds,
+            metrics: Vec::new(),
+            faults: Vec::new(),
+        }
+    }
+
+    fn group(requests: u64, ok: u64, p99: f64) -> Group {
+        Group {
+            requests,
+            ok,
+            good: ok,
+            success_rate: if requests == 0 {
+                1.0
+            } else {
+                ok as f64 / requests as f64
+            },
+            ttft: Percentiles {
+                count: ok,
+                p99,
+                ..Percentiles::default()
+            },
+            ..Group::default()
+        }
+    }
+
+    #[test]
+    fn the_flood_window_skips_warm_up_calm_seconds_and_downtime() {
+        // 1x for 5 s, 10x for 10 s, 1x for 5 s; knee 10 req/s.
+        let offered = |t: f64| {
+            if (5.0..15.0).contains(&t) {
+                100.0
+            } else {
+                10.0
+            }
+        };
+        let w = flood_window(20.0, &offered, 10.0, 2.0, &[]);
+        assert_eq!(w, (7..15).collect::<Vec<_>>());
+        // An engine down from 9.5 s to 11 s takes seconds 9 and 10 out.
+        let w = flood_window(20.0, &offered, 10.0, 2.0, &[(9.5, 11.0)]);
+        assert_eq!(w, vec![7, 8, 11, 12, 13, 14]);
+        // Never above 1.5x: no window, and no goodput verdict.
+        let w = flood_window(20.0, &|_| 14.0, 10.0, 2.0, &[]);
+        assert!(w.is_empty());
+        assert!(goodput(&report_with(Vec::new()), &w, 10.0).is_none());
+    }
+
+    #[test]
+    fn goodput_fails_below_95_percent_of_the_knee_and_counts_missing_seconds_as_zero() {
+        let sec = |t, good| Second {
+            t,
+            good,
+            ..Second::default()
+        };
+        let window = [2, 3, 4, 5];
+        let r = report_with((0..8).map(|t| sec(t, 20)).collect());
+        assert_eq!(goodput(&r, &window, 20.0).unwrap().met, Some(true));
+        let r = report_with((0..8).map(|t| sec(t, 18)).collect());
+        assert_eq!(goodput(&r, &window, 20.0).unwrap().met, Some(false));
+        // A collapse (seconds with nothing recorded) is a zero, not a gap.
+        let r = report_with(vec![sec(2, 20), sec(3, 20)]);
+        assert_eq!(window_goodput(&r, &window), Some(10.0));
+        assert_eq!(goodput(&r, &window, 20.0).unwrap().met, Some(false));
+    }
+
+    #[test]
+    fn an_injected_crash_is_not_an_overload_crash() {
+        assert_eq!(crashes(1, 1).met, Some(true));
+        assert_eq!(crashes(1, 1).measured, "0 (+1 injected)");
+        assert_eq!(crashes(2, 1).met, Some(false));
+        assert_eq!(crashes(1, 0).met, Some(false));
+        assert_eq!(crashes(0, 0).met, Some(true));
+    }
+
+    #[test]
+    fn premium_fails_when_in_quota_requests_fail_and_over_quota_refusals_are_capped() {
+        let mut r = report_with(Vec::new());
+        let mut g = group(1000, 1000, 100.0);
+        r.per_tier.insert("premium".into(), g.clone());
+        assert_eq!(premium(&r, 0).unwrap().met, Some(true));
+        // Two failures in a thousand: 99.8%.
+        g.ok = 998;
+        r.per_tier.insert("premium".into(), g.clone());
+        assert_eq!(premium(&r, 0).unwrap().met, Some(false));
+        // 100 refused as over quota, and the schedule really was 100 over: excused.
+        g.ok = 900;
+        g.errors.insert("429:rate_limit_exceeded".into(), 100);
+        r.per_tier.insert("premium".into(), g.clone());
+        assert_eq!(premium(&r, 100).unwrap().met, Some(true));
+        // The same refusals when the schedule was only 10 over quota: 90 in-quota failures.
+        let c = premium(&r, 10).unwrap();
+        assert_eq!(c.met, Some(false), "{}", c.measured);
+        // No premium traffic: no verdict.
+        r.per_tier.clear();
+        assert!(premium(&r, 0).is_none());
+    }
+
+    #[test]
+    fn isolation_fails_on_starvation_on_lost_success_and_on_slower_first_tokens() {
+        let calm = group(1000, 1000, 200.0);
+        assert_eq!(isolation(&calm, &group(1000, 1000, 215.0)).met, Some(true));
+        // p99 TTFT +15%.
+        assert_eq!(isolation(&calm, &group(1000, 1000, 230.0)).met, Some(false));
+        // Two points of success lost, p99 unchanged.
+        assert_eq!(isolation(&calm, &group(1000, 980, 200.0)).met, Some(false));
+        // Total starvation: nothing succeeded, so there is no TTFT sample at all; the p99 of
+        // the successes (0 ms) must not pass as "faster".
+        let starved = group(1000, 0, 0.0);
+        assert_eq!(p99_ttft_counting_failures(&starved), f64::INFINITY);
+        assert_eq!(isolation(&calm, &starved).met, Some(false));
+        // Half failed while the survivors were fast: failures count as infinitely late.
+        assert_eq!(isolation(&calm, &group(1000, 500, 50.0)).met, Some(false));
+        // No calm reference: cannot be met.
+        assert_eq!(
+            isolation(&group(10, 0, 0.0), &group(10, 10, 1.0)).met,
+            Some(false)
+        );
+    }
+
+    #[test]
+    fn amplification_is_attempts_per_scheduled_request() {
+        let mut r = report_with(Vec::new());
+        r.totals.scheduled = 100;
+        r.totals.attempts = 250;
+        assert_eq!(amplification(&r).measured, "2.50×");
+        assert_eq!(amplification(&r).met, None);
+    }
+}
