@@ -35,6 +35,8 @@ pub struct Config {
     pub queue: QueueConfig,
     /// Circuit breaker settings applied to every backend.
     pub breaker: BreakerConfig,
+    /// Outlier ejection: taking a failing backend out of routing at once.
+    pub outlier: OutlierConfig,
     /// Degradation (load shedding short of refusal) settings.
     pub degrade: DegradeConfig,
     /// How often backends' Prometheus metrics are read.
@@ -84,6 +86,7 @@ impl Default for Config {
             models: Vec::new(),
             queue: QueueConfig::default(),
             breaker: BreakerConfig::default(),
+            outlier: OutlierConfig::default(),
             degrade: DegradeConfig::default(),
             scrape: ScrapeConfig::default(),
             kv: KvConfig::default(),
@@ -120,9 +123,16 @@ pub struct ServerConfig {
     pub header_read_timeout_ms: u64,
     /// Largest header block (bytes) the server buffers; larger ones are cut off.
     pub max_header_bytes: usize,
-    /// Whole-request deadline (queue + upstream) for non-streaming requests, and the
-    /// time-to-first-byte deadline for streaming ones.
+    /// Deadline for a backend's answer, counted from dispatch (time queued in levee never
+    /// counts): the whole exchange for non-streaming requests, the response head for
+    /// streaming ones.
     pub request_timeout_ms: u64,
+    /// A stream whose backend sends nothing for this long is cut: the client gets an SSE
+    /// error event, the backend slot and quota come back.
+    pub stream_idle_timeout_ms: u64,
+    /// Longest a stream may run, from dispatch; then it is cut as on an idle timeout.
+    /// Must be at least `request_timeout_ms`.
+    pub stream_timeout_ms: u64,
     /// After SIGTERM or drain, in-flight requests get this long to finish.
     pub shutdown_grace_ms: u64,
     /// Completion tokens assumed when a request omits `max_tokens` (used for token
@@ -139,6 +149,8 @@ impl Default for ServerConfig {
             header_read_timeout_ms: 5_000,
             max_header_bytes: 16 * 1024,
             request_timeout_ms: 300_000,
+            stream_idle_timeout_ms: 60_000,
+            stream_timeout_ms: 1_800_000,
             shutdown_grace_ms: 30_000,
             default_max_tokens: 256,
             drain_retry_after_ms: 5_000,
@@ -425,6 +437,44 @@ impl Default for BreakerConfig {
             open_ms: 5_000,
             half_open_probes: 1,
             half_open_successes: 1,
+        }
+    }
+}
+
+/// Outlier ejection (as in Envoy): a backend that says it cannot serve, or fails
+/// `consecutive_failures` times in a row, leaves routing at once, for the time it advises
+/// (`Retry-After`) or for `base_ejection_ms` times the number of times it was ejected
+/// recently, at most `max_ejection_ms`. Its breaker is held open for that time, so it comes
+/// back through the breaker's half-open probes.
+///
+/// Backpressure is not failure: a 429, or a 503 with a `Retry-After` of at most
+/// `backpressure_retry_after_ms` from a backend whose health check passes, only slows
+/// routing down. A 503 without `Retry-After` (a crashed or restarting engine), a longer
+/// one, or a refused connection ejects.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct OutlierConfig {
+    /// Outlier ejection on (off: only the breaker and health checks take backends out).
+    pub enabled: bool,
+    /// Failures in a row (5xx, broken connections, timeouts) that eject (0 = rule off).
+    pub consecutive_failures: u32,
+    /// Ejection time for the first ejection; the n-th recent ejection lasts n times this.
+    pub base_ejection_ms: u64,
+    /// Longest ejection, whatever the backend advises or the repeats add up to.
+    pub max_ejection_ms: u64,
+    /// A 503 with a `Retry-After` up to this, from a backend that passes its health check,
+    /// is backpressure (slow down), not failure.
+    pub backpressure_retry_after_ms: u64,
+}
+
+impl Default for OutlierConfig {
+    fn default() -> Self {
+        OutlierConfig {
+            enabled: true,
+            consecutive_failures: 3,
+            base_ejection_ms: 5_000,
+            max_ejection_ms: 60_000,
+            backpressure_retry_after_ms: 2_000,
         }
     }
 }
@@ -790,6 +840,27 @@ impl Config {
         if !(0.0..=0.9).contains(&self.kv.headroom) {
             errs.push("kv.headroom: must be between 0.0 and 0.9".to_string());
         }
+        let o = &self.outlier;
+        if o.enabled && (o.base_ejection_ms == 0 || o.max_ejection_ms < o.base_ejection_ms) {
+            errs.push(format!(
+                "outlier: need 0 < base_ejection_ms <= max_ejection_ms (got {} and {})",
+                o.base_ejection_ms, o.max_ejection_ms
+            ));
+        }
+        let sv = &self.server;
+        if sv.request_timeout_ms == 0 {
+            errs.push("server.request_timeout_ms: must be > 0".to_string());
+        }
+        if sv.stream_idle_timeout_ms == 0 {
+            errs.push("server.stream_idle_timeout_ms: must be > 0".to_string());
+        }
+        if sv.stream_timeout_ms < sv.request_timeout_ms {
+            errs.push(format!(
+                "server.stream_timeout_ms: {} is shorter than server.request_timeout_ms ({}), \
+                 so a stream could be cut before its first byte was due; raise it",
+                sv.stream_timeout_ms, sv.request_timeout_ms
+            ));
+        }
         if self.server.max_body_bytes == 0 {
             errs.push("server.max_body_bytes: must be > 0".to_string());
         }
@@ -884,6 +955,31 @@ url = "http://127.0.0.1:1"
         assert!(joined.contains("models[0].fallback"), "{joined}");
         assert!(joined.contains("safe < soft < hard"), "{joined}");
         assert_eq!(errs.len(), 4, "{joined}");
+    }
+
+    #[test]
+    fn deadlines_and_ejection_times_must_make_sense() {
+        let mut cfg = Config::default();
+        cfg.server.request_timeout_ms = 60_000;
+        cfg.server.stream_timeout_ms = 30_000;
+        cfg.server.stream_idle_timeout_ms = 0;
+        cfg.outlier.base_ejection_ms = 10_000;
+        cfg.outlier.max_ejection_ms = 5_000;
+        let errs = cfg.validate();
+        let joined = errs.join("\n");
+        assert!(
+            joined.contains("server.stream_timeout_ms: 30000 is shorter"),
+            "{joined}"
+        );
+        assert!(joined.contains("server.stream_idle_timeout_ms"), "{joined}");
+        assert!(
+            joined.contains("outlier: need 0 < base_ejection_ms"),
+            "{joined}"
+        );
+        assert_eq!(errs.len(), 3, "{joined}");
+        // Ejection settings are not judged while ejection is off.
+        cfg.outlier.enabled = false;
+        assert_eq!(cfg.validate().len(), 2);
     }
 
     #[test]

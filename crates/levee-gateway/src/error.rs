@@ -382,6 +382,48 @@ impl GatewayError {
         )
     }
 
+    /// `stream_broken`: the backend's stream broke off mid-answer (connection reset, a
+    /// malformed body). Sent to the client as an SSE error event, since the response head
+    /// already went out; the status applies only where a head has not.
+    pub fn stream_broken(message: impl Into<String>) -> Self {
+        Self::new(
+            Origin::Upstream,
+            StatusCode::BAD_GATEWAY,
+            "server_error",
+            "stream_broken",
+            message,
+        )
+    }
+
+    /// `stream_idle_timeout`: the backend sent nothing for `idle` in the middle of a stream.
+    pub fn stream_idle_timeout(idle: Duration) -> Self {
+        Self::new(
+            Origin::Upstream,
+            StatusCode::GATEWAY_TIMEOUT,
+            "server_error",
+            "stream_idle_timeout",
+            format!(
+                "the backend sent nothing for {} ms mid-stream; the answer is incomplete, retry the request",
+                idle.as_millis()
+            ),
+        )
+    }
+
+    /// `stream_timeout`: a stream ran past `server.stream_timeout_ms` from dispatch.
+    pub fn stream_timeout(limit: Duration) -> Self {
+        Self::new(
+            Origin::Gateway,
+            StatusCode::GATEWAY_TIMEOUT,
+            "server_error",
+            "stream_timeout",
+            format!(
+                "the stream ran past its {} ms limit and was cut; the answer is incomplete, \
+                 ask for fewer tokens or retry",
+                limit.as_millis()
+            ),
+        )
+    }
+
     /// 500: a bug in the gateway (a caught panic).
     pub fn internal(message: impl Into<String>) -> Self {
         Self::new(
@@ -403,6 +445,16 @@ impl GatewayError {
                 "param": self.param,
             }
         })
+    }
+
+    /// The error as one SSE event (`data: {"error": ...}` and a blank line), the way an
+    /// OpenAI stream reports a failure after its response head went out. OpenAI's SDKs
+    /// raise it as an API error; a client that ignores it still sees no `[DONE]`.
+    pub fn sse_event(&self) -> bytes::Bytes {
+        let mut out = b"data: ".to_vec();
+        out.extend_from_slice(self.body_json().to_string().as_bytes());
+        out.extend_from_slice(b"\n\n");
+        bytes::Bytes::from(out)
     }
 }
 

@@ -15,7 +15,8 @@ use std::sync::OnceLock;
 pub struct RequestLabels {
     /// Tenant name (`-` before authentication).
     pub tenant: String,
-    /// Requested model (`-` when unknown).
+    /// The model (`-` before the body is read, `unknown` for a name not configured: a
+    /// client's string never becomes a label).
     pub model: String,
     /// `ok`, `upstream_error`, or the refusal code (`rate_limit_exceeded`, ...).
     pub outcome: String,
@@ -56,6 +57,15 @@ pub struct BackendLabel {
 pub struct ModelLabel {
     /// Model name.
     pub model: String,
+}
+
+/// Labels of per-backend counters with a reason.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct BackendReasonLabels {
+    /// `model@url`.
+    pub backend: String,
+    /// A fixed code (never a client string).
+    pub reason: String,
 }
 
 /// Labels of the refusal counters.
@@ -107,6 +117,9 @@ pub struct Metrics {
     pub backend_healthy: Family<BackendLabel, Gauge>,
     /// `levee_breaker_state{backend}`: 0 closed, 1 half-open, 2 open.
     pub breaker_state: Family<BackendLabel, Gauge>,
+    /// `levee_stream_cuts_total{backend,reason}`: streams levee ended with an error event
+    /// (reason = `stream_broken` | `stream_idle_timeout` | `stream_timeout`).
+    pub stream_cuts: Family<BackendReasonLabels, Counter>,
     /// `levee_limiter_remaining{tenant,kind}` (kind = requests | tokens).
     pub limiter_remaining: Family<TenantKindLabels, Gauge>,
     /// `levee_degrade_level`: 0 normal .. 3 shedding.
@@ -236,6 +249,12 @@ impl Metrics {
             "Circuit breaker: 0 closed, 1 half-open, 2 open",
             breaker_state.clone(),
         );
+        let stream_cuts = Family::<BackendReasonLabels, Counter>::default();
+        registry.register(
+            "stream_cuts",
+            "Streams ended with an SSE error event, by backend and reason",
+            stream_cuts.clone(),
+        );
         let limiter_remaining = Family::<TenantKindLabels, Gauge>::default();
         registry.register(
             "limiter_remaining",
@@ -276,6 +295,7 @@ impl Metrics {
             backend_kv,
             backend_healthy,
             breaker_state,
+            stream_cuts,
             limiter_remaining,
             degrade_level,
             in_flight,
@@ -299,6 +319,16 @@ impl Metrics {
                 tenant: tenant.to_string(),
                 model: model.to_string(),
                 outcome: outcome.to_string(),
+            })
+            .inc();
+    }
+
+    /// Counts one stream levee cut with an error event.
+    pub fn stream_cut(&self, backend: &str, reason: &'static str) {
+        self.stream_cuts
+            .get_or_create(&BackendReasonLabels {
+                backend: backend.to_string(),
+                reason: reason.to_string(),
             })
             .inc();
     }

@@ -7,9 +7,10 @@
 //! feeds the breaker. Dropping the upstream body closes the upstream connection, which is
 //! how a client disconnect cancels the GPU work at once.
 
+use crate::config::OutlierConfig;
 use crate::error::GatewayError;
 use crate::tokenize::PromptText;
-use crate::upstream::{Backend, HttpClient};
+use crate::upstream::{Backend, HttpClient, Verdict};
 use axum::body::Body;
 use axum::response::Response;
 use bytes::{Bytes, BytesMut};
@@ -339,22 +340,33 @@ pub struct Outcome {
     pub usage: Option<Usage>,
     /// Upstream status (0 if no response arrived).
     pub status: u16,
+    /// The backend's advised wait on a 503 (`Retry-After`), for outlier ejection.
+    pub advised_retry: Option<Duration>,
     /// Connect error, timeout, or a body that broke off.
     pub transport_error: bool,
     /// The client went away before the response finished.
     pub client_gone: bool,
     /// Time from sending to the first body byte.
     pub ttft: Option<Duration>,
+    /// How a stream was cut after its head went out (the code of the SSE error event sent
+    /// to the client: `stream_broken`, `stream_idle_timeout`, `stream_timeout`).
+    pub stream_cut: Option<&'static str>,
 }
 
 impl Outcome {
-    /// Whether the backend misbehaved (for the breaker). Client errors (4xx) are the client's
-    /// fault and do not count against a backend; a client leaving early does not either.
-    pub fn backend_failed(&self) -> bool {
-        self.transport_error
-            || self.status >= 500
-            || self.status == 429
-            || (self.status == 0 && !self.client_gone)
+    /// What this ending says about the backend. `healthy` is the backend's last health
+    /// check (see [`Verdict`] for the rule).
+    pub fn verdict(&self, healthy: bool, cfg: &OutlierConfig) -> Verdict {
+        if self.transport_error || (self.status == 0 && !self.client_gone) {
+            return Verdict::Failure;
+        }
+        if self.status == 0 || self.stream_cut.is_some() {
+            // The client left before any answer, or the stream outlived its deadline while
+            // the backend kept serving: nothing about the backend.
+            return Verdict::Cancelled;
+        }
+        let status = StatusCode::from_u16(self.status).unwrap_or(StatusCode::BAD_GATEWAY);
+        Verdict::of_response(status, self.advised_retry, healthy, cfg)
     }
 }
 
@@ -435,6 +447,7 @@ pub async fn finish_buffered(
 ) -> Result<Response, GatewayError> {
     let (parts, body) = resp.into_parts();
     settlement.outcome.status = parts.status.as_u16();
+    settlement.outcome.advised_retry = crate::upstream::advised_retry(&parts.headers);
     // The response head is the first byte a non-streaming client could see.
     settlement.outcome.ttft = Some(sent_at.elapsed());
     let bytes = match tokio::time::timeout_at(deadline, body.collect()).await {
@@ -479,84 +492,64 @@ fn copy_content_type(from: &http::HeaderMap, to: &mut http::HeaderMap) {
     to.insert(http::header::CONTENT_TYPE, ct);
 }
 
+/// Time limits of one stream.
+#[derive(Debug, Clone, Copy)]
+pub struct StreamLimits {
+    /// Longest silence between two body chunks (and before the first).
+    pub idle: Duration,
+    /// The stream is cut at this instant whatever it is doing.
+    pub deadline: Instant,
+    /// The configured total (for the error message).
+    pub total: Duration,
+}
+
+/// Longest SSE event levee buffers while looking for its end; a backend that sends more
+/// without a blank line is not speaking SSE, and its stream is cut.
+const MAX_EVENT_BYTES: usize = 1 << 20;
+
 struct StreamState {
-    body: Incoming,
-    settlement: Settlement,
-    pending: BytesMut,
-    strip_usage: bool,
+    /// The upstream body; dropped (closing the connection, cancelling the work) as soon as
+    /// the stream ends or is cut.
+    body: Option<Incoming>,
+    settlement: Option<Settlement>,
+    events: EventSplitter,
     sent_at: Instant,
-    done: bool,
+    limits: StreamLimits,
+    backend: String,
 }
 
 /// Turns an upstream SSE response into a client response that forwards each event as it
 /// arrives. When `strip_usage` is set (levee asked for `include_usage`, the client did
 /// not), the usage-only final chunk is read for reconciliation and not forwarded.
+///
+/// A stream the backend breaks off, or that stays silent for `limits.idle`, or runs past
+/// `limits.deadline`, ends with an SSE error event in OpenAI's shape (and no `[DONE]`); the
+/// upstream connection is dropped and the settlement runs at that moment.
 pub fn stream_response(
     resp: http::Response<Incoming>,
     mut settlement: Settlement,
     strip_usage: bool,
     sent_at: Instant,
+    limits: StreamLimits,
+    backend: &str,
     extra: &[(&'static str, HeaderValue)],
 ) -> Response {
     let (parts, body) = resp.into_parts();
     settlement.outcome.status = parts.status.as_u16();
     let state = StreamState {
-        body,
-        settlement,
-        pending: BytesMut::new(),
-        strip_usage,
+        body: Some(body),
+        settlement: Some(settlement),
+        events: EventSplitter {
+            strip_usage,
+            ..EventSplitter::default()
+        },
         sent_at,
-        done: false,
+        limits,
+        backend: backend.to_string(),
     };
     let stream = futures::stream::unfold(state, |mut st| async move {
-        loop {
-            if st.done {
-                return None;
-            }
-            match st.body.frame().await {
-                Some(Ok(frame)) => {
-                    let Ok(data) = frame.into_data() else {
-                        continue; // trailers: nothing to forward for SSE
-                    };
-                    if st.settlement.outcome.ttft.is_none() {
-                        st.settlement.outcome.ttft = Some(st.sent_at.elapsed());
-                    }
-                    let out = st.process(data);
-                    if !out.is_empty() {
-                        return Some((Ok::<Bytes, std::io::Error>(out), st));
-                    }
-                }
-                Some(Err(e)) => {
-                    st.settlement.outcome.transport_error = true;
-                    st.done = true;
-                    let st_settle = std::mem::replace(
-                        &mut st.settlement,
-                        Settlement {
-                            inner: None,
-                            outcome: Outcome::default(),
-                        },
-                    );
-                    st_settle.finish();
-                    return Some((Err(std::io::Error::other(e)), st));
-                }
-                None => {
-                    st.done = true;
-                    let rest = st.pending.split().freeze();
-                    let st_settle = std::mem::replace(
-                        &mut st.settlement,
-                        Settlement {
-                            inner: None,
-                            outcome: Outcome::default(),
-                        },
-                    );
-                    st_settle.finish();
-                    if rest.is_empty() {
-                        return None;
-                    }
-                    return Some((Ok(rest), st));
-                }
-            }
-        }
+        let out = st.next_chunk().await?;
+        Some((Ok::<Bytes, std::io::Error>(out), st))
     });
     let mut out = Response::new(Body::from_stream(stream));
     *out.status_mut() = parts.status;
@@ -572,25 +565,119 @@ pub fn stream_response(
 }
 
 impl StreamState {
-    /// Splits complete SSE events out of the buffer; returns what to forward now.
-    fn process(&mut self, data: Bytes) -> Bytes {
+    /// The next bytes for the client; `None` once the stream has ended.
+    async fn next_chunk(&mut self) -> Option<Bytes> {
+        loop {
+            let body = self.body.as_mut()?;
+            let idle_at = Instant::now() + self.limits.idle;
+            let (wake_at, idle) = if idle_at < self.limits.deadline {
+                (idle_at, true)
+            } else {
+                (self.limits.deadline, false)
+            };
+            let frame = match tokio::time::timeout_at(wake_at, body.frame()).await {
+                Ok(frame) => frame,
+                Err(_) if idle => {
+                    return Some(self.cut(GatewayError::stream_idle_timeout(self.limits.idle)))
+                }
+                Err(_) => return Some(self.cut(GatewayError::stream_timeout(self.limits.total))),
+            };
+            match frame {
+                Some(Ok(frame)) => {
+                    let Ok(data) = frame.into_data() else {
+                        continue; // trailers: nothing to forward for SSE
+                    };
+                    if let Some(s) = self.settlement.as_mut() {
+                        if s.outcome.ttft.is_none() {
+                            s.outcome.ttft = Some(self.sent_at.elapsed());
+                        }
+                    }
+                    let mut usage = None;
+                    let out = self.events.process(data, &mut usage);
+                    if let (Some(u), Some(s)) = (usage, self.settlement.as_mut()) {
+                        s.outcome.usage = Some(u);
+                    }
+                    if self.events.pending.len() > MAX_EVENT_BYTES {
+                        return Some(self.cut(GatewayError::stream_broken(format!(
+                            "backend {} sent over {MAX_EVENT_BYTES} bytes without ending an SSE \
+                             event; the answer is incomplete",
+                            self.backend
+                        ))));
+                    }
+                    if !out.is_empty() {
+                        return Some(out);
+                    }
+                }
+                Some(Err(e)) => {
+                    return Some(self.cut(GatewayError::stream_broken(format!(
+                        "backend {} broke off the stream mid-answer ({e}); the answer is \
+                         incomplete, retry the request",
+                        self.backend
+                    ))))
+                }
+                None => {
+                    self.body = None;
+                    if let Some(s) = self.settlement.take() {
+                        s.finish();
+                    }
+                    let rest = self.events.pending.split().freeze();
+                    return (!rest.is_empty()).then_some(rest);
+                }
+            }
+        }
+    }
+
+    /// Ends the stream on `err`: drops the upstream body, settles, and returns the error
+    /// event for the client. A partial event still buffered is dropped: forwarding half a
+    /// JSON chunk would only garble the error that follows.
+    fn cut(&mut self, err: GatewayError) -> Bytes {
+        self.body = None;
+        self.events.pending.clear();
+        if let Some(mut s) = self.settlement.take() {
+            // A stream that outlived its total deadline is not the backend's failure.
+            s.outcome.transport_error = err.code != "stream_timeout";
+            s.outcome.stream_cut = Some(err.code);
+            s.finish();
+        }
+        tracing::warn!(backend = %self.backend, code = err.code, "{}", err.message);
+        err.sse_event()
+    }
+}
+
+/// Cuts a stream's bytes at SSE event ends, so the client gets whole events whatever the
+/// backend's chunk boundaries, and reads the usage chunk on the way.
+#[derive(Debug, Default)]
+struct EventSplitter {
+    /// Bytes of an event not yet complete.
+    pending: BytesMut,
+    framer: Framer,
+    /// Drop the usage-only chunk and the `"usage":null` fields (levee asked for them, the
+    /// client did not).
+    strip_usage: bool,
+}
+
+impl EventSplitter {
+    /// Takes the next chunk from the backend; returns what to forward now (whole events
+    /// only) and sets `usage` if an event carried it.
+    fn process(&mut self, data: Bytes, usage: &mut Option<Usage>) -> Bytes {
         // Fast path: a chunk of whole events with no usage in it goes straight through.
-        if self.pending.is_empty() && data.ends_with(b"\n\n") && !contains(&data, b"\"usage\"") {
+        if self.pending.is_empty() && ends_an_event(&data) && !contains(&data, b"\"usage\"") {
             return data;
         }
         self.pending.extend_from_slice(&data);
-        let Some(end) = rfind(&self.pending, b"\n\n") else {
+        let Some(end) = self.framer.last_event_end(&self.pending) else {
             return Bytes::new();
         };
-        let complete = self.pending.split_to(end + 2).freeze();
+        self.framer.consumed(end);
+        let complete = self.pending.split_to(end).freeze();
         if !contains(&complete, b"\"usage\"") {
             return complete;
         }
         let mut out = BytesMut::with_capacity(complete.len());
         for event in split_events(&complete) {
-            if let Some(usage) = usage_of(event) {
-                self.settlement.outcome.usage = Some(usage.0);
-                if self.strip_usage && usage.1 {
+            if let Some((u, usage_only)) = usage_of(event) {
+                *usage = Some(u);
+                if self.strip_usage && usage_only {
                     continue;
                 }
             }
@@ -604,6 +691,77 @@ impl StreamState {
         }
         out.freeze()
     }
+}
+
+/// Finds where SSE events end, per the SSE spec: a line ends at `\r\n`, `\n` or `\r`, and
+/// an empty line ends an event. It resumes where its last scan stopped, so a long event
+/// arriving in many small chunks is scanned once.
+#[derive(Debug, Default)]
+struct Framer {
+    /// Where the next scan starts.
+    pos: usize,
+    /// Whether the line being scanned has any text yet.
+    line_has_text: bool,
+}
+
+impl Framer {
+    /// The end (exclusive) of the next complete event in `buf` after the last one found.
+    fn next_event_end(&mut self, buf: &[u8]) -> Option<usize> {
+        while self.pos < buf.len() {
+            let i = self.pos;
+            let len = match buf[i] {
+                b'\n' => 1,
+                b'\r' => match buf.get(i + 1) {
+                    Some(b'\n') => 2,
+                    Some(_) => 1,
+                    // A CR as the last byte may be the first half of a CRLF. If it ends an
+                    // empty line the event is complete either way; if it ends a text line,
+                    // look at it again when more bytes arrive.
+                    None if self.line_has_text => return None,
+                    None => 1,
+                },
+                _ => {
+                    self.line_has_text = true;
+                    self.pos += 1;
+                    continue;
+                }
+            };
+            self.pos += len;
+            let ended_event = !self.line_has_text;
+            self.line_has_text = false;
+            if ended_event {
+                return Some(self.pos);
+            }
+        }
+        None
+    }
+
+    /// The end (exclusive) of the last complete event in `buf`.
+    fn last_event_end(&mut self, buf: &[u8]) -> Option<usize> {
+        let mut last = None;
+        while let Some(end) = self.next_event_end(buf) {
+            last = Some(end);
+        }
+        last
+    }
+
+    /// The caller removed `n` bytes from the front of the buffer.
+    fn consumed(&mut self, n: usize) {
+        self.pos = self.pos.saturating_sub(n);
+    }
+}
+
+/// Whether `data`, scanned from an event boundary, ends exactly at one (an O(1) check for
+/// the fast path: the last line terminator must end an empty line).
+fn ends_an_event(data: &[u8]) -> bool {
+    let rest = if data.ends_with(b"\r\n") {
+        &data[..data.len() - 2]
+    } else if data.ends_with(b"\n") || data.ends_with(b"\r") {
+        &data[..data.len() - 1]
+    } else {
+        return false;
+    };
+    rest.is_empty() || rest.ends_with(b"\n") || rest.ends_with(b"\r")
 }
 
 /// Copies `event` into `out` without `,"usage":null` (either JSON spacing).
@@ -623,16 +781,17 @@ fn strip_null_usage(event: &[u8], out: &mut BytesMut) {
     }
 }
 
-/// Splits a buffer of whole events into events (each keeping its `\n\n`).
+/// Splits a buffer of whole events into events (each keeping its blank line).
 fn split_events(buf: &[u8]) -> impl Iterator<Item = &[u8]> {
-    let mut rest = buf;
+    let mut framer = Framer::default();
+    let mut start = 0;
     std::iter::from_fn(move || {
-        if rest.is_empty() {
+        if start >= buf.len() {
             return None;
         }
-        let n = find(rest, b"\n\n").map(|i| i + 2).unwrap_or(rest.len());
-        let (ev, r) = rest.split_at(n);
-        rest = r;
+        let end = framer.next_event_end(buf).unwrap_or(buf.len());
+        let ev = &buf[start..end];
+        start = end;
         Some(ev)
     })
 }
@@ -648,7 +807,7 @@ fn usage_of(event: &[u8]) -> Option<(Usage, bool)> {
     }
     let text = std::str::from_utf8(event).ok()?;
     let data = text
-        .lines()
+        .split(['\r', '\n'])
         .filter_map(|l| l.strip_prefix("data:"))
         .map(str::trim_start)
         .collect::<Vec<_>>()
@@ -661,17 +820,8 @@ fn find(h: &[u8], n: &[u8]) -> Option<usize> {
     h.windows(n.len()).position(|w| w == n)
 }
 
-fn rfind(h: &[u8], n: &[u8]) -> Option<usize> {
-    h.windows(n.len()).rposition(|w| w == n)
-}
-
 fn contains(h: &[u8], n: &[u8]) -> bool {
     find(h, n).is_some()
-}
-
-/// Status for a backend that answered with a non-success code but whose body we pass on.
-pub fn is_backend_failure(status: StatusCode) -> bool {
-    status.is_server_error() || status == StatusCode::TOO_MANY_REQUESTS
 }
 
 #[cfg(test)]
@@ -749,5 +899,117 @@ mod tests {
     fn split_events_keeps_separators() {
         let v: Vec<&[u8]> = split_events(b"data: a\n\ndata: b\n\n").collect();
         assert_eq!(v, vec![&b"data: a\n\n"[..], &b"data: b\n\n"[..]]);
+        let v: Vec<&[u8]> = split_events(b"data: a\r\n\r\ndata: b\r\rdata: c\n\r\n").collect();
+        assert_eq!(
+            v,
+            vec![
+                &b"data: a\r\n\r\n"[..],
+                &b"data: b\r\r"[..],
+                &b"data: c\n\r\n"[..]
+            ]
+        );
+    }
+
+    /// A stream of `events` (each `data: <json>` lines) framed with terminator `t`.
+    fn framed(events: &[&str], t: &str) -> String {
+        events
+            .iter()
+            .map(|e| format!("{}{t}{t}", e.replace('\n', t)))
+            .collect()
+    }
+
+    const EVENTS: [&str; 4] = [
+        r#"data: {"choices":[{"delta":{"content":"a"}}],"usage":null}"#,
+        ": a comment line\ndata: {\"choices\":[{\"delta\":{\"content\":\"b\"}}],\"usage\":null}",
+        r#"data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":5,"total_tokens":8}}"#,
+        "data: [DONE]",
+    ];
+
+    #[test]
+    fn every_sse_line_ending_frames_events_at_any_chunk_boundary() {
+        for t in ["\n", "\r\n", "\r"] {
+            let stream = framed(&EVENTS, t);
+            let bytes = stream.as_bytes();
+            let event_ends: Vec<usize> = split_events(bytes)
+                .scan(0, |end, ev| {
+                    *end += ev.len();
+                    Some(*end)
+                })
+                .collect();
+            assert_eq!(event_ends.len(), EVENTS.len(), "{t:?}");
+            // Every way of cutting the stream in two or three chunks.
+            for a in 0..=bytes.len() {
+                for b in [a, (a + 7).min(bytes.len()), bytes.len()] {
+                    let mut sp = EventSplitter::default();
+                    let mut usage = None;
+                    let mut out = Vec::new();
+                    let mut at = 0;
+                    for chunk in [&bytes[..a], &bytes[a..b], &bytes[b..]] {
+                        let got = sp.process(Bytes::copy_from_slice(chunk), &mut usage);
+                        at += got.len();
+                        out.extend_from_slice(&got);
+                        // Forwarded bytes always end at an event end, and every event
+                        // complete in what arrived has been forwarded.
+                        let arrived =
+                            chunk.as_ptr() as usize + chunk.len() - bytes.as_ptr() as usize;
+                        let due = event_ends.iter().filter(|e| **e <= arrived).max().copied();
+                        // Or one byte short of it: a CR that ends a blank line ends the
+                        // event whether or not an LF follows in the next chunk.
+                        let cr_before_lf =
+                            bytes[at.saturating_sub(1)] == b'\r' && bytes.get(at) == Some(&b'\n');
+                        assert!(
+                            at == 0 || event_ends.contains(&at) || cr_before_lf,
+                            "{t:?} {a} {b}: at {at}"
+                        );
+                        if let Some(d) = due {
+                            assert!(
+                                at >= d,
+                                "{t:?} {a} {b}: event ending at {d} held back (at {at})"
+                            );
+                        }
+                    }
+                    assert_eq!(out, bytes, "{t:?} split at {a}/{b}");
+                    assert_eq!(usage.map(|u| u.total()), Some(8), "{t:?} {a} {b}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn usage_chunk_is_stripped_whatever_the_framing() {
+        for t in ["\n", "\r\n", "\r"] {
+            let stream = framed(&EVENTS, t);
+            let mut sp = EventSplitter {
+                strip_usage: true,
+                ..EventSplitter::default()
+            };
+            let mut usage = None;
+            let mut out = Vec::new();
+            for chunk in stream.as_bytes().chunks(5) {
+                out.extend_from_slice(&sp.process(Bytes::copy_from_slice(chunk), &mut usage));
+            }
+            let text = String::from_utf8(out).unwrap();
+            assert_eq!(usage.map(|u| u.total()), Some(8), "{t:?}");
+            assert!(!text.contains("usage"), "{t:?}: {text}");
+            assert!(
+                text.ends_with(&format!("data: [DONE]{t}{t}")),
+                "{t:?}: {text}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_trailing_cr_waits_only_when_it_may_end_a_text_line() {
+        let mut f = Framer::default();
+        // "data: x\r" may be followed by "\n": not an event end yet.
+        assert_eq!(f.last_event_end(b"data: x\r"), None);
+        assert_eq!(f.last_event_end(b"data: x\r\n"), None);
+        assert_eq!(f.last_event_end(b"data: x\r\n\r"), Some(10));
+        assert!(ends_an_event(b"data: x\n\n"));
+        assert!(ends_an_event(b"data: x\r\n\r\n"));
+        assert!(ends_an_event(b"data: x\r\r"));
+        assert!(ends_an_event(b"data: x\n\r\n"));
+        assert!(!ends_an_event(b"data: x\r\n"));
+        assert!(!ends_an_event(b"data: x\n"));
     }
 }

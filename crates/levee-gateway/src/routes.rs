@@ -14,8 +14,8 @@ use crate::error::{GatewayError, RateInfo};
 use crate::gateway::{Gateway, Model, Runtime, Tenant};
 use crate::lane::{self, Admitted, Lane};
 use crate::metrics::{TenantKindLabels, TierLabel};
-use crate::proxy::{self, Outcome, Settle, Settlement};
-use crate::upstream::Backend;
+use crate::proxy::{self, Outcome, Settle, Settlement, StreamLimits};
+use crate::upstream::{advised_retry, Backend, Verdict};
 use axum::extract::{ConnectInfo, Request, State};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -320,6 +320,8 @@ fn classify(
     // connection's read buffer, and a queued request holding it would keep that buffer alive.
     let (parsed, prompt) = proxy::ClientRequest::parse(Bytes::copy_from_slice(body))?;
     let Some(model) = rt.models.get(&parsed.model).cloned() else {
+        // Never a metric label from an unvalidated client string.
+        labels.model = "unknown".into();
         return Err(GatewayError::unknown_model(&parsed.model));
     };
     labels.model = model.name.clone();
@@ -441,37 +443,64 @@ async fn proxy_phase(
     let extra = response_headers(gw, &tenant, &c, &admitted);
     // The deadline starts at dispatch: the gateway's own queue wait is not the backend's.
     let request_timeout = Duration::from_millis(rt.cfg.server.request_timeout_ms);
+    let dispatched = Instant::now();
+    let outlier = &rt.cfg.outlier;
     let mut resent = false;
+    // Set when the failed attempt's outcome already went to its breaker and ejection.
+    let mut judged = false;
     let (resp, sent_at) = loop {
         let upstream_model = backend.upstream_model.as_deref().unwrap_or(&c.target.name);
         let upstream_body = c.parsed.upstream_body(upstream_model, c.cap, strip_usage)?;
         let sent_at = Instant::now();
         admitted.mark_sent();
-        match Box::pin(proxy::send(
+        let sent = Box::pin(proxy::send(
             &gw.client,
             &backend,
             path,
             upstream_body,
             sent_at + request_timeout,
         ))
-        .await
-        {
+        .await;
+        let verdict = match &sent {
+            Ok(r) => Verdict::of_response(
+                r.status(),
+                advised_retry(r.headers()),
+                backend.is_routable(),
+                outlier,
+            ),
+            // Nothing listens: the request never reached the backend.
+            Err(e) if e.code == "upstream_unreachable" => Verdict::Unavailable { advised: None },
+            Err(_) => Verdict::Failure,
+        };
+        // Nothing reached the client yet: a request this backend failed (or refused) goes
+        // once more to another backend with room, within its deadline.
+        if !resent && verdict.worth_another_backend() && sent_at.elapsed() < request_timeout {
+            eject_if_due(gw, &c.lane, &backend, verdict, outlier);
+            if admitted.redispatch(verdict.breaker_outcome()) {
+                if let Some(other) = admitted.backend() {
+                    tracing::warn!(model = %c.target.name, ?verdict, "backend {} failed before the first byte; resending to {}", backend.id, other.id);
+                    backend = other;
+                    resent = true;
+                    continue;
+                }
+            }
+            // No other backend has room: the backend's own answer (or error) stands.
+            judged = true;
+            if let Err(e) = sent {
+                // The admission drops here: the slot frees and the charges come back.
+                return Err(e);
+            }
+        }
+        match sent {
             Ok(r) => break (r, sent_at),
             Err(e) => {
-                // Nothing reached the client yet: one more try on another backend with room.
-                if !resent && admitted.redispatch(BreakerOutcome::BackendFailure) {
-                    if let Some(other) = admitted.backend() {
-                        tracing::warn!(model = %c.target.name, "{e}; resending to {}", other.id);
-                        backend = other;
-                        resent = true;
-                        continue;
-                    }
-                }
+                eject_if_due(gw, &c.lane, &backend, verdict, outlier);
                 // The admission drops here: the slot frees and the charges come back.
                 return Err(e);
             }
         }
     };
+    let backend_id = backend.id.clone();
     let settle = RequestSettle {
         gw: gw.clone(),
         admitted: Some(admitted),
@@ -480,14 +509,24 @@ async fn proxy_phase(
         model: c.target.name.clone(),
         lane: c.lane.clone(),
         prompt_estimate: c.prompt_tokens,
+        outlier: rt.cfg.outlier.clone(),
+        judged,
     };
     let settlement = Settlement::new(Box::new(settle));
     if c.parsed.stream && resp.status().is_success() {
+        let total = Duration::from_millis(rt.cfg.server.stream_timeout_ms);
+        let limits = StreamLimits {
+            idle: Duration::from_millis(rt.cfg.server.stream_idle_timeout_ms),
+            deadline: dispatched + total,
+            total,
+        };
         Ok(proxy::stream_response(
             resp,
             settlement,
             strip_usage,
             sent_at,
+            limits,
+            &backend_id,
             &extra,
         ))
     } else {
@@ -634,6 +673,24 @@ fn record_limiter_gauges(gw: &Gateway, tenant: &str, r: &RateInfo) {
     }
 }
 
+/// Feeds a verdict to the backend's outlier ejection; an ejection holds the backend's breaker
+/// open for its length, so it leaves routing at once and comes back through probes.
+fn eject_if_due(
+    gw: &Gateway,
+    lane: &Lane,
+    backend: &Backend,
+    verdict: Verdict,
+    outlier: &crate::config::OutlierConfig,
+) {
+    let now = gw.clock.now();
+    if let Some(until) = backend.observe(verdict, now, outlier) {
+        gw.admission
+            .lock()
+            .eject(&lane.model, &backend.key, until, now);
+        lane.wake();
+    }
+}
+
 /// Settle: everything an admitted request must give back or report when it ends.
 struct RequestSettle {
     gw: Arc<Gateway>,
@@ -643,24 +700,22 @@ struct RequestSettle {
     model: Arc<str>,
     lane: Arc<Lane>,
     prompt_estimate: u64,
+    outlier: crate::config::OutlierConfig,
+    /// The outcome already went to outlier ejection (see `proxy_phase`).
+    judged: bool,
 }
 
 impl Settle for RequestSettle {
     fn settle(mut self: Box<Self>, outcome: Outcome) {
         let now = self.gw.clock.now();
-        let breaker_outcome = if outcome.transport_error {
-            BreakerOutcome::BackendFailure
-        } else if outcome.status == 429 || outcome.status == 503 {
-            BreakerOutcome::Backpressure
-        } else if outcome.status >= 500 {
-            BreakerOutcome::BackendFailure
-        } else if outcome.status >= 400 {
-            BreakerOutcome::ClientError
-        } else if outcome.client_gone && outcome.status == 0 {
-            BreakerOutcome::Cancelled
-        } else {
-            BreakerOutcome::Success
-        };
+        let verdict = outcome.verdict(self.backend.is_routable(), &self.outlier);
+        if !self.judged {
+            eject_if_due(&self.gw, &self.lane, &self.backend, verdict, &self.outlier);
+        }
+        let breaker_outcome = verdict.breaker_outcome();
+        if let Some(code) = outcome.stream_cut {
+            self.gw.metrics.stream_cut(&self.backend.id, code);
+        }
         let failed = breaker_outcome == BreakerOutcome::BackendFailure;
         let in_flight = self
             .gw
@@ -709,7 +764,9 @@ impl Settle for RequestSettle {
                 .ttft_for(&self.tenant.metrics, &self.tenant.tier, t.as_secs_f64());
             self.lane.note_ttft(now, t);
         }
-        let label = if outcome.client_gone {
+        let label = if let Some(code) = outcome.stream_cut {
+            code
+        } else if outcome.client_gone {
             "client_gone"
         } else if outcome.transport_error {
             "upstream_error"

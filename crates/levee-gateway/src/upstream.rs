@@ -1,13 +1,18 @@
-//! Upstream backends: the pooled HTTP client, each backend's live counters, and the
-//! scraper that reads each backend's Prometheus metrics (vLLM or llama.cpp names).
+//! Upstream backends: the pooled HTTP client, each backend's live counters, outlier
+//! ejection, and the scraper that reads each backend's Prometheus metrics (vLLM or
+//! llama.cpp names).
 
-use crate::config::{BackendConfig, BackendKind};
+use crate::config::{BackendConfig, BackendKind, OutlierConfig};
 use bytes::Bytes;
+use http::{HeaderMap, StatusCode};
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
-use levee_policy::{AdaptiveConfig, AdaptiveLimit, BackendLimits, BackendReport};
+use levee_policy::{
+    AdaptiveConfig, AdaptiveLimit, BackendLimits, BackendReport, Outcome as BreakerOutcome,
+    Timestamp,
+};
 use parking_lot::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -161,6 +166,165 @@ pub fn parse_llamacpp_props(body: &str) -> Learned {
     }
 }
 
+/// What one answer of a backend (or its failure to answer) says about the backend.
+///
+/// The rule that separates backpressure from failure: a 429, or a 503 whose `Retry-After`
+/// is short (at most `outlier.backpressure_retry_after_ms`) from a backend whose health
+/// check passes, is the backend asking to slow down — it stays in routing and its breaker
+/// does not count it. A 503 without `Retry-After`, with a longer one, or from a backend
+/// whose health check fails, and a refused connection, mean it cannot serve now: it is
+/// ejected at once. Other 5xx, broken connections and timeouts are failures, which eject
+/// after `outlier.consecutive_failures` in a row and feed the breaker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    /// It answered (2xx, 3xx).
+    Served,
+    /// A 4xx other than 429: the request's fault, not the backend's.
+    ClientError,
+    /// Slow down: 429, or a short 503 from a healthy backend.
+    Backpressure,
+    /// 5xx, a broken connection, a timeout.
+    Failure,
+    /// The backend cannot serve now (it said so, or nothing listens): eject at once, for
+    /// `advised` if it gave a time.
+    Unavailable {
+        /// The backend's own `Retry-After`.
+        advised: Option<Duration>,
+    },
+    /// The client left before the backend's answer said anything.
+    Cancelled,
+}
+
+impl Verdict {
+    /// Reads a response status; `advised` is its [`advised_retry`], `healthy` the backend's
+    /// last health check.
+    pub fn of_response(
+        status: StatusCode,
+        advised: Option<Duration>,
+        healthy: bool,
+        cfg: &OutlierConfig,
+    ) -> Verdict {
+        if status == StatusCode::TOO_MANY_REQUESTS {
+            return Verdict::Backpressure;
+        }
+        if status == StatusCode::SERVICE_UNAVAILABLE {
+            let short = Duration::from_millis(cfg.backpressure_retry_after_ms);
+            return match advised {
+                Some(d) if healthy && d <= short => Verdict::Backpressure,
+                _ => Verdict::Unavailable { advised },
+            };
+        }
+        if status.is_server_error() {
+            Verdict::Failure
+        } else if status.is_client_error() {
+            Verdict::ClientError
+        } else {
+            Verdict::Served
+        }
+    }
+
+    /// What the breaker counts.
+    pub fn breaker_outcome(self) -> BreakerOutcome {
+        match self {
+            Verdict::Served => BreakerOutcome::Success,
+            Verdict::ClientError => BreakerOutcome::ClientError,
+            Verdict::Backpressure => BreakerOutcome::Backpressure,
+            Verdict::Failure | Verdict::Unavailable { .. } => BreakerOutcome::BackendFailure,
+            Verdict::Cancelled => BreakerOutcome::Cancelled,
+        }
+    }
+
+    /// Whether another backend may do better: the request failed for a reason of this
+    /// backend's, not of the request's.
+    pub fn worth_another_backend(self) -> bool {
+        matches!(
+            self,
+            Verdict::Backpressure | Verdict::Failure | Verdict::Unavailable { .. }
+        )
+    }
+}
+
+/// The wait a backend advises: `retry-after-ms`, else `Retry-After` in seconds (an
+/// HTTP-date is not read: no advice then).
+pub fn advised_retry(headers: &HeaderMap) -> Option<Duration> {
+    let num = |name: &str| {
+        headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.trim().parse::<f64>().ok())
+            .filter(|v| v.is_finite() && *v >= 0.0)
+    };
+    num("retry-after-ms")
+        .map(|ms| Duration::from_secs_f64(ms / 1000.0))
+        .or_else(|| num("retry-after").map(Duration::from_secs_f64))
+}
+
+/// Outlier-ejection state of one backend (pure: time comes in as arguments).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Ejection {
+    /// End of the current (or last) ejection; `None` if never ejected.
+    until: Option<Timestamp>,
+    /// Recent ejections; one is forgiven per `base_ejection_ms` spent back in routing.
+    recent: u32,
+    /// Failures in a row since the last success or ejection.
+    failures_in_row: u32,
+}
+
+impl Ejection {
+    /// Feeds one verdict at `now`; returns the end of the ejection it starts, if it starts
+    /// one. Verdicts that arrive while ejected (requests sent before the ejection) change
+    /// nothing.
+    pub fn observe(
+        &mut self,
+        verdict: Verdict,
+        now: Timestamp,
+        cfg: &OutlierConfig,
+    ) -> Option<Timestamp> {
+        if !cfg.enabled || self.ejected_until(now).is_some() {
+            return None;
+        }
+        let advised = match verdict {
+            Verdict::Served => {
+                self.failures_in_row = 0;
+                return None;
+            }
+            Verdict::ClientError | Verdict::Backpressure | Verdict::Cancelled => return None,
+            Verdict::Failure => {
+                self.failures_in_row = self.failures_in_row.saturating_add(1);
+                if cfg.consecutive_failures == 0 || self.failures_in_row < cfg.consecutive_failures
+                {
+                    return None;
+                }
+                None
+            }
+            Verdict::Unavailable { advised } => advised,
+        };
+        let base = Duration::from_millis(cfg.base_ejection_ms);
+        if let Some(end) = self.until {
+            let healthy_for = now.saturating_duration_since(end);
+            let forgiven = healthy_for.as_nanos() / base.as_nanos().max(1);
+            self.recent = self
+                .recent
+                .saturating_sub(u32::try_from(forgiven).unwrap_or(u32::MAX));
+        }
+        self.recent = self.recent.saturating_add(1);
+        let grown = base.saturating_mul(self.recent);
+        let length = advised
+            .filter(|d| !d.is_zero())
+            .unwrap_or(grown)
+            .min(Duration::from_millis(cfg.max_ejection_ms));
+        let until = now.saturating_add(length);
+        self.until = Some(until);
+        self.failures_in_row = 0;
+        Some(until)
+    }
+
+    /// The end of the ejection in force at `now`, if any.
+    pub fn ejected_until(&self, now: Timestamp) -> Option<Timestamp> {
+        self.until.filter(|u| *u > now)
+    }
+}
+
 /// One upstream server and what levee knows about it right now.
 #[derive(Debug)]
 pub struct Backend {
@@ -186,6 +350,8 @@ pub struct Backend {
     pub healthy: AtomicBool,
     /// Failed scrapes in a row.
     pub scrape_failures: AtomicU32,
+    /// Outlier ejection (see [`Backend::observe`]).
+    ejection: Mutex<Ejection>,
     /// Last scraped load.
     pub load: Mutex<Option<ReportedLoad>>,
     /// Latency-driven cap (when `adaptive = true`); the effective cap is the smaller of it
@@ -231,6 +397,7 @@ impl Backend {
             learned: Mutex::new(Learned::default()),
             healthy: AtomicBool::new(true),
             scrape_failures: AtomicU32::new(0),
+            ejection: Mutex::new(Ejection::default()),
             load: Mutex::new(None),
             adaptive: cfg.adaptive.then(|| {
                 let max = usize::try_from(cfg.max_in_flight)
@@ -265,6 +432,25 @@ impl Backend {
             .store(cfg.max_in_flight, Ordering::Relaxed);
         self.max_kv_tokens
             .store(cfg.max_kv_tokens.unwrap_or(0), Ordering::Relaxed);
+    }
+
+    /// Feeds one verdict to outlier ejection; returns the ejection's end if it ejected the
+    /// backend now. The caller holds the backend's breaker open until then (see
+    /// `Admission::eject`), which takes it out of routing and brings it back through probes.
+    pub fn observe(
+        &self,
+        verdict: Verdict,
+        now: Timestamp,
+        cfg: &OutlierConfig,
+    ) -> Option<Timestamp> {
+        let until = self.ejection.lock().observe(verdict, now, cfg)?;
+        tracing::warn!(
+            backend = %self.id,
+            ?verdict,
+            for_ms = until.saturating_duration_since(now).as_millis() as u64,
+            "backend ejected from routing"
+        );
+        Some(until)
     }
 
     /// Requests this backend may have in flight now: the configured cap, lowered by the
@@ -446,6 +632,140 @@ mod tests {
         let plain = Backend::new("m", &BackendConfig::default());
         assert_eq!(plain.cap(), 64);
         assert_eq!(plain.adaptive_limit(), None);
+    }
+
+    fn at(ms: u64) -> Timestamp {
+        Timestamp::from_nanos(1 + ms * 1_000_000)
+    }
+
+    #[test]
+    fn backpressure_is_told_apart_from_failure() {
+        let cfg = OutlierConfig::default(); // backpressure up to a 2 s Retry-After
+        let v = |status: u16, ra: Option<u64>, healthy: bool| {
+            let status = StatusCode::from_u16(status).unwrap();
+            Verdict::of_response(status, ra.map(Duration::from_millis), healthy, &cfg)
+        };
+        assert_eq!(v(429, None, true), Verdict::Backpressure);
+        assert_eq!(v(429, Some(60_000), false), Verdict::Backpressure);
+        assert_eq!(v(503, Some(1_000), true), Verdict::Backpressure);
+        let unavailable = |ms: Option<u64>| Verdict::Unavailable {
+            advised: ms.map(Duration::from_millis),
+        };
+        // From a backend whose health check fails, even a short 503 is not backpressure.
+        assert_eq!(v(503, Some(1_000), false), unavailable(Some(1_000)));
+        assert_eq!(v(503, Some(30_000), true), unavailable(Some(30_000)));
+        assert_eq!(v(503, None, true), unavailable(None));
+        assert_eq!(v(500, None, true), Verdict::Failure);
+        assert_eq!(v(502, Some(1_000), true), Verdict::Failure);
+        assert_eq!(v(400, None, true), Verdict::ClientError);
+        assert_eq!(v(200, None, true), Verdict::Served);
+        assert_eq!(
+            Verdict::Backpressure.breaker_outcome(),
+            BreakerOutcome::Backpressure
+        );
+        assert_eq!(
+            unavailable(None).breaker_outcome(),
+            BreakerOutcome::BackendFailure
+        );
+        assert!(!Verdict::ClientError.worth_another_backend());
+        assert!(unavailable(None).worth_another_backend());
+    }
+
+    #[test]
+    fn advised_retry_reads_both_headers() {
+        let mut h = HeaderMap::new();
+        assert_eq!(advised_retry(&h), None);
+        h.insert("retry-after", http::HeaderValue::from_static("3"));
+        assert_eq!(advised_retry(&h), Some(Duration::from_secs(3)));
+        h.insert("retry-after-ms", http::HeaderValue::from_static("250"));
+        assert_eq!(advised_retry(&h), Some(Duration::from_millis(250)));
+        let mut h = HeaderMap::new();
+        h.insert(
+            "retry-after",
+            http::HeaderValue::from_static("Wed, 21 Oct 2015 07:28:00 GMT"),
+        );
+        assert_eq!(advised_retry(&h), None);
+    }
+
+    #[test]
+    fn unavailable_ejects_at_once_for_the_advised_time() {
+        let cfg = OutlierConfig::default();
+        let mut e = Ejection::default();
+        let until = e.observe(
+            Verdict::Unavailable {
+                advised: Some(Duration::from_secs(9)),
+            },
+            at(0),
+            &cfg,
+        );
+        assert_eq!(until, Some(at(9_000)));
+        assert_eq!(e.ejected_until(at(8_999)), Some(at(9_000)));
+        assert_eq!(e.ejected_until(at(9_000)), None);
+        // Answers to requests sent before the ejection do not eject again.
+        assert_eq!(
+            e.observe(Verdict::Unavailable { advised: None }, at(10), &cfg),
+            None
+        );
+        // Advice past the cap is cut to max_ejection_ms.
+        let mut e = Ejection::default();
+        let until = e.observe(
+            Verdict::Unavailable {
+                advised: Some(Duration::from_secs(3_600)),
+            },
+            at(0),
+            &cfg,
+        );
+        assert_eq!(until, Some(at(cfg.max_ejection_ms)));
+    }
+
+    #[test]
+    fn ejection_grows_on_repeats_and_is_forgiven_with_time() {
+        let cfg = OutlierConfig {
+            base_ejection_ms: 1_000,
+            max_ejection_ms: 2_500,
+            ..OutlierConfig::default()
+        };
+        let down = Verdict::Unavailable { advised: None };
+        let mut e = Ejection::default();
+        assert_eq!(e.observe(down, at(0), &cfg), Some(at(1_000)));
+        // Failing again as soon as it is back: twice as long, then capped.
+        assert_eq!(e.observe(down, at(1_000), &cfg), Some(at(3_000)));
+        assert_eq!(e.observe(down, at(3_000), &cfg), Some(at(5_500)));
+        // Back for long enough, the count is forgiven one base period at a time.
+        assert_eq!(e.observe(down, at(7_500), &cfg), Some(at(9_500)));
+        assert_eq!(e.observe(down, at(60_000), &cfg), Some(at(61_000)));
+    }
+
+    #[test]
+    fn failures_in_a_row_eject_and_a_success_resets_the_run() {
+        let cfg = OutlierConfig {
+            consecutive_failures: 3,
+            base_ejection_ms: 1_000,
+            ..OutlierConfig::default()
+        };
+        let mut e = Ejection::default();
+        for v in [Verdict::Failure, Verdict::Failure, Verdict::Served] {
+            assert_eq!(e.observe(v, at(0), &cfg), None);
+        }
+        // Backpressure and client errors neither count nor reset.
+        for v in [
+            Verdict::Failure,
+            Verdict::Backpressure,
+            Verdict::ClientError,
+            Verdict::Failure,
+        ] {
+            assert_eq!(e.observe(v, at(1), &cfg), None);
+        }
+        assert_eq!(e.observe(Verdict::Failure, at(2), &cfg), Some(at(1_002)));
+        let off = OutlierConfig {
+            enabled: false,
+            ..cfg
+        };
+        let mut e = Ejection::default();
+        assert_eq!(
+            e.observe(Verdict::Unavailable { advised: None }, at(0), &off),
+            None
+        );
     }
 
     #[test]

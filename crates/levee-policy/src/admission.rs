@@ -713,6 +713,13 @@ impl<T, K: Hash + Eq + Ord + Clone> Admission<T, K> {
         }
     }
 
+    /// Ejects a backend until `until` (see [`Lane::eject`]).
+    pub fn eject(&mut self, model: &K, backend: &str, until: Timestamp, now: Timestamp) {
+        if let Some(m) = self.models.get_mut(model) {
+            m.lane.eject(backend, until, now);
+        }
+    }
+
     /// Records a backend's own report of its load.
     pub fn report(&mut self, model: &K, backend: &str, report: BackendReport, now: Timestamp) {
         if let Some(m) = self.models.get_mut(model) {

@@ -259,6 +259,22 @@ impl Breaker {
         });
     }
 
+    /// Holds the breaker open until `until` (outlier ejection: the backend said it cannot
+    /// serve for that long). When the time is up it goes half-open like any open breaker,
+    /// so the backend comes back through probes. A breaker already open at least that long
+    /// is left alone (no new generation, no second count in `opened_total`).
+    pub fn hold_open(&mut self, until: Timestamp, now: Timestamp) {
+        if until <= now {
+            return;
+        }
+        if let Inner::Open { until: u } = self.inner {
+            if u >= until {
+                return;
+            }
+        }
+        self.transition(Inner::Open { until });
+    }
+
     /// The state at `now` (an open breaker whose cooldown has passed reads as half-open).
     pub fn state(&self, now: Timestamp) -> BreakerState {
         match self.inner {
@@ -486,6 +502,37 @@ mod tests {
         b.record(p, Outcome::Success, t2);
         assert_eq!(b.state(t2), BreakerState::Closed);
         assert_eq!(b.stats(t2).opened_total, 2);
+    }
+
+    #[test]
+    fn hold_open_lasts_until_then_probes() {
+        let mut b = Breaker::new(cfg());
+        let t0 = Timestamp::from_nanos(1);
+        let late = b.try_acquire(t0).unwrap();
+        let until = t0 + Duration::from_secs(30);
+        b.hold_open(until, t0);
+        assert_eq!(b.state(t0), BreakerState::Open);
+        // Longer than the 5 s cooldown: held for the whole time asked.
+        let before = until.saturating_sub(Duration::from_millis(1));
+        assert_eq!(
+            b.try_acquire(before).unwrap_err().retry_after,
+            Duration::from_millis(1)
+        );
+        // A shorter hold and a request from before the hold change nothing.
+        b.hold_open(t0 + Duration::from_secs(1), t0);
+        b.record(late, Outcome::Success, before);
+        assert_eq!(b.state(before), BreakerState::Open);
+        assert_eq!(b.stats(before).opened_total, 1);
+        // Then probes decide, as after any opening.
+        let p = b.try_acquire(until).unwrap();
+        assert!(p.is_probe());
+        b.record(p, Outcome::Success, until);
+        let p = b.try_acquire(until).unwrap();
+        b.record(p, Outcome::Success, until);
+        assert_eq!(b.state(until), BreakerState::Closed);
+        // A hold that has already ended does nothing.
+        b.hold_open(until, until);
+        assert_eq!(b.state(until), BreakerState::Closed);
     }
 
     #[test]

@@ -374,6 +374,14 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
         }
     }
 
+    /// Ejects a backend until `until` (outlier ejection): its breaker is held open that long,
+    /// so it takes nothing until then and comes back through half-open probes.
+    pub fn eject(&mut self, id: &str, until: Timestamp, now: Timestamp) {
+        if let Some(b) = self.backend_mut(id) {
+            b.breaker.hold_open(until, now);
+        }
+    }
+
     /// Records what a backend reported about its own load at `now`.
     pub fn report(&mut self, id: &str, report: BackendReport, now: Timestamp) {
         if let Some(b) = self.backend_mut(id) {
