@@ -363,10 +363,8 @@ async fn a_backend_that_hangs_mid_stream_frees_its_slot_after_the_idle_timeout()
     // The slot and the tenant's concurrency permit are back: the same tenant's next
     // request reaches the backend (cap 1, concurrency 1).
     let g = gw.gateway().clone();
-    assert_eq!(
-        g.lanes()[0].backends()[0].in_flight.load(Ordering::SeqCst),
-        0
-    );
+    let state = g.state_json();
+    assert_eq!(state["models"][0]["backends"][0]["in_flight"], 0, "{state}");
     let next = tokio::spawn({
         let (c, base) = (c.clone(), gw.public_url());
         async move { post_json(&c, &base, &stream_body("next", 8)).await }
