@@ -15,6 +15,7 @@
 //! ```
 
 pub mod admin;
+pub mod autoscale;
 pub mod clock;
 pub mod config;
 pub mod degrade;

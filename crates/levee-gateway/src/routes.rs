@@ -90,7 +90,8 @@ async fn readyz(State(gw): State<Arc<Gateway>>) -> Response {
         .into_response()
 }
 
-fn bearer(headers: &HeaderMap) -> Option<&str> {
+/// The key or token of `Authorization: Bearer ...` (or `api-key`).
+pub(crate) fn bearer(headers: &HeaderMap) -> Option<&str> {
     if let Some(v) = headers.get(http::header::AUTHORIZATION) {
         let v = v.to_str().ok()?.trim();
         let rest = v
@@ -409,7 +410,11 @@ async fn admit_phase(
         completion_tokens: u64::from(c.max_tokens) * u64::from(c.parsed.choices),
         max_wait: None,
     };
-    Box::pin(lane::admit(gw, &c.lane, tenant, req)).await
+    gw.scaling.arrival(&c.target.name);
+    let waiting = gw.metrics.queued_wait(&tenant.name);
+    let admitted = Box::pin(lane::admit(gw, &c.lane, tenant, req)).await;
+    waiting.done();
+    admitted
 }
 
 /// Dispatch: the backend the admission placed the request on.
@@ -472,8 +477,11 @@ async fn proxy_phase(
             }
         }
     };
+    let queued = admitted.waited;
     let settle = RequestSettle {
         gw: gw.clone(),
+        queued,
+        sent_at,
         admitted: Some(admitted),
         backend,
         tenant,
@@ -637,6 +645,8 @@ fn record_limiter_gauges(gw: &Gateway, tenant: &str, r: &RateInfo) {
 /// Settle: everything an admitted request must give back or report when it ends.
 struct RequestSettle {
     gw: Arc<Gateway>,
+    queued: Duration,
+    sent_at: Instant,
     admitted: Option<Admitted>,
     backend: Arc<Backend>,
     tenant: Arc<Tenant>,
@@ -723,6 +733,16 @@ impl Settle for RequestSettle {
         self.gw
             .metrics
             .request_for(&self.tenant.metrics, &self.tenant.name, &self.model, label);
+        self.gw.scaling.completion(&self.model);
+        let times = crate::metrics::RequestTimes {
+            queued: self.queued,
+            ttft: outcome.ttft.map(|t| self.queued + t),
+            total: self.queued + self.sent_at.elapsed(),
+            abandoned: outcome.client_gone,
+        };
+        self.gw
+            .metrics
+            .request_times(&self.model, &self.tenant.name, &self.tenant.tier, &times);
     }
 }
 

@@ -99,7 +99,9 @@ pub async fn start(config: Config) -> anyhow::Result<GatewayHandle> {
     gateway.spawn_background();
     let stop_accepting = CancellationToken::new();
     let public_router = routes::router(gateway.clone());
-    let admin_router = admin::router(gateway.clone());
+    let access = admin::AdminAccess::from_env(admin);
+    access.announce(&gateway);
+    let admin_router = admin::router(gateway.clone(), access);
     let tasks = vec![
         tokio::spawn(accept_loop(
             public_listener,
