@@ -25,6 +25,7 @@ pub mod lane;
 pub mod metrics;
 pub mod proxy;
 pub mod reload;
+pub mod request_log;
 pub mod routes;
 pub mod server;
 mod tokenize;

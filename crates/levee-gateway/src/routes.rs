@@ -15,6 +15,7 @@ use crate::gateway::{Gateway, Model, Runtime, Tenant};
 use crate::lane::{self, Admitted, Lane};
 use crate::metrics::{TenantKindLabels, TierLabel};
 use crate::proxy::{self, Outcome, Settle, Settlement};
+use crate::request_log::{ms, RequestId, RequestLine};
 use crate::upstream::Backend;
 use axum::extract::{ConnectInfo, Request, State};
 use axum::response::{IntoResponse, Response};
@@ -142,6 +143,7 @@ struct Labels {
     tier: String,
     model: Arc<str>,
     lane: Option<Arc<Lane>>,
+    request: Option<RequestId>,
 }
 
 async fn handle(
@@ -156,7 +158,9 @@ async fn handle(
         tier: "-".into(),
         model: dash,
         lane: None,
+        request: req.extensions().get::<RequestId>().cloned(),
     };
+    let arrived = Instant::now();
     match pipeline(&gw, peer, req, path, &mut labels).await {
         Ok(resp) => resp,
         Err(e) => {
@@ -166,6 +170,21 @@ async fn handle(
                 gw.metrics.reject(&labels.tier, e.code);
             }
             gw.metrics.request(&labels.tenant, &labels.model, e.code);
+            if let Some(id) = &labels.request {
+                RequestLine {
+                    request_id: id.as_str(),
+                    tenant: &labels.tenant,
+                    model: &labels.model,
+                    outcome: e.code,
+                    status: e.status.as_u16(),
+                    queue_ms: None,
+                    ttft_ms: None,
+                    duration_ms: ms(arrived.elapsed()),
+                    prompt_tokens: None,
+                    completion_tokens: None,
+                }
+                .emit(id.seq, gw.config().observe.request_log_sample);
+            }
             if e.origin == crate::error::Origin::Upstream {
                 tracing::warn!(tenant = %labels.tenant, model = %labels.model, "{e}");
             } else {
@@ -221,6 +240,8 @@ struct Classified {
     cap: Option<u32>,
     /// Measures applied (`max_tokens=256`, `fallback=small`).
     degraded: Vec<String>,
+    /// The request's id, for its log line.
+    request: Option<RequestId>,
 }
 
 /// The pipeline, one named phase after another (each a function below):
@@ -392,6 +413,7 @@ fn classify(
         max_tokens,
         cap,
         degraded,
+        request: labels.request.clone(),
     })
 }
 
@@ -488,6 +510,7 @@ async fn proxy_phase(
         model: c.target.name.clone(),
         lane: c.lane.clone(),
         prompt_estimate: c.prompt_tokens,
+        request: c.request.clone(),
     };
     let settlement = Settlement::new(Box::new(settle));
     if c.parsed.stream && resp.status().is_success() {
@@ -653,6 +676,7 @@ struct RequestSettle {
     model: Arc<str>,
     lane: Arc<Lane>,
     prompt_estimate: u64,
+    request: Option<RequestId>,
 }
 
 impl Settle for RequestSettle {
@@ -743,6 +767,21 @@ impl Settle for RequestSettle {
         self.gw
             .metrics
             .request_times(&self.model, &self.tenant.name, &self.tenant.tier, &times);
+        if let Some(id) = &self.request {
+            RequestLine {
+                request_id: id.as_str(),
+                tenant: &self.tenant.name,
+                model: &self.model,
+                outcome: label,
+                status: outcome.status,
+                queue_ms: Some(ms(times.queued)),
+                ttft_ms: times.ttft.map(ms),
+                duration_ms: ms(times.total),
+                prompt_tokens: outcome.usage.map(|u| u.prompt_tokens),
+                completion_tokens: outcome.usage.map(|u| u.completion_tokens),
+            }
+            .emit(id.seq, self.gw.config().observe.request_log_sample);
+        }
     }
 }
 

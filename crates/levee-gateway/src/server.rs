@@ -6,6 +6,7 @@
 
 use crate::config::Config;
 use crate::gateway::Gateway;
+use crate::request_log::{RequestId, REQUEST_ID_HEADER};
 use crate::{admin, routes};
 use axum::extract::ConnectInfo;
 use futures::FutureExt;
@@ -200,7 +201,15 @@ async fn accept_loop(
         // service future for as long as it waits in the queue).
         let svc = hyper::service::service_fn(move |mut req: http::Request<Incoming>| {
             req.extensions_mut().insert(ConnectInfo(peer));
-            router.clone().call(req)
+            let id = RequestId::for_request(req.headers());
+            let echo = id.value.clone();
+            req.extensions_mut().insert(id);
+            router.clone().call(req).map(move |r| {
+                r.map(|mut resp| {
+                    resp.headers_mut().insert(REQUEST_ID_HEADER, echo);
+                    resp
+                })
+            })
         });
         let watcher = graceful.watcher();
         // HTTP/1 (slow/huge header protection) and h2c with prior knowledge (a proxy in

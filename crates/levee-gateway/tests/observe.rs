@@ -178,3 +178,26 @@ async fn recommendation_is_in_state_and_metrics() {
     );
     gw.shutdown().await;
 }
+
+#[tokio::test]
+async fn every_answer_carries_a_request_id() {
+    let m = mock().await;
+    let gw = start(config(&[m.url()], 4)).await.unwrap();
+    let c = client();
+    let base = gw.public_url();
+    let a = chat(&c, &base, "s", "a").await;
+    let b = chat(&c, &base, "nobody", "refused").await;
+    assert_eq!(b.status(), 401);
+    let (a, b) = (&a.headers()["x-request-id"], &b.headers()["x-request-id"]);
+    assert_ne!(a, b);
+    let echoed = c
+        .post(format!("{base}/v1/chat/completions"))
+        .bearer_auth("key-s")
+        .header("x-request-id", "trace-7")
+        .json(&chat_body("c"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(echoed.headers()["x-request-id"], "trace-7");
+    gw.shutdown().await;
+}
