@@ -405,13 +405,20 @@ impl Gateway {
         Ok(())
     }
 
-    /// Tells the metrics which tenants get series of their own.
+    /// Tells the metrics which tenants get series of their own, and the watermarks.
     fn set_tenant_series(&self) {
         let rt = self.runtime();
         self.metrics.set_tenant_series(
             rt.tenants.iter().map(|t| &*t.name),
             rt.cfg.observe.max_tenant_series,
         );
+        let q = &rt.cfg.queue;
+        for (mark, v) in [("safe", q.safe), ("soft", q.soft), ("hard", q.hard)] {
+            self.metrics
+                .watermark
+                .get_or_create(&crate::metrics::MarkLabel { mark: mark.into() })
+                .set(i64::from(v));
+        }
     }
 
     /// Makes the lanes and the admission state match the models and tenants of the
@@ -715,6 +722,10 @@ impl Gateway {
                         now,
                     );
                 }
+                self.metrics
+                    .backend_max_in_flight
+                    .get_or_create(&l)
+                    .set(i64::from(b.max_in_flight.load(Ordering::Relaxed)));
                 self.metrics
                     .backend_healthy
                     .get_or_create(&l)

@@ -91,6 +91,13 @@ pub struct AbandonLabels {
     pub phase: String,
 }
 
+/// A single `mark` label (`safe`, `soft`, `hard`).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct MarkLabel {
+    /// Watermark name.
+    pub mark: String,
+}
+
 /// A single `level` label.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct LevelLabel {
@@ -166,6 +173,10 @@ pub struct Metrics {
     pub recommended_replicas: Family<ModelLabel, Gauge>,
     /// `levee_offered_load{model}`: measured offered load in busy backend slots.
     pub offered_load: Family<ModelLabel, Gauge<f64, AtomicU64>>,
+    /// `levee_watermark{mark}`: the configured queue watermarks (load = queued + in flight).
+    pub watermark: Family<MarkLabel, Gauge>,
+    /// `levee_backend_max_in_flight{backend}`: the configured cap of each backend.
+    pub backend_max_in_flight: Family<BackendLabel, Gauge>,
     /// Tenants with their own series in the per-tenant histograms.
     tenant_series: RwLock<HashSet<String>>,
     /// Per backend: breaker trips and the time of the last look, to turn breaker stats into
@@ -379,8 +390,22 @@ impl Metrics {
             "Measured offered load per model, in busy backend slots (arrival rate over service rate)",
             offered_load.clone(),
         );
+        let watermark = Family::<MarkLabel, Gauge>::default();
+        registry.register(
+            "watermark",
+            "Configured queue watermarks over the load (queued + in flight)",
+            watermark.clone(),
+        );
+        let backend_max_in_flight = Family::<BackendLabel, Gauge>::default();
+        registry.register(
+            "backend_max_in_flight",
+            "Configured most requests levee sends to each backend at once",
+            backend_max_in_flight.clone(),
+        );
         Metrics {
             registry,
+            watermark,
+            backend_max_in_flight,
             request_duration,
             request_ttft,
             request_queue,
