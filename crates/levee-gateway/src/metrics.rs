@@ -1,4 +1,5 @@
-//! Prometheus metrics, all named `levee_*` (the list with meanings is in docs/gateway.md).
+//! Prometheus metrics, all named `levee_*` (the table with meanings is in
+//! docs/operations.md).
 
 use levee_policy::Timestamp;
 use parking_lot::Mutex;
