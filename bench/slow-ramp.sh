@@ -3,14 +3,15 @@
 # 8 sequences each) behind levee (max_in_flight 8 per backend, so 2 replicas of 8 slots),
 # flooded by scenarios/slow-ramp.toml (0.2x -> 2x capacity over 120 s) while levee sim
 # scrapes the gateway's levee_recommended_replicas and levee_queued every 500 ms.
+# CAPACITY_RPS (what "1x" means) is the pair's measured goodput, about 40 req/s here.
 # Prints when the recommendation first asked for more than the 2 running replicas and when
 # the queue first held more than QUEUE_MARK requests (sustained over 2 s).
 #
-#   bench/slow-ramp.sh                # CAPACITY_RPS=60 TIME_SCALE=1 LEVEE_BIN=target/release/levee
+#   bench/slow-ramp.sh                # CAPACITY_RPS=40 TIME_SCALE=1 LEVEE_BIN=target/release/levee
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=${LEVEE_BIN:-target/release/levee}
-CAPACITY_RPS=${CAPACITY_RPS:-60}
+CAPACITY_RPS=${CAPACITY_RPS:-40}
 TIME_SCALE=${TIME_SCALE:-1}
 QUEUE_MARK=${QUEUE_MARK:-8}
 [ -x "$BIN" ] || { echo "no levee binary at $BIN (cargo build --release -p levee)" >&2; exit 1; }
@@ -84,6 +85,6 @@ if first_rec is not None and first_q is not None:
     print(f"lead: {first_q - first_rec:.1f} s")
 print("recommended replicas by 10 s:", [int(at(rec, t)) for t in range(10, int(rec[-1][0]) + 1, 10)])
 print("queued (max) by 10 s:       ", [int(max([v for tt, v in queued if t - 10 < tt <= t] or [0])) for t in range(10, int(queued[-1][0]) + 1, 10)])
-s = r.get("summary", {})
-print("requests:", s.get("sent"), "ok:", s.get("ok"), "429:", s.get("rejected_429"))
+if first_q is not None:
+    print(f"recommended when the queue formed: {at(rec, first_q):g}")
 PY
