@@ -150,7 +150,20 @@ impl Scaling {
         }
         let first = st.samples.front().copied().unwrap_or(last);
         let span = last.at.saturating_duration_since(first.at).as_secs_f64();
-        let busy = st.samples.iter().map(|s| s.busy).sum::<f64>() / st.samples.len() as f64;
+        // Mean busy slots over the window, each sample standing for the interval it ends
+        // (the intervals the completions were counted in).
+        let busy = if span > 0.0 {
+            st.samples
+                .iter()
+                .zip(st.samples.iter().skip(1))
+                .map(|(prev, cur)| {
+                    cur.busy * cur.at.saturating_duration_since(prev.at).as_secs_f64()
+                })
+                .sum::<f64>()
+                / span
+        } else {
+            last.busy
+        };
         let (arrival_rate, service_rate) = if span > 0.0 {
             let lambda = last.arrivals.saturating_sub(first.arrivals) as f64 / span;
             let throughput = last.completions.saturating_sub(first.completions) as f64 / span;
@@ -238,11 +251,20 @@ mod tests {
         assert!((snap.arrival_rate - 10.0).abs() < 1e-9, "{snap:?}");
         assert!((snap.service_rate.unwrap() - 0.5).abs() < 1e-9, "{snap:?}");
         assert_eq!(snap.replicas, 4);
-        // Arrivals stop, requests keep finishing: λ falls within the window, μ is kept.
+        // Arrivals stop and the backends empty: λ falls to zero within the window; μ stays
+        // exact while the window still holds completions, and is then kept.
+        let idle = LaneSample {
+            busy_slots: 0,
+            ..lane
+        };
         for sec in 11..=21 {
-            s.observe("m", lane, &cfg, at(sec * 1000));
+            let snap = s.observe("m", idle, &cfg, at(sec * 1000));
+            assert!(
+                (snap.service_rate.unwrap() - 0.5).abs() < 1e-9,
+                "{sec}: {snap:?}"
+            );
         }
-        let snap = s.observe("m", lane, &cfg, at(21_000));
+        let snap = s.observe("m", idle, &cfg, at(21_000));
         assert_eq!(snap.arrival_rate, 0.0);
         assert!((snap.service_rate.unwrap() - 0.5).abs() < 1e-9);
         assert_eq!(
