@@ -1,7 +1,7 @@
 //! Measures each model's demand and keeps its backend replica recommendation.
 //!
-//! The request path counts arrivals (requests that passed their quotas, so a tenant over its
-//! quota does not buy replicas) and completions per model. Once a second the gateway samples
+//! The request path counts arrivals (requests that reach admission) and completions per
+//! model. Once a second the gateway samples
 //! each lane (queued requests, busy backend slots, slots per backend) and this module turns
 //! the samples of the last `autoscale.window_ms` into the policy's inputs:
 //!
@@ -90,7 +90,7 @@ impl Scaling {
         self.models.read().get(model).cloned()
     }
 
-    /// Counts a request for `model` that passed its quotas.
+    /// Counts a request for `model` that reaches admission.
     pub fn arrival(&self, model: &str) {
         if let Some(m) = self.model(model) {
             m.arrivals.fetch_add(1, Ordering::Relaxed);
