@@ -43,6 +43,12 @@ pub struct Config {
     pub scrape: ScrapeConfig,
     /// KV-cache budgets of the backends.
     pub kv: KvConfig,
+    /// Who may use the admin listener.
+    pub admin: AdminConfig,
+    /// The backend replica recommendation exported for autoscalers.
+    pub autoscale: AutoscaleConfig,
+    /// Request logs and metric cardinality.
+    pub observe: ObserveConfig,
 }
 
 impl Default for Config {
@@ -90,6 +96,9 @@ impl Default for Config {
             degrade: DegradeConfig::default(),
             scrape: ScrapeConfig::default(),
             kv: KvConfig::default(),
+            admin: AdminConfig::default(),
+            autoscale: AutoscaleConfig::default(),
+            observe: ObserveConfig::default(),
         }
     }
 }
@@ -646,6 +655,97 @@ impl Default for KvConfig {
     }
 }
 
+/// The environment variable holding the admin token.
+pub const ADMIN_TOKEN_ENV: &str = "LEVEE_ADMIN_TOKEN";
+
+/// Admin listener security. Admin routes need `Authorization: Bearer <token>` when a token
+/// is set (the `LEVEE_ADMIN_TOKEN` environment variable, or its SHA-256 here). Without a
+/// token, an admin listener bound to loopback is open, and one bound elsewhere serves only
+/// reads (`/metrics`, `/admin/state`) and refuses every action.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct AdminConfig {
+    /// SHA-256 of the admin token, lowercase hex (`printf %s TOKEN | sha256sum`). The
+    /// `LEVEE_ADMIN_TOKEN` environment variable, when set, takes precedence.
+    pub token_sha256: Option<String>,
+}
+
+/// The per-model backend replica recommendation (`levee_recommended_replicas`), from the
+/// measured arrival rate, service rate and queue: Little's law and an M/M/c (Erlang C)
+/// wait bound, plus a warm pool, limits and a scale-in hold.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct AutoscaleConfig {
+    /// Fewest backend replicas recommended.
+    pub min_replicas: u32,
+    /// Most backend replicas recommended.
+    pub max_replicas: u32,
+    /// Idle replicas kept on top of the need, to absorb a burst while new ones start.
+    pub warm_pool: u32,
+    /// Busiest a backend slot (one of its `max_in_flight`) may be on average, in (0, 1].
+    pub target_utilization: f64,
+    /// Longest mean queue wait the M/M/c bound accepts.
+    pub target_wait_ms: u64,
+    /// The current queue must be served within this time (it adds queued / this to the
+    /// arrival rate).
+    pub drain_within_ms: u64,
+    /// How long every figure must stay lower before the recommendation scales in.
+    pub scale_in_hold_ms: u64,
+    /// Window of the arrival and service rate measurements.
+    pub window_ms: u64,
+}
+
+impl Default for AutoscaleConfig {
+    fn default() -> Self {
+        AutoscaleConfig {
+            min_replicas: 4,
+            max_replicas: 32,
+            warm_pool: 2,
+            target_utilization: 0.8,
+            target_wait_ms: 500,
+            drain_within_ms: 60_000,
+            scale_in_hold_ms: 300_000,
+            window_ms: 10_000,
+        }
+    }
+}
+
+impl AutoscaleConfig {
+    /// The policy crate's settings for a model whose replicas serve `slots` sequences each.
+    pub fn to_policy(&self, slots: u32) -> levee_policy::AutoscaleConfig {
+        levee_policy::AutoscaleConfig {
+            min_replicas: self.min_replicas,
+            max_replicas: self.max_replicas,
+            warm_pool: self.warm_pool,
+            slots_per_replica: slots.max(1),
+            target_utilization: self.target_utilization,
+            target_wait: std::time::Duration::from_millis(self.target_wait_ms),
+            drain_within: std::time::Duration::from_millis(self.drain_within_ms),
+            scale_in_hold: std::time::Duration::from_millis(self.scale_in_hold_ms),
+        }
+    }
+}
+
+/// Request logs and metric cardinality.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct ObserveConfig {
+    /// Share of requests (0..=1) written as one JSON line each to standard output.
+    pub request_log_sample: f64,
+    /// Tenants (in config order) that get their own series in the per-tenant histograms;
+    /// the others are counted under `tenant="other"`.
+    pub max_tenant_series: usize,
+}
+
+impl Default for ObserveConfig {
+    fn default() -> Self {
+        ObserveConfig {
+            request_log_sample: 0.0,
+            max_tenant_series: 50,
+        }
+    }
+}
+
 /// Hex SHA-256 of an API key, as stored in `key_sha256`.
 pub fn hash_key(key: &str) -> String {
     hex::encode(Sha256::digest(key.as_bytes()))
@@ -859,6 +959,27 @@ impl Config {
                 "server.stream_timeout_ms: {} is shorter than server.request_timeout_ms ({}), \
                  so a stream could be cut before its first byte was due; raise it",
                 sv.stream_timeout_ms, sv.request_timeout_ms
+            ));
+        }
+        if let Some(h) = &self.admin.token_sha256 {
+            if h.len() != 64 || !h.bytes().all(|b| b.is_ascii_hexdigit()) {
+                errs.push(
+                    "admin.token_sha256: not a SHA-256 hex digest (64 hex characters); \
+                     compute one with `printf %s TOKEN | sha256sum`"
+                        .to_string(),
+                );
+            }
+        }
+        if let Err(e) = self.autoscale.to_policy(1).validate() {
+            errs.push(e.to_string());
+        }
+        if self.autoscale.window_ms == 0 {
+            errs.push("autoscale.window_ms: must be > 0".to_string());
+        }
+        if !(0.0..=1.0).contains(&self.observe.request_log_sample) {
+            errs.push(format!(
+                "observe.request_log_sample: must be between 0 and 1, got {}",
+                self.observe.request_log_sample
             ));
         }
         if self.server.max_body_bytes == 0 {

@@ -269,6 +269,38 @@ impl GatewayError {
         )
     }
 
+    /// 401 on the admin listener: no admin token, or a wrong one.
+    pub fn admin_unauthorized(missing: bool) -> Self {
+        let msg = if missing {
+            "admin routes need the admin token: send `Authorization: Bearer <token>` \
+             (the value of LEVEE_ADMIN_TOKEN)"
+        } else {
+            "wrong admin token: send the value of LEVEE_ADMIN_TOKEN as `Authorization: Bearer <token>`"
+        };
+        Self::new(
+            Origin::Client,
+            StatusCode::UNAUTHORIZED,
+            "authentication_error",
+            "invalid_admin_token",
+            msg,
+        )
+    }
+
+    /// 403: an admin action on a non-loopback admin listener that has no token.
+    pub fn admin_actions_disabled(bound: std::net::SocketAddr) -> Self {
+        Self::new(
+            Origin::Client,
+            StatusCode::FORBIDDEN,
+            "permission_error",
+            "admin_actions_disabled",
+            format!(
+                "admin actions are refused: the admin listener is bound to {bound}, not \
+                 loopback, and no admin token is set; set LEVEE_ADMIN_TOKEN (or \
+                 admin.token_sha256) and restart, or bind the admin listener to 127.0.0.1"
+            ),
+        )
+    }
+
     /// 429 `rate_limit_exceeded`: a quota (tenant, model, global, heavy or per-IP).
     pub fn rate_limited(scope: &str, retry_after: Duration, rate: RateInfo) -> Self {
         Self::new(

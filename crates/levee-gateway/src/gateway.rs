@@ -293,6 +293,8 @@ pub struct Gateway {
     pub queued: AtomicI64,
     /// Requests admitted and not yet finished past the queue, all lanes.
     pub in_flight: AtomicI64,
+    /// Each model's measured demand and backend replica recommendation.
+    pub scaling: crate::autoscale::Scaling,
 }
 
 impl std::fmt::Debug for Gateway {
@@ -336,7 +338,9 @@ impl Gateway {
             ip_guard: Mutex::new(ip_guard),
             queued: AtomicI64::new(0),
             in_flight: AtomicI64::new(0),
+            scaling: crate::autoscale::Scaling::default(),
         });
+        gw.set_tenant_series();
         gw.sync_lanes();
         Ok(gw)
     }
@@ -396,8 +400,25 @@ impl Gateway {
         if ip_changed {
             *self.ip_guard.lock() = KeyedGcra::new(new_ip_quota, 100_000);
         }
+        self.set_tenant_series();
         self.sync_lanes();
         Ok(())
+    }
+
+    /// Tells the metrics which tenants get series of their own, and the watermarks.
+    fn set_tenant_series(&self) {
+        let rt = self.runtime();
+        self.metrics.set_tenant_series(
+            rt.tenants.iter().map(|t| &*t.name),
+            rt.cfg.observe.max_tenant_series,
+        );
+        let q = &rt.cfg.queue;
+        for (mark, v) in [("safe", q.safe), ("soft", q.soft), ("hard", q.hard)] {
+            self.metrics
+                .watermark
+                .get_or_create(&crate::metrics::MarkLabel { mark: mark.into() })
+                .set(i64::from(v));
+        }
     }
 
     /// Makes the lanes and the admission state match the models and tenants of the
@@ -583,6 +604,57 @@ impl Gateway {
                 gw.update_degrade();
             }
         });
+        let gw = self.clone();
+        let stop = self.stopped.clone();
+        tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    _ = stop.cancelled() => break,
+                    _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+                }
+                gw.update_scaling();
+            }
+        });
+    }
+
+    /// Samples every lane and updates its backend replica recommendation.
+    pub fn update_scaling(&self) {
+        let cfg = self.config();
+        let now = self.clock.now();
+        for lane in self.lanes() {
+            if lane.is_retired() {
+                continue;
+            }
+            let (stats, queued) = {
+                let adm = self.admission.lock();
+                match adm.lane(&lane.model) {
+                    Some(l) => (l.backend_stats(now), l.queued()),
+                    None => continue,
+                }
+            };
+            let busy: usize = stats.iter().map(|s| s.in_flight).sum();
+            let slots: usize = stats.iter().map(|s| s.request_cap).sum();
+            let per_replica = slots / stats.len().max(1);
+            let sample = crate::autoscale::LaneSample {
+                queued: queued as u64,
+                busy_slots: busy as u64,
+                slots_per_replica: u32::try_from(per_replica).unwrap_or(u32::MAX),
+            };
+            let snap = self
+                .scaling
+                .observe(&lane.model, sample, &cfg.autoscale, now);
+            let label = crate::metrics::ModelLabel {
+                model: lane.model.to_string(),
+            };
+            self.metrics
+                .recommended_replicas
+                .get_or_create(&label)
+                .set(i64::from(snap.replicas));
+            self.metrics
+                .offered_load
+                .get_or_create(&label)
+                .set(snap.offered_load);
+        }
     }
 
     /// Re-evaluates each lane's automatic degradation level; returns the highest.
@@ -604,7 +676,7 @@ impl Gateway {
             let level = self.degrader.lock().observe(&lane.model, signals, now);
             top = top.max(level);
         }
-        self.metrics.degrade_level.set(i64::from(top));
+        self.metrics.degrade_level(top);
         top
     }
 
@@ -643,7 +715,17 @@ impl Gateway {
                         .breaker_state
                         .get_or_create(&l)
                         .set(st.breaker.state.as_gauge());
+                    self.metrics.observe_breaker(
+                        &b.id,
+                        st.breaker.state.as_gauge(),
+                        st.breaker.opened_total,
+                        now,
+                    );
                 }
+                self.metrics
+                    .backend_max_in_flight
+                    .get_or_create(&l)
+                    .set(i64::from(b.max_in_flight.load(Ordering::Relaxed)));
                 self.metrics
                     .backend_healthy
                     .get_or_create(&l)
@@ -712,6 +794,7 @@ impl Gateway {
                 "hard": rt.cfg.queue.hard,
             },
             "degradation": deg,
+            "autoscale": self.scaling.state_json(),
             "global_limits": global,
             "tenants": tenants,
             "models": lanes,

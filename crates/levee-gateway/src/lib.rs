@@ -15,6 +15,7 @@
 //! ```
 
 pub mod admin;
+pub mod autoscale;
 pub mod clock;
 pub mod config;
 pub mod degrade;
@@ -24,6 +25,7 @@ pub mod lane;
 pub mod metrics;
 pub mod proxy;
 pub mod reload;
+pub mod request_log;
 pub mod routes;
 pub mod server;
 mod tokenize;

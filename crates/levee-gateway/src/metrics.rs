@@ -1,5 +1,8 @@
-//! Prometheus metrics, all named `levee_*` (the list with meanings is in docs/gateway.md).
+//! Prometheus metrics, all named `levee_*` (the table with meanings is in
+//! docs/operations.md).
 
+use levee_policy::Timestamp;
+use parking_lot::Mutex;
 use parking_lot::RwLock;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -7,8 +10,10 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
-use std::sync::atomic::AtomicU64;
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::OnceLock;
+use std::time::Duration;
 
 /// Labels of `levee_requests_total`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -77,6 +82,40 @@ pub struct ReasonLabels {
     pub reason: String,
 }
 
+/// Labels of the per-model, per-tenant histograms. `tenant` is bounded by
+/// `observe.max_tenant_series`: tenants past the bound share `other`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ModelTenantLabels {
+    /// Model name.
+    pub model: String,
+    /// Tenant name, `other`, or `-` before authentication.
+    pub tenant: String,
+}
+
+/// Labels of `levee_tenant_abandoned_total`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct AbandonLabels {
+    /// Tenant name (bounded as in [`ModelTenantLabels`]).
+    pub tenant: String,
+    /// `queued` (left while waiting) or `dispatched` (left after its request reached a
+    /// backend, before the answer ended).
+    pub phase: String,
+}
+
+/// A single `mark` label (`safe`, `soft`, `hard`).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct MarkLabel {
+    /// Watermark name.
+    pub mark: String,
+}
+
+/// A single `level` label.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct LevelLabel {
+    /// Degradation level entered.
+    pub level: String,
+}
+
 /// Every metric the gateway exports.
 pub struct Metrics {
     /// The registry `/metrics` encodes.
@@ -128,6 +167,43 @@ pub struct Metrics {
     pub in_flight: Gauge,
     /// `levee_queued`: requests waiting in the queue now (all tiers).
     pub queued: Gauge,
+    /// `levee_request_duration_seconds{model,tenant}`: arrival to last byte, admitted
+    /// requests.
+    pub request_duration: Family<ModelTenantLabels, Histogram>,
+    /// `levee_request_ttft_seconds{model,tenant}`: arrival to first response byte.
+    pub request_ttft: Family<ModelTenantLabels, Histogram>,
+    /// `levee_request_queue_seconds{model,tenant}`: time queued before dispatch.
+    pub request_queue: Family<ModelTenantLabels, Histogram>,
+    /// `levee_tenant_abandoned_total{tenant,phase}`: clients that left before their answer
+    /// ended, by tenant.
+    pub tenant_abandoned: Family<AbandonLabels, Counter>,
+    /// `levee_breaker_trips_total{backend}`: times a breaker opened.
+    pub breaker_trips: Family<BackendLabel, Counter>,
+    /// `levee_breaker_open_seconds_total{backend}`: time spent open.
+    pub breaker_open_seconds: Family<BackendLabel, Counter<f64, AtomicU64>>,
+    /// `levee_degrade_level_changes_total{level}`: changes of level, by level entered.
+    pub degrade_changes: Family<LevelLabel, Counter>,
+    /// `levee_recommended_replicas{model}`: backend replicas the model needs now.
+    pub recommended_replicas: Family<ModelLabel, Gauge>,
+    /// `levee_offered_load{model}`: measured offered load in busy backend slots.
+    pub offered_load: Family<ModelLabel, Gauge<f64, AtomicU64>>,
+    /// `levee_watermark{mark}`: the configured queue watermarks (load = queued + in flight).
+    pub watermark: Family<MarkLabel, Gauge>,
+    /// `levee_backend_max_in_flight{backend}`: the configured cap of each backend.
+    pub backend_max_in_flight: Family<BackendLabel, Gauge>,
+    /// Tenants with their own series in the per-tenant histograms.
+    tenant_series: RwLock<HashSet<String>>,
+    /// Per backend: breaker trips and the time of the last look, to turn breaker stats into
+    /// counters.
+    breaker_seen: Mutex<HashMap<String, BreakerSeen>>,
+    last_degrade_level: AtomicI64,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct BreakerSeen {
+    opened_total: u64,
+    open: bool,
+    at: Timestamp,
 }
 
 fn latency_buckets() -> impl Iterator<Item = f64> {
@@ -275,8 +351,93 @@ impl Metrics {
             "Requests waiting in the queue now",
             queued.clone(),
         );
+        let model_tenant_histogram = || {
+            Family::<ModelTenantLabels, Histogram>::new_with_constructor(|| {
+                Histogram::new(latency_buckets())
+            })
+        };
+        let request_duration = model_tenant_histogram();
+        registry.register(
+            "request_duration_seconds",
+            "Arrival to last response byte of admitted requests, per model and tenant",
+            request_duration.clone(),
+        );
+        let request_ttft = model_tenant_histogram();
+        registry.register(
+            "request_ttft_seconds",
+            "Arrival to first response byte (queue included), per model and tenant",
+            request_ttft.clone(),
+        );
+        let request_queue = model_tenant_histogram();
+        registry.register(
+            "request_queue_seconds",
+            "Time queued before dispatch, per model and tenant",
+            request_queue.clone(),
+        );
+        let tenant_abandoned = Family::<AbandonLabels, Counter>::default();
+        registry.register(
+            "tenant_abandoned",
+            "Clients that left before their answer ended, by tenant and phase",
+            tenant_abandoned.clone(),
+        );
+        let breaker_trips = Family::<BackendLabel, Counter>::default();
+        registry.register(
+            "breaker_trips",
+            "Times a backend's circuit breaker opened",
+            breaker_trips.clone(),
+        );
+        let breaker_open_seconds = Family::<BackendLabel, Counter<f64, AtomicU64>>::default();
+        registry.register(
+            "breaker_open_seconds",
+            "Time a backend's circuit breaker spent open or half-open",
+            breaker_open_seconds.clone(),
+        );
+        let degrade_changes = Family::<LevelLabel, Counter>::default();
+        registry.register(
+            "degrade_level_changes",
+            "Changes of the degradation level, by level entered",
+            degrade_changes.clone(),
+        );
+        let recommended_replicas = Family::<ModelLabel, Gauge>::default();
+        registry.register(
+            "recommended_replicas",
+            "Backend replicas each model needs now (see the autoscaling section of the docs)",
+            recommended_replicas.clone(),
+        );
+        let offered_load = Family::<ModelLabel, Gauge<f64, AtomicU64>>::default();
+        registry.register(
+            "offered_load",
+            "Measured offered load per model, in busy backend slots (arrival rate over service rate)",
+            offered_load.clone(),
+        );
+        let watermark = Family::<MarkLabel, Gauge>::default();
+        registry.register(
+            "watermark",
+            "Configured queue watermarks over the load (queued + in flight)",
+            watermark.clone(),
+        );
+        let backend_max_in_flight = Family::<BackendLabel, Gauge>::default();
+        registry.register(
+            "backend_max_in_flight",
+            "Configured most requests levee sends to each backend at once",
+            backend_max_in_flight.clone(),
+        );
         Metrics {
             registry,
+            watermark,
+            backend_max_in_flight,
+            request_duration,
+            request_ttft,
+            request_queue,
+            abandoned,
+            breaker_trips,
+            breaker_open_seconds,
+            degrade_changes,
+            recommended_replicas,
+            offered_load,
+            tenant_series: RwLock::new(HashSet::new()),
+            breaker_seen: Mutex::new(HashMap::new()),
+            last_degrade_level: AtomicI64::new(0),
             requests,
             admitted,
             rejected,
@@ -289,7 +450,7 @@ impl Metrics {
             backend_in_flight,
             backend_tokens_in_flight,
             backend_kv_budget,
-            abandoned,
+            tenant_abandoned,
             estimate_ratio,
             backend_load,
             backend_kv,
@@ -341,6 +502,146 @@ impl Metrics {
                 reason: reason.to_string(),
             })
             .inc();
+    }
+}
+
+/// How one admitted request went, for the per-model, per-tenant metrics.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RequestTimes {
+    /// Time queued before dispatch.
+    pub queued: Duration,
+    /// Queue wait plus the backend's time to first byte, if one came.
+    pub ttft: Option<Duration>,
+    /// Queue wait plus the time from sending upstream to the end of the response.
+    pub total: Duration,
+    /// The client left before the response ended.
+    pub abandoned: bool,
+}
+
+impl Metrics {
+    /// Sets which tenants get their own series in the per-tenant histograms: the first
+    /// `max` of `tenants` (config order). Called at start and on reload.
+    pub fn set_tenant_series<'a>(&self, tenants: impl Iterator<Item = &'a str>, max: usize) {
+        *self.tenant_series.write() = tenants.take(max).map(str::to_string).collect();
+    }
+
+    /// The `tenant` label value for `tenant`: itself if it has its own series, else
+    /// `other` (clients cannot grow the label set: tenants come from the config, and only
+    /// the first few of them are kept apart).
+    pub fn tenant_label(&self, tenant: &str) -> String {
+        if tenant == "-" || self.tenant_series.read().contains(tenant) {
+            tenant.to_string()
+        } else {
+            "other".to_string()
+        }
+    }
+
+    /// Records an admitted request's times (and abandonment) under its model and tenant.
+    pub fn request_times(&self, model: &str, tenant: &str, tier: &str, t: &RequestTimes) {
+        let labels = ModelTenantLabels {
+            model: model.to_string(),
+            tenant: self.tenant_label(tenant),
+        };
+        let queued = t.queued.as_secs_f64();
+        self.request_queue.get_or_create(&labels).observe(queued);
+        self.queue_wait
+            .get_or_create(&TierLabel { tier: tier.into() })
+            .observe(queued);
+        if let Some(ttft) = t.ttft {
+            self.request_ttft
+                .get_or_create(&labels)
+                .observe(ttft.as_secs_f64());
+        }
+        self.request_duration
+            .get_or_create(&labels)
+            .observe(t.total.as_secs_f64());
+        if t.abandoned {
+            self.abandon(tenant, "dispatched");
+        }
+    }
+
+    /// A guard for a request waiting in the queue: dropped before [`QueuedWait::done`] (the
+    /// client left, so its handler was dropped), it counts an abandonment while queued.
+    pub fn queued_wait<'a>(&'a self, tenant: &'a str) -> QueuedWait<'a> {
+        QueuedWait {
+            metrics: self,
+            tenant,
+            armed: true,
+        }
+    }
+
+    /// Counts a client that left while its request was `phase` (`queued` or `dispatched`).
+    pub fn abandon(&self, tenant: &str, phase: &str) {
+        self.tenant_abandoned
+            .get_or_create(&AbandonLabels {
+                tenant: self.tenant_label(tenant),
+                phase: phase.to_string(),
+            })
+            .inc();
+    }
+
+    /// Turns a backend breaker's cumulative stats into the trips and open-time counters.
+    /// `state` is the breaker code (0 closed, 1 half-open, 2 open); `opened_total` its
+    /// count of openings.
+    pub fn observe_breaker(&self, backend: &str, state: i64, opened_total: u64, now: Timestamp) {
+        let open = state != 0;
+        let label = BackendLabel {
+            backend: backend.to_string(),
+        };
+        let mut seen = self.breaker_seen.lock();
+        let prev = seen.insert(
+            backend.to_string(),
+            BreakerSeen {
+                opened_total,
+                open,
+                at: now,
+            },
+        );
+        let trips = self.breaker_trips.get_or_create(&label);
+        let open_secs = self.breaker_open_seconds.get_or_create(&label);
+        let Some(prev) = prev else {
+            trips.inc_by(opened_total);
+            return;
+        };
+        trips.inc_by(opened_total.saturating_sub(prev.opened_total));
+        if prev.open || open {
+            open_secs.inc_by(now.saturating_duration_since(prev.at).as_secs_f64());
+        }
+    }
+
+    /// Sets the degradation level gauge and counts a change of level.
+    pub fn degrade_level(&self, level: u8) {
+        let level = i64::from(level);
+        self.degrade_level.set(level);
+        if self.last_degrade_level.swap(level, Ordering::Relaxed) != level {
+            self.degrade_changes
+                .get_or_create(&LevelLabel {
+                    level: level.to_string(),
+                })
+                .inc();
+        }
+    }
+}
+
+/// See [`Metrics::queued_wait`].
+pub struct QueuedWait<'a> {
+    metrics: &'a Metrics,
+    tenant: &'a str,
+    armed: bool,
+}
+
+impl QueuedWait<'_> {
+    /// The wait ended with the client still there (dispatched, refused or timed out).
+    pub fn done(mut self) {
+        self.armed = false;
+    }
+}
+
+impl Drop for QueuedWait<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            self.metrics.abandon(self.tenant, "queued");
+        }
     }
 }
 

@@ -15,6 +15,7 @@ use crate::gateway::{Gateway, Model, Runtime, Tenant};
 use crate::lane::{self, Admitted, Lane};
 use crate::metrics::{TenantKindLabels, TierLabel};
 use crate::proxy::{self, Outcome, Settle, Settlement, StreamLimits};
+use crate::request_log::{ms, RequestId, RequestLine};
 use crate::upstream::{advised_retry, Backend, Verdict};
 use axum::extract::{ConnectInfo, Request, State};
 use axum::response::{IntoResponse, Response};
@@ -90,7 +91,8 @@ async fn readyz(State(gw): State<Arc<Gateway>>) -> Response {
         .into_response()
 }
 
-fn bearer(headers: &HeaderMap) -> Option<&str> {
+/// The key or token of `Authorization: Bearer ...` (or `api-key`).
+pub(crate) fn bearer(headers: &HeaderMap) -> Option<&str> {
     if let Some(v) = headers.get(http::header::AUTHORIZATION) {
         let v = v.to_str().ok()?.trim();
         let rest = v
@@ -141,6 +143,7 @@ struct Labels {
     tier: String,
     model: Arc<str>,
     lane: Option<Arc<Lane>>,
+    request: Option<RequestId>,
 }
 
 async fn handle(
@@ -155,7 +158,9 @@ async fn handle(
         tier: "-".into(),
         model: dash,
         lane: None,
+        request: req.extensions().get::<RequestId>().cloned(),
     };
+    let arrived = Instant::now();
     match pipeline(&gw, peer, req, path, &mut labels).await {
         Ok(resp) => resp,
         Err(e) => {
@@ -165,6 +170,21 @@ async fn handle(
                 gw.metrics.reject(&labels.tier, e.code);
             }
             gw.metrics.request(&labels.tenant, &labels.model, e.code);
+            if let Some(id) = &labels.request {
+                RequestLine {
+                    request_id: id.as_str(),
+                    tenant: &labels.tenant,
+                    model: &labels.model,
+                    outcome: e.code,
+                    status: e.status.as_u16(),
+                    queue_ms: None,
+                    ttft_ms: None,
+                    duration_ms: ms(arrived.elapsed()),
+                    prompt_tokens: None,
+                    completion_tokens: None,
+                }
+                .emit(id.seq, gw.config().observe.request_log_sample);
+            }
             if e.origin == crate::error::Origin::Upstream {
                 tracing::warn!(tenant = %labels.tenant, model = %labels.model, "{e}");
             } else {
@@ -220,6 +240,8 @@ struct Classified {
     cap: Option<u32>,
     /// Measures applied (`max_tokens=256`, `fallback=small`).
     degraded: Vec<String>,
+    /// The request's id, for its log line.
+    request: Option<RequestId>,
 }
 
 /// The pipeline, one named phase after another (each a function below):
@@ -393,6 +415,7 @@ fn classify(
         max_tokens,
         cap,
         degraded,
+        request: labels.request.clone(),
     })
 }
 
@@ -411,7 +434,11 @@ async fn admit_phase(
         completion_tokens: u64::from(c.max_tokens) * u64::from(c.parsed.choices),
         max_wait: None,
     };
-    Box::pin(lane::admit(gw, &c.lane, tenant, req)).await
+    gw.scaling.arrival(&c.target.name);
+    let waiting = gw.metrics.queued_wait(&tenant.name);
+    let admitted = Box::pin(lane::admit(gw, &c.lane, tenant, req)).await;
+    waiting.done();
+    admitted
 }
 
 /// Dispatch: the backend the admission placed the request on.
@@ -501,8 +528,11 @@ async fn proxy_phase(
         }
     };
     let backend_id = backend.id.clone();
+    let queued = admitted.waited;
     let settle = RequestSettle {
         gw: gw.clone(),
+        queued,
+        sent_at,
         admitted: Some(admitted),
         backend,
         tenant,
@@ -511,6 +541,7 @@ async fn proxy_phase(
         prompt_estimate: c.prompt_tokens,
         outlier: rt.cfg.outlier.clone(),
         judged,
+        request: c.request.clone(),
     };
     let settlement = Settlement::new(Box::new(settle));
     if c.parsed.stream && resp.status().is_success() {
@@ -694,6 +725,8 @@ fn eject_if_due(
 /// Settle: everything an admitted request must give back or report when it ends.
 struct RequestSettle {
     gw: Arc<Gateway>,
+    queued: Duration,
+    sent_at: Instant,
     admitted: Option<Admitted>,
     backend: Arc<Backend>,
     tenant: Arc<Tenant>,
@@ -703,6 +736,7 @@ struct RequestSettle {
     outlier: crate::config::OutlierConfig,
     /// The outcome already went to outlier ejection (see `proxy_phase`).
     judged: bool,
+    request: Option<RequestId>,
 }
 
 impl Settle for RequestSettle {
@@ -780,6 +814,31 @@ impl Settle for RequestSettle {
         self.gw
             .metrics
             .request_for(&self.tenant.metrics, &self.tenant.name, &self.model, label);
+        self.gw.scaling.completion(&self.model);
+        let times = crate::metrics::RequestTimes {
+            queued: self.queued,
+            ttft: outcome.ttft.map(|t| self.queued + t),
+            total: self.queued + self.sent_at.elapsed(),
+            abandoned: outcome.client_gone,
+        };
+        self.gw
+            .metrics
+            .request_times(&self.model, &self.tenant.name, &self.tenant.tier, &times);
+        if let Some(id) = &self.request {
+            RequestLine {
+                request_id: id.as_str(),
+                tenant: &self.tenant.name,
+                model: &self.model,
+                outcome: label,
+                status: outcome.status,
+                queue_ms: Some(ms(times.queued)),
+                ttft_ms: times.ttft.map(ms),
+                duration_ms: ms(times.total),
+                prompt_tokens: outcome.usage.map(|u| u.prompt_tokens),
+                completion_tokens: outcome.usage.map(|u| u.completion_tokens),
+            }
+            .emit(id.seq, self.gw.config().observe.request_log_sample);
+        }
     }
 }
 

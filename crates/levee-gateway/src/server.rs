@@ -6,6 +6,7 @@
 
 use crate::config::Config;
 use crate::gateway::Gateway;
+use crate::request_log::{RequestId, REQUEST_ID_HEADER};
 use crate::{admin, routes};
 use axum::extract::ConnectInfo;
 use futures::FutureExt;
@@ -99,7 +100,9 @@ pub async fn start(config: Config) -> anyhow::Result<GatewayHandle> {
     gateway.spawn_background();
     let stop_accepting = CancellationToken::new();
     let public_router = routes::router(gateway.clone());
-    let admin_router = admin::router(gateway.clone());
+    let access = admin::AdminAccess::from_env(admin);
+    access.announce(&gateway);
+    let admin_router = admin::router(gateway.clone(), access);
     let tasks = vec![
         tokio::spawn(accept_loop(
             public_listener,
@@ -198,7 +201,15 @@ async fn accept_loop(
         // service future for as long as it waits in the queue).
         let svc = hyper::service::service_fn(move |mut req: http::Request<Incoming>| {
             req.extensions_mut().insert(ConnectInfo(peer));
-            router.clone().call(req)
+            let id = RequestId::for_request(req.headers());
+            let echo = id.value.clone();
+            req.extensions_mut().insert(id);
+            router.clone().call(req).map(move |r| {
+                r.map(|mut resp| {
+                    resp.headers_mut().insert(REQUEST_ID_HEADER, echo);
+                    resp
+                })
+            })
         });
         let watcher = graceful.watcher();
         // HTTP/1 (slow/huge header protection) and h2c with prior knowledge (a proxy in

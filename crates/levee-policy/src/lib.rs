@@ -12,6 +12,7 @@
 
 mod adaptive;
 mod admission;
+mod autoscale;
 mod breaker;
 mod clock;
 mod concurrency;
@@ -32,6 +33,10 @@ pub use admission::{
     Admission, AdmissionConfig, AdmissionRequest, Admit, Completion, Dispatched, Expired, Grant,
     HeavyRule, LimitSpec, ModelSpec, Pending, RateLimitHeaders, Refusal, RefusalReason, Scope,
     TenantSpec,
+};
+pub use autoscale::{
+    erlang_c, mean_wait, replicas_needed, AutoscaleConfig, Autoscaler, Bound, Demand, Need,
+    Recommendation,
 };
 pub use breaker::{
     Breaker, BreakerConfig, BreakerOpen, BreakerState, BreakerStats, BreakerTicket, Outcome,

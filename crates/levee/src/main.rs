@@ -1,5 +1,6 @@
 //! The `levee` binary: a thin command-line layer over the levee crates.
 
+mod drain;
 mod drill;
 mod passthrough;
 
@@ -34,6 +35,8 @@ enum Command {
     Engine(levee_engine::EngineArgs),
     /// Flood a target with a scenario and write reports.
     Sim(levee_sim::SimArgs),
+    /// Drain a running gateway and wait for its in-flight requests (a preStop hook).
+    Drain(drain::DrainArgs),
     /// The whole story in one command: simulated engines, a flood, unprotected versus levee.
     Drill(drill::DrillArgs),
     /// Configuration tools.
@@ -116,6 +119,7 @@ fn main() -> ExitCode {
             Command::Engine(args) => levee_engine::run_cli(args).await,
             Command::Sim(args) => levee_sim::run_cli(args).await,
             Command::Drill(args) => drill::run_cli(args).await,
+            Command::Drain(args) => drain::run_cli(args).await,
             Command::Config { .. } => Ok(()),
         }
     });

@@ -1,0 +1,175 @@
+//! Request ids and request logs.
+//!
+//! Every request gets an id, returned as `x-request-id`: the client's own `x-request-id`
+//! when it sends a short, plain one (letters, digits, `-`, `_`, `.`; at most 64), otherwise
+//! one made here (a per-process random prefix and a sequence number). A sampled share of
+//! requests (`observe.request_log_sample`) is written to standard output as one JSON line
+//! each, when it ends: id, tenant, model, outcome, status, queue ms, TTFT ms, tokens and
+//! duration. API keys and bodies are never written (the line has no field for them).
+
+use http::HeaderValue;
+use serde::Serialize;
+use std::hash::{BuildHasher, Hasher};
+use std::io::Write;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::OnceLock;
+
+/// The header carrying the id both ways.
+pub const REQUEST_ID_HEADER: &str = "x-request-id";
+
+/// A request's id (a request extension from the connection layer on).
+#[derive(Debug, Clone)]
+pub struct RequestId {
+    /// Arrival order in this process (drives sampling).
+    pub seq: u64,
+    /// The id as sent back.
+    pub value: HeaderValue,
+}
+
+static SEQ: AtomicU64 = AtomicU64::new(0);
+
+fn process_prefix() -> u64 {
+    static PREFIX: OnceLock<u64> = OnceLock::new();
+    *PREFIX.get_or_init(|| {
+        // RandomState is seeded from the OS per process: ids differ across restarts.
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_u64(u64::from(std::process::id()));
+        h.finish()
+    })
+}
+
+fn plain_id(v: &HeaderValue) -> bool {
+    let b = v.as_bytes();
+    !b.is_empty()
+        && b.len() <= 64
+        && b.iter()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, b'-' | b'_' | b'.'))
+}
+
+impl RequestId {
+    /// The client's plain `x-request-id`, or a new one.
+    pub fn for_request(headers: &http::HeaderMap) -> RequestId {
+        let seq = SEQ.fetch_add(1, Ordering::Relaxed);
+        let value = headers
+            .get(REQUEST_ID_HEADER)
+            .filter(|v| plain_id(v))
+            .cloned()
+            .or_else(|| HeaderValue::from_str(&format!("{:016x}-{seq:x}", process_prefix())).ok())
+            .unwrap_or_else(|| HeaderValue::from_static("-"));
+        RequestId { seq, value }
+    }
+
+    /// The id as text.
+    pub fn as_str(&self) -> &str {
+        self.value.to_str().unwrap_or("-")
+    }
+}
+
+/// Whether request number `seq` is logged at sample rate `rate`: exactly
+/// `floor(n · rate)` of the first `n` requests are, spread evenly.
+pub fn sampled(seq: u64, rate: f64) -> bool {
+    if rate >= 1.0 {
+        return true;
+    }
+    if rate <= 0.0 || rate.is_nan() {
+        return false;
+    }
+    ((seq + 1) as f64 * rate).floor() > (seq as f64 * rate).floor()
+}
+
+/// One request log line.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct RequestLine<'a> {
+    /// The request id (`x-request-id`).
+    pub request_id: &'a str,
+    /// Tenant name (`-` before authentication).
+    pub tenant: &'a str,
+    /// Model (`-` before the body was read).
+    pub model: &'a str,
+    /// `ok`, `client_gone`, `upstream_5xx`, ... or the refusal code.
+    pub outcome: &'a str,
+    /// HTTP status sent to the client (0 when the client left first).
+    pub status: u16,
+    /// Time queued before dispatch.
+    pub queue_ms: Option<f64>,
+    /// Arrival to first response byte.
+    pub ttft_ms: Option<f64>,
+    /// Arrival to the end of the response.
+    pub duration_ms: f64,
+    /// Prompt tokens the backend reported.
+    pub prompt_tokens: Option<u64>,
+    /// Completion tokens the backend reported.
+    pub completion_tokens: Option<u64>,
+}
+
+impl RequestLine<'_> {
+    /// Writes the line to standard output if request `seq` is sampled at `rate`.
+    pub fn emit(&self, seq: u64, rate: f64) {
+        if !sampled(seq, rate) {
+            return;
+        }
+        if let Ok(mut text) = serde_json::to_vec(self) {
+            text.push(b'\n');
+            // One write of the whole line: lines from many tasks never interleave.
+            let _ = std::io::stdout().lock().write_all(&text);
+        }
+    }
+}
+
+/// Milliseconds, for log lines.
+pub fn ms(d: std::time::Duration) -> f64 {
+    d.as_secs_f64() * 1000.0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sampling_is_exact_and_even() {
+        let n = 1000;
+        for rate in [0.0, 0.01, 0.1, 0.25, 1.0 / 3.0, 1.0] {
+            let hits = (0..n).filter(|&s| sampled(s, rate)).count();
+            assert_eq!(hits, (n as f64 * rate).floor() as usize, "rate {rate}");
+        }
+        // At 0.25 every fourth request.
+        let picked: Vec<u64> = (0..12).filter(|&s| sampled(s, 0.25)).collect();
+        assert_eq!(picked, vec![3, 7, 11]);
+    }
+
+    #[test]
+    fn ids_echo_plain_client_ids_only() {
+        let mut h = http::HeaderMap::new();
+        h.insert(REQUEST_ID_HEADER, HeaderValue::from_static("trace-42.a_b"));
+        assert_eq!(RequestId::for_request(&h).as_str(), "trace-42.a_b");
+        h.insert(REQUEST_ID_HEADER, HeaderValue::from_static("has space"));
+        let made = RequestId::for_request(&h);
+        assert_ne!(made.as_str(), "has space");
+        let other = RequestId::for_request(&http::HeaderMap::new());
+        assert_ne!(made.as_str(), other.as_str());
+        assert!(other.seq > made.seq);
+    }
+
+    #[test]
+    fn line_is_one_json_object_without_secrets() {
+        let line = RequestLine {
+            request_id: "r1",
+            tenant: "acme",
+            model: "m",
+            outcome: "ok",
+            status: 200,
+            queue_ms: Some(12.5),
+            ttft_ms: Some(40.0),
+            duration_ms: 90.0,
+            prompt_tokens: Some(10),
+            completion_tokens: Some(4),
+        };
+        let text = serde_json::to_string(&line).unwrap();
+        assert!(!text.contains('\n'));
+        let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(v["request_id"], "r1");
+        assert_eq!(v["queue_ms"], 12.5);
+        let fields: Vec<_> = v.as_object().unwrap().keys().cloned().collect();
+        assert!(fields.iter().all(|f| !f.contains("key")), "{fields:?}");
+    }
+}

@@ -1,0 +1,108 @@
+//! The files under deploy/ agree with what levee exports: every metric the Grafana dashboard
+//! and the alert rules name is one `/metrics` serves, and the Kubernetes config is valid.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is the report
+
+use levee_gateway::metrics::Metrics;
+use levee_gateway::Config;
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+
+fn deploy(rel: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../deploy")
+        .join(rel)
+}
+
+/// Every sample name `/metrics` can serve: from each `# TYPE` line, the family name with
+/// the suffixes its type gives its samples.
+fn exported() -> BTreeSet<String> {
+    let text = Metrics::new().encode();
+    let mut names = BTreeSet::new();
+    for line in text.lines() {
+        let Some(rest) = line.strip_prefix("# TYPE ") else {
+            continue;
+        };
+        let mut parts = rest.split_whitespace();
+        let (Some(name), Some(kind)) = (parts.next(), parts.next()) else {
+            continue;
+        };
+        let suffixes: &[&str] = match kind {
+            "counter" => &["_total", "_created"],
+            // A histogram's family name is how people refer to it in prose.
+            "histogram" => &["", "_bucket", "_sum", "_count", "_created"],
+            _ => &[""],
+        };
+        for s in suffixes {
+            names.insert(format!("{name}{s}"));
+        }
+    }
+    names
+}
+
+/// Every `levee_...` identifier in a text.
+fn named(text: &str) -> BTreeSet<String> {
+    let mut out = BTreeSet::new();
+    let bytes = text.as_bytes();
+    let mut i = 0;
+    while let Some(pos) = text[i..].find("levee_") {
+        let start = i + pos;
+        let boundary = start == 0 || {
+            let c = bytes[start - 1];
+            !(c.is_ascii_alphanumeric() || c == b'_' || c == b'-' || c == b'.')
+        };
+        let mut end = start;
+        while end < bytes.len() && (bytes[end].is_ascii_alphanumeric() || bytes[end] == b'_') {
+            end += 1;
+        }
+        if boundary {
+            out.insert(text[start..end].to_string());
+        }
+        i = end;
+    }
+    out
+}
+
+#[test]
+fn dashboards_and_alerts_name_only_exported_metrics() {
+    let exported = exported();
+    assert!(exported.contains("levee_requests_total"), "{exported:?}");
+    assert!(exported.contains("levee_request_ttft_seconds_bucket"));
+    for file in ["grafana/levee.json", "prometheus/alerts.yml"] {
+        let text = std::fs::read_to_string(deploy(file)).unwrap();
+        if file.ends_with(".json") {
+            serde_json::from_str::<serde_json::Value>(&text).expect("the dashboard is JSON");
+        }
+        let used = named(&text);
+        assert!(used.len() >= 8, "{file} names only {used:?}");
+        let unknown: Vec<_> = used.difference(&exported).collect();
+        assert!(
+            unknown.is_empty(),
+            "{file} names metrics levee does not export: {unknown:?}"
+        );
+    }
+}
+
+#[test]
+fn the_name_scan_finds_what_it_must() {
+    let found = named("rate(levee_abandoned_total[5m]) / levee_x{a=\"levee_y\"} not_levee_z");
+    let want: BTreeSet<String> = ["levee_abandoned_total", "levee_x", "levee_y"]
+        .into_iter()
+        .map(String::from)
+        .collect();
+    assert_eq!(found, want);
+}
+
+#[test]
+fn kubernetes_config_is_valid() {
+    let cfg = Config::load(&deploy("kubernetes/levee.toml")).unwrap();
+    assert!(!cfg.listen.admin.ip().is_loopback());
+    // The autoscaler's ceiling is the number of backends levee knows about.
+    let backends = cfg.models[0].backends.len();
+    assert_eq!(cfg.autoscale.max_replicas as usize, backends);
+    let keda = std::fs::read_to_string(deploy("kubernetes/keda.yaml")).unwrap();
+    assert!(
+        keda.contains(&format!("maxReplicaCount: {backends}")),
+        "{keda}"
+    );
+    assert!(keda.contains(&format!("minReplicaCount: {}", cfg.autoscale.min_replicas)));
+}

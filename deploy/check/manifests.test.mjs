@@ -1,0 +1,107 @@
+// Checks the Kubernetes manifests under deploy/kubernetes without a cluster: every document
+// parses, and the fields that matter agree with each other — probes on levee's real paths
+// and named ports, the preStop drain, the grace period, non-root, Service and
+// PodDisruptionBudget selectors, and the KEDA ScaledObject's target and metric.
+import { test } from "node:test";
+import assert from "node:assert/strict";
+import { readFileSync, readdirSync } from "node:fs";
+import { join, dirname } from "node:path";
+import { fileURLToPath } from "node:url";
+import { parseAllDocuments } from "yaml";
+
+const dir = join(dirname(fileURLToPath(import.meta.url)), "..", "kubernetes");
+
+function load() {
+  const docs = [];
+  for (const f of readdirSync(dir).filter((f) => f.endsWith(".yaml")).sort()) {
+    for (const d of parseAllDocuments(readFileSync(join(dir, f), "utf8"))) {
+      assert.equal(d.errors.length, 0, `${f}: ${d.errors.join("; ")}`);
+      const obj = d.toJS();
+      if (obj) docs.push({ file: f, obj });
+    }
+  }
+  return docs;
+}
+
+const docs = load();
+const find = (kind, name) => docs.map((d) => d.obj).find((o) => o.kind === kind && (!name || o.metadata?.name === name));
+const matches = (selector, labels) => Object.entries(selector).every(([k, v]) => labels?.[k] === v);
+
+test("every document has apiVersion, kind and a name", () => {
+  for (const { file, obj } of docs) {
+    assert.ok(obj.apiVersion && obj.kind, `${file}: apiVersion and kind`);
+    if (obj.kind !== "Kustomization") assert.ok(obj.metadata?.name, `${file}: ${obj.kind} has a name`);
+  }
+});
+
+test("levee Deployment: probes, ports, drain hook, grace, non-root", () => {
+  const dep = find("Deployment", "levee");
+  assert.ok(dep, "a Deployment named levee");
+  const pod = dep.spec.template.spec;
+  const c = pod.containers.find((c) => c.name === "levee");
+  const ports = Object.fromEntries(c.ports.map((p) => [p.name, p.containerPort]));
+  assert.deepEqual(ports, { public: 8080, admin: 9090 });
+  assert.equal(c.readinessProbe.httpGet.path, "/readyz");
+  assert.equal(c.livenessProbe.httpGet.path, "/healthz");
+  for (const probe of [c.readinessProbe, c.livenessProbe]) {
+    assert.ok(probe.httpGet.port in ports, `probe port ${probe.httpGet.port} is a container port`);
+  }
+  const hook = c.lifecycle.preStop.exec.command;
+  assert.equal(hook[1], "drain", `preStop runs levee drain: ${hook}`);
+  assert.ok(hook.includes("http://127.0.0.1:9090"), "drains through the admin port");
+  const timeout = Number(hook[hook.indexOf("--timeout-secs") + 1]);
+  const toml = readFileSync(join(dir, "levee.toml"), "utf8");
+  const grace = Number(/shutdown_grace_ms\s*=\s*(\d+)/.exec(toml)[1]) / 1000;
+  assert.ok(pod.terminationGracePeriodSeconds > timeout + grace,
+    `grace period ${pod.terminationGracePeriodSeconds} s covers drain ${timeout} s + shutdown ${grace} s`);
+  assert.match(toml, /public = "0\.0\.0\.0:8080"/);
+  assert.match(toml, /admin = "0\.0\.0\.0:9090"/);
+  assert.equal(pod.securityContext.runAsNonRoot, true);
+  assert.equal(c.securityContext.allowPrivilegeEscalation, false);
+  const token = c.env.find((e) => e.name === "LEVEE_ADMIN_TOKEN");
+  assert.ok(token?.valueFrom?.secretKeyRef, "the admin token comes from a Secret");
+  const vol = pod.volumes.find((v) => v.configMap);
+  assert.ok(vol && c.volumeMounts.some((m) => m.name === vol.name && m.mountPath === "/etc/levee"));
+  assert.ok(c.args.includes("/etc/levee/levee.toml"));
+  const kust = find("Kustomization");
+  const gen = kust.configMapGenerator.find((g) => g.name === vol.configMap.name);
+  assert.deepEqual(gen?.files, ["levee.toml"], "the ConfigMap is generated from levee.toml");
+  const files = readdirSync(dir);
+  for (const r of kust.resources) assert.ok(files.includes(r), `kustomization resource ${r} exists`);
+});
+
+test("Services and the PodDisruptionBudget select the pods they mean", () => {
+  const dep = find("Deployment", "levee");
+  const labels = dep.spec.template.metadata.labels;
+  const c = dep.spec.template.spec.containers[0];
+  const portNames = c.ports.map((p) => p.name);
+  for (const name of ["levee", "levee-admin"]) {
+    const svc = find("Service", name);
+    assert.ok(svc, `Service ${name}`);
+    assert.ok(matches(svc.spec.selector, labels), `${name} selects levee pods`);
+    for (const p of svc.spec.ports) assert.ok(portNames.includes(p.targetPort), `${name} → ${p.targetPort}`);
+  }
+  const pdb = find("PodDisruptionBudget", "levee");
+  assert.ok(matches(pdb.spec.selector.matchLabels, labels));
+  assert.ok(pdb.spec.minAvailable >= 1 && pdb.spec.minAvailable < dep.spec.replicas,
+    "PDB keeps one pod up and still lets a node drain");
+  assert.equal(dep.spec.strategy.rollingUpdate.maxUnavailable, 0);
+});
+
+test("KEDA scales the backends on levee's recommendation", () => {
+  const so = find("ScaledObject");
+  assert.ok(so, "a ScaledObject");
+  const target = find(so.spec.scaleTargetRef.kind, so.spec.scaleTargetRef.name);
+  assert.ok(target, "its target is in the manifests");
+  assert.notEqual(target.metadata.name, "levee", "it scales the backends, not levee");
+  const trig = so.spec.triggers[0];
+  assert.equal(trig.type, "prometheus");
+  assert.match(trig.metadata.query, /levee_recommended_replicas\{model="llama"\}/);
+  assert.equal(trig.metricType, "AverageValue");
+  assert.equal(trig.metadata.threshold, "1");
+  const toml = readFileSync(join(dir, "levee.toml"), "utf8");
+  const backends = toml.match(/url = "http:\/\/vllm-\d+\.vllm:8000"/g).length;
+  assert.equal(so.spec.maxReplicaCount, backends, "every replica KEDA may start is a levee backend");
+  const hs = find("Service", target.spec.serviceName);
+  assert.equal(hs?.spec.clusterIP, "None", "a headless Service gives replicas stable names");
+});
