@@ -220,8 +220,9 @@ pub struct EngineArgs {
     /// Profile: small, a100-7b, tiny-fast, zero.
     #[arg(long, default_value = "small", conflicts_with = "config")]
     pub profile: String,
-    /// A TOML file holding an `EngineConfig` (instead of a profile); flags still override it.
-    #[arg(long)]
+    /// A TOML file holding an `EngineConfig` (instead of a named profile), such as one
+    /// written by `levee sim calibrate`; flags still override it.
+    #[arg(long, visible_alias = "profile-file")]
     pub config: Option<std::path::PathBuf>,
     /// Served model name (default: the profile's).
     #[arg(long)]

@@ -12,6 +12,7 @@
 //! The library API (used by `levee drill`) is documented in `docs/sim.md`.
 
 pub mod arrivals;
+pub mod calibrate;
 pub mod dist;
 mod exchange;
 pub mod faults;
@@ -98,6 +99,10 @@ pub enum SimCommand {
     },
     /// List the shipped scenarios.
     List,
+    /// Measure a real OpenAI-compatible server (closed-loop sweep over concurrency, prefill
+    /// cost against prompt length) and fit an engine profile for `levee engine
+    /// --profile-file`.
+    Calibrate(calibrate::CalibrateArgs),
 }
 
 /// A short label for a report file: its stem, or its directory's name for the default
@@ -155,6 +160,7 @@ pub async fn run_cli(args: SimArgs) -> anyhow::Result<()> {
             }
             return Ok(());
         }
+        Some(SimCommand::Calibrate(args)) => return calibrate::run_cli(args).await,
         Some(SimCommand::List) => {
             for (name, text) in scenarios::BUILTIN {
                 let description = Scenario::from_toml_str(text)

@@ -1,0 +1,912 @@
+//! `levee sim calibrate`: measure a real OpenAI-compatible server and fit an engine profile.
+//!
+//! The sweep is closed loop: at each concurrency level `c` (1, 2, 4, 8, 16 by default), `c`
+//! workers each send a streaming chat request, wait for its end, and send the next, until
+//! the level's time or request budget runs out. Every prompt is new text (a unique id first,
+//! then seeded random words), so no prefix cache makes the server look faster than it is.
+//! Per level it records requests per second, time to first token, inter-token latency and
+//! output tokens per second. A second, short series at concurrency 1 measures TTFT against
+//! prompt length: the prefill cost.
+//!
+//! The fit maps the measurements onto the simulated engine's step model
+//! (`prefill_us_per_token × prefilled + decode_base_ms + decode_per_seq_ms × batch`):
+//! - `prefill_us_per_token`: slope of TTFT (concurrency 1) against prompt tokens;
+//! - `decode_base_ms`, `decode_per_seq_ms`: line through the median inter-token latency
+//!   against concurrency, over the levels that fit in the batch;
+//! - `max_running_seqs`: the slots the server reports (llama.cpp's `/props`), else the
+//!   level at which throughput stops growing;
+//! - KV capacity and `max_model_len`: what the server reports (`/props` for llama.cpp,
+//!   `/v1/models` and `vllm:cache_config_info` for vLLM), else a default.
+//!
+//! Token counts are in the simulated engine's units (`ceil(chars / 4)` per message, see
+//! [`levee_engine::estimate_chat_prompt_tokens`]): the profile exists to make the simulator
+//! reproduce the server's timing for the same request text.
+
+use crate::exchange::{attempt, http_client, HttpClient};
+use crate::recorder::Kind;
+use anyhow::Context as _;
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full, Limited};
+use levee_engine::{EngineConfig, KV_BLOCK_SIZE};
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+use serde::{Deserialize, Serialize};
+use std::path::PathBuf;
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::time::Instant;
+
+/// Command-line arguments of `levee sim calibrate`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct CalibrateArgs {
+    /// Base URL of the server to measure, e.g. http://127.0.0.1:8081.
+    #[arg(long)]
+    pub target: String,
+    /// Model name to send (default: the first model of the target's `/v1/models`).
+    #[arg(long)]
+    pub model: Option<String>,
+    /// Concurrency levels of the sweep, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8,16")]
+    pub levels: Vec<u32>,
+    /// Seconds each level sends new requests (in-flight ones are then awaited).
+    #[arg(long, default_value_t = 15.0)]
+    pub level_secs: f64,
+    /// Most requests one level sends.
+    #[arg(long, default_value_t = 400)]
+    pub max_requests_per_level: u32,
+    /// Prompt length of the sweep's requests, in simulated-engine tokens.
+    #[arg(long, default_value_t = 64)]
+    pub prompt_tokens: u32,
+    /// Output tokens of every request (sent as `max_tokens` with `ignore_eos`).
+    #[arg(long, default_value_t = 32)]
+    pub output_tokens: u32,
+    /// Prompt lengths of the prefill series (concurrency 1), comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "16,128,256,512")]
+    pub prefill_lengths: Vec<u32>,
+    /// Requests per prompt length in the prefill series.
+    #[arg(long, default_value_t = 5)]
+    pub prefill_repeats: u32,
+    /// Seed of the prompt text.
+    #[arg(long, default_value_t = 7)]
+    pub seed: u64,
+    /// Write the fitted engine profile (TOML, loaded by `levee engine --profile-file`) here.
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    /// Name of the fitted profile (shown by the engine in `/admin/state`).
+    #[arg(long, default_value = "calibrated")]
+    pub name: String,
+    /// Write the measurements (JSON) here.
+    #[arg(long)]
+    pub sweep_json: Option<PathBuf>,
+    /// Compare this run with an earlier sweep (JSON): prints both side by side and fails
+    /// unless req/s and p50 TTFT are within `--tolerance` at every level.
+    #[arg(long)]
+    pub compare: Option<PathBuf>,
+    /// Largest relative difference `--compare` accepts (0.2 = 20%).
+    #[arg(long, default_value_t = 0.2)]
+    pub tolerance: f64,
+    /// Skip the prefill series (only the concurrency sweep).
+    #[arg(long)]
+    pub no_prefill: bool,
+}
+
+/// What the server says about itself (all optional: servers differ).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ServerInfo {
+    /// Sequences it runs at once (llama.cpp's `total_slots`).
+    pub slots: Option<u32>,
+    /// Longest sequence one request may use (llama.cpp's per-slot `n_ctx`, vLLM's
+    /// `max_model_len`).
+    pub max_model_len: Option<u32>,
+    /// KV-cache capacity in tokens, over all sequences.
+    pub kv_capacity_tokens: Option<u32>,
+}
+
+/// One concurrency level of the sweep.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LevelResult {
+    /// Closed-loop workers.
+    pub concurrency: u32,
+    /// Requests that completed.
+    pub completed: u32,
+    /// Requests that failed (any status but 2xx, a cut stream, a timeout).
+    pub failed: u32,
+    /// Completed requests per second of the level's wall time.
+    pub rps: f64,
+    /// Output tokens per second.
+    pub tokens_per_s: f64,
+    /// Median time to first token, ms.
+    pub ttft_p50_ms: f64,
+    /// 90th percentile time to first token, ms.
+    pub ttft_p90_ms: f64,
+    /// Median gap between tokens, ms.
+    pub itl_p50_ms: f64,
+}
+
+/// TTFT of a prompt length at concurrency 1.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PrefillPoint {
+    /// Prompt tokens (simulated-engine units).
+    pub prompt_tokens: u32,
+    /// Median time to first token, ms.
+    pub ttft_p50_ms: f64,
+}
+
+/// Everything one calibration run measured.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Sweep {
+    /// The server measured.
+    pub target: String,
+    /// The model sent.
+    pub model: String,
+    /// Prompt tokens of the concurrency sweep.
+    pub prompt_tokens: u32,
+    /// Output tokens of every request.
+    pub output_tokens: u32,
+    /// What the server said about itself.
+    pub server: ServerInfo,
+    /// The concurrency sweep, in level order.
+    pub levels: Vec<LevelResult>,
+    /// The prefill series.
+    pub prefill: Vec<PrefillPoint>,
+}
+
+/// Runs `levee sim calibrate`.
+pub async fn run_cli(args: CalibrateArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        !args.levels.is_empty() && args.levels.iter().all(|&c| c >= 1),
+        "--levels must list concurrency levels >= 1, e.g. 1,2,4,8,16"
+    );
+    anyhow::ensure!(
+        args.level_secs.is_finite() && args.level_secs > 0.0,
+        "--level-secs must be > 0 (got {})",
+        args.level_secs
+    );
+    anyhow::ensure!(
+        args.output_tokens >= 2,
+        "--output-tokens must be at least 2 (inter-token latency needs two tokens)"
+    );
+    // Read a comparison sweep first: a bad path should fail before minutes of measuring.
+    let reference = match &args.compare {
+        Some(path) => Some(read_sweep(path)?),
+        None => None,
+    };
+    let sweep = measure(&args).await?;
+    print!("{}", sweep_table(&sweep));
+    if let Some(path) = &args.sweep_json {
+        let text = serde_json::to_string_pretty(&sweep).context("cannot encode the sweep")?;
+        std::fs::write(path, text)
+            .with_context(|| format!("cannot write the sweep to {}", path.display()))?;
+        println!("sweep: {}", path.display());
+    }
+    if let Some(path) = &args.out {
+        let profile = fit(&sweep, &args.name)?;
+        let text = profile_toml(&profile, &sweep)?;
+        std::fs::write(path, text)
+            .with_context(|| format!("cannot write the profile to {}", path.display()))?;
+        println!(
+            "profile {}: prefill {:.1} us/token, decode {:.2} ms + {:.2} ms/seq, {} seqs, \
+             {} KV tokens, max_model_len {}",
+            path.display(),
+            profile.gpu.prefill_us_per_token,
+            profile.gpu.decode_base_ms,
+            profile.gpu.decode_per_seq_ms,
+            profile.gpu.max_running_seqs,
+            profile.gpu.kv_capacity_tokens,
+            profile.gpu.max_model_len
+        );
+    }
+    if let Some(reference) = reference {
+        let verdict = compare(&reference, &sweep, args.tolerance);
+        print!("{}", verdict.table);
+        anyhow::ensure!(
+            verdict.pass,
+            "fidelity: req/s or p50 TTFT differ by more than {:.0}% at some level (see the table)",
+            args.tolerance * 100.0
+        );
+    }
+    Ok(())
+}
+
+fn read_sweep(path: &std::path::Path) -> anyhow::Result<Sweep> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("cannot read the sweep {}", path.display()))?;
+    serde_json::from_str(&text).with_context(|| {
+        format!(
+            "{} is not a sweep written by `levee sim calibrate --sweep-json`",
+            path.display()
+        )
+    })
+}
+
+/// Runs the prefill series and the concurrency sweep against `args.target`.
+pub async fn measure(args: &CalibrateArgs) -> anyhow::Result<Sweep> {
+    let client = http_client();
+    let base = args.target.trim_end_matches('/').to_string();
+    let model = match &args.model {
+        Some(m) => m.clone(),
+        None => first_model(&client, &base).await?,
+    };
+    let server = server_info(&client, &base).await;
+    let prompts = Arc::new(PromptMaker::new(args.seed));
+    let mut prefill = Vec::new();
+    if !args.no_prefill {
+        for &len in &args.prefill_lengths {
+            let mut ttfts = Vec::new();
+            for _ in 0..args.prefill_repeats.max(1) {
+                let body = prompts.body(&model, len, 2);
+                let one = one_request(&client, &base, body).await;
+                if let Some(t) = one.ttft_ms {
+                    ttfts.push(t);
+                }
+            }
+            anyhow::ensure!(
+                !ttfts.is_empty(),
+                "calibrate: every request of {len} prompt tokens to {base} failed; is the \
+                 server up and is the prompt within its context?"
+            );
+            prefill.push(PrefillPoint {
+                prompt_tokens: len,
+                ttft_p50_ms: quantile(&mut ttfts, 0.5),
+            });
+        }
+    }
+    let mut levels = Vec::new();
+    for &c in &args.levels {
+        levels.push(run_level(&client, &base, &model, &prompts, args, c).await);
+        let last = levels.last().map(|l| (l.completed, l.failed));
+        if let Some((0, failed)) = last {
+            anyhow::bail!(
+                "calibrate: no request completed at concurrency {c} ({failed} failed) against \
+                 {base}"
+            );
+        }
+    }
+    Ok(Sweep {
+        target: base,
+        model,
+        prompt_tokens: args.prompt_tokens,
+        output_tokens: args.output_tokens,
+        server,
+        levels,
+        prefill,
+    })
+}
+
+/// One request's timings.
+struct Timed {
+    ok: bool,
+    ttft_ms: Option<f64>,
+    itl_ms: Vec<f64>,
+    tokens: u32,
+}
+
+/// Longest wait for one request before it counts as failed.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(120);
+
+async fn one_request(client: &HttpClient, base: &str, body: String) -> Timed {
+    let failed = Timed {
+        ok: false,
+        ttft_ms: None,
+        itl_ms: Vec::new(),
+        tokens: 0,
+    };
+    let request = match http::Request::post(format!("{base}/v1/chat/completions"))
+        .header(http::header::CONTENT_TYPE, "application/json")
+        .body(Full::new(Bytes::from(body)))
+    {
+        Ok(r) => r,
+        Err(_) => return failed,
+    };
+    let start = Instant::now();
+    let admitted = AtomicBool::new(false);
+    let Ok(result) =
+        tokio::time::timeout(REQUEST_TIMEOUT, attempt(client, request, start, &admitted)).await
+    else {
+        return failed;
+    };
+    Timed {
+        ok: result.kind == Kind::Ok && result.first_token_ns.is_some(),
+        ttft_ms: result.first_token_ns.map(|ns| ns as f64 / 1e6),
+        itl_ms: result
+            .itl_us
+            .iter()
+            .map(|&us| f64::from(us) / 1e3)
+            .collect(),
+        tokens: result.tokens,
+    }
+}
+
+async fn run_level(
+    client: &HttpClient,
+    base: &str,
+    model: &str,
+    prompts: &Arc<PromptMaker>,
+    args: &CalibrateArgs,
+    concurrency: u32,
+) -> LevelResult {
+    let start = Instant::now();
+    let deadline = start + Duration::from_secs_f64(args.level_secs);
+    let budget = Arc::new(std::sync::atomic::AtomicU32::new(
+        args.max_requests_per_level,
+    ));
+    let mut workers = tokio::task::JoinSet::new();
+    for _ in 0..concurrency {
+        let client = client.clone();
+        let base = base.to_string();
+        let model = model.to_string();
+        let prompts = prompts.clone();
+        let budget = budget.clone();
+        let (prompt_tokens, output_tokens) = (args.prompt_tokens, args.output_tokens);
+        workers.spawn(async move {
+            let mut done = Vec::new();
+            while Instant::now() < deadline
+                && budget
+                    .fetch_update(
+                        std::sync::atomic::Ordering::Relaxed,
+                        std::sync::atomic::Ordering::Relaxed,
+                        |n| n.checked_sub(1),
+                    )
+                    .is_ok()
+            {
+                let body = prompts.body(&model, prompt_tokens, output_tokens);
+                done.push(one_request(&client, &base, body).await);
+            }
+            done
+        });
+    }
+    let mut all = Vec::new();
+    while let Some(joined) = workers.join_next().await {
+        // A worker cannot panic short of a bug; its requests are then simply missing.
+        if let Ok(done) = joined {
+            all.extend(done);
+        }
+    }
+    let wall = start.elapsed().as_secs_f64().max(1e-9);
+    summarize(concurrency, &all, wall)
+}
+
+fn summarize(concurrency: u32, all: &[Timed], wall_secs: f64) -> LevelResult {
+    let ok: Vec<&Timed> = all.iter().filter(|t| t.ok).collect();
+    let mut ttfts: Vec<f64> = ok.iter().filter_map(|t| t.ttft_ms).collect();
+    let mut itls: Vec<f64> = ok.iter().flat_map(|t| t.itl_ms.iter().copied()).collect();
+    let tokens: u64 = ok.iter().map(|t| u64::from(t.tokens)).sum();
+    let completed = u32::try_from(ok.len()).unwrap_or(u32::MAX);
+    LevelResult {
+        concurrency,
+        completed,
+        failed: u32::try_from(all.len() - ok.len()).unwrap_or(u32::MAX),
+        rps: f64::from(completed) / wall_secs,
+        tokens_per_s: tokens as f64 / wall_secs,
+        ttft_p50_ms: quantile(&mut ttfts, 0.5),
+        ttft_p90_ms: quantile(&mut ttfts, 0.9),
+        itl_p50_ms: quantile(&mut itls, 0.5),
+    }
+}
+
+/// The `q` quantile (nearest rank) of `values`; 0 when empty.
+fn quantile(values: &mut [f64], q: f64) -> f64 {
+    if values.is_empty() {
+        return 0.0;
+    }
+    values.sort_by(f64::total_cmp);
+    let rank = (q * values.len() as f64).ceil() as usize;
+    values[rank.clamp(1, values.len()) - 1]
+}
+
+/// Words the prompts are made of: common, so any tokenizer splits them into few tokens.
+const WORDS: &[&str] = &[
+    "river", "water", "stone", "bank", "field", "storm", "rain", "cloud", "wind", "town", "road",
+    "bridge", "light", "night", "morning", "summer", "winter", "green", "blue", "small", "large",
+    "quick", "slow", "old", "new", "house", "door", "window", "garden", "tree", "leaf", "bird",
+    "song", "story", "letter", "paper", "table", "chair", "market", "bread", "apple", "salt",
+    "ship", "harbor", "island", "mountain", "valley", "forest", "path", "fire", "iron", "gold",
+    "silver", "clock", "hour", "minute", "number", "question", "answer", "reason", "friend",
+    "family", "child", "teacher",
+];
+
+/// Makes unique prompts of a given length (simulated-engine tokens).
+struct PromptMaker {
+    rng: std::sync::Mutex<SmallRng>,
+    next_id: std::sync::atomic::AtomicU64,
+}
+
+impl PromptMaker {
+    fn new(seed: u64) -> Self {
+        Self {
+            rng: std::sync::Mutex::new(SmallRng::seed_from_u64(seed)),
+            next_id: std::sync::atomic::AtomicU64::new(0),
+        }
+    }
+
+    /// Text of exactly `chars` characters: a unique id, then random words.
+    fn text(&self, chars: usize) -> String {
+        let id = self
+            .next_id
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let mut out = format!("Request {id}: tell a story about");
+        let mut rng = match self.rng.lock() {
+            Ok(g) => g,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        while out.len() < chars {
+            out.push(' ');
+            out.push_str(WORDS[rng.gen_range(0..WORDS.len())]);
+        }
+        out.truncate(chars);
+        out
+    }
+
+    /// A streaming chat body whose prompt is `prompt_tokens` simulated-engine tokens.
+    fn body(&self, model: &str, prompt_tokens: u32, output_tokens: u32) -> String {
+        // One user message costs 2 + 4 + ceil(chars / 4) tokens.
+        let chars = 4 * prompt_tokens.saturating_sub(6).max(8) as usize;
+        let content = self.text(chars);
+        serde_json::json!({
+            "model": model,
+            "messages": [{"role": "user", "content": content}],
+            "max_tokens": output_tokens,
+            "ignore_eos": true,
+            "stream": true,
+            "stream_options": {"include_usage": true},
+        })
+        .to_string()
+    }
+}
+
+async fn get_text(client: &HttpClient, url: &str) -> Option<String> {
+    let uri: http::Uri = url.parse().ok()?;
+    let response = tokio::time::timeout(Duration::from_secs(10), client.get(uri))
+        .await
+        .ok()?
+        .ok()?;
+    if !response.status().is_success() {
+        return None;
+    }
+    let bytes = Limited::new(response.into_body(), 4 << 20)
+        .collect()
+        .await
+        .ok()?
+        .to_bytes();
+    String::from_utf8(bytes.to_vec()).ok()
+}
+
+async fn get_json(client: &HttpClient, url: &str) -> Option<serde_json::Value> {
+    serde_json::from_str(&get_text(client, url).await?).ok()
+}
+
+async fn first_model(client: &HttpClient, base: &str) -> anyhow::Result<String> {
+    let models = get_json(client, &format!("{base}/v1/models"))
+        .await
+        .with_context(|| {
+            format!("calibrate: cannot read {base}/v1/models; is the server up? (or give --model)")
+        })?;
+    models["data"][0]["id"]
+        .as_str()
+        .map(str::to_string)
+        .with_context(|| format!("calibrate: {base}/v1/models lists no model; give --model"))
+}
+
+fn as_u32(v: &serde_json::Value) -> Option<u32> {
+    v.as_u64().and_then(|n| u32::try_from(n).ok())
+}
+
+/// What the server says about its slots, context and KV cache: llama.cpp's `/props`, or
+/// vLLM's `max_model_len` and `vllm:cache_config_info`.
+async fn server_info(client: &HttpClient, base: &str) -> ServerInfo {
+    let mut info = ServerInfo::default();
+    if let Some(props) = get_json(client, &format!("{base}/props")).await {
+        info.slots = as_u32(&props["total_slots"]);
+        // llama.cpp reports the context of one slot here.
+        info.max_model_len = as_u32(&props["default_generation_settings"]["n_ctx"]);
+        if let (Some(slots), Some(ctx)) = (info.slots, info.max_model_len) {
+            info.kv_capacity_tokens = slots.checked_mul(ctx);
+        }
+    }
+    if info.max_model_len.is_none() {
+        if let Some(models) = get_json(client, &format!("{base}/v1/models")).await {
+            info.max_model_len = as_u32(&models["data"][0]["max_model_len"]);
+        }
+    }
+    if info.kv_capacity_tokens.is_none() {
+        if let Some(text) = get_text(client, &format!("{base}/metrics")).await {
+            info.kv_capacity_tokens = vllm_kv_capacity(&text);
+        }
+    }
+    info
+}
+
+/// `block_size × num_gpu_blocks` from vLLM's `vllm:cache_config_info` line.
+fn vllm_kv_capacity(metrics: &str) -> Option<u32> {
+    let line = metrics
+        .lines()
+        .find(|l| l.starts_with("vllm:cache_config_info{"))?;
+    let label = |name: &str| -> Option<u32> {
+        let start = line.find(&format!("{name}=\""))? + name.len() + 2;
+        let len = line[start..].find('"')?;
+        line[start..start + len].parse().ok()
+    };
+    label("block_size")?.checked_mul(label("num_gpu_blocks")?)
+}
+
+/// Least-squares line `y = a + b·x`; `None` with fewer than two distinct x.
+fn fit_line(points: &[(f64, f64)]) -> Option<(f64, f64)> {
+    let n = points.len() as f64;
+    if points.len() < 2 {
+        return None;
+    }
+    let mx = points.iter().map(|p| p.0).sum::<f64>() / n;
+    let my = points.iter().map(|p| p.1).sum::<f64>() / n;
+    let sxx: f64 = points.iter().map(|p| (p.0 - mx).powi(2)).sum();
+    if sxx <= 0.0 {
+        return None;
+    }
+    let sxy: f64 = points.iter().map(|p| (p.0 - mx) * (p.1 - my)).sum();
+    let b = sxy / sxx;
+    Some((my - b * mx, b))
+}
+
+/// The concurrency at which throughput stops growing: the lowest level within 10% of the
+/// best req/s.
+fn throughput_knee(levels: &[LevelResult]) -> Option<u32> {
+    let best = levels.iter().map(|l| l.rps).fold(0.0, f64::max);
+    levels
+        .iter()
+        .filter(|l| l.rps >= 0.9 * best)
+        .map(|l| l.concurrency)
+        .min()
+}
+
+/// Context length assumed when the server does not say.
+const DEFAULT_MAX_MODEL_LEN: u32 = 4096;
+
+/// Fits an engine profile to a sweep (see the module docs for how each field is found).
+pub fn fit(sweep: &Sweep, name: &str) -> anyhow::Result<EngineConfig> {
+    let slots = sweep
+        .server
+        .slots
+        .or_else(|| throughput_knee(&sweep.levels))
+        .context("calibrate: the sweep has no level to find the batch size from")?
+        .max(1);
+    // Decode: the median inter-token gap at each level that fits in the batch.
+    let decode: Vec<(f64, f64)> = sweep
+        .levels
+        .iter()
+        .filter(|l| l.concurrency <= slots && l.itl_p50_ms > 0.0)
+        .map(|l| (f64::from(l.concurrency), l.itl_p50_ms))
+        .collect();
+    let (decode_base_ms, decode_per_seq_ms) = match fit_line(&decode) {
+        Some((a, b)) if b >= 0.0 && a >= 0.0 => (a, b),
+        // A falling or negative line is noise: a flat step at the mean gap is the honest fit.
+        _ => {
+            let mean = decode.iter().map(|p| p.1).sum::<f64>() / decode.len().max(1) as f64;
+            (mean, 0.0)
+        }
+    };
+    // Prefill: TTFT at concurrency 1 grows with the prompt by the prefill cost.
+    let prefill: Vec<(f64, f64)> = sweep
+        .prefill
+        .iter()
+        .map(|p| (f64::from(p.prompt_tokens), p.ttft_p50_ms))
+        .collect();
+    let prefill_us_per_token = fit_line(&prefill)
+        .map(|(_, slope_ms)| (slope_ms * 1000.0).max(0.0))
+        .unwrap_or(0.0);
+    let max_model_len = sweep.server.max_model_len.unwrap_or(DEFAULT_MAX_MODEL_LEN);
+    let kv = sweep
+        .server
+        .kv_capacity_tokens
+        .unwrap_or_else(|| slots.saturating_mul(max_model_len));
+    let kv_capacity_tokens = (kv / KV_BLOCK_SIZE).max(1) * KV_BLOCK_SIZE;
+    let mut config = EngineConfig::small();
+    config.profile = name.to_string();
+    config.model = sweep.model.clone();
+    config.output_tokens_min = sweep.output_tokens;
+    config.output_tokens_max = sweep.output_tokens;
+    let g = &mut config.gpu;
+    g.prefill_us_per_token = round_to(prefill_us_per_token, 0.1);
+    g.decode_base_ms = round_to(decode_base_ms, 0.01);
+    g.decode_per_seq_ms = round_to(decode_per_seq_ms, 0.01);
+    g.max_running_seqs = slots;
+    g.kv_capacity_tokens = kv_capacity_tokens;
+    g.max_model_len = max_model_len.min(kv_capacity_tokens);
+    // A prompt is prefilled in the step that admits it, as llama.cpp does.
+    g.max_batched_prefill_tokens = g.max_model_len;
+    config.validate()?;
+    Ok(config)
+}
+
+fn round_to(v: f64, step: f64) -> f64 {
+    (v / step).round() * step
+}
+
+/// The profile as TOML, with a header saying where it came from.
+fn profile_toml(profile: &EngineConfig, sweep: &Sweep) -> anyhow::Result<String> {
+    let body = toml::to_string(profile).context("cannot encode the profile as TOML")?;
+    Ok(format!(
+        "# Engine profile fitted by `levee sim calibrate` against {} (model {}).\n\
+         # Load it with `levee engine --profile-file FILE`. Token counts are the simulated\n\
+         # engine's (ceil(chars / 4) per message), so the same request text takes the same time.\n\
+         {body}",
+        sweep.target, sweep.model
+    ))
+}
+
+/// The sweep as a text table.
+pub fn sweep_table(sweep: &Sweep) -> String {
+    let mut out = format!(
+        "calibrate {} (model {}, prompt {} tokens, output {} tokens)\n",
+        sweep.target, sweep.model, sweep.prompt_tokens, sweep.output_tokens
+    );
+    let s = &sweep.server;
+    out.push_str(&format!(
+        "server says: slots {}, max_model_len {}, KV tokens {}\n",
+        opt(s.slots),
+        opt(s.max_model_len),
+        opt(s.kv_capacity_tokens)
+    ));
+    if !sweep.prefill.is_empty() {
+        out.push_str("prefill (concurrency 1):");
+        for p in &sweep.prefill {
+            out.push_str(&format!(
+                "  {} tok → TTFT {:.1} ms",
+                p.prompt_tokens, p.ttft_p50_ms
+            ));
+        }
+        out.push('\n');
+    }
+    out.push_str(&format!(
+        "{:>5} {:>6} {:>6} {:>8} {:>9} {:>10} {:>10} {:>9}\n",
+        "conc", "ok", "failed", "req/s", "tok/s", "TTFT p50", "TTFT p90", "ITL p50"
+    ));
+    for l in &sweep.levels {
+        out.push_str(&format!(
+            "{:>5} {:>6} {:>6} {:>8.2} {:>9.1} {:>8.1}ms {:>8.1}ms {:>7.1}ms\n",
+            l.concurrency,
+            l.completed,
+            l.failed,
+            l.rps,
+            l.tokens_per_s,
+            l.ttft_p50_ms,
+            l.ttft_p90_ms,
+            l.itl_p50_ms
+        ));
+    }
+    out
+}
+
+fn opt(v: Option<u32>) -> String {
+    v.map_or_else(|| "?".into(), |v| v.to_string())
+}
+
+/// Two sweeps side by side, and whether they agree.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Verdict {
+    /// The side-by-side table.
+    pub table: String,
+    /// True when every level of the reference was measured in the candidate and its req/s
+    /// and p50 TTFT are within the tolerance.
+    pub pass: bool,
+}
+
+/// Relative difference of `candidate` from `reference`.
+fn rel_diff(reference: f64, candidate: f64) -> f64 {
+    if reference == 0.0 {
+        if candidate == 0.0 {
+            0.0
+        } else {
+            f64::INFINITY
+        }
+    } else {
+        (candidate - reference).abs() / reference.abs()
+    }
+}
+
+/// Compares a candidate sweep (say, the fitted simulated engine) with a reference (the
+/// real server) level by level: req/s and p50 TTFT must each be within `tolerance`.
+pub fn compare(reference: &Sweep, candidate: &Sweep, tolerance: f64) -> Verdict {
+    let mut table = format!(
+        "fidelity: reference {} vs candidate {} (tolerance {:.0}%)\n{:>5} {:>10} {:>10} {:>7} \
+         {:>12} {:>12} {:>7} {:>6}\n",
+        reference.target,
+        candidate.target,
+        tolerance * 100.0,
+        "conc",
+        "ref req/s",
+        "cand req/s",
+        "diff",
+        "ref TTFT",
+        "cand TTFT",
+        "diff",
+        "ok"
+    );
+    let mut pass = !reference.levels.is_empty();
+    for r in &reference.levels {
+        let Some(c) = candidate
+            .levels
+            .iter()
+            .find(|c| c.concurrency == r.concurrency)
+        else {
+            table.push_str(&format!(
+                "{:>5} not measured in the candidate\n",
+                r.concurrency
+            ));
+            pass = false;
+            continue;
+        };
+        let d_rps = rel_diff(r.rps, c.rps);
+        let d_ttft = rel_diff(r.ttft_p50_ms, c.ttft_p50_ms);
+        let ok = d_rps <= tolerance && d_ttft <= tolerance;
+        pass &= ok;
+        table.push_str(&format!(
+            "{:>5} {:>10.2} {:>10.2} {:>6.0}% {:>10.1}ms {:>10.1}ms {:>6.0}% {:>6}\n",
+            r.concurrency,
+            r.rps,
+            c.rps,
+            d_rps * 100.0,
+            r.ttft_p50_ms,
+            c.ttft_p50_ms,
+            d_ttft * 100.0,
+            if ok { "yes" } else { "NO" }
+        ));
+    }
+    table.push_str(if pass {
+        "fidelity: PASS\n"
+    } else {
+        "fidelity: FAIL\n"
+    });
+    Verdict { table, pass }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn level(concurrency: u32, rps: f64, ttft: f64, itl: f64) -> LevelResult {
+        LevelResult {
+            concurrency,
+            completed: 10,
+            failed: 0,
+            rps,
+            tokens_per_s: rps * 32.0,
+            ttft_p50_ms: ttft,
+            ttft_p90_ms: ttft,
+            itl_p50_ms: itl,
+        }
+    }
+
+    fn sweep(levels: Vec<LevelResult>, server: ServerInfo) -> Sweep {
+        Sweep {
+            target: "http://x".into(),
+            model: "m".into(),
+            prompt_tokens: 64,
+            output_tokens: 32,
+            server,
+            levels,
+            prefill: vec![
+                PrefillPoint {
+                    prompt_tokens: 100,
+                    ttft_p50_ms: 20.0 + 100.0 * 0.3,
+                },
+                PrefillPoint {
+                    prompt_tokens: 500,
+                    ttft_p50_ms: 20.0 + 500.0 * 0.3,
+                },
+            ],
+        }
+    }
+
+    #[test]
+    fn fit_recovers_the_step_model_from_exact_measurements() {
+        // ITL = 10 + 2·c ms up to 4 slots; beyond, the batch is full (ITL flat).
+        let levels = vec![
+            level(1, 2.0, 30.0, 12.0),
+            level(2, 3.5, 31.0, 14.0),
+            level(4, 5.5, 33.0, 18.0),
+            level(8, 5.6, 400.0, 18.0),
+        ];
+        let server = ServerInfo {
+            slots: Some(4),
+            max_model_len: Some(1000),
+            kv_capacity_tokens: Some(4000),
+        };
+        let c = fit(&sweep(levels.clone(), server), "t").unwrap();
+        assert_eq!(c.profile, "t");
+        assert_eq!(c.model, "m");
+        assert!((c.gpu.decode_base_ms - 10.0).abs() < 1e-6, "{:?}", c.gpu);
+        assert!((c.gpu.decode_per_seq_ms - 2.0).abs() < 1e-6, "{:?}", c.gpu);
+        assert!(
+            (c.gpu.prefill_us_per_token - 300.0).abs() < 1e-6,
+            "{:?}",
+            c.gpu
+        );
+        assert_eq!(c.gpu.max_running_seqs, 4);
+        // KV rounded down to whole blocks; the context kept.
+        assert_eq!(c.gpu.kv_capacity_tokens, 4000 / 16 * 16);
+        assert_eq!(c.gpu.max_model_len, 1000);
+        // The profile reads back through the engine's own loader.
+        let text = profile_toml(&c, &sweep(levels.clone(), ServerInfo::default())).unwrap();
+        assert_eq!(EngineConfig::from_toml_str(&text).unwrap(), c);
+
+        // Without /props the batch size is the throughput knee.
+        let c = fit(&sweep(levels, ServerInfo::default()), "t").unwrap();
+        assert_eq!(c.gpu.max_running_seqs, 4);
+        assert_eq!(c.gpu.max_model_len, DEFAULT_MAX_MODEL_LEN);
+    }
+
+    #[test]
+    fn a_noisy_falling_decode_line_fits_a_flat_step() {
+        let levels = vec![level(1, 2.0, 30.0, 15.0), level(2, 3.5, 31.0, 13.0)];
+        let server = ServerInfo {
+            slots: Some(2),
+            ..ServerInfo::default()
+        };
+        let c = fit(&sweep(levels, server), "t").unwrap();
+        assert_eq!(c.gpu.decode_per_seq_ms, 0.0);
+        assert!((c.gpu.decode_base_ms - 14.0).abs() < 1e-6);
+    }
+
+    #[test]
+    fn compare_fails_past_the_tolerance_and_on_missing_levels() {
+        let real = sweep(
+            vec![level(1, 2.0, 30.0, 12.0), level(4, 5.0, 100.0, 18.0)],
+            ServerInfo::default(),
+        );
+        let close = sweep(
+            vec![level(1, 2.2, 27.0, 12.0), level(4, 4.5, 115.0, 18.0)],
+            ServerInfo::default(),
+        );
+        let v = compare(&real, &close, 0.2);
+        assert!(v.pass, "{}", v.table);
+        // TTFT 25% off at one level.
+        let far = sweep(
+            vec![level(1, 2.2, 27.0, 12.0), level(4, 4.5, 125.0, 18.0)],
+            ServerInfo::default(),
+        );
+        let v = compare(&real, &far, 0.2);
+        assert!(!v.pass && v.table.contains("NO"), "{}", v.table);
+        // req/s 25% off.
+        let slow = sweep(
+            vec![level(1, 1.5, 30.0, 12.0), level(4, 5.0, 100.0, 18.0)],
+            ServerInfo::default(),
+        );
+        assert!(!compare(&real, &slow, 0.2).pass);
+        let missing = sweep(vec![level(1, 2.0, 30.0, 12.0)], ServerInfo::default());
+        let v = compare(&real, &missing, 0.2);
+        assert!(!v.pass && v.table.contains("not measured"), "{}", v.table);
+    }
+
+    #[test]
+    fn prompts_are_unique_and_sized_in_engine_tokens() {
+        let p = PromptMaker::new(1);
+        let a: serde_json::Value = serde_json::from_str(&p.body("m", 64, 8)).unwrap();
+        let b: serde_json::Value = serde_json::from_str(&p.body("m", 64, 8)).unwrap();
+        let (ta, tb) = (
+            a["messages"][0]["content"].as_str().unwrap(),
+            b["messages"][0]["content"].as_str().unwrap(),
+        );
+        assert_ne!(ta, tb);
+        assert_ne!(ta[..12], tb[..12], "the id comes first: no shared prefix");
+        let tokens = levee_engine::estimate_chat_prompt_tokens([ta]);
+        assert_eq!(tokens, 64);
+        assert_eq!(a["ignore_eos"], true);
+        assert_eq!(a["max_tokens"], 8);
+    }
+
+    #[test]
+    fn vllm_cache_config_gives_the_kv_capacity() {
+        let text = "# TYPE vllm:cache_config_info gauge\n\
+                    vllm:cache_config_info{block_size=\"16\",model_name=\"m\",num_gpu_blocks=\"100\"} 1\n";
+        assert_eq!(vllm_kv_capacity(text), Some(1600));
+        assert_eq!(vllm_kv_capacity("vllm:num_requests_running 0\n"), None);
+    }
+
+    #[test]
+    fn quantile_is_nearest_rank() {
+        let mut v = vec![5.0, 1.0, 4.0, 2.0, 3.0];
+        assert_eq!(quantile(&mut v, 0.5), 3.0);
+        assert_eq!(quantile(&mut v, 0.9), 5.0);
+        assert_eq!(quantile(&mut [], 0.5), 0.0);
+    }
+}
