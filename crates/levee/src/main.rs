@@ -34,7 +34,7 @@ enum Command {
     /// Run one simulated GPU inference server.
     Engine(levee_engine::EngineArgs),
     /// Flood a target with a scenario and write reports.
-    Sim(levee_sim::SimArgs),
+    Sim(Box<levee_sim::SimArgs>),
     /// Drain a running gateway and wait for its in-flight requests (a preStop hook).
     Drain(drain::DrainArgs),
     /// The whole story in one command: simulated engines, a flood, unprotected versus levee.
@@ -117,7 +117,7 @@ fn main() -> ExitCode {
         match cli.command {
             Command::Serve(args) => levee_gateway::serve_cli(args).await,
             Command::Engine(args) => levee_engine::run_cli(args).await,
-            Command::Sim(args) => levee_sim::run_cli(args).await,
+            Command::Sim(args) => levee_sim::run_cli(*args).await,
             Command::Drill(args) => drill::run_cli(args).await,
             Command::Drain(args) => drain::run_cli(args).await,
             Command::Config { .. } => Ok(()),
