@@ -3,7 +3,7 @@
 //! Each error knows where it came from ([`Origin`]: the client, the gateway itself, or an
 //! upstream backend), which HTTP status and OpenAI `code` it maps to, and — for refusals
 //! that a retry can cure — when to come back. [`GatewayError::into_response`] renders the
-//! OpenAI error JSON and the `Retry-After` / `x-ratelimit-*` headers from DESIGN.md.
+//! OpenAI error JSON and the `Retry-After` / `x-ratelimit-*` headers every refusal carries.
 
 use axum::response::{IntoResponse, Response};
 use http::{HeaderMap, HeaderName, HeaderValue, StatusCode};

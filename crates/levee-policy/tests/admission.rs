@@ -53,6 +53,22 @@ fn admission(slots: usize, kv: Option<u64>, lane_cfg: LaneConfig) -> Admission<u
     a
 }
 
+/// Like [`admission`], with `limits` for every tenant and a roomy lane.
+fn limited(limits: LimitSpec, slots: usize) -> Admission<u32, &'static str> {
+    let mut cfg = AdmissionConfig::new();
+    cfg.tenant_default = limits;
+    let mut a = Admission::new(cfg);
+    a.set_model(
+        "m",
+        ModelSpec {
+            limits: LimitSpec::UNLIMITED,
+            lane: lane(100, 200, 300),
+        },
+    );
+    a.set_backends(&"m", vec![backend("b0", slots, None)]);
+    a
+}
+
 fn ok() -> Completion {
     Completion {
         outcome: Outcome::Success,
@@ -206,22 +222,15 @@ fn a_learned_budget_and_the_engines_report_correct_the_count() {
 #[test]
 fn rate_refusals_say_when_and_charge_nothing() {
     let clock = ManualClock::starting_at(Timestamp::from_nanos(1));
-    let mut cfg = AdmissionConfig::new();
-    cfg.tenant_default = LimitSpec {
-        requests_per_minute: Some(60),
-        request_burst: Some(1),
-        tokens_per_minute: Some(1_000),
-        ..LimitSpec::UNLIMITED
-    };
-    let mut a: Admission<u32, &str> = Admission::new(cfg);
-    a.set_model(
-        "m",
-        ModelSpec {
-            limits: LimitSpec::UNLIMITED,
-            lane: lane(100, 200, 300),
+    let mut a = limited(
+        LimitSpec {
+            requests_per_minute: Some(60),
+            request_burst: Some(1),
+            tokens_per_minute: Some(1_000),
+            ..LimitSpec::UNLIMITED
         },
+        10,
     );
-    a.set_backends(&"m", vec![backend("b0", 10, None)]);
     // Too many tokens: refused, and the request charge was not taken.
     let r = refusal(a.admit(&req("a", 0, 1_500), 1, clock.now()));
     assert_eq!(r.reason, RefusalReason::TooLarge(Scope::Tenant));
@@ -235,22 +244,15 @@ fn rate_refusals_say_when_and_charge_nothing() {
 #[test]
 fn refusals_after_admission_give_request_and_token_charges_back() {
     let clock = ManualClock::starting_at(Timestamp::from_nanos(1));
-    let mut cfg = AdmissionConfig::new();
-    cfg.tenant_default = LimitSpec {
-        requests_per_minute: Some(2),
-        request_burst: Some(2),
-        tokens_per_minute: Some(1_000),
-        ..LimitSpec::UNLIMITED
-    };
-    let mut a: Admission<u32, &str> = Admission::new(cfg);
-    a.set_model(
-        "m",
-        ModelSpec {
-            limits: LimitSpec::UNLIMITED,
-            lane: lane(100, 200, 300),
+    let mut a = limited(
+        LimitSpec {
+            requests_per_minute: Some(2),
+            request_burst: Some(2),
+            tokens_per_minute: Some(1_000),
+            ..LimitSpec::UNLIMITED
         },
+        1,
     );
-    a.set_backends(&"m", vec![backend("b0", 1, None)]);
     let d = dispatched(a.admit(&req("a", 0, 400), 1, clock.now()));
     queued(a.admit(&req("a", 0, 400), 2, clock.now()));
     // Both request slots of the minute and 800 tokens are taken.
@@ -274,20 +276,13 @@ fn refusals_after_admission_give_request_and_token_charges_back() {
 #[test]
 fn token_debt_makes_an_overspending_tenant_wait() {
     let clock = ManualClock::starting_at(Timestamp::from_nanos(1));
-    let mut cfg = AdmissionConfig::new();
-    cfg.tenant_default = LimitSpec {
-        tokens_per_minute: Some(6_000),
-        ..LimitSpec::UNLIMITED
-    };
-    let mut a: Admission<u32, &str> = Admission::new(cfg);
-    a.set_model(
-        "m",
-        ModelSpec {
-            limits: LimitSpec::UNLIMITED,
-            lane: lane(100, 200, 300),
+    let mut a = limited(
+        LimitSpec {
+            tokens_per_minute: Some(6_000),
+            ..LimitSpec::UNLIMITED
         },
+        10,
     );
-    a.set_backends(&"m", vec![backend("b0", 10, None)]);
     // Declared 100 tokens, used 9,000: 3,000 past empty is carried as debt.
     let d = dispatched(a.admit(&req("a", 0, 100), 1, clock.now()));
     let done = Completion {
@@ -441,20 +436,13 @@ fn redispatch_moves_a_failed_request_to_another_backend() {
 #[test]
 fn cancel_refunds_and_frees_concurrency() {
     let clock = ManualClock::new();
-    let mut cfg = AdmissionConfig::new();
-    cfg.tenant_default = LimitSpec {
-        max_concurrent: Some(2),
-        ..LimitSpec::UNLIMITED
-    };
-    let mut a: Admission<u32, &str> = Admission::new(cfg);
-    a.set_model(
-        "m",
-        ModelSpec {
-            limits: LimitSpec::UNLIMITED,
-            lane: lane(100, 200, 300),
+    let mut a = limited(
+        LimitSpec {
+            max_concurrent: Some(2),
+            ..LimitSpec::UNLIMITED
         },
+        1,
     );
-    a.set_backends(&"m", vec![backend("b0", 1, None)]);
     let d = dispatched(a.admit(&req("a", 0, 10), 1, clock.now()));
     let t = queued(a.admit(&req("a", 0, 10), 2, clock.now()));
     assert_eq!(
