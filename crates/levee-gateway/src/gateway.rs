@@ -4,7 +4,7 @@
 //! (its backends' I/O side and its dispatcher task), degradation and drain state, metrics.
 
 use crate::clock::TokioClock;
-use crate::config::{BackendConfig, Config, ModelConfig, TenantConfig, TierConfig};
+use crate::config::{Config, ModelConfig, TenantConfig, TierConfig};
 use crate::degrade::Degrader;
 use crate::lane::{Lane, Waiter};
 use crate::metrics::{BackendLabel, Metrics};
@@ -153,7 +153,12 @@ impl Runtime {
         for (i, m) in cfg.models.iter().enumerate() {
             let reuse = prev
                 .and_then(|p| p.models.get(&m.name))
-                .filter(|o| o.cfg == *m && p_default(prev) == cfg.server.default_max_tokens)
+                .filter(|o| {
+                    o.cfg == *m
+                        && o.default_max_tokens
+                            == m.default_max_tokens
+                                .unwrap_or(cfg.server.default_max_tokens)
+                })
                 .cloned();
             let model = match reuse {
                 Some(m) => m,
@@ -266,10 +271,6 @@ impl Runtime {
         lane.breaker = self.cfg.breaker.to_policy();
         lane
     }
-}
-
-fn p_default(prev: Option<&Runtime>) -> u32 {
-    prev.map(|p| p.cfg.server.default_max_tokens).unwrap_or(0)
 }
 
 /// The shared gateway.
@@ -799,16 +800,5 @@ impl Gateway {
             "tenants": tenants,
             "models": lanes,
         })
-    }
-}
-
-impl BackendConfig {
-    /// The request cap and KV budget this config gives (learned figures may lower the cap
-    /// or fill in the budget).
-    pub fn configured_limits(&self) -> BackendLimits {
-        BackendLimits {
-            max_in_flight: usize::try_from(self.max_in_flight).unwrap_or(usize::MAX),
-            kv_tokens: self.max_kv_tokens,
-        }
     }
 }

@@ -385,15 +385,9 @@ impl Drop for QueueGuard<'_> {
             .admission
             .lock()
             .cancel(&self.lane.model, self.ticket, now);
+        // Counted as abandonment by the request's own phase (`levee_tenant_abandoned_total`).
         if let Some(w) = item {
             self.lane.left_queue(self.gw, &w.tier);
-            self.gw
-                .metrics
-                .abandoned
-                .get_or_create(&TierLabel {
-                    tier: w.tier.to_string(),
-                })
-                .inc();
         }
         // A cancel changes who may go next (fair shares, the head of the queue).
         self.lane.wake();

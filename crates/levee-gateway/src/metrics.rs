@@ -144,8 +144,6 @@ pub struct Metrics {
     pub backend_tokens_in_flight: Family<BackendLabel, Gauge>,
     /// `levee_backend_kv_budget_tokens{backend}`: its KV budget (configured or learned).
     pub backend_kv_budget: Family<BackendLabel, Gauge>,
-    /// `levee_abandoned_total{tier}`: clients that left while queued.
-    pub abandoned: Family<TierLabel, Counter>,
     /// `levee_prompt_estimate_ratio{model}`: prompt estimate ÷ the backend's count.
     pub estimate_ratio: Family<ModelLabel, Histogram>,
     /// `levee_backend_load{backend}`: last scraped running + waiting.
@@ -287,12 +285,6 @@ impl Metrics {
             "KV-cache budget of each backend in tokens (configured or learned from the engine)",
             backend_kv_budget.clone(),
         );
-        let abandoned = Family::<TierLabel, Counter>::default();
-        registry.register(
-            "abandoned",
-            "Clients that went away while their request was queued",
-            abandoned.clone(),
-        );
         let estimate_ratio = Family::<ModelLabel, Histogram>::new_with_constructor(|| {
             Histogram::new([0.5, 0.75, 0.9, 0.95, 1.0, 1.05, 1.1, 1.25, 1.5, 2.0, 4.0])
         });
@@ -429,7 +421,6 @@ impl Metrics {
             request_duration,
             request_ttft,
             request_queue,
-            abandoned,
             breaker_trips,
             breaker_open_seconds,
             degrade_changes,

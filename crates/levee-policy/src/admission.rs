@@ -992,19 +992,7 @@ impl<T, K: Hash + Eq + Ord + Clone> Admission<T, K> {
         }
         let retry = capacity_retry(&m.lane, &self.cfg.retry, 1)
             .unwrap_or(RetryAfter::from_duration(self.cfg.retry.min));
-        let mut out = Vec::with_capacity(entries.len());
-        for e in entries {
-            let Pending { item, grant } = e.item;
-            self.refund(grant, now);
-            out.push(Expired {
-                item,
-                tier: e.tier,
-                waited: now.saturating_duration_since(e.enqueued_at),
-                reason: RefusalReason::QueueTimeout,
-                retry_after: retry,
-            });
-        }
-        out
+        self.refund_all(entries, RefusalReason::QueueTimeout, retry, now)
     }
 
     /// When `model`'s lane cannot serve anything (no healthy backend, every breaker open),
@@ -1020,6 +1008,18 @@ impl<T, K: Hash + Eq + Ord + Clone> Admission<T, K> {
         let mut entries = Vec::new();
         m.lane.drain_into(&mut entries);
         let wait = wait.unwrap_or(self.cfg.retry.min.max(Duration::from_secs(1)));
+        let retry = RetryAfter::from_duration(wait);
+        self.refund_all(entries, RefusalReason::Unservable(u), retry, now)
+    }
+
+    /// Refunds every entry taken out of a queue unserved, to be answered with `reason`.
+    fn refund_all(
+        &mut self,
+        entries: Vec<Entry<Pending<T, K>, K>>,
+        reason: RefusalReason,
+        retry_after: RetryAfter,
+        now: Timestamp,
+    ) -> Vec<Expired<T>> {
         let mut out = Vec::with_capacity(entries.len());
         for e in entries {
             let Pending { item, grant } = e.item;
@@ -1028,8 +1028,8 @@ impl<T, K: Hash + Eq + Ord + Clone> Admission<T, K> {
                 item,
                 tier: e.tier,
                 waited: now.saturating_duration_since(e.enqueued_at),
-                reason: RefusalReason::Unservable(u),
-                retry_after: RetryAfter::from_duration(wait),
+                reason,
+                retry_after,
             });
         }
         out
