@@ -60,6 +60,21 @@ pub struct DrillArgs {
     /// Exit with status 1 when a target is missed.
     #[arg(long)]
     pub strict: bool,
+    /// Flood these running servers instead of simulated engines (repeat once per server),
+    /// e.g. the llama-servers `bench/real-backend.sh` starts. They are not restarted between
+    /// runs: each run waits until they are healthy and idle, and a server that is not
+    /// healthy after a run counts as crashed. Needs `--backend-profile`.
+    #[arg(long = "backend", value_name = "URL", requires = "backend_profile")]
+    pub backends: Vec<String>,
+    /// An engine profile describing each `--backend` server (as `levee sim calibrate`
+    /// writes): it places the capacity sweep's first steps and caps the capped baseline at
+    /// the server's sequences (`max_running_seqs`).
+    #[arg(long, value_name = "FILE", requires = "backends")]
+    pub backend_profile: Option<PathBuf>,
+    /// Goodput target of the flood, as a share of the knee (0.95 for simulated engines; the
+    /// design's target for a real engine is 0.90).
+    #[arg(long, default_value_t = verdicts::GOODPUT_TARGET)]
+    pub goodput_target: f64,
 }
 
 /// The gateway configuration shipped for the drill's fleet; its comments give the formula
@@ -127,8 +142,12 @@ fn capped_limits(engine: &EngineConfig, engines: usize) -> Cap {
     }
 }
 
-struct Fleet {
-    engines: Vec<EngineHandle>,
+/// The servers a run floods.
+enum Fleet {
+    /// Simulated engines, started fresh for each run.
+    Simulated(Vec<EngineHandle>),
+    /// Servers someone else runs (`--backend`): the same ones in every run.
+    External(Vec<String>),
 }
 
 /// What a fleet went through in one run.
@@ -141,38 +160,46 @@ struct FleetStats {
 }
 
 impl Fleet {
-    async fn start(n: usize, config: &EngineConfig) -> anyhow::Result<Self> {
-        let mut engines = Vec::with_capacity(n);
-        for i in 0..n {
+    /// Fresh simulated engines, or the external servers once they are healthy and idle.
+    async fn start(setup: &Setup<'_>) -> anyhow::Result<Self> {
+        if !setup.backends.is_empty() {
+            wait_ready(&setup.backends).await?;
+            return Ok(Self::External(setup.backends.clone()));
+        }
+        let mut engines = Vec::with_capacity(setup.engines);
+        for i in 0..setup.engines {
             let bind = "127.0.0.1:0".parse().context("loopback address")?;
-            let e = levee_engine::spawn(config.clone(), bind)
+            let e = levee_engine::spawn(setup.engine.clone(), bind)
                 .await
                 .with_context(|| format!("starting drill engine {i}"))?;
             engines.push(e);
         }
-        Ok(Self { engines })
+        Ok(Self::Simulated(engines))
     }
 
     fn urls(&self) -> Vec<String> {
-        self.engines.iter().map(|e| e.base_url()).collect()
+        match self {
+            Self::Simulated(engines) => engines.iter().map(|e| e.base_url()).collect(),
+            Self::External(urls) => urls.clone(),
+        }
     }
 
-    fn stats(&self) -> FleetStats {
-        let mut s = FleetStats::default();
-        for e in &self.engines {
-            s.crashes += e.stats().crashes;
-            s.injected_crashes += e.injected_crashes();
-            s.sent_to_down += e.refused_while_down();
+    /// Crashes so far, per simulated engine (external servers are checked at the end).
+    fn crash_counts(&self) -> Vec<u64> {
+        match self {
+            Self::Simulated(engines) => engines.iter().map(|e| e.stats().crashes).collect(),
+            Self::External(_) => Vec::new(),
         }
-        s
     }
 
     fn target(&self, base_url: String) -> Target {
         let mut t = Target::new(base_url);
-        for (i, e) in self.engines.iter().enumerate() {
+        for (i, url) in self.urls().iter().enumerate() {
             t.metrics
-                .push((format!("engine{i}"), format!("{}/metrics", e.base_url())));
-            t.engine_admin.push(e.base_url());
+                .push((format!("engine{i}"), format!("{url}/metrics")));
+            if let Self::Simulated(_) = self {
+                t.engine_admin.push(url.clone());
+            }
         }
         t
     }
@@ -188,15 +215,14 @@ impl Fleet {
         let start = std::time::Instant::now();
         let run = levee_sim::run(scenario, target, opts);
         tokio::pin!(run);
-        let mut seen: Vec<u64> = self.engines.iter().map(|e| e.stats().crashes).collect();
+        let mut seen = self.crash_counts();
         let mut markers = Vec::new();
         let mut tick = tokio::time::interval(Duration::from_millis(100));
         let report = loop {
             tokio::select! {
                 r = &mut run => break r?,
                 _ = tick.tick() => {
-                    for (i, e) in self.engines.iter().enumerate() {
-                        let c = e.stats().crashes;
+                    for (i, c) in self.crash_counts().into_iter().enumerate() {
                         if c > seen[i] {
                             seen[i] = c;
                             markers.push(Marker {
@@ -212,13 +238,92 @@ impl Fleet {
         Ok((report, markers))
     }
 
-    async fn stop(self) {
-        for e in self.engines {
-            if let Err(err) = e.shutdown().await {
-                tracing::warn!("stopping a drill engine: {err:#}");
+    /// Ends a run: stops simulated engines, checks external servers' health, and says
+    /// what the fleet went through. An external server that does not answer `/health`
+    /// with 200 after the run counts as one crash.
+    async fn stop(self) -> FleetStats {
+        let mut s = FleetStats::default();
+        match self {
+            Self::Simulated(engines) => {
+                for e in engines {
+                    s.crashes += e.stats().crashes;
+                    s.injected_crashes += e.injected_crashes();
+                    s.sent_to_down += e.refused_while_down();
+                    if let Err(err) = e.shutdown().await {
+                        tracing::warn!("stopping a drill engine: {err:#}");
+                    }
+                }
+            }
+            Self::External(urls) => {
+                let client = reqwest::Client::new();
+                for url in &urls {
+                    if !healthy(&client, url).await {
+                        tracing::warn!("{url} is not healthy after the run: counted as a crash");
+                        s.crashes += 1;
+                    }
+                }
             }
         }
+        s
     }
+}
+
+/// Whether a server answers `GET /health` with 200 within 5 s.
+async fn healthy(client: &reqwest::Client, url: &str) -> bool {
+    let answer = client
+        .get(format!("{url}/health"))
+        .timeout(Duration::from_secs(5))
+        .send()
+        .await;
+    answer.is_ok_and(|r| r.status().is_success())
+}
+
+/// Sequences an external server is running or holding back, from its Prometheus metrics
+/// (llama.cpp's or vLLM's names); `None` when it exports neither.
+async fn busy_sequences(client: &reqwest::Client, url: &str) -> Option<f64> {
+    let text = client
+        .get(format!("{url}/metrics"))
+        .timeout(Duration::from_secs(5))
+        .send()
+        .await
+        .ok()?
+        .text()
+        .await
+        .ok()?;
+    let kinds = [
+        levee_gateway::config::BackendKind::Llamacpp,
+        levee_gateway::config::BackendKind::Vllm,
+    ];
+    kinds.into_iter().find_map(|kind| {
+        levee_gateway::upstream::parse_load(kind, &text).map(|l| l.running + l.waiting)
+    })
+}
+
+/// Longest wait for external servers to become healthy and idle before a run.
+const READY_TIMEOUT: Duration = Duration::from_secs(180);
+
+/// Waits until every external server is healthy and runs nothing (the previous run's
+/// abandoned requests finished), so that every run starts from the same state.
+async fn wait_ready(urls: &[String]) -> anyhow::Result<()> {
+    let client = reqwest::Client::new();
+    let deadline = tokio::time::Instant::now() + READY_TIMEOUT;
+    for url in urls {
+        loop {
+            let idle = healthy(&client, url).await
+                && busy_sequences(&client, url).await.is_none_or(|n| n == 0.0);
+            if idle {
+                break;
+            }
+            anyhow::ensure!(
+                tokio::time::Instant::now() < deadline,
+                "backend {url} is not healthy and idle after {} s (GET {url}/health and its \
+                 /metrics); is it running?",
+                READY_TIMEOUT.as_secs()
+            );
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+    }
+    Ok(())
 }
 
 /// The three contenders.
@@ -259,6 +364,8 @@ struct Outcome {
 /// Everything a run needs besides the scenario.
 struct Setup<'a> {
     engines: usize,
+    /// External servers (`--backend`); empty for simulated engines.
+    backends: Vec<String>,
     engine: EngineConfig,
     gateway_text: &'a str,
     opts: RunOptions,
@@ -269,7 +376,7 @@ async fn run_contender(
     scenario: &Scenario,
     setup: &Setup<'_>,
 ) -> anyhow::Result<Outcome> {
-    let fleet = Fleet::start(setup.engines, &setup.engine).await?;
+    let fleet = Fleet::start(setup).await?;
     let result = match who {
         Contender::Unprotected | Contender::Capped => {
             let proxy = if who == Contender::Capped {
@@ -297,8 +404,7 @@ async fn run_contender(
             r
         }
     };
-    let stats = fleet.stats();
-    fleet.stop().await;
+    let stats = fleet.stop().await;
     let (report, crash_markers) = result?;
     Ok(Outcome {
         report,
@@ -459,13 +565,12 @@ async fn sweep_step(
     window: &[u32],
 ) -> anyhow::Result<SweepStep> {
     let s = sweep_scenario(scenario, rps, timing.step_s);
-    let fleet = Fleet::start(setup.engines, &setup.engine).await?;
+    let fleet = Fleet::start(setup).await?;
     let proxy = Passthrough::start(fleet.urls()).await?;
     let target = fleet.target(proxy.base_url());
     let run = fleet.run(&s, &target, opts).await;
     proxy.shutdown().await;
-    let crashed = fleet.stats().crashes > 0;
-    fleet.stop().await;
+    let crashed = fleet.stop().await.crashes > 0;
     let (report, _) = run?;
     Ok(SweepStep {
         offered_rps: rps,
@@ -624,6 +729,17 @@ struct VerdictRow {
 /// Runs `levee drill`.
 pub async fn run_cli(args: DrillArgs) -> anyhow::Result<()> {
     anyhow::ensure!(args.engines >= 1, "--engines must be at least 1");
+    anyhow::ensure!(
+        args.goodput_target > 0.0 && args.goodput_target <= 1.0,
+        "--goodput-target must be in (0, 1], e.g. 0.9 (got {})",
+        args.goodput_target
+    );
+    let external = !args.backends.is_empty();
+    let engines = if external {
+        args.backends.len()
+    } else {
+        args.engines
+    };
     let started = std::time::Instant::now();
     let timing = if args.quick { QUICK } else { FULL };
     let mut scenario = levee_sim::load_scenario(&args.scenario)?;
@@ -636,7 +752,13 @@ pub async fn run_cli(args: DrillArgs) -> anyhow::Result<()> {
             .with_context(|| format!("cannot read the gateway configuration {}", path.display()))?,
         None => SHIPPED_GATEWAY_CONFIG.to_string(),
     };
-    let placeholder: Vec<String> = (0..args.engines)
+    anyhow::ensure!(
+        !external || scenario.faults.is_empty(),
+        "scenario {:?} injects faults, which need simulated engines; --backend servers \
+         cannot take them",
+        scenario.name
+    );
+    let placeholder: Vec<String> = (0..engines)
         .map(|i| format!("http://127.0.0.1:{}", 1 + i))
         .collect();
     // Fail before any run if the configuration does not fit the scenario.
@@ -646,10 +768,21 @@ pub async fn run_cli(args: DrillArgs) -> anyhow::Result<()> {
     let gw_copy = args.out.join("gateway.toml");
     std::fs::write(&gw_copy, &gateway_text)
         .with_context(|| format!("cannot write {}", gw_copy.display()))?;
-    let mut engine = drill_engine_config();
+    let mut engine = match &args.backend_profile {
+        Some(path) => {
+            let mut profile = EngineConfig::from_toml_file(path)?;
+            // A real server's answers end at EOS or max_tokens; the profile's natural length
+            // is the calibration's. The capacity guess assumes max_tokens.
+            profile.output_tokens_min = u32::MAX;
+            profile.output_tokens_max = u32::MAX;
+            profile
+        }
+        None => drill_engine_config(),
+    };
     engine.gpu.restart_secs *= timing.time_scale;
     let setup = Setup {
-        engines: args.engines,
+        engines,
+        backends: args.backends.clone(),
         engine: engine.clone(),
         gateway_text: &gateway_text,
         opts: RunOptions {
@@ -665,19 +798,34 @@ pub async fn run_cli(args: DrillArgs) -> anyhow::Result<()> {
         .map(|t| t.name.clone())
         .collect();
     let total_steps = 4 + if flooders.is_empty() { 0 } else { 2 };
+    let fleet_words = if external {
+        format!(
+            "{engines} running servers ({}; profile {:?}: {} sequences each)",
+            args.backends.join(", "),
+            engine.profile,
+            engine.gpu.max_running_seqs
+        )
+    } else {
+        format!(
+            "{engines} simulated engines ({} KV tokens, {} sequences each, crash on KV \
+             overflow)",
+            engine.gpu.kv_capacity_tokens, engine.gpu.max_running_seqs
+        )
+    };
     eprintln!(
-        "levee drill{}: scenario {:?}, {} simulated engines ({} KV tokens, {} sequences each, \
-         crash on KV overflow); logs in {}",
+        "levee drill{}: scenario {:?}, {fleet_words}; logs in {}",
         if args.quick { " --quick" } else { "" },
         scenario.name,
-        args.engines,
-        engine.gpu.kv_capacity_tokens,
-        engine.gpu.max_running_seqs,
         args.out.join("drill.log").display(),
     );
 
     eprintln!(
-        "[1/{total_steps}] capacity without levee: open-loop steps straight at fresh engines"
+        "[1/{total_steps}] capacity without levee: open-loop steps straight at {}",
+        if external {
+            "the servers"
+        } else {
+            "fresh engines"
+        },
     );
     let sweep = measure_knee(&scenario, &setup, &timing).await?;
     scenario.capacity_rps = sweep.knee_rps;
@@ -737,11 +885,13 @@ pub async fn run_cli(args: DrillArgs) -> anyhow::Result<()> {
                 .collect()
         })
     };
-    if let Some(checks) = per(&|o| verdicts::goodput(&o.report, &window, sweep.knee_rps)) {
+    if let Some(checks) =
+        per(&|o| verdicts::goodput(&o.report, &window, sweep.knee_rps, args.goodput_target))
+    {
         rows.push(VerdictRow {
             target: format!(
                 "goodput in the flood ≥ {:.0}% of the knee ({:.1} req/s, {} s window)",
-                verdicts::GOODPUT_TARGET * 100.0,
+                args.goodput_target * 100.0,
                 sweep.knee_rps,
                 window.len()
             ),
@@ -800,7 +950,12 @@ pub async fn run_cli(args: DrillArgs) -> anyhow::Result<()> {
 
     let table = side_by_side(&scenario, &sweep, &outcomes);
     let verdict_text = render_verdicts(&rows);
-    let sweep_text = render_sweep(&sweep, &timing);
+    let sweep_at = if external {
+        "the running servers (a plain round-robin proxy)"
+    } else {
+        "fresh engines"
+    };
+    let sweep_text = render_sweep(&sweep, &timing, sweep_at);
     println!("{sweep_text}\n{table}\n{verdict_text}");
 
     // Files.
@@ -865,9 +1020,13 @@ pub async fn run_cli(args: DrillArgs) -> anyhow::Result<()> {
     let summary = serde_json::json!({
         "scenario": scenario.name,
         "quick": args.quick,
-        "engines": args.engines,
+        "engines": engines,
+        "backends": args.backends,
+        "goodput_target": args.goodput_target,
         "capacity": {
-            "method": "open-loop steps straight at fresh engines (plain round-robin proxy), \
+            "method": "open-loop steps straight at the fleet (fresh simulated engines per \
+                       step, or the --backend servers once idle) through a plain round-robin \
+                       proxy, \
                        the scenario's mix without retries; goodput = requests meeting the SLO \
                        per second after the warm-up; crashed steps do not count",
             "knee_rps": sweep.knee_rps,
@@ -979,10 +1138,11 @@ fn quiet_groups(scenario: &Scenario) -> Vec<QuietGroup> {
         .collect()
 }
 
-fn render_sweep(sweep: &Sweep, timing: &Timing) -> String {
+/// The sweep as text; `at` says what the steps went straight at.
+fn render_sweep(sweep: &Sweep, timing: &Timing, at: &str) -> String {
     let mut s = format!(
-        "capacity without levee: open-loop steps of {:.0} s straight at fresh engines, the \
-         scenario's mix, no retries; goodput = requests within the SLO per second after {:.0} s\n",
+        "capacity without levee: open-loop steps of {:.0} s straight at {at}, the scenario's \
+         mix, no retries; goodput = requests within the SLO per second after {:.0} s\n",
         timing.step_s, timing.step_warm_s
     );
     for st in &sweep.steps {
@@ -992,7 +1152,7 @@ fn render_sweep(sweep: &Sweep, timing: &Timing) -> String {
             st.offered_rps,
             st.goodput_rps,
             if st.crashed {
-                "  (engine crashed: not counted)"
+                "  (a server crashed: not counted)"
             } else {
                 ""
             }
