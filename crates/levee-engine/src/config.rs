@@ -44,6 +44,16 @@ pub struct GpuParams {
     pub decode_base_ms: f64,
     /// Extra decode-step cost per running sequence, in simulated milliseconds.
     pub decode_per_seq_ms: f64,
+    /// Measured decode-step cost by batch size, in simulated milliseconds: entry `i` is a
+    /// step over `i + 1` sequences; past the last entry the cost grows by
+    /// `decode_per_seq_ms` per sequence. Empty (the default): `decode_base_ms +
+    /// decode_per_seq_ms × batch`. For engines whose step cost is not a line in the batch,
+    /// such as llama.cpp on a CPU (`levee sim calibrate` fills it).
+    pub decode_ms_by_batch: Vec<f64>,
+    /// Fixed extra cost of a step that prefills any prompt, in simulated milliseconds: what
+    /// a new request costs beyond its tokens (llama.cpp on a CPU: the chat template,
+    /// tokenizing, a prompt batch's setup). Default 0.
+    pub prefill_base_ms: f64,
     /// What happens when KV demand passes capacity.
     pub overload: OverloadMode,
     /// How long a crashed engine stays down, in simulated seconds.
@@ -54,6 +64,16 @@ impl GpuParams {
     /// KV-cache blocks of [`KV_BLOCK_SIZE`] tokens (vLLM's `num_gpu_blocks`).
     pub fn kv_blocks(&self) -> u32 {
         self.kv_capacity_tokens / KV_BLOCK_SIZE
+    }
+
+    /// Cost of one decode step over `batch` sequences, in simulated milliseconds.
+    pub fn decode_ms(&self, batch: usize) -> f64 {
+        let table = &self.decode_ms_by_batch;
+        match (table.get(batch.saturating_sub(1)), table.last()) {
+            (Some(&ms), _) => ms,
+            (None, Some(&last)) => last + self.decode_per_seq_ms * (batch - table.len()) as f64,
+            (None, None) => self.decode_base_ms + self.decode_per_seq_ms * batch as f64,
+        }
     }
 }
 
@@ -111,6 +131,8 @@ impl EngineConfig {
                 prefill_us_per_token: 150.0,
                 decode_base_ms: 20.0,
                 decode_per_seq_ms: 0.5,
+                decode_ms_by_batch: Vec::new(),
+                prefill_base_ms: 0.0,
                 overload: OverloadMode::Preempt,
                 restart_secs: 30.0,
             },
@@ -134,6 +156,8 @@ impl EngineConfig {
                 prefill_us_per_token: 50.0,
                 decode_base_ms: 12.0,
                 decode_per_seq_ms: 0.1,
+                decode_ms_by_batch: Vec::new(),
+                prefill_base_ms: 0.0,
                 overload: OverloadMode::Preempt,
                 restart_secs: 60.0,
             },
@@ -157,6 +181,8 @@ impl EngineConfig {
                 prefill_us_per_token: 100.0,
                 decode_base_ms: 10.0,
                 decode_per_seq_ms: 1.0,
+                decode_ms_by_batch: Vec::new(),
+                prefill_base_ms: 0.0,
                 overload: OverloadMode::Preempt,
                 restart_secs: 5.0,
             },
@@ -181,6 +207,8 @@ impl EngineConfig {
                 prefill_us_per_token: 0.0,
                 decode_base_ms: 0.0,
                 decode_per_seq_ms: 0.0,
+                decode_ms_by_batch: Vec::new(),
+                prefill_base_ms: 0.0,
                 overload: OverloadMode::Preempt,
                 restart_secs: 0.0,
             },
@@ -230,6 +258,10 @@ impl EngineConfig {
         finite_non_negative("gpu.prefill_us_per_token", g.prefill_us_per_token)?;
         finite_non_negative("gpu.decode_base_ms", g.decode_base_ms)?;
         finite_non_negative("gpu.decode_per_seq_ms", g.decode_per_seq_ms)?;
+        finite_non_negative("gpu.prefill_base_ms", g.prefill_base_ms)?;
+        for (i, &ms) in g.decode_ms_by_batch.iter().enumerate() {
+            finite_non_negative(&format!("gpu.decode_ms_by_batch[{i}]"), ms)?;
+        }
         finite_non_negative("gpu.restart_secs", g.restart_secs)?;
         anyhow::ensure!(
             self.time_scale.is_finite() && self.time_scale > 0.0,

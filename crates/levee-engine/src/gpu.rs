@@ -15,7 +15,9 @@
 //!    the cache *now*, not at how far the sequences will grow: that optimism is what makes a
 //!    flood overflow the cache later. No admission happens in a step that preempted.
 //! 3. The step lasts `prefill_us_per_token * prefilled_tokens + decode_base_ms +
-//!    decode_per_seq_ms * batch` of simulated time ([`GpuModel::begin_step`]); at its end
+//!    decode_per_seq_ms * batch` of simulated time (or the measured cost of that batch,
+//!    `decode_ms_by_batch`, plus `prefill_base_ms` when the step prefills a prompt:
+//!    [`GpuModel::begin_step`]); at its end
 //!    ([`GpuModel::end_step`]) every sequence still running emits one token, and those that
 //!    reached their length finish and free their KV.
 //!
@@ -397,10 +399,13 @@ impl GpuModel {
             return None;
         }
         // 3. Duration: prefill of the admitted tokens plus one decode over the batch.
+        let prefill_base_ms = if prefill_tokens > 0 {
+            self.params.prefill_base_ms
+        } else {
+            0.0
+        };
         let secs = prefill_tokens as f64 * self.params.prefill_us_per_token * 1e-6
-            + (self.params.decode_base_ms
-                + self.params.decode_per_seq_ms * self.running.len() as f64)
-                * 1e-3;
+            + (prefill_base_ms + self.params.decode_ms(self.running.len())) * 1e-3;
         let duration = Duration::from_secs_f64(secs.max(0.0));
         self.in_step = true;
         self.steps += 1;
@@ -495,6 +500,8 @@ mod tests {
             prefill_us_per_token: 100.0,
             decode_base_ms: 10.0,
             decode_per_seq_ms: 1.0,
+            decode_ms_by_batch: Vec::new(),
+            prefill_base_ms: 0.0,
             overload: OverloadMode::Preempt,
             restart_secs: 5.0,
         }
@@ -601,6 +608,29 @@ mod tests {
         d.step();
         // Second step: pure decode with 4 sequences: 10 + 4 * 1 ms.
         assert_eq!(d.step(), Some(Duration::from_millis(14)));
+    }
+
+    #[test]
+    fn a_measured_step_table_and_prefill_base_replace_the_line() {
+        // A CPU engine: batch 1 costs 25 ms, 2 costs 55, 3 costs 70; past the table each
+        // sequence adds decode_per_seq_ms (1 ms); a step that prefills costs 20 ms more.
+        let mut p = params();
+        p.decode_ms_by_batch = vec![25.0, 55.0, 70.0];
+        p.prefill_base_ms = 20.0;
+        assert_eq!(p.decode_ms(1), 25.0);
+        assert_eq!(p.decode_ms(3), 70.0);
+        assert_eq!(p.decode_ms(4), 71.0);
+        let mut d = Driver::new(p);
+        d.model.submit(1, 100, 5, Duration::ZERO).unwrap();
+        // Prefill 100 tokens (10 ms) + the prefill base (20 ms) + batch 1 (25 ms).
+        assert_eq!(d.step(), Some(Duration::from_millis(55)));
+        assert_eq!(d.ttft(1), Duration::from_millis(55));
+        // A pure decode step pays neither prefill cost.
+        assert_eq!(d.step(), Some(Duration::from_millis(25)));
+        d.model.submit(2, 100, 3, d.now).unwrap();
+        // Batch 2 with a prefill: 10 + 20 + 55 ms.
+        assert_eq!(d.step(), Some(Duration::from_millis(85)));
+        assert_eq!(d.step(), Some(Duration::from_millis(55)));
     }
 
     #[test]

@@ -8,11 +8,18 @@
 //! output tokens per second. A second, short series at concurrency 1 measures TTFT against
 //! prompt length: the prefill cost.
 //!
-//! The fit maps the measurements onto the simulated engine's step model
-//! (`prefill_us_per_token × prefilled + decode_base_ms + decode_per_seq_ms × batch`):
+//! The fit maps the measurements onto the simulated engine's step model (a step costs
+//! `prefill_base_ms` if it prefills any prompt, `prefill_us_per_token × prefilled`, and the
+//! decode cost of its batch):
+//! - `decode_ms_by_batch`: the median inter-token gap measured at each level that fits in
+//!   the batch is the decode cost of that batch size, with straight lines between levels.
+//!   A step's cost is not one line over all batch sizes on every engine: llama.cpp on a CPU
+//!   pays much more going from one sequence to two than from two to four;
+//! - `decode_base_ms`, `decode_per_seq_ms`: the least-squares line through those gaps, a
+//!   summary, and the cost of each sequence past the largest level measured;
 //! - `prefill_us_per_token`: slope of TTFT (concurrency 1) against prompt tokens;
-//! - `decode_base_ms`, `decode_per_seq_ms`: line through the median inter-token latency
-//!   against concurrency, over the levels that fit in the batch;
+//! - `prefill_base_ms`: that line at zero tokens less one decode step of one sequence: what
+//!   a new request costs beyond its tokens (HTTP, the chat template, tokenizing);
 //! - `max_running_seqs`: the slots the server reports (llama.cpp's `/props`), else the
 //!   level at which throughput stops growing;
 //! - KV capacity and `max_model_len`: what the server reports (`/props` for llama.cpp,
@@ -182,7 +189,8 @@ pub async fn run_cli(args: CalibrateArgs) -> anyhow::Result<()> {
     }
     if let Some(path) = &args.out {
         let profile = fit(&sweep, &args.name)?;
-        let text = profile_toml(&profile, &sweep)?;
+        let command: Vec<String> = std::env::args().collect();
+        let text = profile_toml(&profile, &sweep, &command.join(" "))?;
         std::fs::write(path, text)
             .with_context(|| format!("cannot write the profile to {}", path.display()))?;
         println!(
@@ -230,6 +238,14 @@ pub async fn measure(args: &CalibrateArgs) -> anyhow::Result<Sweep> {
     };
     let server = server_info(&client, &base).await;
     let prompts = Arc::new(PromptMaker::new(args.seed));
+    // A fresh server pays one-time costs on its first request (buffers, caches): one
+    // request first, not measured.
+    let warm_up = one_request(&client, &base, prompts.body(&model, args.prompt_tokens, 2)).await;
+    anyhow::ensure!(
+        warm_up.ok,
+        "calibrate: the first request to {base}/v1/chat/completions (model {model:?}) failed; \
+         is the server up and serving that model?"
+    );
     let mut prefill = Vec::new();
     if !args.no_prefill {
         for &len in &args.prefill_lengths {
@@ -570,12 +586,13 @@ pub fn fit(sweep: &Sweep, name: &str) -> anyhow::Result<EngineConfig> {
         .context("calibrate: the sweep has no level to find the batch size from")?
         .max(1);
     // Decode: the median inter-token gap at each level that fits in the batch.
-    let decode: Vec<(f64, f64)> = sweep
+    let mut decode: Vec<(f64, f64)> = sweep
         .levels
         .iter()
         .filter(|l| l.concurrency <= slots && l.itl_p50_ms > 0.0)
         .map(|l| (f64::from(l.concurrency), l.itl_p50_ms))
         .collect();
+    decode.sort_by(|a, b| a.0.total_cmp(&b.0));
     let (decode_base_ms, decode_per_seq_ms) = match fit_line(&decode) {
         Some((a, b)) if b >= 0.0 && a >= 0.0 => (a, b),
         // A falling or negative line is noise: a flat step at the mean gap is the honest fit.
@@ -590,9 +607,21 @@ pub fn fit(sweep: &Sweep, name: &str) -> anyhow::Result<EngineConfig> {
         .iter()
         .map(|p| (f64::from(p.prompt_tokens), p.ttft_p50_ms))
         .collect();
-    let prefill_us_per_token = fit_line(&prefill)
-        .map(|(_, slope_ms)| (slope_ms * 1000.0).max(0.0))
-        .unwrap_or(0.0);
+    let (prefill_at_zero_ms, prefill_us_per_token) = fit_line(&prefill)
+        .map(|(at_zero, slope_ms)| (at_zero, (slope_ms * 1000.0).max(0.0)))
+        .unwrap_or((0.0, 0.0));
+    // The step cost of each batch size up to the largest level measured: the gaps measured,
+    // straight lines between them (a CPU engine's cost is not one line over all batches).
+    let last_measured = decode.last().map_or(0, |p| p.0 as u32);
+    let decode_ms_by_batch: Vec<f64> = (1..=last_measured)
+        .map(|b| round_to(interpolate(&decode, f64::from(b)), 2))
+        .collect();
+    // TTFT alone at zero prompt tokens is one decode step plus what any prompt costs.
+    let one_step_ms = decode_ms_by_batch
+        .first()
+        .copied()
+        .unwrap_or(decode_base_ms + decode_per_seq_ms);
+    let prefill_base_ms = (prefill_at_zero_ms - one_step_ms).max(0.0);
     let max_model_len = sweep.server.max_model_len.unwrap_or(DEFAULT_MAX_MODEL_LEN);
     let kv = sweep
         .server
@@ -605,9 +634,11 @@ pub fn fit(sweep: &Sweep, name: &str) -> anyhow::Result<EngineConfig> {
     config.output_tokens_min = sweep.output_tokens;
     config.output_tokens_max = sweep.output_tokens;
     let g = &mut config.gpu;
-    g.prefill_us_per_token = round_to(prefill_us_per_token, 0.1);
-    g.decode_base_ms = round_to(decode_base_ms, 0.01);
-    g.decode_per_seq_ms = round_to(decode_per_seq_ms, 0.01);
+    g.prefill_us_per_token = round_to(prefill_us_per_token, 1);
+    g.decode_base_ms = round_to(decode_base_ms, 2);
+    g.decode_per_seq_ms = round_to(decode_per_seq_ms, 2);
+    g.decode_ms_by_batch = decode_ms_by_batch;
+    g.prefill_base_ms = round_to(prefill_base_ms, 2);
     g.max_running_seqs = slots;
     g.kv_capacity_tokens = kv_capacity_tokens;
     g.max_model_len = max_model_len.min(kv_capacity_tokens);
@@ -617,15 +648,38 @@ pub fn fit(sweep: &Sweep, name: &str) -> anyhow::Result<EngineConfig> {
     Ok(config)
 }
 
-fn round_to(v: f64, step: f64) -> f64 {
-    (v / step).round() * step
+/// `y` at `x` on the broken line through `points` (sorted by x): flat before the first.
+/// Only called with `x` up to the last point's.
+fn interpolate(points: &[(f64, f64)], x: f64) -> f64 {
+    let Some(&(x0, y0)) = points.first() else {
+        return 0.0;
+    };
+    if x <= x0 {
+        return y0;
+    }
+    for pair in points.windows(2) {
+        let ((xa, ya), (xb, yb)) = (pair[0], pair[1]);
+        if x <= xb {
+            return ya + (yb - ya) * (x - xa) / (xb - xa);
+        }
+    }
+    points.last().map_or(y0, |p| p.1)
 }
 
-/// The profile as TOML, with a header saying where it came from.
-fn profile_toml(profile: &EngineConfig, sweep: &Sweep) -> anyhow::Result<String> {
+/// `v` rounded to `decimals` places; dividing last keeps the result the closest double to
+/// the decimal, so the profile reads `2118.2`, not `2118.2000000000003`.
+fn round_to(v: f64, decimals: i32) -> f64 {
+    let scale = 10f64.powi(decimals);
+    (v * scale).round() / scale
+}
+
+/// The profile as TOML, with a header saying where it came from and the command that
+/// wrote it.
+fn profile_toml(profile: &EngineConfig, sweep: &Sweep, command: &str) -> anyhow::Result<String> {
     let body = toml::to_string(profile).context("cannot encode the profile as TOML")?;
     Ok(format!(
         "# Engine profile fitted by `levee sim calibrate` against {} (model {}).\n\
+         # Written by: {command}\n\
          # Load it with `levee engine --profile-file FILE`. Token counts are the simulated\n\
          # engine's (ceil(chars / 4) per message), so the same request text takes the same time.\n\
          {body}",
@@ -822,11 +876,17 @@ mod tests {
             c.gpu
         );
         assert_eq!(c.gpu.max_running_seqs, 4);
+        // The measured step costs, the missing batch of 3 on the line between 2 and 4.
+        assert_eq!(c.gpu.decode_ms_by_batch, vec![12.0, 14.0, 16.0, 18.0]);
+        // TTFT at zero prompt tokens is 20 ms: one 12 ms step and 8 ms for any prompt.
+        assert!((c.gpu.prefill_base_ms - 8.0).abs() < 1e-6, "{:?}", c.gpu);
         // KV rounded down to whole blocks; the context kept.
         assert_eq!(c.gpu.kv_capacity_tokens, 4000 / 16 * 16);
         assert_eq!(c.gpu.max_model_len, 1000);
         // The profile reads back through the engine's own loader.
-        let text = profile_toml(&c, &sweep(levels.clone(), ServerInfo::default())).unwrap();
+        let text =
+            profile_toml(&c, &sweep(levels.clone(), ServerInfo::default()), "levee x").unwrap();
+        assert!(text.contains("# Written by: levee x\n"), "{text}");
         assert_eq!(EngineConfig::from_toml_str(&text).unwrap(), c);
 
         // Without /props the batch size is the throughput knee.

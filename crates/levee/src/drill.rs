@@ -123,6 +123,17 @@ const FULL: Timing = Timing {
     flood_warm_s: 2.0,
 };
 
+/// Real servers (`--backend`) on CPUs serve a few requests per second, each lasting
+/// seconds: longer sweep steps, so that a step's goodput counts enough requests.
+const EXTERNAL: Timing = Timing {
+    time_scale: 1.0,
+    ladder: &[0.4, 0.55, 0.7, 0.85, 1.0, 1.15, 1.3, 1.5, 1.75],
+    step_s: 20.0,
+    step_warm_s: 5.0,
+    drain_s: 10.0,
+    flood_warm_s: 2.0,
+};
+
 const QUICK: Timing = Timing {
     time_scale: 0.2,
     ladder: &[0.5, 0.75, 1.0, 1.25],
@@ -741,7 +752,11 @@ pub async fn run_cli(args: DrillArgs) -> anyhow::Result<()> {
         args.engines
     };
     let started = std::time::Instant::now();
-    let timing = if args.quick { QUICK } else { FULL };
+    let timing = match (args.quick, args.backends.is_empty()) {
+        (true, _) => QUICK,
+        (false, true) => FULL,
+        (false, false) => EXTERNAL,
+    };
     let mut scenario = levee_sim::load_scenario(&args.scenario)?;
     if let Some(seed) = args.seed {
         scenario.seed = seed;
@@ -1230,6 +1245,11 @@ fn side_by_side(scenario: &Scenario, sweep: &Sweep, runs: &[(Contender, Outcome)
     row("sent to a down engine", &|o| {
         o.fleet.sent_to_down.to_string()
     });
+    if runs.iter().any(|(_, o)| engine_queue_peak(&o.report).is_some()) {
+        row("engines' own queue, peak", &|o| {
+            engine_queue_peak(&o.report).map_or_else(|| "-".into(), |q| format!("{q:.0}"))
+        });
+    }
     row("429s", &|o| o.report.rate_limited().to_string());
     row("5xx", &|o| o.report.server_errors().to_string());
     row("timeouts", &|o| {
@@ -1271,6 +1291,28 @@ fn side_by_side(scenario: &Scenario, sweep: &Sweep, runs: &[(Contender, Outcome)
         let _ = writeln!(s);
     }
     s
+}
+
+/// The most requests the engines held waiting inside themselves at one scrape, summed over
+/// engines (vLLM's `num_requests_waiting`, llama.cpp's `requests_deferred`); `None` when
+/// no engine's queue was scraped.
+fn engine_queue_peak(report: &Report) -> Option<f64> {
+    let series: Vec<&levee_sim::report::MetricSeries> = report
+        .metrics
+        .iter()
+        .filter(|m| m.source.starts_with("engine"))
+        .filter(|m| m.name == "llamacpp:requests_deferred" || m.name == "vllm:num_requests_waiting")
+        .collect();
+    let scrapes = series.iter().map(|m| m.points.len()).max()?;
+    (0..scrapes)
+        .map(|i| {
+            series
+                .iter()
+                .filter_map(|m| m.points.get(i))
+                .map(|p| p[1])
+                .sum::<f64>()
+        })
+        .reduce(f64::max)
 }
 
 fn pct(x: f64) -> String {

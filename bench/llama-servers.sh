@@ -1,0 +1,55 @@
+# Sourced by bench/real-backend.sh and bench/calibrate-llama.sh: starts llama-servers the
+# same way in both, and kills them (by PID) on exit.
+#
+# One server = llama-server serving gemma-3-270m with 4 slots (--parallel 4) of 2048 tokens
+# each (--ctx-size 8192, split per slot: llama-server does not unify the KV cache when
+# --parallel is given) on one CPU thread (--threads 1), and Prometheus metrics (--metrics).
+# Why: on a 2-core machine two such servers use one core each; more threads per server
+# would make them fight each other (and levee and the load generator) for the same cores.
+# Four slots: the calibration sweep shows throughput stops growing past four sequences at
+# once on one core (BENCHMARKS.md, "A real engine").
+
+LLAMA_PIDS=()
+LLAMA_URLS=()
+
+# Prints a free TCP port on 127.0.0.1.
+free_port() {
+  python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1]); s.close()'
+}
+
+stop_llama_servers() {
+  for pid in "${LLAMA_PIDS[@]}"; do
+    kill "$pid" 2>/dev/null || true
+  done
+  for pid in "${LLAMA_PIDS[@]}"; do
+    wait "$pid" 2>/dev/null || true
+  done
+  LLAMA_PIDS=()
+}
+
+# start_llama_servers N BINARY MODEL LOGDIR: starts N servers, waits until each is healthy
+# (at most 120 s), and fills LLAMA_URLS.
+start_llama_servers() {
+  local n=$1 binary=$2 model=$3 logdir=$4 i port url
+  mkdir -p "$logdir"
+  for ((i = 0; i < n; i++)); do
+    port=$(free_port)
+    "$binary" --model "$model" --host 127.0.0.1 --port "$port" \
+      --parallel 4 --ctx-size 8192 --threads 1 --metrics --alias gemma-3-270m \
+      >"$logdir/llama-server-$i.log" 2>&1 &
+    LLAMA_PIDS+=($!)
+    LLAMA_URLS+=("http://127.0.0.1:$port")
+  done
+  for url in "${LLAMA_URLS[@]}"; do
+    for ((i = 0; i < 1200; i++)); do
+      if curl -sf "$url/health" >/dev/null 2>&1; then
+        break
+      fi
+      if ((i == 1199)); then
+        echo "llama-server at $url did not become healthy in 120 s; see $logdir" >&2
+        return 1
+      fi
+      sleep 0.1
+    done
+  done
+}
