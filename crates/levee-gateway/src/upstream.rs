@@ -23,6 +23,9 @@ use std::time::Duration;
 /// whole admission pipeline.
 pub type HttpClient = Client<HttpConnector, Full<Bytes>>;
 
+/// How long an idle upstream connection stays in the pool.
+const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(4);
+
 /// Builds the shared upstream client.
 pub fn build_client() -> HttpClient {
     let mut conn = HttpConnector::new();
@@ -30,7 +33,10 @@ pub fn build_client() -> HttpClient {
     conn.set_connect_timeout(Some(Duration::from_secs(2)));
     conn.set_keepalive(Some(Duration::from_secs(60)));
     Client::builder(TokioExecutor::new())
-        .pool_idle_timeout(Duration::from_secs(90))
+        // Below the 5 s after which llama-server (cpp-httplib) and uvicorn (vLLM) close an
+        // idle keep-alive connection: a pooled connection the server has just closed fails
+        // the request sent on it (a 502 to the client, seen against llama-server).
+        .pool_idle_timeout(POOL_IDLE_TIMEOUT)
         .pool_max_idle_per_host(4096)
         .build(conn)
 }
