@@ -420,21 +420,46 @@ pub async fn send(
 ) -> Result<http::Response<Incoming>, GatewayError> {
     let base = &backend.base;
     let uri = backend.uri(path).map_err(GatewayError::upstream)?;
-    let req = http::Request::post(uri)
-        .header(http::header::CONTENT_TYPE, "application/json")
-        .body(Full::new(body))
-        .map_err(|e| GatewayError::upstream(format!("cannot build upstream request: {e}")))?;
     let started = Instant::now();
-    match tokio::time::timeout_at(deadline, client.request(req)).await {
-        Ok(Ok(resp)) => Ok(resp),
-        Ok(Err(e)) if e.is_connect() => Err(GatewayError::upstream_unreachable(format!(
-            "cannot connect to backend {base}: {e}"
-        ))),
-        Ok(Err(e)) => Err(GatewayError::upstream(format!(
-            "backend {base} failed: {e}"
-        ))),
-        Err(_) => Err(GatewayError::upstream_timeout(started.elapsed())),
+    // One more try when the backend closed the connection without a word of answer: a
+    // keep-alive connection it closed (llama-server closes one after a few requests or
+    // seconds idle) as the request went out. It never read the request, so nothing runs
+    // twice; a backend that is really gone fails the second try (or its connect) too.
+    let mut tries_left = 2;
+    loop {
+        tries_left -= 1;
+        let req = http::Request::post(uri.clone())
+            .header(http::header::CONTENT_TYPE, "application/json")
+            .body(Full::new(body.clone()))
+            .map_err(|e| GatewayError::upstream(format!("cannot build upstream request: {e}")))?;
+        return match tokio::time::timeout_at(deadline, client.request(req)).await {
+            Ok(Ok(resp)) => Ok(resp),
+            Ok(Err(e)) if e.is_connect() => Err(GatewayError::upstream_unreachable(format!(
+                "cannot connect to backend {base}: {e}"
+            ))),
+            Ok(Err(e)) if tries_left > 0 && closed_before_answer(&e) => continue,
+            Ok(Err(e)) => Err(GatewayError::upstream(format!(
+                "backend {base} failed: {e}{}",
+                closed_before_answer(&e)
+                    .then_some(" (it closed the connection without answering)")
+                    .unwrap_or_default()
+            ))),
+            Err(_) => Err(GatewayError::upstream_timeout(started.elapsed())),
+        };
     }
+}
+
+/// Whether the connection ended before a whole response head arrived (hyper's "incomplete
+/// message"); the backend never answered.
+fn closed_before_answer(e: &hyper_util::client::legacy::Error) -> bool {
+    let mut source = std::error::Error::source(e);
+    while let Some(err) = source {
+        if let Some(h) = err.downcast_ref::<hyper::Error>() {
+            return h.is_incomplete_message();
+        }
+        source = err.source();
+    }
+    false
 }
 
 /// Reads a whole non-streaming response, learning its usage.

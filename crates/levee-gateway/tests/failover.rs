@@ -534,3 +534,72 @@ async fn a_thousand_junk_model_names_add_no_metric_series() {
     ));
     gw.shutdown().await;
 }
+
+/// A backend that closes the connection of its first chat request without answering (as
+/// llama-server closes a keep-alive connection), then answers every request.
+async fn closes_first_chat() -> (String, Arc<AtomicUsize>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let chats = Arc::new(AtomicUsize::new(0));
+    let seen = chats.clone();
+    tokio::spawn(async move {
+        loop {
+            let (mut sock, _) = listener.accept().await.unwrap();
+            let seen = seen.clone();
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                let mut chunk = [0u8; 4096];
+                // One request per connection: the head, then its Content-Length body.
+                let body_len = loop {
+                    let n = sock.read(&mut chunk).await.unwrap_or(0);
+                    if n == 0 {
+                        return;
+                    }
+                    buf.extend_from_slice(&chunk[..n]);
+                    if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                        let head = String::from_utf8_lossy(&buf[..end]).to_lowercase();
+                        let len: usize = head
+                            .lines()
+                            .find_map(|l| l.strip_prefix("content-length:"))
+                            .map_or(0, |v| v.trim().parse().unwrap());
+                        break end + 4 + len;
+                    }
+                };
+                while buf.len() < body_len {
+                    let n = sock.read(&mut chunk).await.unwrap_or(0);
+                    if n == 0 {
+                        return;
+                    }
+                    buf.extend_from_slice(&chunk[..n]);
+                }
+                let head = String::from_utf8_lossy(&buf);
+                let body = if head.starts_with("POST /v1/chat/completions") {
+                    if seen.fetch_add(1, Ordering::SeqCst) == 0 {
+                        return; // closed without a word
+                    }
+                    r#"{"id":"c","object":"chat.completion","model":"m","choices":[{"index":0,"message":{"role":"assistant","content":"hi"},"finish_reason":"stop"}],"usage":{"prompt_tokens":5,"completion_tokens":1,"total_tokens":6}}"#
+                } else {
+                    ""
+                };
+                let answer = format!(
+                    "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\
+                     connection: close\r\n\r\n{body}",
+                    body.len()
+                );
+                let _ = sock.write_all(answer.as_bytes()).await;
+            });
+        }
+    });
+    (url, chats)
+}
+
+#[tokio::test]
+async fn a_connection_closed_without_an_answer_is_tried_once_more() {
+    let (url, chats) = closes_first_chat().await;
+    let gw = start(config(&[url], 4)).await.unwrap();
+    let r = chat(&client(), &gw.public_url(), "s", "closed").await;
+    assert_eq!(r.status(), 200, "{}", r.text().await.unwrap());
+    assert_eq!(chats.load(Ordering::SeqCst), 2, "one close, one answer");
+    gw.shutdown().await;
+}

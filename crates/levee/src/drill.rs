@@ -7,7 +7,9 @@
 //!    SLO per second after a warm-up. A step in which an engine crashes ends the sweep and
 //!    does not count; so does the first step that adds less than 2% over the best. The
 //!    knee — the best goodput of a crash-free step — is the reference, and the scenario's
-//!    `1x` is set to it.
+//!    `1x` is set to it. Against running servers (`--backend`, e.g. real llama-servers) the
+//!    steps are longer, each waits until the servers are idle, and the sweep ends after two
+//!    flat steps in a row (a real server's speed follows the machine's load).
 //! 2. **Three contenders, same flood, same seed, fresh engines each**: a plain round-robin
 //!    pass-through (unprotected), a capped pass-through (each engine capped at its sequence
 //!    capacity, one FIFO queue: nginx `max_conns` + `queue`), and levee with one fixed
@@ -108,6 +110,8 @@ struct Timing {
     /// Sweep: length of one step, and the first seconds of it left out.
     step_s: f64,
     step_warm_s: f64,
+    /// Sweep: it ends after this many steps in a row add less than 2% over the best.
+    flat_steps_to_stop: u32,
     /// After a run's last scheduled send, how long requests still in flight may finish.
     drain_s: f64,
     /// First seconds of a flood stretch left out of the goodput window.
@@ -119,17 +123,20 @@ const FULL: Timing = Timing {
     ladder: &[0.4, 0.55, 0.7, 0.85, 1.0, 1.15, 1.3, 1.5, 1.75],
     step_s: 10.0,
     step_warm_s: 4.0,
+    flat_steps_to_stop: 1,
     drain_s: 6.0,
     flood_warm_s: 2.0,
 };
 
 /// Real servers (`--backend`) on CPUs serve a few requests per second, each lasting
-/// seconds: longer sweep steps, so that a step's goodput counts enough requests.
+/// seconds, at a speed that follows the machine's load: longer sweep steps, so that a
+/// step's goodput counts enough requests, and one flat step does not end the sweep.
 const EXTERNAL: Timing = Timing {
     time_scale: 1.0,
     ladder: &[0.4, 0.55, 0.7, 0.85, 1.0, 1.15, 1.3, 1.5, 1.75],
-    step_s: 20.0,
-    step_warm_s: 5.0,
+    step_s: 30.0,
+    step_warm_s: 8.0,
+    flat_steps_to_stop: 2,
     drain_s: 10.0,
     flood_warm_s: 2.0,
 };
@@ -139,6 +146,7 @@ const QUICK: Timing = Timing {
     ladder: &[0.5, 0.75, 1.0, 1.25],
     step_s: 5.0,
     step_warm_s: 2.0,
+    flat_steps_to_stop: 1,
     drain_s: 2.0,
     flood_warm_s: 1.0,
 };
@@ -604,6 +612,7 @@ async fn measure_knee(
     let window: Vec<u32> = (timing.step_warm_s as u32..timing.step_s as u32).collect();
     let mut rates: Vec<f64> = timing.ladder.iter().map(|m| estimate * m).collect();
     let mut i = 0;
+    let mut flat_steps = 0;
     while i < rates.len() {
         let rps = rates[i];
         let step = sweep_step(scenario, setup, timing, rps, &opts, &window).await?;
@@ -628,7 +637,12 @@ async fn measure_knee(
             rates[0] = rps * 0.5;
             continue;
         }
-        if step.crashed || (i > 0 && step.goodput_rps < best_before * 1.02) {
+        if i > 0 && step.goodput_rps < best_before * 1.02 {
+            flat_steps += 1;
+        } else {
+            flat_steps = 0;
+        }
+        if step.crashed || flat_steps >= timing.flat_steps_to_stop {
             break;
         }
         i += 1;
