@@ -93,6 +93,8 @@ struct Backend {
     in_flight: usize,
     tokens: u64,
     report: Option<(BackendReport, Timestamp)>,
+    /// Out of routing by outlier ejection until then (its breaker is held open as well).
+    ejected_until: Option<Timestamp>,
 }
 
 impl Backend {
@@ -350,6 +352,7 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
                     in_flight: 0,
                     tokens: 0,
                     report: None,
+                    ejected_until: None,
                 },
             };
             self.backends.push(b);
@@ -379,6 +382,9 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
     pub fn eject(&mut self, id: &str, until: Timestamp, now: Timestamp) {
         if let Some(b) = self.backend_mut(id) {
             b.breaker.hold_open(until, now);
+            if until > now {
+                b.ejected_until = Some(b.ejected_until.map_or(until, |u| u.max(until)));
+            }
         }
     }
 
@@ -680,9 +686,27 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
     /// Why nothing can be served now, if so, and when to try again (the earliest breaker
     /// probe; `None` when that is unknown).
     pub fn unservable(&self, now: Timestamp) -> Option<(Unservable, Option<Duration>)> {
-        let healthy: Vec<&Backend> = self.backends.iter().filter(|b| b.routable).collect();
+        // Down (health checks) and ejected (outlier detection) backends are not healthy; a
+        // lane with nothing else answers `NoHealthyBackend`, with the earliest end of an
+        // ejection as the time to try again.
+        let ejected_for = |b: &Backend| {
+            b.ejected_until
+                .filter(|u| *u > now)
+                .map(|u| u.saturating_duration_since(now))
+        };
+        let healthy: Vec<&Backend> = self
+            .backends
+            .iter()
+            .filter(|b| b.routable && ejected_for(b).is_none())
+            .collect();
         if healthy.is_empty() {
-            return Some((Unservable::NoHealthyBackend, None));
+            let back = self
+                .backends
+                .iter()
+                .filter(|b| b.routable)
+                .filter_map(ejected_for)
+                .min();
+            return Some((Unservable::NoHealthyBackend, back));
         }
         if healthy
             .iter()
