@@ -425,7 +425,10 @@ fn a_lane_whose_backends_are_all_ejected_has_no_healthy_backend() {
     let r = refusal(a.admit(&req("a", 0, 10), 1, t0));
     assert_eq!(r.reason.code(), "no_healthy_backend");
     // Retry when the first ejection ends, not never.
-    assert_eq!(r.retry_after.unwrap().as_duration(), Duration::from_secs(10));
+    assert_eq!(
+        r.retry_after.unwrap().as_duration(),
+        Duration::from_secs(10)
+    );
     // When an ejection ends the backend is healthy again (its breaker lets a probe through).
     clock.advance(Duration::from_secs(10));
     dispatched(a.admit(&req("a", 0, 10), 2, clock.now()));
