@@ -479,6 +479,7 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
             tenants: &self.tenants,
             cfg: &self.cfg,
             shares: &self.shares,
+            free: std::cell::OnceCell::new(),
         }
     }
 
@@ -607,6 +608,7 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
             tenants,
             cfg,
             shares,
+            free: std::cell::OnceCell::new(),
         };
         let entry = queue.pop_where(|tenant, cost| {
             let kv = kv_of(tenant, cost);
@@ -831,6 +833,8 @@ struct LaneView<'a, K> {
     tenants: &'a HashMap<K, TenantUse, FastState>,
     cfg: &'a LaneConfig,
     shares: &'a RefCell<Option<ShareTable>>,
+    /// Free slots and tokens, read once per view (nothing is placed while it lives).
+    free: std::cell::OnceCell<(u64, u64)>,
 }
 
 /// What fair shares are cut from, summed over the tenants active in the fair-share window:
@@ -1066,6 +1070,10 @@ impl<K: Hash + Eq> LaneView<'_, K> {
     /// Free request slots and free KV tokens of the routable backends now (tokens: `u64::MAX`
     /// when a budget is unknown).
     fn free(&self, now: Timestamp) -> (u64, u64) {
+        *self.free.get_or_init(|| self.read_free(now))
+    }
+
+    fn read_free(&self, now: Timestamp) -> (u64, u64) {
         let mut requests = 0u64;
         let mut tokens = Some(0u64);
         for b in self.backends.iter().filter(|b| b.routable) {
