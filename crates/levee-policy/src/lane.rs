@@ -733,13 +733,20 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
     }
 
     /// Where a new request of `tenant` in `tier` would stand, and how long it would wait
-    /// there: position × mean service time ÷ requests in flight (Little's law over the
-    /// lane's measured service). `None` until a service time has been measured.
+    /// there (Little's law over the lane's measured service time `s`): the longer of
+    /// position × s ÷ requests in flight (the lane's drain) and, when the tenant already has
+    /// requests waiting, (its waiting + 1) × s ÷ its own requests in flight — a tenant held
+    /// to its fair share drains at its own pace, whatever the lane's. `None` until a service
+    /// time has been measured.
     pub fn predict_wait(&self, tier: Tier, tenant: &K) -> (usize, Option<Duration>) {
         let position = self.queue.position_estimate(tier, tenant) + 1;
         let wait = self.service_secs.map(|s| {
-            let servers = self.in_flight.max(1) as f64;
-            Duration::from_secs_f64((position as f64 * s / servers).min(1e6))
+            let lane = position as f64 * s / self.in_flight.max(1) as f64;
+            let own = match self.tenants.get(tenant) {
+                Some(u) if u.queued > 0 => (u.queued + 1) as f64 * s / u.in_flight.max(1) as f64,
+                _ => 0.0,
+            };
+            Duration::from_secs_f64(lane.max(own).min(1e6))
         });
         (position, wait)
     }
