@@ -176,6 +176,9 @@ struct FleetStats {
     injected_crashes: u64,
     /// Requests answered 503 because their engine was down after a crash.
     sent_to_down: u64,
+    /// Of those, the ones that arrived after the engine had already answered a refusal in
+    /// the same down period (the router had been told).
+    sent_after_failure: u64,
 }
 
 impl Fleet {
@@ -268,6 +271,7 @@ impl Fleet {
                     s.crashes += e.stats().crashes;
                     s.injected_crashes += e.injected_crashes();
                     s.sent_to_down += e.refused_while_down();
+                    s.sent_after_failure += e.refused_after_first_failure();
                     if let Err(err) = e.shutdown().await {
                         tracing::warn!("stopping a drill engine: {err:#}");
                     }
@@ -1073,6 +1077,7 @@ pub async fn run_cli(args: DrillArgs) -> anyhow::Result<()> {
             "engine_crashes": o.fleet.crashes,
             "injected_crashes": o.fleet.injected_crashes,
             "sent_to_down_engine": o.fleet.sent_to_down,
+            "sent_to_down_engine_after_first_failure": o.fleet.sent_after_failure,
             "goodput_rps": o.report.rates.goodput_rps,
             "flood_goodput_rps": verdicts::window_goodput(&o.report, &window),
             "success_rate": o.report.rates.success_rate,
@@ -1259,12 +1264,32 @@ fn side_by_side(scenario: &Scenario, sweep: &Sweep, runs: &[(Contender, Outcome)
     row("sent to a down engine", &|o| {
         o.fleet.sent_to_down.to_string()
     });
-    if runs.iter().any(|(_, o)| engine_queue_peak(&o.report).is_some()) {
+    row("  after its first failure", &|o| {
+        o.fleet.sent_after_failure.to_string()
+    });
+    if runs
+        .iter()
+        .any(|(_, o)| engine_queue_peak(&o.report).is_some())
+    {
         row("engines' own queue, peak", &|o| {
             engine_queue_peak(&o.report).map_or_else(|| "-".into(), |q| format!("{q:.0}"))
         });
     }
     row("429s", &|o| o.report.rate_limited().to_string());
+    row("  of which queue timeouts", &|o| {
+        let t = o
+            .report
+            .errors
+            .get("429:queue_timeout")
+            .copied()
+            .unwrap_or(0);
+        let all = o.report.rate_limited();
+        if all == 0 {
+            "0".into()
+        } else {
+            format!("{t} ({:.1}%)", 100.0 * t as f64 / all as f64)
+        }
+    });
     row("5xx", &|o| o.report.server_errors().to_string());
     row("timeouts", &|o| {
         o.report
