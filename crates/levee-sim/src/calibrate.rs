@@ -18,8 +18,10 @@
 //! - `decode_base_ms`, `decode_per_seq_ms`: the least-squares line through those gaps, a
 //!   summary, and the cost of each sequence past the largest level measured;
 //! - `prefill_us_per_token`: slope of TTFT (concurrency 1) against prompt tokens;
-//! - `prefill_base_ms`: that line at zero tokens less one decode step of one sequence: what
-//!   a new request costs beyond its tokens (HTTP, the chat template, tokenizing);
+//! - `prefill_base_ms`: what a new request costs beyond its tokens (HTTP, the chat
+//!   template, tokenizing): the sweep's TTFT at concurrency 1 less its prompt's tokens at
+//!   that slope and one decode step of one sequence (without a level 1, the prefill line
+//!   at zero tokens less one step);
 //! - `max_running_seqs`: the slots the server reports (llama.cpp's `/props`), else the
 //!   level at which throughput stops growing;
 //! - KV capacity and `max_model_len`: what the server reports (`/props` for llama.cpp,
@@ -62,6 +64,10 @@ pub struct CalibrateArgs {
     /// Most requests one level sends.
     #[arg(long, default_value_t = 400)]
     pub max_requests_per_level: u32,
+    /// Slices each level is cut into; the levels take turns slice by slice (1, 2, 4, 8,
+    /// 16, 1, 2, …), so that the machine's changing load bends no single level.
+    #[arg(long, default_value_t = 3)]
+    pub rounds: u32,
     /// Prompt length of the sweep's requests, in simulated-engine tokens.
     #[arg(long, default_value_t = 64)]
     pub prompt_tokens: u32,
@@ -268,16 +274,31 @@ pub async fn measure(args: &CalibrateArgs) -> anyhow::Result<Sweep> {
             });
         }
     }
-    let mut levels = Vec::new();
-    for &c in &args.levels {
-        levels.push(run_level(&client, &base, &model, &prompts, args, c).await);
-        let last = levels.last().map(|l| (l.completed, l.failed));
-        if let Some((0, failed)) = last {
-            anyhow::bail!(
-                "calibrate: no request completed at concurrency {c} ({failed} failed) against \
-                 {base}"
-            );
+    // Each level runs in `rounds` slices, the levels taking turns, so that a change in the
+    // machine's load (other work on the same cores) spreads over every level instead of
+    // bending the curve at one.
+    let rounds = args.rounds.max(1);
+    let slice = Slice {
+        secs: args.level_secs / f64::from(rounds),
+        max_requests: args.max_requests_per_level.div_ceil(rounds),
+    };
+    let mut measured: Vec<(Vec<Timed>, f64)> = vec![(Vec::new(), 0.0); args.levels.len()];
+    for _ in 0..rounds {
+        for (i, &c) in args.levels.iter().enumerate() {
+            let (done, wall) = run_level(&client, &base, &model, &prompts, args, c, slice).await;
+            measured[i].0.extend(done);
+            measured[i].1 += wall;
         }
+    }
+    let mut levels = Vec::new();
+    for (&c, (done, wall)) in args.levels.iter().zip(&measured) {
+        let level = summarize(c, done, *wall);
+        anyhow::ensure!(
+            level.completed > 0,
+            "calibrate: no request completed at concurrency {c} ({} failed) against {base}",
+            level.failed
+        );
+        levels.push(level);
     }
     Ok(Sweep {
         target: base,
@@ -290,7 +311,15 @@ pub async fn measure(args: &CalibrateArgs) -> anyhow::Result<Sweep> {
     })
 }
 
+/// How long one slice of a level runs, and the most requests it sends.
+#[derive(Debug, Clone, Copy)]
+struct Slice {
+    secs: f64,
+    max_requests: u32,
+}
+
 /// One request's timings.
+#[derive(Debug, Clone)]
 struct Timed {
     ok: bool,
     ttft_ms: Option<f64>,
@@ -334,6 +363,7 @@ async fn one_request(client: &HttpClient, base: &str, body: String) -> Timed {
     }
 }
 
+/// Runs one slice of a level: its requests and its wall time in seconds.
 async fn run_level(
     client: &HttpClient,
     base: &str,
@@ -341,12 +371,11 @@ async fn run_level(
     prompts: &Arc<PromptMaker>,
     args: &CalibrateArgs,
     concurrency: u32,
-) -> LevelResult {
+    slice: Slice,
+) -> (Vec<Timed>, f64) {
     let start = Instant::now();
-    let deadline = start + Duration::from_secs_f64(args.level_secs);
-    let budget = Arc::new(std::sync::atomic::AtomicU32::new(
-        args.max_requests_per_level,
-    ));
+    let deadline = start + Duration::from_secs_f64(slice.secs);
+    let budget = Arc::new(std::sync::atomic::AtomicU32::new(slice.max_requests));
     let mut workers = tokio::task::JoinSet::new();
     for _ in 0..concurrency {
         let client = client.clone();
@@ -379,11 +408,11 @@ async fn run_level(
             all.extend(done);
         }
     }
-    let wall = start.elapsed().as_secs_f64().max(1e-9);
-    summarize(concurrency, &all, wall)
+    (all, start.elapsed().as_secs_f64())
 }
 
 fn summarize(concurrency: u32, all: &[Timed], wall_secs: f64) -> LevelResult {
+    let wall_secs = wall_secs.max(1e-9);
     let ok: Vec<&Timed> = all.iter().filter(|t| t.ok).collect();
     let mut ttfts: Vec<f64> = ok.iter().filter_map(|t| t.ttft_ms).collect();
     let mut itls: Vec<f64> = ok.iter().flat_map(|t| t.itl_ms.iter().copied()).collect();
@@ -616,12 +645,25 @@ pub fn fit(sweep: &Sweep, name: &str) -> anyhow::Result<EngineConfig> {
     let decode_ms_by_batch: Vec<f64> = (1..=last_measured)
         .map(|b| round_to(interpolate(&decode, f64::from(b)), 2))
         .collect();
-    // TTFT alone at zero prompt tokens is one decode step plus what any prompt costs.
+    // TTFT alone is what any prompt costs, its tokens, and one decode step. The slope comes
+    // from the prefill series; the level from the sweep's own TTFT at concurrency 1 when
+    // there is one (its prompt length is the one the sweep runs, and a CPU's cost per
+    // prompt token is not one line from 16 to 512 tokens), else from the series' line.
     let one_step_ms = decode_ms_by_batch
         .first()
         .copied()
         .unwrap_or(decode_base_ms + decode_per_seq_ms);
-    let prefill_base_ms = (prefill_at_zero_ms - one_step_ms).max(0.0);
+    let alone_ms = sweep
+        .levels
+        .iter()
+        .find(|l| l.concurrency == 1 && l.ttft_p50_ms > 0.0)
+        .map_or(
+            prefill_at_zero_ms + prefill_us_per_token * f64::from(sweep.prompt_tokens) / 1000.0,
+            |l| l.ttft_p50_ms,
+        );
+    let prefill_base_ms =
+        (alone_ms - prefill_us_per_token * f64::from(sweep.prompt_tokens) / 1000.0 - one_step_ms)
+            .max(0.0);
     let max_model_len = sweep.server.max_model_len.unwrap_or(DEFAULT_MAX_MODEL_LEN);
     let kv = sweep
         .server
@@ -854,8 +896,10 @@ mod tests {
     #[test]
     fn fit_recovers_the_step_model_from_exact_measurements() {
         // ITL = 10 + 2·c ms up to 4 slots; beyond, the batch is full (ITL flat).
+        // TTFT alone at the sweep's 64 prompt tokens: 8 ms for any prompt + 64 × 0.3 ms +
+        // one 12 ms step.
         let levels = vec![
-            level(1, 2.0, 30.0, 12.0),
+            level(1, 2.0, 39.2, 12.0),
             level(2, 3.5, 31.0, 14.0),
             level(4, 5.5, 33.0, 18.0),
             level(8, 5.6, 400.0, 18.0),
@@ -878,7 +922,7 @@ mod tests {
         assert_eq!(c.gpu.max_running_seqs, 4);
         // The measured step costs, the missing batch of 3 on the line between 2 and 4.
         assert_eq!(c.gpu.decode_ms_by_batch, vec![12.0, 14.0, 16.0, 18.0]);
-        // TTFT at zero prompt tokens is 20 ms: one 12 ms step and 8 ms for any prompt.
+        // What any prompt costs beyond its tokens.
         assert!((c.gpu.prefill_base_ms - 8.0).abs() < 1e-6, "{:?}", c.gpu);
         // KV rounded down to whole blocks; the context kept.
         assert_eq!(c.gpu.kv_capacity_tokens, 4000 / 16 * 16);

@@ -21,6 +21,7 @@ async fn a_sweep_against_the_simulated_engine_completes_and_fits_a_loadable_prof
         levels: vec![1, 2],
         level_secs: 0.5,
         max_requests_per_level: 20,
+        rounds: 2,
         prompt_tokens: 64,
         output_tokens: 8,
         prefill_lengths: vec![16, 256],
