@@ -38,6 +38,7 @@ start_llama_servers 1 "${LLAMA[0]}" "${LLAMA[1]}" "$OUT"
 "$LEVEE" sim calibrate --target "${LLAMA_URLS[0]}" --name llamacpp-gemma3-270m-2core \
   --sweep-json "$OUT/real.json" --out "$PROFILE"
 stop_llama_servers
+sed -i "1i # Produced by bench/calibrate-llama.sh (one llama-server: --parallel 4 --ctx-size 8192 --threads 1)." "$PROFILE"
 
 echo "== fitted: levee engine --profile-file $PROFILE"
 PORT=$(free_port)
