@@ -6,8 +6,10 @@
 # --parallel is given) on one CPU thread (--threads 1), and Prometheus metrics (--metrics).
 # Why: on a 2-core machine two such servers use one core each; more threads per server
 # would make them fight each other (and levee and the load generator) for the same cores.
-# Four slots: the calibration sweep shows throughput stops growing past four sequences at
-# once on one core (BENCHMARKS.md, "A real engine").
+# Four slots: on one core a decode step costs nearly in proportion to its batch, so more
+# sequences at once add little throughput (the calibration sweep: 0.79 req/s alone, 0.92 at
+# four, no more past four; BENCHMARKS.md, "A real engine") and more slots would only
+# stretch every answer; four still take a new prompt in at once while others decode.
 
 LLAMA_PIDS=()
 LLAMA_URLS=()
