@@ -438,12 +438,16 @@ pub async fn send(
                 "cannot connect to backend {base}: {e}"
             ))),
             Ok(Err(e)) if tries_left > 0 && closed_before_answer(&e) => continue,
-            Ok(Err(e)) => Err(GatewayError::upstream(format!(
-                "backend {base} failed: {e}{}",
-                closed_before_answer(&e)
-                    .then_some(" (it closed the connection without answering)")
-                    .unwrap_or_default()
-            ))),
+            Ok(Err(e)) => {
+                let why = if closed_before_answer(&e) {
+                    " (it closed the connection without answering)"
+                } else {
+                    ""
+                };
+                Err(GatewayError::upstream(format!(
+                    "backend {base} failed: {e}{why}"
+                )))
+            }
             Err(_) => Err(GatewayError::upstream_timeout(started.elapsed())),
         };
     }
