@@ -622,6 +622,12 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
         (self.in_flight + self.queue.len()) as u64
     }
 
+    /// The place of a queued request in the order the queue would serve it now (1 = next);
+    /// see [`FairQueue::position_of`].
+    pub fn position_of(&self, ticket: crate::queue::Ticket) -> Option<usize> {
+        self.queue.position_of(ticket)
+    }
+
     /// Requests queued.
     pub fn queued(&self) -> usize {
         self.queue.len()
