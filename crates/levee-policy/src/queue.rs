@@ -674,7 +674,9 @@ impl<T, K: Hash + Eq + Ord + Clone> FairQueue<T, K> {
                 .range(*at..)
                 .enumerate()
                 .find_map(|(i, t)| self.peek_slot(*t).map(|s| (i, *t, s.cost)));
-            let Some((skip, t, cost)) = next else { continue };
+            let Some((skip, t, cost)) = next else {
+                continue;
+            };
             if t == ticket.0 {
                 return Some(ahead + served + 1);
             }
