@@ -76,6 +76,9 @@ struct Band {
     finished: VecDeque<Instant>,
     /// Mean run time (dispatch to result) of recent tasks, seconds (EWMA).
     service_s: Option<f64>,
+    /// The task last given a place, until admission has queued or dispatched it: tasks
+    /// enter admission one at a time, so they reach the fair queue in submission order.
+    entering: Option<String>,
 }
 
 struct Waiting {
@@ -215,7 +218,7 @@ impl Tasks {
         let mut band = self.band.lock();
         let width = usize::try_from(self.cfg.max_running).unwrap_or(usize::MAX);
         let mut next_due = None;
-        while band.live.len() < width {
+        while band.live.len() < width && band.entering.is_none() {
             let pick = band
                 .waiting
                 .iter()
@@ -231,6 +234,7 @@ impl Tasks {
                     self.clone()
                         .work(gw.clone(), w.id.clone(), seq, spot.clone()),
                 );
+            band.entering = Some(w.id.clone());
             band.live.insert(
                 w.id,
                 Live {
@@ -254,7 +258,12 @@ impl Tasks {
         struct Place<'a>(&'a Tasks, &'a str);
         impl Drop for Place<'_> {
             fn drop(&mut self) {
-                self.0.band.lock().live.remove(self.1);
+                let mut band = self.0.band.lock();
+                band.live.remove(self.1);
+                if band.entering.as_deref() == Some(self.1) {
+                    band.entering = None;
+                }
+                drop(band);
                 self.0.wake.notify_one();
             }
         }
@@ -331,6 +340,7 @@ impl Tasks {
             tokio::select! {
                 r = &mut run => break r,
                 _ = spot.changed() => {
+                    self.entered(id);
                     if spot.dispatched() {
                         self.mark_running(id);
                     }
@@ -378,6 +388,16 @@ impl Tasks {
                 let v = e.body_json();
                 Attempt::Done(Status::Failed, None, v.get("error").cloned())
             }
+        }
+    }
+
+    /// Admission has queued or dispatched `id`: the next task may enter.
+    fn entered(&self, id: &str) {
+        let mut band = self.band.lock();
+        if band.entering.as_deref() == Some(id) {
+            band.entering = None;
+            drop(band);
+            self.wake.notify_one();
         }
     }
 
