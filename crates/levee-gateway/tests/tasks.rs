@@ -713,3 +713,77 @@ async fn capacity_overload_points_to_tasks() {
     }
     gw.shutdown().await;
 }
+
+/// A backend that answers every request after `delay`.
+async fn slow_backend(delay: Duration) -> String {
+    let app = axum::Router::new().route(
+        "/v1/chat/completions",
+        axum::routing::post(move || async move {
+            tokio::time::sleep(delay).await;
+            axum::Json(json!({"id": "x", "object": "chat.completion", "model": "m",
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
+                "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}))
+        }),
+    );
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    tokio::spawn(async move {
+        let _ = axum::serve(l, app).await;
+    });
+    format!("http://{addr}")
+}
+
+/// The ETA promise on a steady load: tasks of 100 ms each through a band of 2; once the
+/// band's rate is measured, a new task's `eta_seconds` is within ±50% (+150 ms for polling
+/// and scheduling on a shared machine) of when it actually finishes.
+#[tokio::test]
+async fn eta_on_a_steady_load_is_within_half_of_the_actual_time() {
+    let url = slow_backend(Duration::from_millis(100)).await;
+    let gw = levee_gateway::start(task_config(&[url], 8, "eta", 2))
+        .await
+        .unwrap();
+    let base = gw.public_url();
+    let c = client();
+    let mut ids = Vec::new();
+    for i in 0..14 {
+        let t: Value = submit(&c, &base, "a", chat_body(&format!("w{i}")))
+            .await
+            .json()
+            .await
+            .unwrap();
+        ids.push(t["id"].as_str().unwrap().to_string());
+    }
+    // Let the band's rate and run time be measured.
+    for id in &ids[..4] {
+        wait_status(&c, &base, "a", id, "succeeded").await;
+    }
+    let submitted = std::time::Instant::now();
+    let t: Value = submit(&c, &base, "a", chat_body("probe"))
+        .await
+        .json()
+        .await
+        .unwrap();
+    let eta = t["eta_seconds"]
+        .as_f64()
+        .unwrap_or_else(|| panic!("no ETA: {t}"));
+    let id = t["id"].as_str().unwrap().to_string();
+    let mut actual = None;
+    for _ in 0..1_000 {
+        let v: Value = get(&c, &base, "a", &id).await.json().await.unwrap();
+        if v["status"] == "succeeded" {
+            actual = Some(submitted.elapsed().as_secs_f64());
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let actual = actual.expect("the probe task finished");
+    eprintln!(
+        "ETA {eta:.2} s at position {}, actual {actual:.2} s",
+        t["position"]
+    );
+    assert!(
+        (eta - actual).abs() <= 0.5 * actual + 0.15,
+        "ETA {eta:.2} s vs actual {actual:.2} s"
+    );
+    gw.shutdown().await;
+}
