@@ -72,8 +72,8 @@ struct Band {
     live: HashMap<String, Live>,
     /// Unfinished tasks per tenant (the submit quota).
     open: HashMap<String, u32>,
-    /// When recent tasks finished, for the band's drain rate.
-    finished: VecDeque<Instant>,
+    /// When recent tasks were dispatched and finished (Unix ms), for the band's drain rate.
+    finished: VecDeque<(u64, u64)>,
     /// Mean run time (dispatch to result) of recent tasks, seconds (EWMA).
     service_s: Option<f64>,
     /// The task last given a place, until admission has queued or dispatched it: tasks
@@ -461,12 +461,11 @@ impl Tasks {
                 *n = n.saturating_sub(1);
             }
             if status == Status::Succeeded {
-                let at = Instant::now();
-                band.finished.push_back(at);
-                while band.finished.len() > RATE_WINDOW {
-                    band.finished.pop_front();
-                }
                 if let (Some(s), Some(f)) = (done.started_ms, done.finished_ms) {
+                    band.finished.push_back((s, f));
+                    while band.finished.len() > RATE_WINDOW {
+                        band.finished.pop_front();
+                    }
                     let run = f.saturating_sub(s) as f64 / 1000.0;
                     band.service_s = Some(match band.service_s {
                         Some(m) => 0.8 * m + 0.2 * run,
@@ -679,21 +678,25 @@ impl Tasks {
     }
 }
 
-/// Completions per second over the last [`RATE_WINDOW`] finished tasks (at least three,
-/// within the last minute).
-fn drain_rate(finished: &VecDeque<Instant>) -> Option<f64> {
-    let now = Instant::now();
-    let recent: Vec<&Instant> = finished
+/// The band's drain rate: tasks finished per second over the last [`RATE_WINDOW`] that
+/// finished within a minute, counted from the earliest dispatch among them to the last
+/// finish (so the first finishes of a band that ran tasks side by side do not look like a
+/// burst, and the gaps between one task's end and the next one's dispatch are counted).
+/// At least two tasks.
+fn drain_rate(finished: &VecDeque<(u64, u64)>) -> Option<f64> {
+    let now = unix_ms();
+    let recent: Vec<(u64, u64)> = finished
         .iter()
-        .filter(|t| now.duration_since(**t) < Duration::from_secs(60))
+        .copied()
+        .filter(|(_, f)| now.saturating_sub(*f) < 60_000)
         .collect();
-    if recent.len() < 3 {
+    if recent.len() < 2 {
         return None;
     }
-    let span = recent[recent.len() - 1]
-        .duration_since(*recent[0])
-        .as_secs_f64();
-    (span > 0.0).then(|| (recent.len() - 1) as f64 / span)
+    let from = recent.iter().map(|(s, _)| *s).min()?;
+    let to = recent.iter().map(|(_, f)| *f).max()?;
+    let span = to.saturating_sub(from) as f64 / 1000.0;
+    (span > 0.0).then(|| recent.len() as f64 / span)
 }
 
 async fn post_callback(
