@@ -550,6 +550,9 @@ pub struct Class {
     pub slow_max_tokens: Dist,
     /// Model name sent; defaults to `request.model`.
     pub model: Option<String>,
+    /// This class's client behaviour instead of `client.behaviour` (e.g. `async` long jobs
+    /// beside interactive chat).
+    pub behaviour: Option<Behaviour>,
 }
 
 impl Default for Class {
@@ -564,6 +567,7 @@ impl Default for Class {
             slow_prompt_tokens: Dist::Constant { value: 8000.0 },
             slow_max_tokens: Dist::Constant { value: 1000.0 },
             model: None,
+            behaviour: None,
         }
     }
 }
@@ -639,6 +643,11 @@ pub enum Behaviour {
     Naive,
     /// levee-client's policy: full-jitter backoff, Retry-After, retry budget.
     Backoff,
+    /// An async client: submits the request to `POST /v1/tasks` (not streamed), polls
+    /// `GET /v1/tasks/{id}` at the interval the gateway advises (`poll_after_ms`), and takes
+    /// the result from the finished task. The report counts task outcomes and the error of
+    /// the ETA the gateway gave at submission. No retries.
+    Async,
 }
 
 /// Client behaviour: timeouts, retries, concurrency.
