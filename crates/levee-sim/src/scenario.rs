@@ -223,6 +223,12 @@ impl Scenario {
             if let Some(phases) = &t.phases {
                 validate_phases(phases, &format!("tenants[{i}].phases"))?;
             }
+            if let Some(c) = &t.class {
+                anyhow::ensure!(
+                    self.classes.iter().any(|k| &k.name == c),
+                    "tenants[{i}].class: no class named {c:?} under [[classes]]"
+                );
+            }
         }
         anyhow::ensure!(
             (0.0..=1.0).contains(&self.sessions.share),
@@ -591,6 +597,10 @@ pub struct Tenant {
     pub group: Option<String>,
     /// Extra traffic of this tenant alone, on top of its share: e.g. a noisy neighbour.
     pub phases: Option<Vec<Phase>>,
+    /// Every request of this tenant is of this class (by name), its sizes drawn from the
+    /// tenant's own generator: adding or removing such a tenant leaves everyone else's
+    /// requests exactly as they were (e.g. async long jobs beside interactive traffic).
+    pub class: Option<String>,
 }
 
 impl Default for Tenant {
@@ -602,6 +612,7 @@ impl Default for Tenant {
             tier: "standard".into(),
             group: None,
             phases: None,
+            class: None,
         }
     }
 }
