@@ -1137,6 +1137,48 @@ mod tests {
     }
 
     #[test]
+    fn tasks_need_a_configured_tier_and_set_secrets() {
+        let mut cfg = Config::default();
+        cfg.tasks.enabled = true;
+        cfg.tasks.max_running = 0;
+        cfg.tenants.push(TenantConfig {
+            name: "a".into(),
+            key_sha256: vec![hash_key("k")],
+            callback_secret_env: Some("LEVEE_TEST_UNSET_CALLBACK_SECRET".into()),
+            ..TenantConfig::default()
+        });
+        let errs = cfg.validate();
+        assert!(
+            errs.iter()
+                .any(|e| e.starts_with("tasks.tier: unknown tier \"batch\"")),
+            "{errs:?}"
+        );
+        assert!(
+            errs.iter().any(|e| e.starts_with("tasks.max_running")),
+            "{errs:?}"
+        );
+        assert!(
+            errs.iter()
+                .any(|e| e.starts_with("tenants[0].callback_secret_env")),
+            "{errs:?}"
+        );
+        cfg.tiers.insert(
+            "batch".into(),
+            TierConfig {
+                priority: 3,
+                ..TierConfig::default()
+            },
+        );
+        cfg.tasks.max_running = 2;
+        cfg.tenants[0].callback_secret_env = None;
+        assert!(cfg.validate().is_empty(), "{:?}", cfg.validate());
+        // Off, nothing about tasks is checked.
+        cfg.tasks.enabled = false;
+        cfg.tasks.tier = "nope".into();
+        assert!(cfg.validate().is_empty());
+    }
+
+    #[test]
     fn wrong_type_is_named_with_its_path() {
         let errs = Config::from_toml_str("[queue]\nhard = \"lots\"\n").unwrap_err();
         assert!(errs[0].starts_with("queue.hard"), "{errs:?}");

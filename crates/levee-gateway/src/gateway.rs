@@ -414,6 +414,9 @@ impl Gateway {
         if cfg.listen != old.cfg.listen {
             tracing::warn!("listen addresses changed in the new config; restart to apply them");
         }
+        if cfg.tasks != old.cfg.tasks {
+            tracing::warn!("[tasks] changed in the new config; restart to apply it");
+        }
         let rt = Runtime::build(cfg, Some(&old))?;
         let ip_changed = rt.cfg.ip_guard != old.cfg.ip_guard;
         let new_ip_quota = ip_quota(&rt.cfg);

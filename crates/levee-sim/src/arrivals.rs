@@ -153,7 +153,10 @@ pub fn build(scenario: &Scenario) -> anyhow::Result<Schedule> {
                 .classes
                 .iter()
                 .position(|c| Some(&c.name) == t.class.as_ref())?;
-            Some((class, SmallRng::seed_from_u64(seed ^ (0x636c_6100 + i as u64))))
+            Some((
+                class,
+                SmallRng::seed_from_u64(seed ^ (0x636c_6100 + i as u64)),
+            ))
         })
         .collect();
     let mut arrivals = Vec::with_capacity(tagged.len());

@@ -35,6 +35,14 @@ pub const BUILTIN: &[(&str, &str)] = &[
         "crash-mid-flood",
         include_str!("../../../scenarios/crash-mid-flood.toml"),
     ),
+    (
+        "async-batch",
+        include_str!("../../../scenarios/async-batch.toml"),
+    ),
+    (
+        "async-batch-baseline",
+        include_str!("../../../scenarios/async-batch-baseline.toml"),
+    ),
 ];
 
 /// Names of the shipped scenarios.

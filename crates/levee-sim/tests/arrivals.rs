@@ -222,7 +222,12 @@ fn a_tenant_with_its_own_class_leaves_everyone_elses_requests_unchanged() {
         ..Default::default()
     });
     let with = build(&s).unwrap();
-    let others: Vec<_> = with.arrivals.iter().filter(|a| a.tenant == 0).copied().collect();
+    let others: Vec<_> = with
+        .arrivals
+        .iter()
+        .filter(|a| a.tenant == 0)
+        .copied()
+        .collect();
     assert_eq!(others, base.arrivals, "interactive requests identical");
     let batch: Vec<_> = with.arrivals.iter().filter(|a| a.tenant == 1).collect();
     assert!(batch.len() > 20, "{}", batch.len());
