@@ -556,9 +556,14 @@ impl Tasks {
         let ahead_waiting = band.waiting.range(..t.seq).count();
         let in_queue = band.live.values().filter(|l| l.started.is_none()).count();
         let p = ahead_waiting + in_queue + 1;
+        // Band places must free for it and every task ahead of it, less the places free now.
+        let free = usize::try_from(self.cfg.max_running)
+            .unwrap_or(usize::MAX)
+            .saturating_sub(band.live.len());
+        let starts = (ahead_waiting + 1).saturating_sub(free) as f64;
         let eta = match (service, drain_rate(&band.finished)) {
-            (Some(s), Some(r)) => Some(p as f64 / r + s),
-            (Some(s), None) => Some((p as f64 / width).ceil() * s + s),
+            (Some(s), Some(r)) => Some(starts / r + s),
+            (Some(s), None) => Some((starts / width).ceil() * s + s),
             _ => None,
         };
         (Some(p), eta)
