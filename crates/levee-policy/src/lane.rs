@@ -23,6 +23,7 @@ use crate::fasthash::FastState;
 use crate::queue::{Entry, FairQueue, Pick, QueueLimits, QueueStats, Tier};
 use crate::retry::DrainRate;
 use crate::watermark::Watermarks;
+use std::cell::RefCell;
 use std::collections::HashMap;
 use std::hash::Hash;
 use std::sync::Arc;
@@ -93,6 +94,8 @@ struct Backend {
     in_flight: usize,
     tokens: u64,
     report: Option<(BackendReport, Timestamp)>,
+    /// Out of routing by outlier ejection until then (its breaker is held open as well).
+    ejected_until: Option<Timestamp>,
 }
 
 impl Backend {
@@ -197,6 +200,23 @@ impl TenantUse {
         }
     }
 
+    fn left_queue(&mut self, cost: u64) {
+        self.queued = self.queued.saturating_sub(1);
+        self.queued_tokens = self.queued_tokens.saturating_sub(cost);
+    }
+
+    /// The next time `active` or the recency of its peak would change by time alone.
+    fn expiry(&self, now: Timestamp, window: Duration) -> Option<Timestamp> {
+        let idle_until = (self.idle() && now.saturating_duration_since(self.last_seen) <= window)
+            .then(|| self.last_seen + window);
+        let peak_until =
+            (now.saturating_duration_since(self.peak_at) <= window).then(|| self.peak_at + window);
+        match (idle_until, peak_until) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
     fn idle(&self) -> bool {
         self.in_flight == 0 && self.queued == 0
     }
@@ -276,6 +296,10 @@ pub struct Lane<P, K> {
     backends: Vec<Backend>,
     queue: FairQueue<P, K>,
     tenants: HashMap<K, TenantUse, FastState>,
+    /// The fair-share sums over `tenants`, kept in step as each tenant's figures change;
+    /// `None` when they must be built again (a tenant became active or idle, a weight or
+    /// tier changed, the backends changed, or time moved past a window).
+    shares: RefCell<Option<ShareTable>>,
     in_flight: usize,
     drain: DrainRate,
     /// Mean time a request holds a backend (EWMA, seconds), from completions.
@@ -297,6 +321,7 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
             cfg,
             backends: Vec::new(),
             tenants: HashMap::default(),
+            shares: RefCell::new(None),
             in_flight: 0,
             drain: DrainRate::new(Duration::from_secs(5)),
             service_secs: None,
@@ -325,6 +350,44 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
             }
         }
         self.cfg = cfg;
+        self.forget_shares();
+    }
+
+    /// Drops the fair-share sums; the next judgement builds them again.
+    fn forget_shares(&mut self) {
+        *self.shares.get_mut() = None;
+    }
+
+    /// Changes `tenant`'s figures through `f` and keeps the fair-share sums in step: its
+    /// part is taken out before and put back after, unless it became active or idle, which
+    /// changes everyone's shares.
+    fn update_tenant(&mut self, tenant: &K, now: Timestamp, f: impl FnOnce(&mut TenantUse)) {
+        let window = self.cfg.fair_share_window;
+        let Some(u) = self.tenants.get_mut(tenant) else {
+            return;
+        };
+        let shares = self.shares.get_mut();
+        let table = match shares {
+            Some(t) if t.valid_at(now) => t,
+            _ => {
+                *shares = None;
+                f(u);
+                return;
+            }
+        };
+        let was_active = u.active(now, window);
+        if was_active {
+            table.apply(u, now, window, Sign::Minus);
+        }
+        f(u);
+        if u.active(now, window) != was_active {
+            *shares = None;
+        } else if was_active {
+            table.apply(u, now, window, Sign::Plus);
+            if let Some(e) = u.expiry(now, window) {
+                table.expires = table.expires.min(e);
+            }
+        }
     }
 
     /// Sets the backends by id, keeping the live state (in flight, breaker, report) of those
@@ -350,11 +413,13 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
                     in_flight: 0,
                     tokens: 0,
                     report: None,
+                    ejected_until: None,
                 },
             };
             self.backends.push(b);
         }
         self.in_flight = self.backends.iter().map(|b| b.in_flight).sum();
+        self.forget_shares();
     }
 
     fn backend_mut(&mut self, id: &str) -> Option<&mut Backend> {
@@ -364,11 +429,14 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
     /// Changes a backend's limits (learned from the engine). `false` if there is no such
     /// backend.
     pub fn set_backend_limits(&mut self, id: &str, limits: BackendLimits) -> bool {
-        self.backend_mut(id).map(|b| b.limits = limits).is_some()
+        let found = self.backend_mut(id).map(|b| b.limits = limits).is_some();
+        self.forget_shares();
+        found
     }
 
     /// Marks a backend routable or not (health checks, outlier ejection).
     pub fn set_routable(&mut self, id: &str, routable: bool) {
+        self.forget_shares();
         if let Some(b) = self.backend_mut(id) {
             b.routable = routable;
         }
@@ -379,6 +447,9 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
     pub fn eject(&mut self, id: &str, until: Timestamp, now: Timestamp) {
         if let Some(b) = self.backend_mut(id) {
             b.breaker.hold_open(until, now);
+            if until > now {
+                b.ejected_until = Some(b.ejected_until.map_or(until, |u| u.max(until)));
+            }
         }
     }
 
@@ -400,26 +471,29 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
     }
 
     fn tenant_entry(&mut self, tenant: &K, tier: Tier, weight: u32, now: Timestamp) {
-        if !self.tenants.contains_key(tenant) {
-            if self.tenants.len() >= 1024 {
-                let window = self.cfg.fair_share_window;
-                self.tenants.retain(|_, u| u.active(now, window));
+        let weight = weight.max(1);
+        match self.tenants.get_mut(tenant) {
+            Some(u) if u.tier == tier && u.weight == weight => return,
+            Some(u) => {
+                u.tier = tier;
+                u.weight = weight;
             }
-            self.tenants
-                .insert(tenant.clone(), TenantUse::new(tier, weight, now));
+            None => {
+                if self.tenants.len() >= 1024 {
+                    let window = self.cfg.fair_share_window;
+                    self.tenants.retain(|_, u| u.active(now, window));
+                }
+                self.tenants
+                    .insert(tenant.clone(), TenantUse::new(tier, weight, now));
+            }
         }
-        if let Some(u) = self.tenants.get_mut(tenant) {
-            u.tier = tier;
-            u.weight = weight.max(1);
-        }
+        self.forget_shares();
     }
 
     /// Records an arrival of `tenant` (for the fair-share reserve) and sets its weight.
     pub fn note_arrival(&mut self, tenant: &K, tier: Tier, weight: u32, now: Timestamp) {
         self.tenant_entry(tenant, tier, weight, now);
-        if let Some(u) = self.tenants.get_mut(tenant) {
-            u.last_seen = now;
-        }
+        self.update_tenant(tenant, now, |u| u.last_seen = now);
         self.queue.set_weight(tenant.clone(), weight);
     }
 
@@ -428,6 +502,7 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
             backends: &self.backends,
             tenants: &self.tenants,
             cfg: &self.cfg,
+            shares: &self.shares,
         }
     }
 
@@ -464,11 +539,11 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
         self.in_flight += 1;
         self.drain.record(1, now);
         let window = self.cfg.fair_share_window;
-        if let Some(u) = self.tenants.get_mut(tenant) {
+        self.update_tenant(tenant, now, |u| {
             u.in_flight += 1;
             u.tokens += kv_cost;
             u.note_peak(now, window);
-        }
+        });
         Some(Placement {
             backend: id,
             kv_tokens: kv_cost,
@@ -499,10 +574,10 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
             }
             self.in_flight = self.in_flight.saturating_sub(1);
         }
-        if let Some(u) = self.tenants.get_mut(tenant) {
+        self.update_tenant(tenant, now, |u| {
             u.in_flight = u.in_flight.saturating_sub(1);
             u.tokens = u.tokens.saturating_sub(kv_tokens);
-        }
+        });
         if outcome == Outcome::Success {
             let secs = now.saturating_duration_since(at).as_secs_f64();
             self.service_secs = Some(match self.service_secs {
@@ -526,19 +601,16 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
             .queue
             .push(tier, tenant.clone(), cost, now, deadline, item)?;
         let window = self.cfg.fair_share_window;
-        if let Some(u) = self.tenants.get_mut(tenant) {
+        self.update_tenant(tenant, now, |u| {
             u.queued += 1;
             u.queued_tokens += cost;
             u.note_peak(now, window);
-        }
+        });
         Ok(t)
     }
 
-    fn left_queue(&mut self, tenant: &K, cost: u64) {
-        if let Some(u) = self.tenants.get_mut(tenant) {
-            u.queued = u.queued.saturating_sub(1);
-            u.queued_tokens = u.queued_tokens.saturating_sub(cost);
-        }
+    fn left_queue(&mut self, tenant: &K, cost: u64, now: Timestamp) {
+        self.update_tenant(tenant, now, |u| u.left_queue(cost));
     }
 
     /// Takes the next queued entry that may go now, with the backend it goes to. `kv_of`
@@ -555,12 +627,14 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
             backends,
             tenants,
             cfg,
+            shares,
             ..
         } = self;
         let view = LaneView {
             backends,
             tenants,
             cfg,
+            shares,
         };
         let entry = queue.pop_where(|tenant, cost| {
             let kv = kv_of(tenant, cost);
@@ -575,14 +649,18 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
                 None => Pick::Stop,
             }
         })?;
-        self.left_queue(&entry.tenant, entry.cost);
+        self.left_queue(&entry.tenant, entry.cost, now);
         Some((entry, target?))
     }
 
     /// Removes a queued entry (cancelled).
     pub(crate) fn cancel(&mut self, ticket: crate::queue::Ticket) -> Option<Entry<P, K>> {
         let e = self.queue.cancel(ticket)?;
-        self.left_queue(&e.tenant, e.cost);
+        // No clock here: the sums are rebuilt at the next judgement.
+        self.forget_shares();
+        if let Some(u) = self.tenants.get_mut(&e.tenant) {
+            u.left_queue(e.cost);
+        }
         Some(e)
     }
 
@@ -590,18 +668,23 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
     pub(crate) fn expire_into(&mut self, now: Timestamp, out: &mut Vec<Entry<P, K>>) {
         let from = out.len();
         self.queue.expire_into(now, out);
+        if out.len() > from {
+            self.forget_shares();
+        }
         for e in &out[from..] {
             if let Some(u) = self.tenants.get_mut(&e.tenant) {
-                u.queued = u.queued.saturating_sub(1);
-                u.queued_tokens = u.queued_tokens.saturating_sub(e.cost);
+                u.left_queue(e.cost);
             }
         }
     }
 
     /// Removes every queued entry into `out` (the lane cannot serve them).
     pub(crate) fn drain_into(&mut self, out: &mut Vec<Entry<P, K>>) {
+        self.forget_shares();
         while let Some(e) = self.queue.pop() {
-            self.left_queue(&e.tenant, e.cost);
+            if let Some(u) = self.tenants.get_mut(&e.tenant) {
+                u.left_queue(e.cost);
+            }
             out.push(e);
         }
     }
@@ -686,9 +769,27 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
     /// Why nothing can be served now, if so, and when to try again (the earliest breaker
     /// probe; `None` when that is unknown).
     pub fn unservable(&self, now: Timestamp) -> Option<(Unservable, Option<Duration>)> {
-        let healthy: Vec<&Backend> = self.backends.iter().filter(|b| b.routable).collect();
+        // Down (health checks) and ejected (outlier detection) backends are not healthy; a
+        // lane with nothing else answers `NoHealthyBackend`, with the earliest end of an
+        // ejection as the time to try again.
+        let ejected_for = |b: &Backend| {
+            b.ejected_until
+                .filter(|u| *u > now)
+                .map(|u| u.saturating_duration_since(now))
+        };
+        let healthy: Vec<&Backend> = self
+            .backends
+            .iter()
+            .filter(|b| b.routable && ejected_for(b).is_none())
+            .collect();
         if healthy.is_empty() {
-            return Some((Unservable::NoHealthyBackend, None));
+            let back = self
+                .backends
+                .iter()
+                .filter(|b| b.routable)
+                .filter_map(ejected_for)
+                .min();
+            return Some((Unservable::NoHealthyBackend, back));
         }
         if healthy
             .iter()
@@ -753,65 +854,172 @@ struct LaneView<'a, K> {
     backends: &'a [Backend],
     tenants: &'a HashMap<K, TenantUse, FastState>,
     cfg: &'a LaneConfig,
+    shares: &'a RefCell<Option<ShareTable>>,
+}
+
+/// What fair shares are cut from, summed over the tenants active in the fair-share window:
+/// built in one pass over the tenants, then kept in step as each tenant's figures change,
+/// so judging a candidate costs O(1) instead of a pass over every tenant.
+#[derive(Debug)]
+struct ShareTable {
+    /// Request slots of the routable backends.
+    slots: u64,
+    /// Usable KV tokens of the routable backends, if every one is known.
+    tokens: Option<u64>,
+    /// Index `p`: sums over the active tenants at priority `p` or higher.
+    by_tier: Vec<TierSums>,
+    /// When it was built; it holds from then until `expires`, when a tenant's activity or
+    /// the recency of its peak changes by time alone.
+    built: Timestamp,
+    expires: Timestamp,
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Sign {
+    Plus,
+    Minus,
+}
+
+impl ShareTable {
+    fn build<K>(
+        tenants: &HashMap<K, TenantUse, FastState>,
+        backends: &[Backend],
+        cfg: &LaneConfig,
+        now: Timestamp,
+    ) -> Self {
+        let window = cfg.fair_share_window;
+        let routable = || backends.iter().filter(|b| b.routable);
+        let slots: u64 = routable().map(|b| b.limits.max_in_flight as u64).sum();
+        let tokens: Option<u64> = routable().map(|b| b.usable_tokens(cfg.kv_headroom)).sum();
+        let tiers = tenants
+            .values()
+            .map(|u| usize::from(u.tier.0) + 1)
+            .max()
+            .unwrap_or(0);
+        let mut table = ShareTable {
+            slots,
+            tokens,
+            by_tier: vec![TierSums::default(); tiers],
+            built: now,
+            expires: Timestamp::MAX,
+        };
+        for u in tenants.values() {
+            if let Some(e) = u.expiry(now, window) {
+                table.expires = table.expires.min(e);
+            }
+            if u.active(now, window) {
+                for sums in &mut table.by_tier[usize::from(u.tier.0)..] {
+                    sums.active += 1;
+                    sums.weights += u64::from(u.weight);
+                }
+            }
+        }
+        for u in tenants.values().filter(|u| u.active(now, window)) {
+            table.apply(u, now, window, Sign::Plus);
+        }
+        table
+    }
+
+    fn valid_at(&self, now: Timestamp) -> bool {
+        self.built <= now && now <= self.expires
+    }
+
+    /// Adds or takes out what active tenant `u` reserves, at its priority and below.
+    fn apply(&mut self, u: &TenantUse, now: Timestamp, window: Duration, sign: Sign) {
+        let (slots, tokens) = (self.slots, self.tokens);
+        for sums in self.by_tier.iter_mut().skip(usize::from(u.tier.0)) {
+            let (r, t) = u.reserve(now, window, slots, tokens, sums.weights);
+            match sign {
+                Sign::Plus => {
+                    sums.reserve_requests += r;
+                    sums.reserve_tokens += t;
+                }
+                Sign::Minus => {
+                    sums.reserve_requests = sums.reserve_requests.saturating_sub(r);
+                    sums.reserve_tokens = sums.reserve_tokens.saturating_sub(t);
+                }
+            }
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, Default)]
+struct TierSums {
+    active: usize,
+    weights: u64,
+    /// What these tenants reserve (each: its weighted share or its recent need, the smaller).
+    reserve_requests: u64,
+    reserve_tokens: u64,
+}
+
+impl TenantUse {
+    /// What this tenant reserves against the others: the smaller of its weighted share of
+    /// `slots`/`tokens` (`weights` summed over the tenants at the judged priority) and its
+    /// recent need — its peak outstanding use plus one request.
+    fn reserve(
+        &self,
+        now: Timestamp,
+        window: Duration,
+        slots: u64,
+        tokens: Option<u64>,
+        weights: u64,
+    ) -> (u64, u64) {
+        let share = |total: u64| total.saturating_mul(u64::from(self.weight)) / weights.max(1);
+        let recent = now.saturating_duration_since(self.peak_at) <= window;
+        let (peak_r, peak_t) = if recent {
+            (self.peak_requests, self.peak_tokens)
+        } else {
+            (0, 0)
+        };
+        let need_r = (self.in_flight + self.queued).max(peak_r) as u64 + 1;
+        let reserve_r = share(slots).min(need_r);
+        let reserve_t = tokens.map_or(0, |t| {
+            // One average request of headroom on top of its peak.
+            let held = (self.tokens + self.queued_tokens).max(peak_t);
+            let per_req = held.checked_div(need_r.saturating_sub(1)).unwrap_or(0);
+            share(t).min(held + per_req)
+        });
+        (reserve_r, reserve_t)
+    }
 }
 
 impl<K: Hash + Eq> LaneView<'_, K> {
+    /// The request slots, usable tokens and the sums at priority `tier`, building the
+    /// sums first if they are stale.
+    fn sums(&self, tier: Tier, now: Timestamp) -> Option<(u64, Option<u64>, TierSums)> {
+        let mut shares = self.shares.borrow_mut();
+        if !shares.as_ref().is_some_and(|t| t.valid_at(now)) {
+            *shares = Some(ShareTable::build(
+                self.tenants,
+                self.backends,
+                self.cfg,
+                now,
+            ));
+        }
+        let t = shares.as_ref()?;
+        Some((t.slots, t.tokens, *t.by_tier.get(usize::from(tier.0))?))
+    }
+
     /// The most `tenant` may hold now, in requests and KV tokens, or `None` when it is
-    /// alone at its priority and may take everything.
+    /// alone at its priority and may take everything. Every other tenant active at the same
+    /// or a higher priority keeps what it reserves; `tenant` may have the rest, and never
+    /// less than its own weighted share.
     fn share_cap(&self, tenant: &K, now: Timestamp) -> Option<(usize, Option<u64>)> {
         let me = self.tenants.get(tenant)?;
         let window = self.cfg.fair_share_window;
-        let mut weights = u64::from(me.weight);
-        let mut others = false;
-        for (k, u) in self.tenants.iter() {
-            if k == tenant || u.tier > me.tier || !u.active(now, window) {
-                continue;
-            }
-            others = true;
-            weights += u64::from(u.weight);
-        }
-        if !others {
+        let (slots, tokens, sums) = self.sums(me.tier, now)?;
+        // Only a tenant with a request running is capped, so it is active and the sums
+        // count it: take its own part out.
+        if !me.active(now, window) || sums.active < 2 {
             return None;
         }
-        let slots: usize = self
-            .backends
-            .iter()
-            .filter(|b| b.routable)
-            .map(|b| b.limits.max_in_flight)
-            .sum();
-        let tokens: Option<u64> = self
-            .backends
-            .iter()
-            .filter(|b| b.routable)
-            .map(|b| b.usable_tokens(self.cfg.kv_headroom))
-            .sum();
-        let share = |total: u64, w: u32| total.saturating_mul(u64::from(w)) / weights.max(1);
-        let (mut reserve_req, mut reserve_tok) = (0u64, 0u64);
-        for (k, u) in self.tenants.iter() {
-            if k == tenant || u.tier > me.tier || !u.active(now, window) {
-                continue;
-            }
-            let recent = now.saturating_duration_since(u.peak_at) <= window;
-            let (peak_r, peak_t) = if recent {
-                (u.peak_requests, u.peak_tokens)
-            } else {
-                (0, 0)
-            };
-            let need_r = (u.in_flight + u.queued).max(peak_r) as u64 + 1;
-            reserve_req += share(slots as u64, u.weight).min(need_r);
-            if let Some(t) = tokens {
-                // One average request of headroom on top of its peak.
-                let per_req = (u.tokens + u.queued_tokens)
-                    .max(peak_t)
-                    .checked_div(need_r.saturating_sub(1))
-                    .unwrap_or(0);
-                let need_t = (u.tokens + u.queued_tokens).max(peak_t) + per_req;
-                reserve_tok += share(t, u.weight).min(need_t);
-            }
-        }
-        let cap_req =
-            share(slots as u64, me.weight).max((slots as u64).saturating_sub(reserve_req));
-        let cap_tok = tokens.map(|t| share(t, me.weight).max(t.saturating_sub(reserve_tok)));
+        let weights = sums.weights;
+        let (own_r, own_t) = me.reserve(now, window, slots, tokens, weights);
+        let reserve_req = sums.reserve_requests.saturating_sub(own_r);
+        let reserve_tok = sums.reserve_tokens.saturating_sub(own_t);
+        let share = |total: u64| total.saturating_mul(u64::from(me.weight)) / weights.max(1);
+        let cap_req = share(slots).max(slots.saturating_sub(reserve_req));
+        let cap_tok = tokens.map(|t| share(t).max(t.saturating_sub(reserve_tok)));
         Some((usize::try_from(cap_req).unwrap_or(usize::MAX), cap_tok))
     }
 
@@ -844,5 +1052,83 @@ impl<K: Hash + Eq> LaneView<'_, K> {
             }
         }
         best.map(|(i, _)| i)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Arrive(u8),
+        Push(u8, u64),
+        Dispatch,
+        Complete,
+        Advance(u64),
+        Routable(bool),
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            (0u8..6).prop_map(Op::Arrive),
+            ((0u8..6), 1u64..500).prop_map(|(t, c)| Op::Push(t, c)),
+            Just(Op::Dispatch),
+            Just(Op::Complete),
+            (0u64..4_000).prop_map(Op::Advance),
+            any::<bool>().prop_map(Op::Routable),
+        ]
+    }
+
+    fn sums_of(t: &ShareTable) -> Vec<(usize, u64, u64, u64)> {
+        t.by_tier
+            .iter()
+            .map(|s| (s.active, s.weights, s.reserve_requests, s.reserve_tokens))
+            .collect()
+    }
+
+    proptest! {
+        /// The sums kept in step as tenants change are the sums a fresh pass over the
+        /// tenants gives, whatever happened and however much time passed.
+        #[test]
+        fn kept_in_step_sums_equal_a_fresh_build(ops in proptest::collection::vec(op(), 1..120)) {
+            let mut cfg = LaneConfig::new(Watermarks { safe: 1_000, soft: 2_000, hard: 3_000 });
+            cfg.fair_share_window = Duration::from_secs(2);
+            let mut lane: Lane<u32, u8> = Lane::new(cfg, 3);
+            let limits = BackendLimits { max_in_flight: 4, kv_tokens: Some(2_000) };
+            lane.set_backends(vec![(Arc::from("a"), limits), (Arc::from("b"), limits)]);
+            let mut now = Timestamp::from_nanos(1);
+            let mut running: Vec<(u8, Placement)> = Vec::new();
+            for op in ops {
+                match op {
+                    Op::Arrive(t) => lane.note_arrival(&t, Tier(t % 3), 1 + u32::from(t % 2), now),
+                    Op::Push(t, c) => {
+                        lane.note_arrival(&t, Tier(t % 3), 1 + u32::from(t % 2), now);
+                        let _ = lane.push(Tier(t % 3), &t, c, now, now + Duration::from_secs(60), 0);
+                    }
+                    Op::Dispatch => {
+                        if let Some((e, i)) = lane.next_ready(now, |_, c| c) {
+                            if let Some(p) = lane.place(i, &e.tenant, e.cost, now) {
+                                running.push((e.tenant, p));
+                            }
+                        }
+                    }
+                    Op::Complete => {
+                        if !running.is_empty() {
+                            let (t, p) = running.remove(0);
+                            lane.release(&t, p, Outcome::Success, now);
+                        }
+                    }
+                    Op::Advance(ms) => now = now + Duration::from_millis(ms),
+                    Op::Routable(r) => lane.set_routable("b", r),
+                }
+                let kept = lane.shares.borrow().as_ref().filter(|t| t.valid_at(now)).map(sums_of);
+                if let Some(kept) = kept {
+                    let fresh = ShareTable::build(&lane.tenants, &lane.backends, &lane.cfg, now);
+                    prop_assert_eq!(kept, sums_of(&fresh));
+                }
+            }
+        }
     }
 }

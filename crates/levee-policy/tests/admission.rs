@@ -414,6 +414,27 @@ fn an_unservable_lane_refuses_and_drains_its_queue_at_once() {
 }
 
 #[test]
+fn a_lane_whose_backends_are_all_ejected_has_no_healthy_backend() {
+    let clock = ManualClock::new();
+    let mut a = admission(1, None, lane(100, 200, 300));
+    a.set_backends(&"m", vec![backend("b0", 1, None), backend("b1", 1, None)]);
+    let t0 = clock.now();
+    a.eject(&"m", "b0", t0 + Duration::from_secs(30), t0);
+    assert!(a.fail_unservable(&"m", t0).is_empty(), "b1 still serves");
+    a.eject(&"m", "b1", t0 + Duration::from_secs(10), t0);
+    let r = refusal(a.admit(&req("a", 0, 10), 1, t0));
+    assert_eq!(r.reason.code(), "no_healthy_backend");
+    // Retry when the first ejection ends, not never.
+    assert_eq!(
+        r.retry_after.unwrap().as_duration(),
+        Duration::from_secs(10)
+    );
+    // When an ejection ends the backend is healthy again (its breaker lets a probe through).
+    clock.advance(Duration::from_secs(10));
+    dispatched(a.admit(&req("a", 0, 10), 2, clock.now()));
+}
+
+#[test]
 fn redispatch_moves_a_failed_request_to_another_backend() {
     let clock = ManualClock::new();
     let mut a = admission(1, None, lane(100, 200, 300));
