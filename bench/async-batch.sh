@@ -6,11 +6,13 @@
 # at 0.2/s to /v1/tasks), each on fresh engines and a fresh gateway and task store, and
 # prints the chat's goodput and TTFT side by side, and the tasks' outcomes and ETA error.
 #
-#   bench/async-batch.sh          # MAX_RUNNING=4 LEVEE_BIN=target/release/levee
+#   bench/async-batch.sh          # MAX_RUNNING=4 JOB_RPS=0.2 LEVEE_BIN=target/release/levee
+# JOB_RPS sets the jobs' submission rate (the scenario's 0.2/s by default).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=${LEVEE_BIN:-target/release/levee}
 MAX_RUNNING=${MAX_RUNNING:-4}
+JOB_RPS=${JOB_RPS:-0.2}
 [ -x "$BIN" ] || { echo "no levee binary at $BIN (cargo build --release -p levee)" >&2; exit 1; }
 
 TMP=$(mktemp -d /tmp/levee-async-batch.XXXXXX)
@@ -92,9 +94,11 @@ TOML
   wait "${pids[@]}" 2>/dev/null || true
 }
 
+sed "s/rps = 0.2 }/rps = $JOB_RPS }/" scenarios/async-batch.toml >"$TMP/async-batch.toml"
+grep -q "rps = $JOB_RPS }" "$TMP/async-batch.toml" || { echo "could not set JOB_RPS" >&2; exit 1; }
 uptime
 run scenarios/async-batch-baseline.toml baseline
-run scenarios/async-batch.toml with-jobs
+run "$TMP/async-batch.toml" with-jobs
 python3 - "$TMP/baseline/report.json" "$TMP/with-jobs/report.json" <<'PY'
 import json, sys
 base, jobs = (json.load(open(p)) for p in sys.argv[1:3])
