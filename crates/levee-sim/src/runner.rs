@@ -769,7 +769,7 @@ async fn execute_task(ctx: &Ctx, req: &Req, first_permit: Option<OwnedSemaphoreP
             record.done_ns = ns_since(ctx.start);
             record.kind = match submitted {
                 Err(k) => k,
-                Ok((status, v)) if status == 429 => {
+                Ok((429, v)) => {
                     Kind::RateLimited(v["error"]["code"].as_str().unwrap_or("unknown").to_string())
                 }
                 Ok((status, _)) => Kind::Status(status),

@@ -205,8 +205,10 @@ fn mixes_follow_weights_and_shares() {
 
 #[test]
 fn a_tenant_with_its_own_class_leaves_everyone_elses_requests_unchanged() {
-    let mut s = Scenario::default();
-    s.phases = steady(20.0, 30.0);
+    let mut s = Scenario {
+        phases: steady(20.0, 30.0),
+        ..Default::default()
+    };
     s.classes.push(levee_sim::scenario::Class {
         name: "long-job".into(),
         weight: 0.0,
