@@ -131,6 +131,18 @@ impl Tasks {
         })
     }
 
+    /// Runs a store call on tokio's blocking pool: a durable commit waits for the disk
+    /// (fsync), and a worker thread stalled on it would stall every request it serves.
+    async fn db<R: Send + 'static>(
+        self: &Arc<Self>,
+        f: impl FnOnce(&dyn TaskStore) -> Result<R, StoreError> + Send + 'static,
+    ) -> Result<R, StoreError> {
+        let me = self.clone();
+        tokio::task::spawn_blocking(move || f(me.store.as_ref()))
+            .await
+            .unwrap_or_else(|e| Err(StoreError::Db(format!("a store call did not finish: {e}"))))
+    }
+
     /// Re-queues what a previous run left queued or running (in submission order), resumes
     /// undelivered callbacks, and starts the band's feeder and the expiry sweep.
     pub fn start(self: Arc<Self>, gw: &Arc<Gateway>) -> anyhow::Result<()> {
@@ -203,7 +215,7 @@ impl Tasks {
                     _ = tokio::time::sleep(every) => {}
                 }
                 let Some(gw) = weak.upgrade() else { break };
-                if let Err(e) = me.clone().sweep(&gw) {
+                if let Err(e) = me.sweep(&gw).await {
                     tracing::error!("task sweep: {e}");
                 }
             }
@@ -272,21 +284,31 @@ impl Tasks {
         match outcome {
             Attempt::Done(status, result, error) => {
                 drop(place);
-                self.finish(&gw, &id, status, result, error);
+                self.finish(&gw, &id, status, result, error).await;
             }
             Attempt::Retry(after) => {
-                let back = self.store.update(&id, &mut |t| {
-                    if t.status != Status::Running {
-                        return t.status == Status::Queued;
-                    }
-                    t.status = Status::Queued;
-                    true
-                });
-                if let Err(e) = back {
-                    tracing::error!("task {id}: {e}");
-                }
+                let key = id.clone();
+                let back = self
+                    .db(move |st| {
+                        st.update(&key, &mut |t| {
+                            if t.status != Status::Running {
+                                return false;
+                            }
+                            t.status = Status::Queued;
+                            true
+                        })?;
+                        st.get(&key)
+                    })
+                    .await;
                 drop(place);
-                let still_open = matches!(self.store.get(&id), Ok(Some(t)) if !t.status.is_final());
+                let still_open = match back {
+                    Ok(Some(t)) => !t.status.is_final(),
+                    Ok(None) => false,
+                    Err(e) => {
+                        tracing::error!("task {id}: {e}");
+                        true
+                    }
+                };
                 if still_open {
                     self.band.lock().waiting.insert(
                         seq,
@@ -302,8 +324,9 @@ impl Tasks {
         }
     }
 
-    async fn attempt(&self, gw: &Arc<Gateway>, id: &str, spot: &QueueSpot) -> Attempt {
-        let task = match self.store.get(id) {
+    async fn attempt(self: &Arc<Self>, gw: &Arc<Gateway>, id: &str, spot: &QueueSpot) -> Attempt {
+        let key = id.to_string();
+        let task = match self.db(move |st| st.get(&key)).await {
             Ok(Some(t)) if !t.status.is_final() => t,
             Ok(_) => return Attempt::Leave,
             Err(e) => {
@@ -342,13 +365,13 @@ impl Tasks {
                 _ = spot.changed() => {
                     self.entered(id);
                     if spot.dispatched() {
-                        self.mark_running(id);
+                        self.mark_running(id).await;
                     }
                 }
             }
         };
         if spot.dispatched() {
-            self.mark_running(id);
+            self.mark_running(id).await;
         }
         match served {
             Ok(resp) => {
@@ -401,7 +424,7 @@ impl Tasks {
         }
     }
 
-    fn mark_running(&self, id: &str) {
+    async fn mark_running(self: &Arc<Self>, id: &str) {
         {
             let mut band = self.band.lock();
             match band.live.get_mut(id) {
@@ -410,15 +433,20 @@ impl Tasks {
             }
         }
         let now = unix_ms();
-        let r = self.store.update(id, &mut |t| {
-            if t.status != Status::Queued {
-                return false;
-            }
-            t.status = Status::Running;
-            t.started_ms = Some(now);
-            t.attempts += 1;
-            true
-        });
+        let key = id.to_string();
+        let r = self
+            .db(move |st| {
+                st.update(&key, &mut |t| {
+                    if t.status != Status::Queued {
+                        return false;
+                    }
+                    t.status = Status::Running;
+                    t.started_ms = Some(now);
+                    t.attempts += 1;
+                    true
+                })
+            })
+            .await;
         if let Err(e) = r {
             tracing::error!("task {id}: {e}");
         }
@@ -426,7 +454,7 @@ impl Tasks {
 
     /// Moves a task to its final state, if nothing else did first; the one that does also
     /// sends the callback.
-    fn finish(
+    async fn finish(
         self: &Arc<Self>,
         gw: &Arc<Gateway>,
         id: &str,
@@ -435,19 +463,25 @@ impl Tasks {
         error: Option<Value>,
     ) -> Option<Task> {
         let now = unix_ms();
-        let done = self.store.update(id, &mut |t| {
-            if t.status.is_final() {
-                return false;
-            }
-            t.status = status;
-            t.finished_ms = Some(now);
-            t.result = result.clone();
-            t.error = error.clone();
-            if t.callback_url.is_some() {
-                t.callback = Some(CallbackState::default());
-            }
-            true
-        });
+        let key = id.to_string();
+        let (mut result, mut error) = (result, error);
+        let done = self
+            .db(move |st| {
+                st.update(&key, &mut |t| {
+                    if t.status.is_final() {
+                        return false;
+                    }
+                    t.status = status;
+                    t.finished_ms = Some(now);
+                    t.result = result.take();
+                    t.error = error.take();
+                    if t.callback_url.is_some() {
+                        t.callback = Some(CallbackState::default());
+                    }
+                    true
+                })
+            })
+            .await;
         let done = match done {
             Ok(d) => d?,
             Err(e) => {
@@ -481,9 +515,9 @@ impl Tasks {
     }
 
     /// Expires tasks queued too long, removes finished ones past retention.
-    fn sweep(self: Arc<Self>, gw: &Arc<Gateway>) -> Result<(), StoreError> {
+    async fn sweep(self: &Arc<Self>, gw: &Arc<Gateway>) -> Result<(), StoreError> {
         let now = unix_ms();
-        for t in self.store.all()? {
+        for t in self.db(|st| st.all()).await? {
             if t.status == Status::Queued
                 && now.saturating_sub(t.created_ms) >= self.cfg.max_queue_ms
             {
@@ -496,6 +530,7 @@ impl Tasks {
                 );
                 if self
                     .finish(gw, &t.id, Status::Expired, None, Some(e))
+                    .await
                     .is_some()
                 {
                     self.withdraw(&t.id, t.seq);
@@ -505,7 +540,8 @@ impl Tasks {
                 && t.finished_ms
                     .is_some_and(|f| now.saturating_sub(f) >= self.cfg.result_retention_ms)
             {
-                self.store.remove(&t.id)?;
+                let id = t.id.clone();
+                self.db(move |st| st.remove(&id)).await?;
             }
         }
         Ok(())
@@ -612,7 +648,7 @@ impl Tasks {
 
     /// POSTs the final state to the task's `callback_url`, signed, retried with full-jitter
     /// exponential backoff; the outcome is stored with the task.
-    async fn deliver(&self, gw: &Gateway, task: Task) {
+    async fn deliver(self: &Arc<Self>, gw: &Gateway, task: Task) {
         use hmac::Mac;
         let Some(url) = task.callback_url.clone() else {
             return;
@@ -655,14 +691,19 @@ impl Tasks {
             let ok = outcome.is_ok();
             let last = outcome.err();
             let give_up = ok || attempts >= self.cfg.callback_attempts || secret.is_none();
-            let r = self.store.update(&task.id, &mut |t| {
-                let c = t.callback.get_or_insert_with(CallbackState::default);
-                c.attempts = attempts;
-                c.delivered = ok;
-                c.done = give_up;
-                c.last_error = last.clone();
-                true
-            });
+            let key = task.id.clone();
+            let r = self
+                .db(move |st| {
+                    st.update(&key, &mut |t| {
+                        let c = t.callback.get_or_insert_with(CallbackState::default);
+                        c.attempts = attempts;
+                        c.delivered = ok;
+                        c.done = give_up;
+                        c.last_error = last.clone();
+                        true
+                    })
+                })
+                .await;
             if let Err(e) = r {
                 tracing::error!("task {}: {e}", task.id);
             }
@@ -737,8 +778,13 @@ fn tasks_of(gw: &Gateway) -> Result<&Arc<Tasks>, GatewayError> {
     })
 }
 
-fn owned(tasks: &Tasks, tenant: &Tenant, id: &str) -> Result<Task, GatewayError> {
-    match tasks.store.get(id).map_err(store_failed)? {
+async fn owned(tasks: &Arc<Tasks>, tenant: &Tenant, id: &str) -> Result<Task, GatewayError> {
+    let key = id.to_string();
+    match tasks
+        .db(move |st| st.get(&key))
+        .await
+        .map_err(store_failed)?
+    {
         Some(t) if *t.tenant == *tenant.name => Ok(t),
         _ => Err(GatewayError::task_not_found(id)),
     }
@@ -859,7 +905,11 @@ async fn submit_inner(gw: &Arc<Gateway>, req: Request) -> Result<Response, Gatew
         error: None,
         callback: None,
     };
-    tasks.store.insert(&task).map_err(store_failed)?;
+    let stored = task.clone();
+    tasks
+        .db(move |st| st.insert(&stored))
+        .await
+        .map_err(store_failed)?;
     {
         let mut band = tasks.band.lock();
         *band.open.entry(task.tenant.clone()).or_default() += 1;
@@ -893,13 +943,13 @@ pub(crate) async fn show(
     Path(id): Path<String>,
     headers: HeaderMap,
 ) -> Response {
-    let r = (|| {
+    let r = async {
         let tasks = tasks_of(&gw)?;
         let tenant = routes::tenant_of(&gw, &headers)?;
-        let t = owned(tasks, &tenant, &id)?;
+        let t = owned(tasks, &tenant, &id).await?;
         Ok::<_, GatewayError>(axum::Json(tasks.view(&gw, &t)).into_response())
-    })();
-    r.unwrap_or_else(IntoResponse::into_response)
+    };
+    r.await.unwrap_or_else(IntoResponse::into_response)
 }
 
 /// `DELETE /v1/tasks/{id}`: cancels a queued or running task (a running one is cut
@@ -909,21 +959,24 @@ pub(crate) async fn cancel(
     Path(id): Path<String>,
     headers: HeaderMap,
 ) -> Response {
-    let r = (|| {
+    let r = async {
         let tasks = tasks_of(&gw)?;
         let tenant = routes::tenant_of(&gw, &headers)?;
-        let t = owned(tasks, &tenant, &id)?;
+        let t = owned(tasks, &tenant, &id).await?;
         let e = err_object("task_cancelled", "the task was cancelled by its tenant");
-        let t = match tasks.finish(&gw, &id, Status::Cancelled, None, Some(e)) {
+        let t = match tasks
+            .finish(&gw, &id, Status::Cancelled, None, Some(e))
+            .await
+        {
             Some(done) => {
                 tasks.withdraw(&id, t.seq);
                 done
             }
-            None => owned(tasks, &tenant, &id)?,
+            None => owned(tasks, &tenant, &id).await?,
         };
         Ok::<_, GatewayError>(axum::Json(tasks.view(&gw, &t)).into_response())
-    })();
-    r.unwrap_or_else(IntoResponse::into_response)
+    };
+    r.await.unwrap_or_else(IntoResponse::into_response)
 }
 
 /// Query of `GET /v1/tasks`.
@@ -939,13 +992,14 @@ pub(crate) async fn list(
     Query(q): Query<ListQuery>,
     headers: HeaderMap,
 ) -> Response {
-    let r = (|| {
+    let r = async {
         let tasks = tasks_of(&gw)?;
         let tenant = routes::tenant_of(&gw, &headers)?;
         let limit = q.limit.unwrap_or(20).clamp(1, 100);
+        let (owner, after) = (tenant.name.to_string(), q.after.clone());
         let mut page = tasks
-            .store
-            .list(&tenant.name, q.after.as_deref(), limit + 1)
+            .db(move |st| st.list(&owner, after.as_deref(), limit + 1))
+            .await
             .map_err(store_failed)?;
         let has_more = page.len() > limit;
         page.truncate(limit);
@@ -960,6 +1014,6 @@ pub(crate) async fn list(
             }))
             .into_response(),
         )
-    })();
-    r.unwrap_or_else(IntoResponse::into_response)
+    };
+    r.await.unwrap_or_else(IntoResponse::into_response)
 }
