@@ -17,7 +17,7 @@
 
 use crate::error::GatewayError;
 use crate::gateway::{Adm, Gateway};
-use crate::metrics::TierLabel;
+use crate::metrics::{ModelLabel, TierLabel};
 use crate::upstream::Backend;
 use levee_policy::{
     AdmissionRequest, Admit, Clock, Completion, Expired, Grant, LoadSignals, Outcome, Refusal,
@@ -199,6 +199,14 @@ impl Lane {
                 ready.push(d);
             }
             let next = adm.next_deadline(&self.model);
+            if let Some(l) = adm.lane(&self.model) {
+                gw.metrics
+                    .lane_load
+                    .get_or_create(&ModelLabel {
+                        model: self.model.to_string(),
+                    })
+                    .set(i64::try_from(l.load()).unwrap_or(i64::MAX));
+            }
             (gone, ready, next)
         };
         for e in gone {
@@ -411,6 +419,7 @@ fn expired_error(model: &str, e: &Expired<Waiter>) -> GatewayError {
         RefusalReason::Unservable(Unservable::NoHealthyBackend) => {
             GatewayError::no_healthy_backend(model, retry)
         }
+        RefusalReason::Displaced => GatewayError::displaced(retry),
         _ => GatewayError::queue_timeout(e.waited, retry),
     };
     err.with_refusal(e.reason)
@@ -593,6 +602,8 @@ pub async fn admit(
             if let Some(s) = spot {
                 s.set(Spot::Dispatched);
             }
+            // Admission may have displaced a queued request to let this one in: answer it.
+            lane.wake();
             Ok(Admitted::new(gw, lane, d.grant, Duration::ZERO))
         }
         Admit::Queued { ticket, .. } => {
@@ -715,6 +726,7 @@ fn refusal_error(
             retry,
         ),
         RefusalReason::QueueTimeout => GatewayError::queue_timeout(Duration::ZERO, retry),
+        RefusalReason::Displaced => GatewayError::displaced(retry),
         RefusalReason::Unservable(Unservable::CircuitOpen) => {
             GatewayError::circuit_open(&req.model, retry)
         }

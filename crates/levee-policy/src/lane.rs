@@ -9,13 +9,17 @@
 //! levee thinks, the larger figure counts; when it says requests are waiting inside it, levee
 //! sends no more than it is running. A report older than `report_max_age` is ignored.
 //!
-//! Inside the lane, tenants share capacity by weight. When a tenant is not alone — another
-//! tenant of the same or a higher priority has requests outstanding, or had some within
-//! `fair_share_window` — it may hold at most the capacity the others leave it: each of them
-//! keeps in reserve the smaller of its weighted share and its recent peak use (plus one
-//! request), and the tenant gets the rest, never less than its own weighted share. A quiet
-//! tenant so finds room at once when it comes back, while a busy one still uses whatever the
-//! others do not need (the lane stays work-conserving up to those small reserves).
+//! Inside the lane, tenants share capacity by weight. A tenant may always hold its weighted
+//! share. Beyond it, when it is not alone — another tenant of the same or a higher priority
+//! has requests outstanding, or had some within `fair_share_window` — it may take a slot
+//! (and KV tokens) only if what stays free afterwards still covers the others: their
+//! outstanding demand up to their own shares that is not yet running, plus a burst headroom
+//! pooled over them all, `⌈z·√(their demand + one per tenant)⌉` requests (z = 3, about the
+//! 99.9th percentile of Poisson-like arrivals; in tokens, that many of their average
+//! request) — but never more than the room left under their own shares, which is all they
+//! could claim. A quiet tenant so finds room at once when its traffic rises or it comes back,
+//! while a busy one uses everything else: the headroom grows with the square root of the
+//! others' demand, not with their sum, so the lane stays nearly work-conserving.
 
 use crate::breaker::{Breaker, BreakerConfig, BreakerState, BreakerStats, BreakerTicket, Outcome};
 use crate::clock::Timestamp;
@@ -42,7 +46,8 @@ pub struct LaneConfig {
     pub kv_headroom: f64,
     /// A backend's own load report is trusted this long after it was read.
     pub report_max_age: Duration,
-    /// How long a tenant's recent peak use is kept in reserve for it.
+    /// How long after its last arrival an idle tenant still counts as active: its burst
+    /// headroom is kept free for it that long.
     pub fair_share_window: Duration,
     /// The breaker of each backend.
     pub breaker: BreakerConfig,
@@ -58,7 +63,7 @@ impl LaneConfig {
             watermarks,
             kv_headroom: 0.05,
             report_max_age: Duration::from_secs(3),
-            fair_share_window: Duration::from_secs(10),
+            fair_share_window: Duration::from_secs(60),
             breaker: BreakerConfig::default(),
         }
     }
@@ -178,9 +183,6 @@ struct TenantUse {
     tokens: u64,
     queued: usize,
     queued_tokens: u64,
-    peak_requests: usize,
-    peak_tokens: u64,
-    peak_at: Timestamp,
     last_seen: Timestamp,
 }
 
@@ -193,9 +195,6 @@ impl TenantUse {
             tokens: 0,
             queued: 0,
             queued_tokens: 0,
-            peak_requests: 0,
-            peak_tokens: 0,
-            peak_at: now,
             last_seen: now,
         }
     }
@@ -205,16 +204,10 @@ impl TenantUse {
         self.queued_tokens = self.queued_tokens.saturating_sub(cost);
     }
 
-    /// The next time `active` or the recency of its peak would change by time alone.
+    /// The next time `active` would change by time alone.
     fn expiry(&self, now: Timestamp, window: Duration) -> Option<Timestamp> {
-        let idle_until = (self.idle() && now.saturating_duration_since(self.last_seen) <= window)
-            .then(|| self.last_seen + window);
-        let peak_until =
-            (now.saturating_duration_since(self.peak_at) <= window).then(|| self.peak_at + window);
-        match (idle_until, peak_until) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        }
+        (self.idle() && now.saturating_duration_since(self.last_seen) <= window)
+            .then(|| self.last_seen + window)
     }
 
     fn idle(&self) -> bool {
@@ -223,23 +216,6 @@ impl TenantUse {
 
     fn active(&self, now: Timestamp, window: Duration) -> bool {
         !self.idle() || now.saturating_duration_since(self.last_seen) <= window
-    }
-
-    /// Keeps the peak outstanding use of the last window.
-    fn note_peak(&mut self, now: Timestamp, window: Duration) {
-        let req = self.in_flight + self.queued;
-        let tok = self.tokens + self.queued_tokens;
-        if now.saturating_duration_since(self.peak_at) > window {
-            self.peak_requests = req;
-            self.peak_tokens = tok;
-            self.peak_at = now;
-        } else {
-            if req >= self.peak_requests {
-                self.peak_requests = req;
-                self.peak_at = now;
-            }
-            self.peak_tokens = self.peak_tokens.max(tok);
-        }
     }
 }
 
@@ -377,13 +353,13 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
         };
         let was_active = u.active(now, window);
         if was_active {
-            table.apply(u, now, window, Sign::Minus);
+            table.apply(u, Sign::Minus);
         }
         f(u);
         if u.active(now, window) != was_active {
             *shares = None;
         } else if was_active {
-            table.apply(u, now, window, Sign::Plus);
+            table.apply(u, Sign::Plus);
             if let Some(e) = u.expiry(now, window) {
                 table.expires = table.expires.min(e);
             }
@@ -503,6 +479,7 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
             tenants: &self.tenants,
             cfg: &self.cfg,
             shares: &self.shares,
+            free: std::cell::OnceCell::new(),
         }
     }
 
@@ -538,11 +515,9 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
         let id = b.id.clone();
         self.in_flight += 1;
         self.drain.record(1, now);
-        let window = self.cfg.fair_share_window;
         self.update_tenant(tenant, now, |u| {
             u.in_flight += 1;
             u.tokens += kv_cost;
-            u.note_peak(now, window);
         });
         Some(Placement {
             backend: id,
@@ -600,11 +575,9 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
         let t = self
             .queue
             .push(tier, tenant.clone(), cost, now, deadline, item)?;
-        let window = self.cfg.fair_share_window;
         self.update_tenant(tenant, now, |u| {
             u.queued += 1;
             u.queued_tokens += cost;
-            u.note_peak(now, window);
         });
         Ok(t)
     }
@@ -635,6 +608,7 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
             tenants,
             cfg,
             shares,
+            free: std::cell::OnceCell::new(),
         };
         let entry = queue.pop_where(|tenant, cost| {
             let kv = kv_of(tenant, cost);
@@ -662,6 +636,16 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
             u.left_queue(e.cost);
         }
         Some(e)
+    }
+
+    /// The newest queued entry of the tenant with the longest backlog in `tier`, if it is
+    /// longer than `tenant`'s by more than one: `(ticket, cost)`.
+    pub(crate) fn displaceable(
+        &self,
+        tier: Tier,
+        tenant: &K,
+    ) -> Option<(crate::queue::Ticket, u64)> {
+        self.queue.longest_backlog_newest(tier, tenant)
     }
 
     /// Removes every entry past its deadline into `out`.
@@ -755,13 +739,20 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
     }
 
     /// Where a new request of `tenant` in `tier` would stand, and how long it would wait
-    /// there: position × mean service time ÷ requests in flight (Little's law over the
-    /// lane's measured service). `None` until a service time has been measured.
+    /// there (Little's law over the lane's measured service time `s`): the longer of
+    /// position × s ÷ requests in flight (the lane's drain) and, when the tenant already has
+    /// requests waiting, (its waiting + 1) × s ÷ its own requests in flight — a tenant held
+    /// to its fair share drains at its own pace, whatever the lane's. `None` until a service
+    /// time has been measured.
     pub fn predict_wait(&self, tier: Tier, tenant: &K) -> (usize, Option<Duration>) {
         let position = self.queue.position_estimate(tier, tenant) + 1;
         let wait = self.service_secs.map(|s| {
-            let servers = self.in_flight.max(1) as f64;
-            Duration::from_secs_f64((position as f64 * s / servers).min(1e6))
+            let lane = position as f64 * s / self.in_flight.max(1) as f64;
+            let own = match self.tenants.get(tenant) {
+                Some(u) if u.queued > 0 => (u.queued + 1) as f64 * s / u.in_flight.max(1) as f64,
+                _ => 0.0,
+            };
+            Duration::from_secs_f64(lane.max(own).min(1e6))
         });
         (position, wait)
     }
@@ -855,6 +846,8 @@ struct LaneView<'a, K> {
     tenants: &'a HashMap<K, TenantUse, FastState>,
     cfg: &'a LaneConfig,
     shares: &'a RefCell<Option<ShareTable>>,
+    /// Free slots and tokens, read once per view (nothing is placed while it lives).
+    free: std::cell::OnceCell<(u64, u64)>,
 }
 
 /// What fair shares are cut from, summed over the tenants active in the fair-share window:
@@ -868,8 +861,8 @@ struct ShareTable {
     tokens: Option<u64>,
     /// Index `p`: sums over the active tenants at priority `p` or higher.
     by_tier: Vec<TierSums>,
-    /// When it was built; it holds from then until `expires`, when a tenant's activity or
-    /// the recency of its peak changes by time alone.
+    /// When it was built; it holds from then until `expires`, when a tenant's activity
+    /// changes by time alone.
     built: Timestamp,
     expires: Timestamp,
 }
@@ -915,7 +908,7 @@ impl ShareTable {
             }
         }
         for u in tenants.values().filter(|u| u.active(now, window)) {
-            table.apply(u, now, window, Sign::Plus);
+            table.apply(u, Sign::Plus);
         }
         table
     }
@@ -924,62 +917,103 @@ impl ShareTable {
         self.built <= now && now <= self.expires
     }
 
-    /// Adds or takes out what active tenant `u` reserves, at its priority and below.
-    fn apply(&mut self, u: &TenantUse, now: Timestamp, window: Duration, sign: Sign) {
+    /// Adds or takes out active tenant `u`'s demand, at its priority and below.
+    fn apply(&mut self, u: &TenantUse, sign: Sign) {
         let (slots, tokens) = (self.slots, self.tokens);
         for sums in self.by_tier.iter_mut().skip(usize::from(u.tier.0)) {
-            let (r, t) = u.reserve(now, window, slots, tokens, sums.weights);
-            match sign {
-                Sign::Plus => {
-                    sums.reserve_requests += r;
-                    sums.reserve_tokens += t;
-                }
-                Sign::Minus => {
-                    sums.reserve_requests = sums.reserve_requests.saturating_sub(r);
-                    sums.reserve_tokens = sums.reserve_tokens.saturating_sub(t);
-                }
-            }
+            let d = u.demand(slots, tokens, sums.weights);
+            let add = |sum: &mut u64, v: u64| match sign {
+                Sign::Plus => *sum += v,
+                Sign::Minus => *sum = sum.saturating_sub(v),
+            };
+            add(&mut sums.demand_requests, d.requests);
+            add(&mut sums.demand_tokens, d.tokens);
+            add(&mut sums.waiting_requests, d.waiting_requests);
+            add(&mut sums.waiting_tokens, d.waiting_tokens);
+            add(&mut sums.room_requests, d.room_requests);
+            add(&mut sums.room_tokens, d.room_tokens);
         }
     }
 }
 
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 struct TierSums {
     active: usize,
     weights: u64,
-    /// What these tenants reserve (each: its weighted share or its recent need, the smaller).
-    reserve_requests: u64,
-    reserve_tokens: u64,
+    /// Outstanding demand, each tenant's counted up to its limit (share + burst allowance).
+    demand_requests: u64,
+    demand_tokens: u64,
+    /// The part of that demand not yet running.
+    waiting_requests: u64,
+    waiting_tokens: u64,
+    /// What these tenants could still take before reaching their limits.
+    room_requests: u64,
+    room_tokens: u64,
 }
 
+/// One tenant's outstanding demand as the fair-share rule counts it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Demand {
+    limit_requests: u64,
+    limit_tokens: u64,
+    requests: u64,
+    tokens: u64,
+    waiting_requests: u64,
+    waiting_tokens: u64,
+    room_requests: u64,
+    room_tokens: u64,
+}
+
+/// Burst headroom, in standard deviations of the others' (Poisson-like) demand.
+const BURST_Z: f64 = 3.0;
+const OWN_Z: f64 = 2.0;
+
 impl TenantUse {
-    /// What this tenant reserves against the others: the smaller of its weighted share of
-    /// `slots`/`tokens` (`weights` summed over the tenants at the judged priority) and its
-    /// recent need — its peak outstanding use plus one request.
-    fn reserve(
-        &self,
-        now: Timestamp,
-        window: Duration,
-        slots: u64,
-        tokens: Option<u64>,
-        weights: u64,
-    ) -> (u64, u64) {
+    /// Its limit — its weighted share of `slots`/`tokens` (`weights` summed over the tenants
+    /// at the judged priority), plus a burst allowance when it is not backlogged — its
+    /// outstanding demand (running + queued) up to that limit, the part of it not yet
+    /// running, and what it could still take before reaching the limit.
+    fn demand(&self, slots: u64, tokens: Option<u64>, weights: u64) -> Demand {
         let share = |total: u64| total.saturating_mul(u64::from(self.weight)) / weights.max(1);
-        let recent = now.saturating_duration_since(self.peak_at) <= window;
-        let (peak_r, peak_t) = if recent {
-            (self.peak_requests, self.peak_tokens)
+        let share_requests = share(slots);
+        let share_tokens = tokens.map(share);
+        // A burst of its own — up to z standard deviations of Poisson-like traffic that
+        // averages its share — is let through like its share, unless it has more than that
+        // outstanding (a backlog is not a burst): a flooder gets its share, a quiet tenant
+        // its share and its bursts.
+        let allowance = (OWN_Z * (share_requests as f64).sqrt()).ceil() as u64;
+        let token_allowance = share_tokens.map(|t| t / share_requests.max(1) * allowance);
+        let outstanding = (self.in_flight + self.queued) as u64;
+        let outstanding_tokens = self.tokens + self.queued_tokens;
+        let bursting = outstanding <= share_requests + allowance
+            && share_tokens
+                .zip(token_allowance)
+                .is_none_or(|(t, a)| outstanding_tokens <= t + a);
+        let (limit_requests, limit_tokens) = if bursting {
+            (
+                share_requests + allowance,
+                share_tokens.zip(token_allowance).map(|(t, a)| t + a),
+            )
         } else {
-            (0, 0)
+            (share_requests, share_tokens)
         };
-        let need_r = (self.in_flight + self.queued).max(peak_r) as u64 + 1;
-        let reserve_r = share(slots).min(need_r);
-        let reserve_t = tokens.map_or(0, |t| {
-            // One average request of headroom on top of its peak.
-            let held = (self.tokens + self.queued_tokens).max(peak_t);
-            let per_req = held.checked_div(need_r.saturating_sub(1)).unwrap_or(0);
-            share(t).min(held + per_req)
-        });
-        (reserve_r, reserve_t)
+        let limit_tokens = limit_tokens.unwrap_or(u64::MAX);
+        let requests = outstanding.min(limit_requests);
+        let tokens = outstanding_tokens.min(limit_tokens);
+        Demand {
+            limit_requests,
+            limit_tokens,
+            requests,
+            tokens,
+            waiting_requests: requests.saturating_sub(self.in_flight as u64),
+            waiting_tokens: tokens.saturating_sub(self.tokens),
+            room_requests: limit_requests.saturating_sub(self.in_flight as u64),
+            room_tokens: if limit_tokens == u64::MAX {
+                0
+            } else {
+                limit_tokens.saturating_sub(self.tokens)
+            },
+        }
     }
 }
 
@@ -1000,43 +1034,69 @@ impl<K: Hash + Eq> LaneView<'_, K> {
         Some((t.slots, t.tokens, *t.by_tier.get(usize::from(tier.0))?))
     }
 
-    /// The most `tenant` may hold now, in requests and KV tokens, or `None` when it is
-    /// alone at its priority and may take everything. Every other tenant active at the same
-    /// or a higher priority keeps what it reserves; `tenant` may have the rest, and never
-    /// less than its own weighted share.
-    fn share_cap(&self, tenant: &K, now: Timestamp) -> Option<(usize, Option<u64>)> {
-        let me = self.tenants.get(tenant)?;
-        let window = self.cfg.fair_share_window;
-        let (slots, tokens, sums) = self.sums(me.tier, now)?;
-        // Only a tenant with a request running is capped, so it is active and the sums
-        // count it: take its own part out.
-        if !me.active(now, window) || sums.active < 2 {
-            return None;
-        }
-        let weights = sums.weights;
-        let (own_r, own_t) = me.reserve(now, window, slots, tokens, weights);
-        let reserve_req = sums.reserve_requests.saturating_sub(own_r);
-        let reserve_tok = sums.reserve_tokens.saturating_sub(own_t);
-        let share = |total: u64| total.saturating_mul(u64::from(me.weight)) / weights.max(1);
-        let cap_req = share(slots).max(slots.saturating_sub(reserve_req));
-        let cap_tok = tokens.map(|t| share(t).max(t.saturating_sub(reserve_tok)));
-        Some((usize::try_from(cap_req).unwrap_or(usize::MAX), cap_tok))
-    }
-
-    /// Whether `tenant` may take one more request of `kv_cost` under its fair share.
+    /// Whether `tenant` may take one more request of `kv_cost` under the fair-share rule:
+    /// within its weighted share always; beyond it only if what stays free afterwards covers
+    /// the other active tenants' waiting demand plus their pooled burst headroom.
     fn within_share(&self, tenant: &K, kv_cost: u64, now: Timestamp) -> bool {
-        let Some(u) = self.tenants.get(tenant) else {
+        let Some(me) = self.tenants.get(tenant) else {
             return true;
         };
-        if u.in_flight == 0 {
+        if me.in_flight == 0 {
             return true; // everyone may have one request running
         }
-        match self.share_cap(tenant, now) {
-            None => true,
-            Some((req, tok)) => {
-                u.in_flight < req && tok.is_none_or(|t| u.tokens.saturating_add(kv_cost) <= t)
-            }
+        let Some((slots, tokens, sums)) = self.sums(me.tier, now) else {
+            return true;
+        };
+        // A tenant with a request running is active, so the sums count it.
+        if sums.active < 2 {
+            return true; // alone at its priority: it may take everything
         }
+        let own = me.demand(slots, tokens, sums.weights);
+        let within_requests = (me.in_flight as u64) < own.limit_requests;
+        let within_tokens = me.tokens.saturating_add(kv_cost) <= own.limit_tokens;
+        if within_requests && within_tokens {
+            return true;
+        }
+        let others = (sums.active - 1) as u64;
+        let their_demand = sums.demand_requests.saturating_sub(own.requests);
+        let burst = (BURST_Z * ((their_demand + others) as f64).sqrt()).ceil() as u64;
+        let (free_requests, free_tokens) = self.free(now);
+        // The others never need more than the room left under their own limits.
+        let requests_ok = within_requests || {
+            let need = (sums.waiting_requests.saturating_sub(own.waiting_requests) + burst)
+                .min(sums.room_requests.saturating_sub(own.room_requests));
+            free_requests.saturating_sub(1) >= need
+        };
+        let tokens_ok = within_tokens || {
+            let their_tokens = sums.demand_tokens.saturating_sub(own.tokens);
+            // The headroom in tokens: `burst` of their average request (or of this one when
+            // they have nothing outstanding).
+            let per_request = their_tokens.checked_div(their_demand).unwrap_or(kv_cost);
+            let need = (sums.waiting_tokens.saturating_sub(own.waiting_tokens)
+                + burst.saturating_mul(per_request))
+            .min(sums.room_tokens.saturating_sub(own.room_tokens));
+            free_tokens.saturating_sub(kv_cost) >= need
+        };
+        requests_ok && tokens_ok
+    }
+
+    /// Free request slots and free KV tokens of the routable backends now (tokens: `u64::MAX`
+    /// when a budget is unknown).
+    fn free(&self, now: Timestamp) -> (u64, u64) {
+        *self.free.get_or_init(|| self.read_free(now))
+    }
+
+    fn read_free(&self, now: Timestamp) -> (u64, u64) {
+        let mut requests = 0u64;
+        let mut tokens = Some(0u64);
+        for b in self.backends.iter().filter(|b| b.routable) {
+            requests += b.request_cap(now, self.cfg).saturating_sub(b.in_flight) as u64;
+            tokens = match (tokens, b.usable_tokens(self.cfg.kv_headroom)) {
+                (Some(t), Some(u)) => Some(t + u.saturating_sub(b.tokens_in_use(now, self.cfg))),
+                _ => None,
+            };
+        }
+        (requests, tokens.unwrap_or(u64::MAX))
     }
 
     /// The backend with room for `kv_cost` and the lowest fill, skipping `except`.
@@ -1081,13 +1141,6 @@ mod tests {
         ]
     }
 
-    fn sums_of(t: &ShareTable) -> Vec<(usize, u64, u64, u64)> {
-        t.by_tier
-            .iter()
-            .map(|s| (s.active, s.weights, s.reserve_requests, s.reserve_tokens))
-            .collect()
-    }
-
     proptest! {
         /// The sums kept in step as tenants change are the sums a fresh pass over the
         /// tenants gives, whatever happened and however much time passed.
@@ -1123,10 +1176,10 @@ mod tests {
                     Op::Advance(ms) => now = now + Duration::from_millis(ms),
                     Op::Routable(r) => lane.set_routable("b", r),
                 }
-                let kept = lane.shares.borrow().as_ref().filter(|t| t.valid_at(now)).map(sums_of);
+                let kept = lane.shares.borrow().as_ref().filter(|t| t.valid_at(now)).map(|t| t.by_tier.clone());
                 if let Some(kept) = kept {
                     let fresh = ShareTable::build(&lane.tenants, &lane.backends, &lane.cfg, now);
-                    prop_assert_eq!(kept, sums_of(&fresh));
+                    prop_assert_eq!(kept, fresh.by_tier);
                 }
             }
         }

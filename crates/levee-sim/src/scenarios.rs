@@ -36,6 +36,10 @@ pub const BUILTIN: &[(&str, &str)] = &[
         include_str!("../../../scenarios/crash-mid-flood.toml"),
     ),
     (
+        "overload-3x",
+        include_str!("../../../scenarios/overload-3x.toml"),
+    ),
+    (
         "async-batch",
         include_str!("../../../scenarios/async-batch.toml"),
     ),
