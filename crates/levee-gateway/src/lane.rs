@@ -606,7 +606,9 @@ pub async fn admit(
             lane.wake();
             Ok(Admitted::new(gw, lane, d.grant, Duration::ZERO))
         }
-        Admit::Queued { ticket, .. } => {
+        Admit::Queued {
+            ticket, position, ..
+        } => {
             gw.metrics.queued.inc();
             gw.metrics
                 .queue_depth
@@ -636,6 +638,10 @@ pub async fn admit(
                         s.set(Spot::Dispatched);
                     }
                     Ok(a)
+                }
+                // A refusal after waiting carries the place the request took on arrival.
+                Ok(Err(e)) if e.position.is_none() => {
+                    Err(e.with_position(u32::try_from(position).unwrap_or(u32::MAX)))
                 }
                 Ok(Err(e)) => Err(e),
                 Err(_) => Err(GatewayError::internal(

@@ -680,6 +680,36 @@ async fn refusal_after_the_first_comment_is_an_sse_error_event() {
 }
 
 #[tokio::test]
+async fn a_request_refused_after_waiting_carries_the_position_it_had() {
+    let m = mock().await;
+    m.hold(true);
+    let mut cfg = task_config(&[m.url()], 1, "position-header", 1);
+    cfg.tiers.get_mut("standard").unwrap().queue_wait_ms = 300;
+    let gw = levee_gateway::start(cfg).await.unwrap();
+    let base = gw.public_url();
+    let c = client();
+    let busy = spawn_chat(&c, &base, "p", "busy");
+    let st = m.state.clone();
+    wait_until(
+        || st.in_flight.load(Ordering::SeqCst) == 1,
+        "the slot is taken",
+    )
+    .await;
+    let first = spawn_chat(&c, &base, "s", "first in line");
+    let g = gw.gateway().clone();
+    wait_until(|| g.queued.load(Ordering::SeqCst) == 1, "one waits").await;
+    let second = chat(&c, &base, "a", "second in line").await;
+    assert_eq!(second.status(), 429);
+    assert_eq!(second.headers()["x-levee-queue-position"], "2");
+    let first = first.await.unwrap();
+    assert_eq!(first.status(), 429);
+    assert_eq!(first.headers()["x-levee-queue-position"], "1");
+    m.release(10);
+    assert_eq!(busy.await.unwrap().status(), 200);
+    gw.shutdown().await;
+}
+
+#[tokio::test]
 async fn capacity_overload_points_to_tasks() {
     let m = mock().await;
     m.hold(true);
