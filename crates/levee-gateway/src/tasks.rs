@@ -7,7 +7,8 @@
 //!   configured batch tier (`tasks.tier`), so the tenant's limits, the lane's watermarks, the
 //!   fair queue and the KV budgets all apply to it.
 //! * **The band.** At most `tasks.max_running` tasks hold a place in a fair queue or a
-//!   backend at once (all models). The rest wait here, in submission order. Together with
+//!   backend at once (all models). The rest wait here; places go to tenants in turn
+//!   ([`Band::next_due`]), each tenant's tasks in submission order. Together with
 //!   the batch tier's low priority this keeps long jobs on idle capacity: interactive
 //!   requests are always served first from the queue, and never find more than
 //!   `max_running` backend slots taken by tasks.
@@ -17,7 +18,7 @@
 //!   task exactly one final state.
 //! * **Position and ETA.** A task in a fair queue reports its place in that queue's real
 //!   serving order ([`levee_policy::FairQueue::position_of`]); one waiting for the band
-//!   reports the band's tasks ahead of it. The ETA divides the starts it waits for by the
+//!   reports the tasks the band's turn order puts ahead of it ([`Band::ahead_of`]). The ETA divides the starts it waits for by the
 //!   band's measured completion rate and adds the measured mean run time.
 //! * **Callbacks** are POSTed on their own tokio task, signed with HMAC-SHA256 under the
 //!   tenant's secret, and retried with full-jitter exponential backoff.
@@ -68,6 +69,10 @@ impl std::fmt::Debug for Tasks {
 struct Band {
     /// Tasks waiting for a place in the band, by submission sequence.
     waiting: BTreeMap<u64, Waiting>,
+    /// Band places given to each tenant (a virtual counter: the backlogged tenant with the
+    /// fewest goes next; a tenant that becomes backlogged starts at the smallest counter of
+    /// those waiting, so idling banks no credit).
+    turns: HashMap<Arc<str>, u64>,
     /// Tasks holding a place (in a fair queue or at a backend).
     live: HashMap<String, Live>,
     /// Unfinished tasks per tenant (the submit quota).
@@ -83,6 +88,7 @@ struct Band {
 
 struct Waiting {
     id: String,
+    tenant: Arc<str>,
     /// Not before this (a task refused for capacity waits its Retry-After).
     not_before: Option<Instant>,
 }
@@ -91,6 +97,62 @@ struct Live {
     spot: Arc<QueueSpot>,
     abort: Option<AbortHandle>,
     started: Option<Instant>,
+}
+
+impl Band {
+    /// Puts a task in line for the band.
+    fn enqueue(&mut self, seq: u64, w: Waiting) {
+        let backlogged = self.waiting.values().any(|o| o.tenant == w.tenant);
+        if !backlogged {
+            let floor = self
+                .waiting
+                .values()
+                .filter_map(|o| self.turns.get(&o.tenant).copied())
+                .min();
+            let own = self.turns.entry(w.tenant.clone()).or_default();
+            if let Some(f) = floor {
+                *own = (*own).max(f);
+            }
+        }
+        self.waiting.insert(seq, w);
+    }
+
+    /// The next due waiting task: the tenant with the fewest band places given, its oldest
+    /// task (the oldest overall on a tie).
+    fn next_due(&self, now: Instant) -> Option<u64> {
+        self.waiting
+            .iter()
+            .filter(|(_, w)| w.not_before.is_none_or(|t| t <= now))
+            .min_by_key(|(seq, w)| (self.turns.get(&w.tenant).copied().unwrap_or(0), **seq))
+            .map(|(seq, _)| *seq)
+    }
+
+    /// Waiting tasks that go to the band before the task `seq` of `tenant`, by the same
+    /// rule, if nothing else changes.
+    fn ahead_of(&self, seq: u64, tenant: &Arc<str>) -> usize {
+        let mut by_tenant: HashMap<&Arc<str>, Vec<u64>> = HashMap::new();
+        for (s, w) in &self.waiting {
+            by_tenant.entry(&w.tenant).or_default().push(*s);
+        }
+        let own = by_tenant.get(tenant).map_or(&[][..], |v| &v[..]);
+        let rank = own.iter().take_while(|s| **s < seq).count() as u64;
+        let turn = self.turns.get(tenant).copied().unwrap_or(0) + rank;
+        let mut ahead = rank as usize;
+        for (other, seqs) in &by_tenant {
+            if *other == tenant {
+                continue;
+            }
+            let start = self.turns.get(*other).copied().unwrap_or(0);
+            // Its entries at counters below `turn` go first; at `turn`, the older goes first.
+            let before = turn.saturating_sub(start) as usize;
+            let mut n = before.min(seqs.len());
+            if turn >= start && seqs.get(before).is_some_and(|s| *s < seq) {
+                n += 1;
+            }
+            ahead += n;
+        }
+        ahead
+    }
 }
 
 /// How one attempt at running a task ended.
@@ -169,10 +231,11 @@ impl Tasks {
             }
             let mut band = self.band.lock();
             *band.open.entry(t.tenant.clone()).or_default() += 1;
-            band.waiting.insert(
+            band.enqueue(
                 t.seq,
                 Waiting {
                     id: t.id,
+                    tenant: Arc::from(t.tenant.as_str()),
                     not_before: None,
                 },
             );
@@ -223,29 +286,27 @@ impl Tasks {
         Ok(())
     }
 
-    /// Gives free band places to the oldest due waiting tasks. Returns when a waiting task
-    /// becomes due.
+    /// Gives free band places to due waiting tasks, fairly across tenants
+    /// ([`Band::next_due`]). Returns when a waiting task becomes due.
     fn feed(self: Arc<Self>, gw: &Arc<Gateway>) -> Option<Instant> {
         let now = Instant::now();
         let mut band = self.band.lock();
         let width = usize::try_from(self.cfg.max_running).unwrap_or(usize::MAX);
         let mut next_due = None;
         while band.live.len() < width && band.entering.is_none() {
-            let pick = band
-                .waiting
-                .iter()
-                .find(|(_, w)| w.not_before.is_none_or(|t| t <= now))
-                .map(|(seq, _)| *seq);
-            let Some(seq) = pick else { break };
+            let Some(seq) = band.next_due(now) else { break };
             let Some(w) = band.waiting.remove(&seq) else {
                 break;
             };
+            *band.turns.entry(w.tenant.clone()).or_default() += 1;
             let spot = Arc::new(QueueSpot::default());
-            let handle =
-                tokio::spawn(
-                    self.clone()
-                        .work(gw.clone(), w.id.clone(), seq, spot.clone()),
-                );
+            let handle = tokio::spawn(self.clone().work(
+                gw.clone(),
+                w.id.clone(),
+                seq,
+                w.tenant.clone(),
+                spot.clone(),
+            ));
             band.entering = Some(w.id.clone());
             band.live.insert(
                 w.id,
@@ -266,7 +327,14 @@ impl Tasks {
 
     /// Runs one task once and files the outcome. Its band place frees when this ends,
     /// aborted or not.
-    async fn work(self: Arc<Self>, gw: Arc<Gateway>, id: String, seq: u64, spot: Arc<QueueSpot>) {
+    async fn work(
+        self: Arc<Self>,
+        gw: Arc<Gateway>,
+        id: String,
+        seq: u64,
+        tenant: Arc<str>,
+        spot: Arc<QueueSpot>,
+    ) {
         struct Place<'a>(&'a Tasks, &'a str);
         impl Drop for Place<'_> {
             fn drop(&mut self) {
@@ -310,10 +378,11 @@ impl Tasks {
                     }
                 };
                 if still_open {
-                    self.band.lock().waiting.insert(
+                    self.band.lock().enqueue(
                         seq,
                         Waiting {
                             id: id.clone(),
+                            tenant: tenant.clone(),
                             not_before: Some(Instant::now() + after),
                         },
                     );
@@ -589,7 +658,7 @@ impl Tasks {
         if !band.waiting.contains_key(&t.seq) {
             return (Some(1), service);
         }
-        let ahead_waiting = band.waiting.range(..t.seq).count();
+        let ahead_waiting = band.ahead_of(t.seq, &Arc::from(t.tenant.as_str()));
         let in_queue = band.live.values().filter(|l| l.started.is_none()).count();
         let p = ahead_waiting + in_queue + 1;
         // Band places must free for it and every task ahead of it, less the places free now.
@@ -913,10 +982,11 @@ async fn submit_inner(gw: &Arc<Gateway>, req: Request) -> Result<Response, Gatew
     {
         let mut band = tasks.band.lock();
         *band.open.entry(task.tenant.clone()).or_default() += 1;
-        band.waiting.insert(
+        band.enqueue(
             seq,
             Waiting {
                 id: id.clone(),
+                tenant: tenant.name.clone(),
                 not_before: None,
             },
         );
@@ -1016,4 +1086,57 @@ pub(crate) async fn list(
         )
     };
     r.await.unwrap_or_else(IntoResponse::into_response)
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    /// `ahead_of` is the band's real order: feeding everything by `next_due` hands each task
+    /// out exactly after the tasks `ahead_of` counted.
+    #[test]
+    fn ahead_of_matches_the_feeding_order() {
+        let tenants: Vec<Arc<str>> = ["a", "b", "c"].iter().map(|t| Arc::from(*t)).collect();
+        let mut x: u64 = 0x9e37_79b9;
+        let mut next = move |n: u64| {
+            x = x
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            (x >> 33) % n
+        };
+        for _ in 0..200 {
+            let mut band = Band::default();
+            let count = 1 + next(30);
+            for seq in 0..count {
+                let tenant = tenants[next(3) as usize].clone();
+                // Some tenants have had places already.
+                if next(4) == 0 {
+                    *band.turns.entry(tenant.clone()).or_default() += next(3);
+                }
+                let w = Waiting {
+                    id: format!("t{seq}"),
+                    tenant,
+                    not_before: None,
+                };
+                band.enqueue(seq, w);
+            }
+            let predicted: Vec<(u64, usize)> = band
+                .waiting
+                .iter()
+                .map(|(seq, w)| (*seq, band.ahead_of(*seq, &w.tenant)))
+                .collect();
+            let now = Instant::now();
+            let mut order = Vec::new();
+            while let Some(seq) = band.next_due(now) {
+                let w = band.waiting.remove(&seq).unwrap();
+                *band.turns.entry(w.tenant).or_default() += 1;
+                order.push(seq);
+            }
+            for (seq, ahead) in predicted {
+                let at = order.iter().position(|s| *s == seq).unwrap();
+                assert_eq!(at, ahead, "task {seq} in {order:?}");
+            }
+        }
+    }
 }

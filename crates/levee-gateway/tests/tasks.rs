@@ -457,6 +457,66 @@ async fn positions_follow_the_fair_queue_then_the_band() {
     gw.shutdown().await;
 }
 
+#[tokio::test]
+async fn the_band_takes_tenants_in_turn_not_in_submission_order() {
+    let m = mock().await;
+    m.hold(true);
+    let gw = levee_gateway::start(task_config(&[m.url()], 4, "band-fair", 1))
+        .await
+        .unwrap();
+    let base = gw.public_url();
+    let c = client();
+    let mut a = Vec::new();
+    for i in 0..3 {
+        let t: Value = submit(&c, &base, "a", chat_body(&format!("a{i}")))
+            .await
+            .json()
+            .await
+            .unwrap();
+        a.push(t["id"].as_str().unwrap().to_string());
+    }
+    wait_status(&c, &base, "a", &a[0], "running").await;
+    let b: Value = submit(&c, &base, "b", chat_body("b0"))
+        .await
+        .json()
+        .await
+        .unwrap();
+    let b = b["id"].as_str().unwrap().to_string();
+    // a1 is older at the same turn; b0 goes before a2 although a2 came first.
+    assert_eq!(
+        get(&c, &base, "a", &a[1])
+            .await
+            .json::<Value>()
+            .await
+            .unwrap()["position"],
+        1
+    );
+    assert_eq!(
+        get(&c, &base, "b", &b).await.json::<Value>().await.unwrap()["position"],
+        2
+    );
+    assert_eq!(
+        get(&c, &base, "a", &a[2])
+            .await
+            .json::<Value>()
+            .await
+            .unwrap()["position"],
+        3
+    );
+    m.release(100);
+    for id in &a {
+        wait_status(&c, &base, "a", id, "succeeded").await;
+    }
+    wait_status(&c, &base, "b", &b, "succeeded").await;
+    let order: Vec<String> = m
+        .received()
+        .iter()
+        .map(|v| v["messages"][0]["content"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(order, vec!["a0", "a1", "b0", "a2"]);
+    gw.shutdown().await;
+}
+
 /// A receiver that fails its first `fail_first` calls, then records the signed bodies.
 struct Receiver {
     url: String,
