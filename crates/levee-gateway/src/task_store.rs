@@ -30,6 +30,18 @@ pub enum Status {
 }
 
 impl Status {
+    /// The name clients see (`queued`, `succeeded`, ...).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Status::Queued => "queued",
+            Status::Running => "running",
+            Status::Succeeded => "succeeded",
+            Status::Failed => "failed",
+            Status::Cancelled => "cancelled",
+            Status::Expired => "expired",
+        }
+    }
+
     /// Whether no further change can happen.
     pub fn is_final(self) -> bool {
         !matches!(self, Status::Queued | Status::Running)

@@ -317,6 +317,15 @@ impl Tasks {
                 },
             );
         }
+        let state = |s: &str| crate::metrics::StateLabel { state: s.into() };
+        let count = |n: usize| i64::try_from(n).unwrap_or(i64::MAX);
+        let m = &gw.metrics;
+        m.task_band
+            .get_or_create(&state("waiting"))
+            .set(count(band.waiting.len()));
+        m.task_band
+            .get_or_create(&state("placed"))
+            .set(count(band.live.len()));
         for w in band.waiting.values() {
             if let Some(t) = w.not_before.filter(|t| *t > now) {
                 next_due = Some(next_due.map_or(t, |n: Instant| n.min(t)));
@@ -558,6 +567,12 @@ impl Tasks {
                 return None;
             }
         };
+        gw.metrics
+            .tasks_finished
+            .get_or_create(&crate::metrics::StateLabel {
+                state: status.as_str().into(),
+            })
+            .inc();
         {
             let mut band = self.band.lock();
             if let Some(n) = band.open.get_mut(&done.tenant) {
@@ -758,6 +773,12 @@ impl Tasks {
             };
             attempts += 1;
             let ok = outcome.is_ok();
+            gw.metrics
+                .task_callbacks
+                .get_or_create(&crate::metrics::StateLabel {
+                    state: if ok { "delivered" } else { "failed" }.into(),
+                })
+                .inc();
             let last = outcome.err();
             let give_up = ok || attempts >= self.cfg.callback_attempts || secret.is_none();
             let key = task.id.clone();

@@ -607,6 +607,26 @@ async fn callback_is_signed_and_retried_past_a_failing_receiver() {
     }
     assert_eq!(seen["callback"]["delivered"], true);
     assert_eq!(seen["callback"]["attempts"], 3);
+    let text = c
+        .get(format!("{}/metrics", gw.admin_url()))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        text.contains("levee_task_callbacks_total{state=\"failed\"} 2"),
+        "{text}"
+    );
+    assert!(
+        text.contains("levee_task_callbacks_total{state=\"delivered\"} 1"),
+        "{text}"
+    );
+    assert!(
+        text.contains("levee_tasks_finished_total{state=\"succeeded\"} 1"),
+        "{text}"
+    );
     gw.shutdown().await;
 }
 
