@@ -29,7 +29,7 @@ use crate::gateway::{Gateway, Tenant};
 use crate::lane::QueueSpot;
 use crate::routes::{self, Seat};
 use crate::task_store::{CallbackState, RedbStore, Status, StoreError, Task, TaskStore};
-use axum::extract::{Path, Query, Request, State};
+use axum::extract::{ConnectInfo, Path, Query, Request, State};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, StatusCode};
@@ -37,6 +37,7 @@ use levee_policy::Clock;
 use parking_lot::Mutex;
 use serde_json::{json, Value};
 use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -860,6 +861,22 @@ async fn post_callback(
     }
 }
 
+/// The caller's tenant, after the per-IP guard (polls are requests like any other).
+fn caller(
+    gw: &Gateway,
+    peer: SocketAddr,
+    headers: &HeaderMap,
+) -> Result<Arc<Tenant>, GatewayError> {
+    if let Err(wait) = gw.check_ip(peer.ip()) {
+        return Err(GatewayError::rate_limited(
+            "per-IP request rate",
+            wait,
+            crate::error::RateInfo::default(),
+        ));
+    }
+    routes::tenant_of(gw, headers)
+}
+
 fn tasks_of(gw: &Gateway) -> Result<&Arc<Tasks>, GatewayError> {
     gw.tasks().ok_or_else(|| {
         let mut e = GatewayError::not_found("/v1/tasks");
@@ -881,20 +898,28 @@ async fn owned(tasks: &Arc<Tasks>, tenant: &Tenant, id: &str) -> Result<Task, Ga
 }
 
 /// `POST /v1/tasks`: a chat or completion body, plus an optional `callback_url`.
-pub(crate) async fn submit(State(gw): State<Arc<Gateway>>, req: Request) -> Response {
-    submit_inner(&gw, req)
+pub(crate) async fn submit(
+    State(gw): State<Arc<Gateway>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    req: Request,
+) -> Response {
+    submit_inner(&gw, peer, req)
         .await
         .unwrap_or_else(IntoResponse::into_response)
 }
 
-async fn submit_inner(gw: &Arc<Gateway>, req: Request) -> Result<Response, GatewayError> {
+async fn submit_inner(
+    gw: &Arc<Gateway>,
+    peer: SocketAddr,
+    req: Request,
+) -> Result<Response, GatewayError> {
     let tasks = tasks_of(gw)?;
     if gw.is_draining() {
         return Err(GatewayError::draining(Duration::from_millis(
             gw.config().server.drain_retry_after_ms,
         )));
     }
-    let tenant = routes::tenant_of(gw, req.headers())?;
+    let tenant = caller(gw, peer, req.headers())?;
     let rt = gw.runtime();
     let body = routes::read_body(req, rt.cfg.server.max_body_bytes).await?;
     let mut v: Value = serde_json::from_slice(&body)
@@ -1031,12 +1056,13 @@ async fn submit_inner(gw: &Arc<Gateway>, req: Request) -> Result<Response, Gatew
 /// `GET /v1/tasks/{id}`.
 pub(crate) async fn show(
     State(gw): State<Arc<Gateway>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
     Path(id): Path<String>,
     headers: HeaderMap,
 ) -> Response {
     let r = async {
         let tasks = tasks_of(&gw)?;
-        let tenant = routes::tenant_of(&gw, &headers)?;
+        let tenant = caller(&gw, peer, &headers)?;
         let t = owned(tasks, &tenant, &id).await?;
         Ok::<_, GatewayError>(axum::Json(tasks.view(&gw, &t)).into_response())
     };
@@ -1047,12 +1073,13 @@ pub(crate) async fn show(
 /// upstream); a finished task is answered as it is.
 pub(crate) async fn cancel(
     State(gw): State<Arc<Gateway>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
     Path(id): Path<String>,
     headers: HeaderMap,
 ) -> Response {
     let r = async {
         let tasks = tasks_of(&gw)?;
-        let tenant = routes::tenant_of(&gw, &headers)?;
+        let tenant = caller(&gw, peer, &headers)?;
         let t = owned(tasks, &tenant, &id).await?;
         let e = err_object("task_cancelled", "the task was cancelled by its tenant");
         let t = match tasks
@@ -1080,12 +1107,13 @@ pub(crate) struct ListQuery {
 /// `GET /v1/tasks?limit=N&after=ID`: the caller's tasks, oldest first.
 pub(crate) async fn list(
     State(gw): State<Arc<Gateway>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
     Query(q): Query<ListQuery>,
     headers: HeaderMap,
 ) -> Response {
     let r = async {
         let tasks = tasks_of(&gw)?;
-        let tenant = routes::tenant_of(&gw, &headers)?;
+        let tenant = caller(&gw, peer, &headers)?;
         let limit = q.limit.unwrap_or(20).clamp(1, 100);
         let (owner, after) = (tenant.name.to_string(), q.after.clone());
         let mut page = tasks
