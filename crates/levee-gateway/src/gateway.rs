@@ -12,7 +12,7 @@ use crate::tokenize::TokenCounter;
 use crate::upstream::{build_client, Backend, HttpClient};
 use levee_policy::{
     Admission, AdmissionConfig, BackendLimits, Clock, HeavyRule, KeyedGcra, LaneConfig, LimitSpec,
-    ModelSpec, Quota, RetryBounds, TenantSpec, Tier, WaitBudget, Watermarks,
+    ModelSpec, Quota, RetryBounds, TenantSpec, WaitBudget, Watermarks,
 };
 use parking_lot::{Mutex, RwLock};
 use std::collections::HashMap;
@@ -45,11 +45,6 @@ pub struct Tenant {
 }
 
 impl Tenant {
-    /// Its tier as the policy sees it.
-    pub fn tier_key(&self) -> Tier {
-        Tier(self.priority)
-    }
-
     /// The secret that signs its task callbacks, from `callback_secret_env`.
     pub fn callback_secret(&self) -> Option<String> {
         let var = self.cfg.callback_secret_env.as_ref()?;
