@@ -282,6 +282,10 @@ pub struct Lane<P, K> {
     service_secs: Option<f64>,
 }
 
+/// Standard deviations above the mean wait that a predicted wait is taken at (about the
+/// 95th percentile).
+const WAIT_Z: f64 = 1.65;
+
 /// Weight of one completion in the service-time average.
 const SERVICE_ALPHA: f64 = 0.05;
 
@@ -739,17 +743,23 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
     }
 
     /// Where a new request of `tenant` in `tier` would stand, and how long it would wait
-    /// there (Little's law over the lane's measured service time `s`): the longer of
-    /// position × s ÷ requests in flight (the lane's drain) and, when the tenant already has
-    /// requests waiting, (its waiting + 1) × s ÷ its own requests in flight — a tenant held
-    /// to its fair share drains at its own pace, whatever the lane's. `None` until a service
-    /// time has been measured.
+    /// there, at the 95th percentile: the n-th place in a queue that `c` requests in flight
+    /// drain, each holding its slot for the lane's measured mean service time `s`, waits
+    /// about an Erlang(n, c/s) time, whose 95th percentile is near (n + 1.65·√n)·s/c. The
+    /// longer of that over the lane (n = position, c = requests in flight) and, when the
+    /// tenant already has requests waiting, over the tenant itself (n = its waiting + 1,
+    /// c = its own requests in flight: a tenant held to its fair share drains at its own
+    /// pace, whatever the lane's). `None` until a service time has been measured.
     pub fn predict_wait(&self, tier: Tier, tenant: &K) -> (usize, Option<Duration>) {
         let position = self.queue.position_estimate(tier, tenant) + 1;
         let wait = self.service_secs.map(|s| {
-            let lane = position as f64 * s / self.in_flight.max(1) as f64;
+            let erlang_p95 = |n: usize, c: usize| {
+                let n = n as f64;
+                (n + WAIT_Z * n.sqrt()) * s / c.max(1) as f64
+            };
+            let lane = erlang_p95(position, self.in_flight);
             let own = match self.tenants.get(tenant) {
-                Some(u) if u.queued > 0 => (u.queued + 1) as f64 * s / u.in_flight.max(1) as f64,
+                Some(u) if u.queued > 0 => erlang_p95(u.queued + 1, u.in_flight),
                 _ => 0.0,
             };
             Duration::from_secs_f64(lane.max(own).min(1e6))
