@@ -864,7 +864,7 @@ impl<T, K: Hash + Eq + Ord + Clone> Admission<T, K> {
         };
         let mut position = 0;
         if target.is_none() {
-            let (pos, predicted) = lane.predict_wait(req.tier, &req.tenant);
+            let (pos, predicted) = lane.predict_wait(req.tier, &req.tenant, now);
             position = pos;
             let refusal = if budget.is_zero() {
                 Some((
@@ -931,6 +931,7 @@ impl<T, K: Hash + Eq + Ord + Clone> Admission<T, K> {
                 model.displaced.push(e);
             }
         }
+        lane.note_admitted(req.tier, now);
         if let Some(i) = target {
             if let Some(p) = lane.place(i, &req.tenant, est, now) {
                 lane.charge(req.tier, &req.tenant, est);
