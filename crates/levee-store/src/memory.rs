@@ -1,0 +1,156 @@
+//! The in-memory store: levee-policy's limiters behind one lock.
+
+use crate::limits::{Decision, Figures, LimitStore, Limited, ScopeLimits, Settlement, StoreError};
+use levee_policy::{Clock, Gcra, Refused, TokenBucket};
+use parking_lot::Mutex;
+use std::collections::HashMap;
+use std::sync::Arc;
+
+#[derive(Debug, Default)]
+struct State {
+    requests: Option<Gcra>,
+    tokens: Option<TokenBucket>,
+}
+
+impl State {
+    /// Makes the limiters match `scope`'s quotas, keeping debt when a quota changes (the
+    /// gateway changes them when the number of live replicas changes).
+    fn align(&mut self, scope: &ScopeLimits) {
+        match (scope.requests, self.requests.as_mut()) {
+            (Some(q), Some(g)) if g.quota() != q => g.set_quota(q),
+            (Some(_), Some(_)) => {}
+            (q, _) => self.requests = q.map(Gcra::new),
+        }
+        match (scope.tokens, self.tokens.as_mut()) {
+            (Some(q), Some(b)) if b.quota() != q => b.set_quota(q),
+            (Some(_), Some(_)) => {}
+            (q, _) => self.tokens = q.map(TokenBucket::new),
+        }
+    }
+}
+
+/// Limits kept in this process. State is per scope id; scopes come from configuration, so
+/// the map is bounded by the number of configured tenants.
+#[derive(Debug)]
+pub struct MemoryStore<C> {
+    clock: C,
+    states: Mutex<HashMap<Arc<str>, State>>,
+}
+
+impl<C: Clock> MemoryStore<C> {
+    /// An empty store on `clock`.
+    pub fn new(clock: C) -> Self {
+        MemoryStore {
+            clock,
+            states: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Decides at once (the store never waits on anything).
+    pub fn take_now(&self, scopes: &[ScopeLimits], tokens: u64) -> Decision {
+        let now = self.clock.now();
+        let mut states = self.states.lock();
+        for s in scopes {
+            states.entry(s.id.clone()).or_default().align(s);
+        }
+        // Take scope by scope; on a refusal, give back what earlier scopes took. Both
+        // limiters' give-backs restore their state exactly (time already passed aside).
+        let mut taken: Vec<(usize, bool, bool)> = Vec::with_capacity(scopes.len());
+        let mut refusal = None;
+        for (i, s) in scopes.iter().enumerate() {
+            let Some(st) = states.get_mut(&s.id) else {
+                continue;
+            };
+            let mut r = false;
+            if let Some(g) = st.requests.as_mut() {
+                if let Err(e) = g.check(now) {
+                    refusal = Some((i, Limited::Requests, e.retry_after));
+                    break;
+                }
+                r = true;
+            }
+            if let Some(b) = st.tokens.as_mut() {
+                if let Err(e) = b.reserve(tokens, now) {
+                    if r {
+                        if let Some(g) = st.requests.as_mut() {
+                            g.refund(now);
+                        }
+                    }
+                    refusal = Some(match e {
+                        Refused::NotUntil { retry_after } => (i, Limited::Tokens, retry_after),
+                        Refused::TooLarge { capacity } => {
+                            (i, Limited::TooLarge { capacity }, std::time::Duration::ZERO)
+                        }
+                    });
+                    break;
+                }
+                taken.push((i, r, true));
+                continue;
+            }
+            taken.push((i, r, false));
+        }
+        if let Some((scope, limit, retry_after)) = refusal {
+            for (i, r, t) in taken {
+                if let Some(st) = states.get_mut(&scopes[i].id) {
+                    if r {
+                        if let Some(g) = st.requests.as_mut() {
+                            g.refund(now);
+                        }
+                    }
+                    if t {
+                        if let Some(b) = st.tokens.as_mut() {
+                            b.reconcile(tokens, 0, now);
+                        }
+                    }
+                }
+            }
+            return Decision::Refused {
+                scope,
+                limit,
+                retry_after,
+            };
+        }
+        let figures = scopes
+            .last()
+            .and_then(|s| states.get(&s.id))
+            .map(|st| Figures {
+                requests: st.requests.as_ref().map(|g| g.info(now)),
+                tokens: st.tokens.as_ref().map(|b| b.info(now)),
+            })
+            .unwrap_or_default();
+        Decision::Admitted(figures)
+    }
+
+    /// Settles at once.
+    pub fn settle_now(&self, scopes: &[ScopeLimits], s: Settlement) {
+        let now = self.clock.now();
+        let mut states = self.states.lock();
+        for scope in scopes {
+            let Some(st) = states.get_mut(&scope.id) else {
+                continue;
+            };
+            st.align(scope);
+            if s.give_back_request {
+                if let Some(g) = st.requests.as_mut() {
+                    g.refund(now);
+                }
+            }
+            if s.reserved != s.actual {
+                if let Some(b) = st.tokens.as_mut() {
+                    b.reconcile(s.reserved, s.actual, now);
+                }
+            }
+        }
+    }
+}
+
+impl<C: Clock> LimitStore for MemoryStore<C> {
+    async fn take(&self, scopes: &[ScopeLimits], tokens: u64) -> Result<Decision, StoreError> {
+        Ok(self.take_now(scopes, tokens))
+    }
+
+    async fn settle(&self, scopes: &[ScopeLimits], s: Settlement) -> Result<(), StoreError> {
+        self.settle_now(scopes, s);
+        Ok(())
+    }
+}
