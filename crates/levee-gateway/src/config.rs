@@ -49,6 +49,8 @@ pub struct Config {
     pub autoscale: AutoscaleConfig,
     /// Request logs and metric cardinality.
     pub observe: ObserveConfig,
+    /// Where limit state lives: this process (one replica) or Redis (a fleet).
+    pub state: StateConfig,
 }
 
 impl Default for Config {
@@ -99,6 +101,67 @@ impl Default for Config {
             admin: AdminConfig::default(),
             autoscale: AutoscaleConfig::default(),
             observe: ObserveConfig::default(),
+            state: StateConfig::default(),
+        }
+    }
+}
+
+/// Where the tenants' and the global request and token limits are decided.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum StateBackend {
+    /// In this process: limits hold per replica.
+    #[default]
+    Memory,
+    /// In Redis or Valkey: limits hold for every replica sharing the server and prefix.
+    Redis,
+}
+
+/// What a replica does while Redis does not answer within `timeout_ms`.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum OnFailure {
+    /// Keep serving: each replica enforces its share of each limit (limit ÷ live replicas,
+    /// the count last seen in Redis) locally until Redis answers again.
+    #[default]
+    FailOpen,
+    /// Refuse with 503 `shared_state_unavailable` until Redis answers again.
+    FailClosed,
+}
+
+/// Shared state for many gateway replicas (`backend = "redis"`). Changing it takes a
+/// restart.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct StateConfig {
+    /// `memory` (default) or `redis`.
+    pub backend: StateBackend,
+    /// The Redis server, `redis://host:port[/db]` (Redis Cluster is not supported yet).
+    pub url: String,
+    /// Prefix of every key levee writes; replicas of one fleet share it.
+    pub key_prefix: String,
+    /// The longest a limit decision waits for Redis before this replica switches to
+    /// `on_failure` (milliseconds).
+    pub timeout_ms: u64,
+    /// `fail_open` (default) or `fail_closed`.
+    pub on_failure: OnFailure,
+    /// How often this replica reports itself alive and probes Redis (milliseconds); a
+    /// replica silent for three intervals no longer counts as live.
+    pub heartbeat_ms: u64,
+    /// This replica's name among its peers (empty: host name and process id).
+    pub replica_id: String,
+}
+
+impl Default for StateConfig {
+    fn default() -> Self {
+        StateConfig {
+            backend: StateBackend::Memory,
+            url: "redis://127.0.0.1:6379".to_string(),
+            key_prefix: "levee:".to_string(),
+            timeout_ms: 25,
+            on_failure: OnFailure::FailOpen,
+            heartbeat_ms: 1000,
+            replica_id: String::new(),
         }
     }
 }
@@ -807,6 +870,20 @@ impl Config {
                 errs.push(format!(
                     "tiers.{name}.queue_wait_ms: must be > 0 (use a small value to refuse fast)"
                 ));
+            }
+        }
+        if self.state.backend == StateBackend::Redis {
+            if !self.state.url.starts_with("redis://") {
+                errs.push(format!(
+                    "state.url: {:?} is not a redis:// URL (TLS is not supported yet)",
+                    self.state.url
+                ));
+            }
+            if self.state.timeout_ms == 0 {
+                errs.push("state.timeout_ms: must be > 0".to_string());
+            }
+            if self.state.heartbeat_ms < 50 {
+                errs.push("state.heartbeat_ms: must be at least 50".to_string());
             }
         }
         let mut tenant_names = HashSet::new();

@@ -28,6 +28,7 @@ pub mod reload;
 pub mod request_log;
 pub mod routes;
 pub mod server;
+pub mod shared;
 mod tokenize;
 pub mod upstream;
 

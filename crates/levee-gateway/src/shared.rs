@@ -1,0 +1,476 @@
+//! Limits shared by a fleet of gateway replicas (`[state] backend = "redis"`).
+//!
+//! Each tenant's request-rate and token limits, and the global ones, are decided in Redis
+//! by levee-store's atomic scripts before the request enters this replica's admission state
+//! (which keeps everything else: concurrency, heavy-request and model limits, lanes,
+//! queues). A charge taken in Redis travels with the request and is settled there when it
+//! ends: refunded if it was never served, reconciled with the real token usage if it was.
+//!
+//! A decision never waits longer than `timeout_ms`. When Redis fails or is slow, this
+//! replica switches (one log line, `levee_state_switches_total`) to its `on_failure` mode:
+//! `fail_open` decides locally with its share of each limit — the limit divided by the live
+//! replicas last counted in Redis — and `fail_closed` answers 503. The heartbeat task probes
+//! Redis every `heartbeat_ms` and switches back as soon as it answers.
+
+use crate::clock::TokioClock;
+use crate::config::{OnFailure, StateConfig};
+use crate::error::GatewayError;
+use crate::metrics::{Metrics, SourceLabel, SwitchLabel};
+use levee_policy::{Quota, RefusalReason, Scope, TokenQuota};
+use levee_store::{
+    Decision, Figures, LimitStore, Limited, MemoryStore, RedisStore, ScopeLimits, Settlement,
+};
+use parking_lot::Mutex;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// How long a settlement sent to Redis after the request ended may take.
+const SETTLE_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// The scopes a tenant's requests are decided in: global first, the tenant last (its
+/// figures go in the response headers).
+pub fn scopes(
+    cfg: &crate::config::Config,
+    tenant: &crate::config::TenantConfig,
+) -> Arc<[ScopeLimits]> {
+    let rpm = |n: u32, burst: u32| {
+        (n > 0).then(|| {
+            let q = Quota::per_minute(u64::from(n));
+            if burst > 0 {
+                q.with_burst(u64::from(burst))
+            } else {
+                q
+            }
+        })
+    };
+    let tpm = |n: u64| (n > 0).then(|| TokenQuota::per_minute(n));
+    Arc::from(vec![
+        ScopeLimits {
+            id: Arc::from("global"),
+            requests: rpm(cfg.limits.requests_per_minute, 0),
+            tokens: tpm(cfg.limits.tokens_per_minute),
+        },
+        ScopeLimits {
+            id: Arc::from(format!("t:{}", tenant.name)),
+            requests: rpm(tenant.requests_per_minute, tenant.requests_burst),
+            tokens: tpm(tenant.tokens_per_minute),
+        },
+    ])
+}
+
+/// One replica's share of `scopes` when `live` replicas split them: every rate, burst and
+/// capacity divided by `live`, rounded down, at least 1.
+fn share(scopes: &[ScopeLimits], live: u32) -> Arc<[ScopeLimits]> {
+    let live = u64::from(live.max(1));
+    let part = |n: u64| (n / live).max(1);
+    scopes
+        .iter()
+        .map(|s| ScopeLimits {
+            id: s.id.clone(),
+            requests: s
+                .requests
+                .map(|q| Quota::new(part(q.count()), q.period()).with_burst(part(q.burst()))),
+            tokens: s.tokens.map(|q| {
+                TokenQuota::new(part(q.count()), q.period()).with_capacity(part(q.capacity()))
+            }),
+        })
+        .collect()
+}
+
+/// Where a charge was taken, and so where it is settled.
+#[derive(Debug)]
+enum Source {
+    Redis,
+    /// This replica's fallback store, with the shares it was decided under.
+    Local(Arc<[ScopeLimits]>),
+}
+
+/// The shared limit state of this replica.
+pub struct Shared {
+    store: RedisStore,
+    local: MemoryStore<TokioClock>,
+    timeout: Duration,
+    mode: OnFailure,
+    heartbeat: Duration,
+    replica: String,
+    url: String,
+    prefix: String,
+    /// Decisions go to Redis (true) or to the local fallback.
+    shared: AtomicBool,
+    /// Live replicas at the last heartbeat (1 until one succeeds).
+    live: AtomicU32,
+    last_error: Mutex<Option<String>>,
+    gauge: Gauge,
+    replicas_gauge: Gauge,
+    switches: Family<SwitchLabel, Counter>,
+    decisions: Family<SourceLabel, Counter>,
+}
+
+impl std::fmt::Debug for Shared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Shared")
+            .field("replica", &self.replica)
+            .field("shared", &self.shared.load(Ordering::Relaxed))
+            .finish_non_exhaustive()
+    }
+}
+
+/// A default replica name unique in this process: host name, process id, a counter.
+fn replica_name() -> String {
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let host = std::env::var("HOSTNAME")
+        .ok()
+        .filter(|h| !h.is_empty())
+        .or_else(|| {
+            std::fs::read_to_string("/etc/hostname")
+                .ok()
+                .map(|h| h.trim().to_string())
+        })
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "levee".to_string());
+    format!(
+        "{host}-{}-{}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+/// `url` without a password, for logs and the admin state.
+fn redacted(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(s), Some(at)) if at > s => format!("{}://***@{}", &url[..s], &url[at + 1..]),
+        _ => url.to_string(),
+    }
+}
+
+impl Shared {
+    /// Connects lazily to the configured Redis (a server that is down at start only means
+    /// this replica starts on its fallback).
+    pub fn new(cfg: &StateConfig, clock: TokioClock, metrics: &Metrics) -> anyhow::Result<Self> {
+        let timeout = Duration::from_millis(cfg.timeout_ms.max(1));
+        let store = RedisStore::new(&cfg.url, &cfg.key_prefix, timeout)
+            .map_err(|e| anyhow::anyhow!("state.url: {e}"))?;
+        let replica = if cfg.replica_id.is_empty() {
+            replica_name()
+        } else {
+            cfg.replica_id.clone()
+        };
+        metrics.state_shared.set(1);
+        metrics.fleet_replicas.set(1);
+        Ok(Shared {
+            store,
+            local: MemoryStore::new(clock),
+            timeout,
+            mode: cfg.on_failure,
+            heartbeat: Duration::from_millis(cfg.heartbeat_ms.max(50)),
+            replica,
+            url: redacted(&cfg.url),
+            prefix: cfg.key_prefix.clone(),
+            shared: AtomicBool::new(true),
+            live: AtomicU32::new(1),
+            last_error: Mutex::new(None),
+            gauge: metrics.state_shared.clone(),
+            replicas_gauge: metrics.fleet_replicas.clone(),
+            switches: metrics.state_switches.clone(),
+            decisions: metrics.state_decisions.clone(),
+        })
+    }
+
+    /// Whether decisions go to Redis now.
+    pub fn is_shared(&self) -> bool {
+        self.shared.load(Ordering::Acquire)
+    }
+
+    /// Live replicas at the last heartbeat.
+    pub fn live_replicas(&self) -> u32 {
+        self.live.load(Ordering::Relaxed).max(1)
+    }
+
+    fn count(&self, source: &str) {
+        self.decisions
+            .get_or_create(&SourceLabel {
+                source: source.into(),
+            })
+            .inc();
+    }
+
+    /// Redis failed: switch to the fallback (once; later failures only update the error).
+    fn went_down(&self, why: String) {
+        if self.shared.swap(false, Ordering::AcqRel) {
+            let to = match self.mode {
+                OnFailure::FailOpen => "local",
+                OnFailure::FailClosed => "closed",
+            };
+            self.gauge.set(0);
+            self.switches
+                .get_or_create(&SwitchLabel { to: to.into() })
+                .inc();
+            match self.mode {
+                OnFailure::FailOpen => tracing::warn!(
+                    replica = %self.replica,
+                    "shared limit store {} unavailable ({why}); deciding limits locally with \
+                     1/{} of each (fail_open) until it answers",
+                    self.url,
+                    self.live_replicas()
+                ),
+                OnFailure::FailClosed => tracing::warn!(
+                    replica = %self.replica,
+                    "shared limit store {} unavailable ({why}); refusing requests with 503 \
+                     (fail_closed) until it answers",
+                    self.url
+                ),
+            }
+        }
+        *self.last_error.lock() = Some(why);
+    }
+
+    fn came_back(&self) {
+        if !self.shared.swap(true, Ordering::AcqRel) {
+            self.gauge.set(1);
+            self.switches
+                .get_or_create(&SwitchLabel {
+                    to: "shared".into(),
+                })
+                .inc();
+            tracing::info!(
+                replica = %self.replica,
+                "shared limit store {} answers again; limits are fleet-wide again",
+                self.url
+            );
+        }
+    }
+
+    /// One heartbeat: reports this replica alive, learns the live count, switches back to
+    /// Redis when it answers.
+    pub async fn beat(&self) {
+        match tokio::time::timeout(
+            self.timeout,
+            self.store.heartbeat(&self.replica, self.heartbeat * 3),
+        )
+        .await
+        {
+            Ok(Ok(n)) => {
+                self.live.store(n.max(1), Ordering::Relaxed);
+                self.replicas_gauge.set(i64::from(n.max(1)));
+                self.came_back();
+            }
+            Ok(Err(e)) => self.went_down(e.to_string()),
+            Err(_) => self.went_down(format!(
+                "heartbeat unanswered within {} ms",
+                self.timeout.as_millis()
+            )),
+        }
+    }
+
+    /// How often [`Shared::beat`] runs.
+    pub fn heartbeat_interval(&self) -> Duration {
+        self.heartbeat
+    }
+
+    /// Leaves the live set at once (clean shutdown), within the decision timeout.
+    pub async fn leave(&self) {
+        let _ = tokio::time::timeout(self.timeout, self.store.leave(&self.replica)).await;
+    }
+
+    /// Decides a request of `tokens` in `scopes`. `Ok(None)`: nothing to charge.
+    pub async fn take(
+        self: &Arc<Self>,
+        scopes: &Arc<[ScopeLimits]>,
+        tokens: u64,
+    ) -> Result<Option<Charge>, GatewayError> {
+        if !scopes.iter().any(ScopeLimits::is_limited) {
+            return Ok(None);
+        }
+        if self.is_shared() {
+            match tokio::time::timeout(self.timeout, self.store.take(scopes, tokens)).await {
+                Ok(Ok(d)) => {
+                    self.count("redis");
+                    return self.decided(d, scopes, Source::Redis, tokens);
+                }
+                Ok(Err(e)) => self.went_down(e.to_string()),
+                Err(_) => {
+                    self.went_down(format!("no answer within {} ms", self.timeout.as_millis()))
+                }
+            }
+        }
+        match self.mode {
+            OnFailure::FailClosed => Err(GatewayError::shared_state_unavailable(
+                &format!("Redis at {}", self.url),
+                self.heartbeat,
+            )),
+            OnFailure::FailOpen => {
+                let local = share(scopes, self.live_replicas());
+                let d = self.local.take_now(&local, tokens);
+                self.count("local");
+                self.decided(d, scopes, Source::Local(local), tokens)
+            }
+        }
+    }
+
+    fn decided(
+        self: &Arc<Self>,
+        d: Decision,
+        scopes: &Arc<[ScopeLimits]>,
+        source: Source,
+        tokens: u64,
+    ) -> Result<Option<Charge>, GatewayError> {
+        match d {
+            Decision::Admitted(figures) => Ok(Some(Charge {
+                shared: self.clone(),
+                scopes: scopes.clone(),
+                tokens,
+                source: Some(source),
+                figures,
+            })),
+            Decision::Refused {
+                scope,
+                limit,
+                retry_after,
+            } => {
+                let local = matches!(source, Source::Local(_));
+                Err(refusal(scopes, scope, limit, retry_after, tokens, local))
+            }
+        }
+    }
+
+    /// The `state` section of `/admin/state`.
+    pub fn state_json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "backend": "redis",
+            "url": self.url,
+            "key_prefix": self.prefix,
+            "replica": self.replica,
+            "healthy": self.is_shared(),
+            "mode": if self.is_shared() { "shared" } else {
+                match self.mode { OnFailure::FailOpen => "fail_open", OnFailure::FailClosed => "fail_closed" }
+            },
+            "on_failure": match self.mode { OnFailure::FailOpen => "fail_open", OnFailure::FailClosed => "fail_closed" },
+            "live_replicas": self.live_replicas(),
+            "timeout_ms": u64::try_from(self.timeout.as_millis()).unwrap_or(u64::MAX),
+            "last_error": *self.last_error.lock(),
+        })
+    }
+}
+
+fn refusal(
+    scopes: &[ScopeLimits],
+    scope: usize,
+    limit: Limited,
+    retry_after: Duration,
+    tokens: u64,
+    local: bool,
+) -> GatewayError {
+    let (name, s) = match scopes.get(scope).map(|s| &*s.id) {
+        Some(id) if id.starts_with("t:") => (format!("tenant {}", &id[2..]), Scope::Tenant),
+        _ => ("global".to_string(), Scope::Global),
+    };
+    let fleet = if local {
+        "this replica's share of the fleet's"
+    } else {
+        "the fleet's"
+    };
+    let retry = retry_after.max(Duration::from_millis(1));
+    match limit {
+        Limited::Requests => GatewayError::rate_limited(
+            &format!("{fleet} {name} requests per minute"),
+            retry,
+            crate::error::RateInfo {
+                remaining_requests: Some(0),
+                ..Default::default()
+            },
+        )
+        .with_refusal(RefusalReason::RequestRate(s)),
+        // A share smaller than the request refuses it for now, not for ever.
+        Limited::TooLarge { .. } if local => GatewayError::rate_limited(
+            &format!("{fleet} {name} tokens per minute ({tokens} tokens estimated)"),
+            Duration::from_secs(1),
+            crate::error::RateInfo::default(),
+        )
+        .with_refusal(RefusalReason::TokenRate(s)),
+        Limited::Tokens => GatewayError::rate_limited(
+            &format!("{fleet} {name} tokens per minute ({tokens} tokens estimated)"),
+            retry,
+            crate::error::RateInfo {
+                remaining_tokens: Some(0),
+                ..Default::default()
+            },
+        )
+        .with_refusal(RefusalReason::TokenRate(s)),
+        Limited::TooLarge { capacity } => GatewayError::bad_request(format!(
+            "this request needs about {tokens} tokens but the {name} token quota holds \
+             {capacity}; lower max_tokens or shorten the prompt"
+        ))
+        .with_param("max_tokens")
+        .with_refusal(RefusalReason::TooLarge(s)),
+    }
+}
+
+/// A charge taken in the shared (or fallback) store for one request. Dropped unsettled, it
+/// is refunded: the request was never served.
+#[must_use = "settle the charge with reconcile or keep; dropping it refunds it"]
+pub struct Charge {
+    shared: Arc<Shared>,
+    scopes: Arc<[ScopeLimits]>,
+    tokens: u64,
+    source: Option<Source>,
+    /// The tenant's figures after this charge, for the `x-ratelimit-*` headers.
+    pub figures: Figures,
+}
+
+impl std::fmt::Debug for Charge {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Charge")
+            .field("tokens", &self.tokens)
+            .field("source", &self.source)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Charge {
+    /// The request was served and used `actual` tokens.
+    pub fn reconcile(mut self, actual: u64) {
+        if actual != self.tokens {
+            self.settle(Settlement::reconcile(self.tokens, actual));
+        }
+        self.source = None;
+    }
+
+    /// The request went upstream but its usage is unknown: the estimate stays charged.
+    pub fn keep(mut self) {
+        self.source = None;
+    }
+
+    fn settle(&mut self, s: Settlement) {
+        match self.source.take() {
+            None => {}
+            Some(Source::Local(local)) => self.shared.local.settle_now(&local, s),
+            Some(Source::Redis) => {
+                let Ok(rt) = tokio::runtime::Handle::try_current() else {
+                    return;
+                };
+                let shared = self.shared.clone();
+                let scopes = self.scopes.clone();
+                rt.spawn(async move {
+                    let r =
+                        tokio::time::timeout(SETTLE_TIMEOUT, shared.store.settle(&scopes, s)).await;
+                    if !matches!(r, Ok(Ok(()))) {
+                        // Lost: a refund not given back or a charge not taken; the bucket
+                        // refills either way.
+                        tracing::debug!(replica = %shared.replica, "shared limit settlement lost");
+                    }
+                });
+            }
+        }
+    }
+}
+
+impl Drop for Charge {
+    fn drop(&mut self) {
+        let tokens = self.tokens;
+        self.settle(Settlement::refund(tokens));
+    }
+}
