@@ -481,7 +481,7 @@ impl Gateway {
                             if shared { 0 } else { t.cfg.requests_per_minute },
                             t.cfg.requests_burst,
                             if shared { 0 } else { t.cfg.tokens_per_minute },
-                            t.cfg.max_concurrency,
+                            if shared { 0 } else { t.cfg.max_concurrency },
                         ),
                         weight: weight_units(t.cfg.weight),
                     },

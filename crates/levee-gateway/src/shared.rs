@@ -24,7 +24,8 @@ use parking_lot::Mutex;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -53,11 +54,14 @@ pub fn scopes(
             id: Arc::from("global"),
             requests: rpm(cfg.limits.requests_per_minute, 0),
             tokens: tpm(cfg.limits.tokens_per_minute),
+            // The global concurrency bound protects this replica's own queue: it stays local.
+            concurrency: None,
         },
         ScopeLimits {
             id: Arc::from(format!("t:{}", tenant.name)),
             requests: rpm(tenant.requests_per_minute, tenant.requests_burst),
             tokens: tpm(tenant.tokens_per_minute),
+            concurrency: (tenant.max_concurrency > 0).then_some(u64::from(tenant.max_concurrency)),
         },
     ])
 }
@@ -77,6 +81,7 @@ fn share(scopes: &[ScopeLimits], live: u32) -> Arc<[ScopeLimits]> {
             tokens: s.tokens.map(|q| {
                 TokenQuota::new(part(q.count()), q.period()).with_capacity(part(q.capacity()))
             }),
+            concurrency: s.concurrency.map(part),
         })
         .collect()
 }
@@ -104,6 +109,10 @@ pub struct Shared {
     /// Live replicas at the last heartbeat (1 until one succeeds).
     live: AtomicU32,
     last_error: Mutex<Option<String>>,
+    /// Leases held in Redis by this replica's requests, renewed at each heartbeat: lease
+    /// id → the scopes it is held in.
+    leases: Mutex<HashMap<String, Vec<Arc<str>>>>,
+    next_lease: AtomicU64,
     gauge: Gauge,
     replicas_gauge: Gauge,
     switches: Family<SwitchLabel, Counter>,
@@ -152,8 +161,12 @@ impl Shared {
     /// this replica starts on its fallback).
     pub fn new(cfg: &StateConfig, clock: TokioClock, metrics: &Metrics) -> anyhow::Result<Self> {
         let timeout = Duration::from_millis(cfg.timeout_ms.max(1));
+        let heartbeat = Duration::from_millis(cfg.heartbeat_ms.max(50));
+        // A lease outlives two missed heartbeats, and no more: a dead replica's leases free
+        // themselves within three heartbeat intervals.
         let store = RedisStore::new(&cfg.url, &cfg.key_prefix, timeout)
-            .map_err(|e| anyhow::anyhow!("state.url: {e}"))?;
+            .map_err(|e| anyhow::anyhow!("state.url: {e}"))?
+            .with_lease_ttl(heartbeat * 3);
         let replica = if cfg.replica_id.is_empty() {
             replica_name()
         } else {
@@ -166,13 +179,15 @@ impl Shared {
             local: MemoryStore::new(clock),
             timeout,
             mode: cfg.on_failure,
-            heartbeat: Duration::from_millis(cfg.heartbeat_ms.max(50)),
+            heartbeat,
             replica,
             url: redacted(&cfg.url),
             prefix: cfg.key_prefix.clone(),
             shared: AtomicBool::new(true),
             live: AtomicU32::new(1),
             last_error: Mutex::new(None),
+            leases: Mutex::new(HashMap::new()),
+            next_lease: AtomicU64::new(0),
             gauge: metrics.state_shared.clone(),
             replicas_gauge: metrics.fleet_replicas.clone(),
             switches: metrics.state_switches.clone(),
@@ -257,6 +272,17 @@ impl Shared {
                 self.live.store(n.max(1), Ordering::Relaxed);
                 self.replicas_gauge.set(i64::from(n.max(1)));
                 self.came_back();
+                let held: Vec<(Arc<str>, String)> = self
+                    .leases
+                    .lock()
+                    .iter()
+                    .flat_map(|(id, scopes)| scopes.iter().map(|s| (s.clone(), id.clone())))
+                    .collect();
+                if let Ok(Err(e)) =
+                    tokio::time::timeout(self.timeout, self.store.renew(&held)).await
+                {
+                    tracing::debug!(replica = %self.replica, "lease renewal failed: {e}");
+                }
             }
             Ok(Err(e)) => self.went_down(e.to_string()),
             Err(_) => self.went_down(format!(
@@ -285,11 +311,26 @@ impl Shared {
         if !scopes.iter().any(ScopeLimits::is_limited) {
             return Ok(None);
         }
+        let lease = if scopes.iter().any(|s| s.concurrency.is_some()) {
+            let n = self.next_lease.fetch_add(1, Ordering::Relaxed);
+            format!("{}:{n}", self.replica)
+        } else {
+            String::new()
+        };
         if self.is_shared() {
-            match tokio::time::timeout(self.timeout, self.store.take(scopes, tokens)).await {
+            let took = self.store.take(scopes, tokens, &lease);
+            match tokio::time::timeout(self.timeout, took).await {
                 Ok(Ok(d)) => {
                     self.count("redis");
-                    return self.decided(d, scopes, Source::Redis, tokens);
+                    if matches!(d, Decision::Admitted(_)) && !lease.is_empty() {
+                        let held = scopes
+                            .iter()
+                            .filter(|s| s.concurrency.is_some())
+                            .map(|s| s.id.clone())
+                            .collect();
+                        self.leases.lock().insert(lease.clone(), held);
+                    }
+                    return self.decided(d, scopes, Source::Redis, tokens, lease);
                 }
                 Ok(Err(e)) => self.went_down(e.to_string()),
                 Err(_) => {
@@ -304,9 +345,9 @@ impl Shared {
             )),
             OnFailure::FailOpen => {
                 let local = share(scopes, self.live_replicas());
-                let d = self.local.take_now(&local, tokens);
+                let d = self.local.take_now(&local, tokens, &lease);
                 self.count("local");
-                self.decided(d, scopes, Source::Local(local), tokens)
+                self.decided(d, scopes, Source::Local(local), tokens, lease)
             }
         }
     }
@@ -317,12 +358,14 @@ impl Shared {
         scopes: &Arc<[ScopeLimits]>,
         source: Source,
         tokens: u64,
+        lease: String,
     ) -> Result<Option<Charge>, GatewayError> {
         match d {
             Decision::Admitted(figures) => Ok(Some(Charge {
                 shared: self.clone(),
                 scopes: scopes.clone(),
                 tokens,
+                lease,
                 source: Some(source),
                 figures,
             })),
@@ -375,6 +418,13 @@ fn refusal(
     };
     let retry = retry_after.max(Duration::from_millis(1));
     match limit {
+        // A lease frees when one of the tenant's requests ends, which the store cannot time.
+        Limited::Concurrency => GatewayError::rate_limited(
+            &format!("{fleet} {name}: requests in flight at its limit"),
+            Duration::from_secs(1),
+            crate::error::RateInfo::default(),
+        )
+        .with_refusal(RefusalReason::Concurrency(s)),
         Limited::Requests => GatewayError::rate_limited(
             &format!("{fleet} {name} requests per minute"),
             retry,
@@ -416,6 +466,8 @@ pub struct Charge {
     shared: Arc<Shared>,
     scopes: Arc<[ScopeLimits]>,
     tokens: u64,
+    /// Its concurrency lease (empty: none).
+    lease: String,
     source: Option<Source>,
     /// The tenant's figures after this charge, for the `x-ratelimit-*` headers.
     pub figures: Figures,
@@ -431,32 +483,40 @@ impl std::fmt::Debug for Charge {
 }
 
 impl Charge {
-    /// The request was served and used `actual` tokens.
+    /// The request was served and used `actual` tokens; its lease frees.
     pub fn reconcile(mut self, actual: u64) {
-        if actual != self.tokens {
+        if actual != self.tokens || !self.lease.is_empty() {
             self.settle(Settlement::reconcile(self.tokens, actual));
         }
         self.source = None;
     }
 
-    /// The request went upstream but its usage is unknown: the estimate stays charged.
+    /// The request went upstream but its usage is unknown: the estimate stays charged; its
+    /// lease frees.
     pub fn keep(mut self) {
+        if !self.lease.is_empty() {
+            self.settle(Settlement::reconcile(self.tokens, self.tokens));
+        }
         self.source = None;
     }
 
     fn settle(&mut self, s: Settlement) {
+        let lease = std::mem::take(&mut self.lease);
         match self.source.take() {
             None => {}
-            Some(Source::Local(local)) => self.shared.local.settle_now(&local, s),
+            Some(Source::Local(local)) => self.shared.local.settle_now(&local, s, &lease),
             Some(Source::Redis) => {
+                if !lease.is_empty() {
+                    self.shared.leases.lock().remove(&lease);
+                }
                 let Ok(rt) = tokio::runtime::Handle::try_current() else {
                     return;
                 };
                 let shared = self.shared.clone();
                 let scopes = self.scopes.clone();
                 rt.spawn(async move {
-                    let r =
-                        tokio::time::timeout(SETTLE_TIMEOUT, shared.store.settle(&scopes, s)).await;
+                    let settled = shared.store.settle(&scopes, s, &lease);
+                    let r = tokio::time::timeout(SETTLE_TIMEOUT, settled).await;
                     if !matches!(r, Ok(Ok(()))) {
                         // Lost: a refund not given back or a charge not taken; the bucket
                         // refills either way.

@@ -409,3 +409,55 @@ fn metric(text: &str, name: &str) -> f64 {
         .find_map(|l| l.strip_prefix(name).and_then(|r| r.trim().parse().ok()))
         .unwrap_or(0.0)
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tenant_concurrency_is_one_set_of_leases_for_the_fleet() {
+    let url = "redis://127.0.0.1:6379";
+    if !redis_up(url).await {
+        return skip("Redis on 127.0.0.1:6379 is unreachable");
+    }
+    let m = mock().await;
+    let prefix = unique_prefix("lease");
+    let mut cfg = fleet_config(&m.url(), url, &prefix, 0, 0);
+    cfg.tenants[3].max_concurrency = 2;
+    let gws = fleet(&cfg, 3).await;
+    let c = client();
+    m.hold(true);
+    // Two requests in flight on two replicas hold both leases...
+    let held: Vec<_> = (0..2)
+        .map(|i| spawn_chat(&c, &gws[i].public_url(), "a", &format!("h{i}")))
+        .collect();
+    wait_until("two requests at the backend", || m.count() == 2).await;
+    // ...so the third replica refuses, where in-memory state would admit two more there.
+    let r = chat(&c, &gws[2].public_url(), "a", "third").await;
+    assert_eq!(r.status(), 429);
+    let v = error_json(r).await;
+    assert_eq!(v["error"]["code"], "rate_limit_exceeded", "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("in flight"),
+        "{v}"
+    );
+    m.release(2);
+    for h in held {
+        assert_eq!(h.await.unwrap().status(), 200);
+    }
+    m.hold(false);
+    // The leases were freed when the requests ended (the settlement runs in the
+    // background: bounded retries).
+    let mut freed = false;
+    for _ in 0..100 {
+        if chat(&c, &gws[2].public_url(), "a", "after").await.status() == 200 {
+            freed = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(freed, "leases not freed after the requests ended");
+    for g in gws {
+        g.shutdown().await;
+    }
+    clear(url, &prefix).await;
+}

@@ -15,12 +15,15 @@ pub struct ScopeLimits {
     pub requests: Option<Quota>,
     /// Tokens per period with a capacity; `None`: not limited.
     pub tokens: Option<TokenQuota>,
+    /// Requests outstanding at once (each holds a lease until it is settled); `None`: not
+    /// limited.
+    pub concurrency: Option<u64>,
 }
 
 impl ScopeLimits {
     /// Whether the scope limits anything.
     pub fn is_limited(&self) -> bool {
-        self.requests.is_some() || self.tokens.is_some()
+        self.requests.is_some() || self.tokens.is_some() || self.concurrency.is_some()
     }
 }
 
@@ -36,6 +39,8 @@ pub enum Limited {
         /// The bucket's capacity.
         capacity: u64,
     },
+    /// Every lease is held: too many requests outstanding.
+    Concurrency,
 }
 
 /// Rate-limit figures of the last scope decided (the tenant's), for the `x-ratelimit-*`
@@ -51,7 +56,8 @@ pub struct Figures {
 /// The answer to [`LimitStore::take`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Decision {
-    /// Charged one request and the tokens in every scope.
+    /// Charged one request and the tokens in every scope, and holds the lease in every
+    /// scope with a concurrency limit.
     Admitted(Figures),
     /// Nothing was charged.
     Refused {
@@ -59,7 +65,8 @@ pub enum Decision {
         scope: usize,
         /// Which of its limits.
         limit: Limited,
-        /// When the request would pass (zero for [`Limited::TooLarge`]).
+        /// When the request would pass (zero for [`Limited::TooLarge`] and
+        /// [`Limited::Concurrency`], which wait for nothing the store can time).
         retry_after: Duration,
     },
 }
@@ -110,18 +117,21 @@ pub enum StoreError {
 
 /// Decides requests against the limits of a few scopes, atomically across them.
 pub trait LimitStore: Send + Sync {
-    /// Charges one request and `tokens` in every scope of `scopes`, or nothing if any scope
+    /// Charges one request and `tokens` in every scope of `scopes` and takes the lease
+    /// `lease` (unique per request) where concurrency is limited — or nothing, if any scope
     /// refuses. The figures returned are those of the last scope.
     fn take(
         &self,
         scopes: &[ScopeLimits],
         tokens: u64,
+        lease: &str,
     ) -> impl Future<Output = Result<Decision, StoreError>> + Send;
 
-    /// Settles a request `take` admitted with the same scopes.
+    /// Settles a request `take` admitted with the same scopes, and frees its lease.
     fn settle(
         &self,
         scopes: &[ScopeLimits],
         settlement: Settlement,
+        lease: &str,
     ) -> impl Future<Output = Result<(), StoreError>> + Send;
 }

@@ -3,13 +3,15 @@
 use crate::limits::{Decision, Figures, LimitStore, Limited, ScopeLimits, Settlement, StoreError};
 use levee_policy::{Clock, Gcra, Refused, TokenBucket};
 use parking_lot::Mutex;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 #[derive(Debug, Default)]
 struct State {
     requests: Option<Gcra>,
     tokens: Option<TokenBucket>,
+    /// Leases held (this process is their only holder: they end with it).
+    leases: HashSet<Box<str>>,
 }
 
 impl State {
@@ -47,7 +49,7 @@ impl<C: Clock> MemoryStore<C> {
     }
 
     /// Decides at once (the store never waits on anything).
-    pub fn take_now(&self, scopes: &[ScopeLimits], tokens: u64) -> Decision {
+    pub fn take_now(&self, scopes: &[ScopeLimits], tokens: u64, lease: &str) -> Decision {
         let now = self.clock.now();
         let mut states = self.states.lock();
         for s in scopes {
@@ -61,6 +63,10 @@ impl<C: Clock> MemoryStore<C> {
             let Some(st) = states.get_mut(&s.id) else {
                 continue;
             };
+            if s.concurrency.is_some_and(|c| st.leases.len() as u64 >= c) {
+                refusal = Some((i, Limited::Concurrency, std::time::Duration::ZERO));
+                break;
+            }
             let mut r = false;
             if let Some(g) = st.requests.as_mut() {
                 if let Err(e) = g.check(now) {
@@ -110,6 +116,11 @@ impl<C: Clock> MemoryStore<C> {
                 retry_after,
             };
         }
+        for s in scopes.iter().filter(|s| s.concurrency.is_some()) {
+            if let Some(st) = states.get_mut(&s.id) {
+                st.leases.insert(lease.into());
+            }
+        }
         let figures = scopes
             .last()
             .and_then(|s| states.get(&s.id))
@@ -122,7 +133,7 @@ impl<C: Clock> MemoryStore<C> {
     }
 
     /// Settles at once.
-    pub fn settle_now(&self, scopes: &[ScopeLimits], s: Settlement) {
+    pub fn settle_now(&self, scopes: &[ScopeLimits], s: Settlement, lease: &str) {
         let now = self.clock.now();
         let mut states = self.states.lock();
         for scope in scopes {
@@ -130,6 +141,7 @@ impl<C: Clock> MemoryStore<C> {
                 continue;
             };
             st.align(scope);
+            st.leases.remove(lease);
             if s.give_back_request {
                 if let Some(g) = st.requests.as_mut() {
                     g.refund(now);
@@ -145,12 +157,22 @@ impl<C: Clock> MemoryStore<C> {
 }
 
 impl<C: Clock> LimitStore for MemoryStore<C> {
-    async fn take(&self, scopes: &[ScopeLimits], tokens: u64) -> Result<Decision, StoreError> {
-        Ok(self.take_now(scopes, tokens))
+    async fn take(
+        &self,
+        scopes: &[ScopeLimits],
+        tokens: u64,
+        lease: &str,
+    ) -> Result<Decision, StoreError> {
+        Ok(self.take_now(scopes, tokens, lease))
     }
 
-    async fn settle(&self, scopes: &[ScopeLimits], s: Settlement) -> Result<(), StoreError> {
-        self.settle_now(scopes, s);
+    async fn settle(
+        &self,
+        scopes: &[ScopeLimits],
+        s: Settlement,
+        lease: &str,
+    ) -> Result<(), StoreError> {
+        self.settle_now(scopes, s, lease);
         Ok(())
     }
 }

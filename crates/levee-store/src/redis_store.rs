@@ -3,10 +3,13 @@
 //! Each decision is one `EVALSHA` (the `redis` crate loads a script on `NOSCRIPT`, e.g.
 //! after a server restart). State per scope is one hash whose fields are theoretical
 //! arrival times in microseconds of the server's `TIME`, so replicas' clocks never matter.
-//! Keys are `<prefix>lim:v<SCRIPT_VERSION>:{<scope>}`: the version keeps replicas running
-//! different scripts (a rolling upgrade) on separate state, and the braces are a Redis
-//! Cluster hash tag (each scope's state sits in one slot). Keys expire once their bucket has
-//! refilled, so idle tenants cost nothing.
+//! Keys are `<prefix>lim:v<SCRIPT_VERSION>:{<scope>}` (rates) and
+//! `<prefix>lease:v<SCRIPT_VERSION>:{<scope>}` (concurrency leases, a sorted set scored by
+//! expiry): the version keeps replicas running different scripts (a rolling upgrade) on
+//! separate state, and the braces are a Redis Cluster hash tag (each scope's state sits in
+//! one slot). Rate keys expire once their bucket has refilled, so idle tenants cost nothing;
+//! a lease expires unless its replica renews it ([`RedisStore::renew`]), so the leases of a
+//! replica that died free themselves.
 
 use crate::limits::{Decision, Figures, LimitStore, Limited, ScopeLimits, Settlement, StoreError};
 use levee_policy::RateLimitInfo;
@@ -15,20 +18,23 @@ use redis::Script;
 use std::time::Duration;
 
 /// The version of the Lua scripts, part of every key name.
-pub const SCRIPT_VERSION: u32 = 1;
+pub const SCRIPT_VERSION: u32 = 2;
 
 const TAKE: &str = include_str!("scripts/take.lua");
 const SETTLE: &str = include_str!("scripts/settle.lua");
 const HEARTBEAT: &str = include_str!("scripts/heartbeat.lua");
+const RENEW: &str = include_str!("scripts/renew.lua");
 
 /// Limits shared through one Redis (or Valkey) server.
 #[derive(Clone)]
 pub struct RedisStore {
     conn: ConnectionManager,
     prefix: String,
+    lease_ttl: Duration,
     take: Script,
     settle: Script,
     heartbeat: Script,
+    renew: Script,
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -39,8 +45,8 @@ impl std::fmt::Debug for RedisStore {
     }
 }
 
-/// Five script arguments per scope: request interval and tolerance, token interval and
-/// tolerance (µs), token capacity. Zero interval: not limited.
+/// Six script arguments per scope: request interval and tolerance, token interval and
+/// tolerance (µs), token capacity, leases allowed. Zero: not limited.
 fn scope_args(s: &ScopeLimits, args: &mut Vec<String>) {
     match s.requests {
         Some(q) => {
@@ -66,6 +72,7 @@ fn scope_args(s: &ScopeLimits, args: &mut Vec<String>) {
             args.push("0".into());
         }
     }
+    args.push(s.concurrency.unwrap_or(0).to_string());
 }
 
 fn micros(us: i64) -> Duration {
@@ -85,7 +92,7 @@ impl RedisStore {
     /// A store on the server at `url` (`redis://host:port[/db]`), keys under `prefix`. No
     /// connection is made here: the first command connects, and a lost connection is
     /// re-established on a later command. `timeout` bounds each command and each connection
-    /// attempt.
+    /// attempt. Leases live 30 s unless renewed (see [`RedisStore::with_lease_ttl`]).
     pub fn new(url: &str, prefix: &str, timeout: Duration) -> Result<Self, StoreError> {
         let client = redis::Client::open(url)?;
         let cfg = ConnectionManagerConfig::new()
@@ -97,15 +104,50 @@ impl RedisStore {
         Ok(RedisStore {
             conn,
             prefix: prefix.to_string(),
+            lease_ttl: Duration::from_secs(30),
             take: Script::new(TAKE),
             settle: Script::new(SETTLE),
             heartbeat: Script::new(HEARTBEAT),
+            renew: Script::new(RENEW),
         })
     }
 
-    /// The key of a scope's state.
-    fn key(&self, scope: &ScopeLimits) -> String {
-        format!("{}lim:v{SCRIPT_VERSION}:{{{}}}", self.prefix, scope.id)
+    /// How long a lease lives after it was taken or last renewed. A replica renews its
+    /// leases more often than this; one that dies stops, and its leases free themselves
+    /// within this time.
+    pub fn with_lease_ttl(mut self, ttl: Duration) -> Self {
+        self.lease_ttl = ttl.max(Duration::from_millis(1));
+        self
+    }
+
+    fn ttl_ms(&self) -> u64 {
+        u64::try_from(self.lease_ttl.as_millis()).unwrap_or(u64::MAX)
+    }
+
+    /// The keys of a scope's state: its rates, its leases.
+    fn keys(&self, scope: &str) -> [String; 2] {
+        let v = SCRIPT_VERSION;
+        [
+            format!("{}lim:v{v}:{{{scope}}}", self.prefix),
+            format!("{}lease:v{v}:{{{scope}}}", self.prefix),
+        ]
+    }
+
+    /// Extends the lifetime of leases still held: `(scope id, lease id)` pairs.
+    pub async fn renew(&self, leases: &[(std::sync::Arc<str>, String)]) -> Result<(), StoreError> {
+        if leases.is_empty() {
+            return Ok(());
+        }
+        let mut inv = self.renew.prepare_invoke();
+        inv.arg(self.ttl_ms());
+        for (scope, id) in leases {
+            let [_, lease_key] = self.keys(scope);
+            inv.key(lease_key);
+            inv.arg(id);
+        }
+        let mut conn = self.conn.clone();
+        let _: i64 = inv.invoke_async(&mut conn).await?;
+        Ok(())
     }
 
     /// Records that replica `id` is alive and returns how many replicas are (those whose
@@ -165,7 +207,12 @@ impl RedisStore {
 }
 
 impl LimitStore for RedisStore {
-    async fn take(&self, scopes: &[ScopeLimits], tokens: u64) -> Result<Decision, StoreError> {
+    async fn take(
+        &self,
+        scopes: &[ScopeLimits],
+        tokens: u64,
+        lease: &str,
+    ) -> Result<Decision, StoreError> {
         let limited: Vec<(usize, &ScopeLimits)> = scopes
             .iter()
             .enumerate()
@@ -175,9 +222,15 @@ impl LimitStore for RedisStore {
             return Ok(Decision::Admitted(Figures::default()));
         };
         let mut inv = self.take.prepare_invoke();
-        let mut args = vec![tokens.to_string()];
+        let mut args = vec![
+            tokens.to_string(),
+            lease.to_string(),
+            self.ttl_ms().to_string(),
+        ];
         for (_, s) in &limited {
-            inv.key(self.key(s));
+            for k in self.keys(&s.id) {
+                inv.key(k);
+            }
             scope_args(s, &mut args);
         }
         for a in &args {
@@ -209,6 +262,7 @@ impl LimitStore for RedisStore {
                     3 => Limited::TooLarge {
                         capacity: pos.1.tokens.map_or(0, |q| q.capacity()),
                     },
+                    4 => Limited::Concurrency,
                     _ => return Err(StoreError::Reply(reply.clone())),
                 };
                 Ok(Decision::Refused {
@@ -221,16 +275,24 @@ impl LimitStore for RedisStore {
         }
     }
 
-    async fn settle(&self, scopes: &[ScopeLimits], s: Settlement) -> Result<(), StoreError> {
+    async fn settle(
+        &self,
+        scopes: &[ScopeLimits],
+        s: Settlement,
+        lease: &str,
+    ) -> Result<(), StoreError> {
         let mut inv = self.settle.prepare_invoke();
         let mut args = vec![
             s.reserved.to_string(),
             s.actual.to_string(),
             if s.give_back_request { "1" } else { "0" }.to_string(),
+            lease.to_string(),
         ];
         let mut any = false;
         for sc in scopes.iter().filter(|s| s.is_limited()) {
-            inv.key(self.key(sc));
+            for k in self.keys(&sc.id) {
+                inv.key(k);
+            }
             scope_args(sc, &mut args);
             any = true;
         }

@@ -1,8 +1,9 @@
 //! The same property tests against both stores: every decision and settlement of a random
 //! sequence must match a plain integer model of the limits (requests: at most `burst`
 //! outstanding charges; tokens: a level in `-capacity..=capacity`, debt carried, refunds
-//! capped at full). The quotas refill over 1000 hours, so during a test run the refill is
-//! far below one request or token and the model needs no clock.
+//! capped at full; concurrency: at most `limit` leases held). The quotas refill over 1000
+//! hours, so during a test run the refill is far below one request or token and the model
+//! needs no clock.
 //!
 //! The Redis runs use the server on 127.0.0.1:6379 under a key prefix of their own, deleted
 //! afterwards. Without a reachable server they are skipped with a message, unless
@@ -40,20 +41,29 @@ fn op(cap: u64) -> impl Strategy<Value = Op> {
 struct Model {
     burst: Option<u64>,
     cap: Option<u64>,
+    conc: Option<u64>,
     used: u64,
     level: i64,
+    held: u64,
 }
 
 impl Model {
-    fn new(burst: Option<u64>, cap: Option<u64>) -> Self {
+    fn new(burst: Option<u64>, cap: Option<u64>, conc: Option<u64>) -> Self {
         Model {
             burst,
             cap,
+            conc,
             used: 0,
             level: cap.map_or(0, |c| c as i64),
+            held: 0,
         }
     }
     fn check(&self, tokens: u64) -> Option<Limited> {
+        if let Some(c) = self.conc {
+            if self.held >= c {
+                return Some(Limited::Concurrency);
+            }
+        }
         if let Some(b) = self.burst {
             if self.used >= b {
                 return Some(Limited::Requests);
@@ -70,6 +80,9 @@ impl Model {
         None
     }
     fn take(&mut self, tokens: u64) {
+        if self.conc.is_some() {
+            self.held += 1;
+        }
         if self.burst.is_some() {
             self.used += 1;
         }
@@ -78,6 +91,9 @@ impl Model {
         }
     }
     fn settle(&mut self, s: Settlement) {
+        if self.conc.is_some() {
+            self.held -= 1;
+        }
         if s.give_back_request && self.burst.is_some() {
             self.used = self.used.saturating_sub(1);
         }
@@ -93,11 +109,12 @@ impl Model {
     }
 }
 
-fn scope(id: String, burst: Option<u64>, cap: Option<u64>) -> ScopeLimits {
+fn scope(id: String, burst: Option<u64>, cap: Option<u64>, conc: Option<u64>) -> ScopeLimits {
     ScopeLimits {
         id: Arc::from(id),
         requests: burst.map(|b| Quota::new(b, SLOW).with_burst(b)),
         tokens: cap.map(|c| TokenQuota::new(c, SLOW)),
+        concurrency: conc,
     }
 }
 
@@ -108,7 +125,7 @@ async fn check_store<S: LimitStore>(
     mut models: Vec<Model>,
     ops: &[Op],
 ) -> Result<(), String> {
-    let mut open: Vec<u64> = Vec::new();
+    let mut open: Vec<(u64, String)> = Vec::new();
     for (step, op) in ops.iter().enumerate() {
         match op {
             Op::Take(tokens) => {
@@ -116,8 +133,9 @@ async fn check_store<S: LimitStore>(
                     .iter()
                     .enumerate()
                     .find_map(|(i, m)| m.check(*tokens).map(|l| (i, l)));
+                let lease = format!("lease-{step}");
                 let got = store
-                    .take(scopes, *tokens)
+                    .take(scopes, *tokens, &lease)
                     .await
                     .map_err(|e| e.to_string())?;
                 match (want, got) {
@@ -125,7 +143,7 @@ async fn check_store<S: LimitStore>(
                         for m in &mut models {
                             m.take(*tokens);
                         }
-                        open.push(*tokens);
+                        open.push((*tokens, lease));
                         let last = models.last().unwrap();
                         if let (Some(b), Some(r)) = (last.burst, fig.requests) {
                             if r.remaining != b - last.used {
@@ -159,10 +177,8 @@ async fn check_store<S: LimitStore>(
                                 "step {step}: refused by {scope}/{limit:?}, model says {i}/{l:?}"
                             ));
                         }
-                        if l != (Limited::TooLarge {
-                            capacity: models[i].cap.unwrap_or(0),
-                        }) && retry_after.is_zero()
-                        {
+                        let timed = matches!(l, Limited::Requests | Limited::Tokens);
+                        if timed && retry_after.is_zero() {
                             return Err(format!("step {step}: refusal without a wait"));
                         }
                     }
@@ -174,12 +190,15 @@ async fn check_store<S: LimitStore>(
                 }
             }
             Op::Reconcile(i, _) | Op::Refund(i) if !open.is_empty() => {
-                let reserved = open.remove(i % open.len());
+                let (reserved, lease) = open.remove(i % open.len());
                 let s = match op {
                     Op::Reconcile(_, a) => Settlement::reconcile(reserved, *a),
                     _ => Settlement::refund(reserved),
                 };
-                store.settle(scopes, s).await.map_err(|e| e.to_string())?;
+                store
+                    .settle(scopes, s, &lease)
+                    .await
+                    .map_err(|e| e.to_string())?;
                 for m in &mut models {
                     m.settle(s);
                 }
@@ -215,32 +234,40 @@ fn redis_store(tag: &str) -> Option<(tokio::runtime::Runtime, RedisStore)> {
             if std::env::var("LEVEE_REQUIRE_REDIS").as_deref() == Ok("1") {
                 panic!("LEVEE_REQUIRE_REDIS=1 but Redis on 127.0.0.1:6379 is unreachable: {e}");
             }
-            eprintln!("SKIPPED: Redis on 127.0.0.1:6379 is unreachable ({e}); set LEVEE_REQUIRE_REDIS=1 to fail instead");
+            eprintln!(
+                "SKIPPED: Redis on 127.0.0.1:6379 is unreachable ({e}); \
+                 set LEVEE_REQUIRE_REDIS=1 to fail instead"
+            );
             None
         }
     }
 }
 
-fn limits_strategy() -> impl Strategy<Value = (Option<u64>, Option<u64>, Option<u64>, Option<u64>)>
-{
+type Limits = (
+    Option<u64>,
+    Option<u64>,
+    Option<u64>,
+    Option<u64>,
+    Option<u64>,
+);
+
+fn limits_strategy() -> impl Strategy<Value = Limits> {
     (
         prop::option::weighted(0.5, 1u64..6),
         prop::option::weighted(0.5, 10u64..200),
         prop::option::weighted(0.8, 1u64..8),
         prop::option::weighted(0.8, 10u64..200),
+        prop::option::weighted(0.5, 1u64..5),
     )
 }
 
-fn case(
-    (gb, gc, tb, tc): (Option<u64>, Option<u64>, Option<u64>, Option<u64>),
-    n: u32,
-) -> (Vec<ScopeLimits>, Vec<Model>) {
+fn case((gb, gc, tb, tc, conc): Limits, n: u32) -> (Vec<ScopeLimits>, Vec<Model>) {
     (
         vec![
-            scope(format!("global-{n}"), gb, gc),
-            scope(format!("t:tenant-{n}"), tb, tc),
+            scope(format!("global-{n}"), gb, gc, None),
+            scope(format!("t:tenant-{n}"), tb, tc, conc),
         ],
-        vec![Model::new(gb, gc), Model::new(tb, tc)],
+        vec![Model::new(gb, gc, None), Model::new(tb, tc, conc)],
     )
 }
 
@@ -284,4 +311,52 @@ fn redis_store_matches_the_model() {
     let cleared = rt.block_on(store.clear());
     result.unwrap();
     cleared.unwrap();
+}
+
+/// A lease its replica stops renewing (the replica died) frees itself; one that is renewed
+/// holds past its lifetime.
+#[test]
+fn redis_leases_expire_unless_renewed() {
+    let Some((rt, store)) = redis_store("lease") else {
+        return;
+    };
+    let ttl = Duration::from_millis(400);
+    let store = store.with_lease_ttl(ttl);
+    let one = [scope("t:lease".into(), None, None, Some(1))];
+    rt.block_on(async {
+        assert!(matches!(
+            store.take(&one, 1, "held").await.unwrap(),
+            Decision::Admitted(_)
+        ));
+        // Renewed for three lifetimes: still held.
+        let started = std::time::Instant::now();
+        while started.elapsed() < ttl * 3 {
+            store
+                .renew(&[(one[0].id.clone(), "held".into())])
+                .await
+                .unwrap();
+            tokio::time::sleep(ttl / 8).await;
+        }
+        assert!(matches!(
+            store.take(&one, 1, "second").await.unwrap(),
+            Decision::Refused {
+                limit: Limited::Concurrency,
+                ..
+            }
+        ));
+        // No longer renewed (its replica died): freed within about a lifetime. Bounded poll.
+        let stopped = std::time::Instant::now();
+        let freed = loop {
+            if let Decision::Admitted(_) = store.take(&one, 1, "third").await.unwrap() {
+                break stopped.elapsed();
+            }
+            assert!(stopped.elapsed() < ttl * 10, "the lease never expired");
+            tokio::time::sleep(ttl / 8).await;
+        };
+        assert!(
+            freed + ttl / 4 >= ttl / 2,
+            "freed after {freed:?}, lifetime {ttl:?}"
+        );
+        store.clear().await.unwrap();
+    });
 }

@@ -1,4 +1,4 @@
--- levee replica heartbeat, script version 1.
+-- levee replica heartbeat, script version 2.
 -- KEYS[1]: sorted set of replicas scored by their last heartbeat (server ms).
 -- ARGV[1]: this replica's id; ARGV[2]: how long a replica counts as live after its last
 -- heartbeat (ms). Returns the number of live replicas, this one included.

@@ -1,24 +1,31 @@
--- levee settlement of one admitted request, script version 1 (see take.lua for the keys and
--- the five numbers per scope).
+-- levee settlement of one admitted request, script version 2 (see take.lua for the keys
+-- and the six numbers per scope).
 -- ARGV[1]: tokens reserved; ARGV[2]: tokens used; ARGV[3]: 1 to give the request back
--- (it was never served), 0 otherwise; then five numbers per scope.
+-- (it was never served), 0 otherwise; ARGV[4]: the request's lease id (empty: none); then
+-- six numbers per scope.
 -- Tokens: a refund never fills past capacity; a charge past empty is kept as debt of at most
 -- one capacity (the level stays within -capacity..capacity), as in the in-memory bucket.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local reserved, actual = tonumber(ARGV[1]), tonumber(ARGV[2])
 local give_back = ARGV[3] == '1'
-for i = 1, #KEYS do
-  local b = 3 + (i - 1) * 5
+local lease = ARGV[4]
+for i = 1, #KEYS / 2 do
+  local b = 4 + (i - 1) * 6
   local ri = tonumber(ARGV[b + 1])
   local tu, ttol = tonumber(ARGV[b + 3]), tonumber(ARGV[b + 4])
-  local st = redis.call('HMGET', KEYS[i], 'r', 't')
+  local conc = tonumber(ARGV[b + 6])
+  local h, z = KEYS[2 * i - 1], KEYS[2 * i]
+  if conc > 0 and lease ~= '' then
+    redis.call('ZREM', z, lease)
+  end
+  local st = redis.call('HMGET', h, 'r', 't')
   local wrote = false
   if ri > 0 and give_back then
     local tat = tonumber(st[1])
     if tat and tat > now then
       tat = math.max(tat - ri, now)
-      redis.call('HSET', KEYS[i], 'r', tat)
+      redis.call('HSET', h, 'r', tat)
       wrote = true
     end
   end
@@ -29,13 +36,13 @@ for i = 1, #KEYS do
     else
       tat = math.max(tat - tu * (reserved - actual), now)
     end
-    redis.call('HSET', KEYS[i], 't', tat)
+    redis.call('HSET', h, 't', tat)
     wrote = true
   end
   if wrote then
-    local cur = redis.call('HMGET', KEYS[i], 'r', 't')
+    local cur = redis.call('HMGET', h, 'r', 't')
     local last = math.max(now, tonumber(cur[1]) or 0, tonumber(cur[2]) or 0)
-    redis.call('PEXPIRE', KEYS[i], math.ceil((last - now) / 1000) + 1000)
+    redis.call('PEXPIRE', h, math.ceil((last - now) / 1000) + 1000)
   end
 end
 return 1
