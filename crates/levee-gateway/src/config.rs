@@ -150,6 +150,12 @@ pub struct StateConfig {
     pub heartbeat_ms: u64,
     /// This replica's name among its peers (empty: host name and process id).
     pub replica_id: String,
+    /// Local batching: requests per slice of a tenant's budget taken from Redis at once
+    /// and handed out here without a round trip (0 or 1: off). Never over-admits; the cost
+    /// is that up to `replicas × (batch − 1)` requests of budget can sit unspent in other
+    /// replicas' slices for up to one `heartbeat_ms` (see docs/replicas.md). Tenants with a
+    /// `max_concurrency` are not batched (each request takes a lease).
+    pub batch: u32,
 }
 
 impl Default for StateConfig {
@@ -162,6 +168,7 @@ impl Default for StateConfig {
             on_failure: OnFailure::FailOpen,
             heartbeat_ms: 1000,
             replica_id: String::new(),
+            batch: 0,
         }
     }
 }

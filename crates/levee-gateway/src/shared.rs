@@ -19,6 +19,7 @@ use crate::metrics::{Metrics, SourceLabel, SwitchLabel};
 use levee_policy::{Quota, RefusalReason, Scope, TokenQuota};
 use levee_store::{
     Decision, Figures, LimitStore, Limited, MemoryStore, RedisStore, ScopeLimits, Settlement,
+    SliceDecision,
 };
 use parking_lot::Mutex;
 use prometheus_client::metrics::counter::Counter;
@@ -86,6 +87,16 @@ fn share(scopes: &[ScopeLimits], live: u32) -> Arc<[ScopeLimits]> {
         .collect()
 }
 
+/// The rest of a slice of one tenant's budget, charged in Redis, handed out here.
+#[derive(Debug)]
+struct LocalSlice {
+    scopes: Arc<[ScopeLimits]>,
+    requests: u64,
+    tokens: u64,
+    taken_at: tokio::time::Instant,
+    figures: Figures,
+}
+
 /// Where a charge was taken, and so where it is settled.
 #[derive(Debug)]
 enum Source {
@@ -113,6 +124,10 @@ pub struct Shared {
     /// id → the scopes it is held in.
     leases: Mutex<HashMap<String, Vec<Arc<str>>>>,
     next_lease: AtomicU64,
+    /// Requests per slice (≤ 1: no batching).
+    batch: u64,
+    /// Each tenant's current slice, by its scope id.
+    slices: Mutex<HashMap<Arc<str>, LocalSlice>>,
     gauge: Gauge,
     replicas_gauge: Gauge,
     switches: Family<SwitchLabel, Counter>,
@@ -188,6 +203,8 @@ impl Shared {
             last_error: Mutex::new(None),
             leases: Mutex::new(HashMap::new()),
             next_lease: AtomicU64::new(0),
+            batch: u64::from(cfg.batch),
+            slices: Mutex::new(HashMap::new()),
             gauge: metrics.state_shared.clone(),
             replicas_gauge: metrics.fleet_replicas.clone(),
             switches: metrics.state_switches.clone(),
@@ -283,6 +300,21 @@ impl Shared {
                 {
                     tracing::debug!(replica = %self.replica, "lease renewal failed: {e}");
                 }
+                // Slices older than a heartbeat give their unused rest back, so budget never
+                // sits here long while other replicas need it.
+                let now = tokio::time::Instant::now();
+                let old: Vec<LocalSlice> = {
+                    let mut slices = self.slices.lock();
+                    let keys: Vec<Arc<str>> = slices
+                        .iter()
+                        .filter(|(_, s)| now.duration_since(s.taken_at) >= self.heartbeat)
+                        .map(|(k, _)| k.clone())
+                        .collect();
+                    keys.iter().filter_map(|k| slices.remove(k)).collect()
+                };
+                for s in old {
+                    self.give_back(s);
+                }
             }
             Ok(Err(e)) => self.went_down(e.to_string()),
             Err(_) => self.went_down(format!(
@@ -297,9 +329,16 @@ impl Shared {
         self.heartbeat
     }
 
-    /// Leaves the live set at once (clean shutdown), within the decision timeout.
+    /// Leaves the live set at once and gives unused slices back (clean shutdown), each
+    /// within the decision timeout.
     pub async fn leave(&self) {
         let _ = tokio::time::timeout(self.timeout, self.store.leave(&self.replica)).await;
+        let slices: Vec<LocalSlice> = self.slices.lock().drain().map(|(_, s)| s).collect();
+        for s in slices {
+            let unused = Settlement::unused(s.requests, s.tokens);
+            let _ =
+                tokio::time::timeout(self.timeout, self.store.settle(&s.scopes, unused, "")).await;
+        }
     }
 
     /// Decides a request of `tokens` in `scopes`. `Ok(None)`: nothing to charge.
@@ -317,6 +356,11 @@ impl Shared {
         } else {
             String::new()
         };
+        if self.batch > 1 && lease.is_empty() && self.is_shared() {
+            if let Some(r) = self.take_batched(scopes, tokens).await {
+                return r;
+            }
+        }
         if self.is_shared() {
             let took = self.store.take(scopes, tokens, &lease);
             match tokio::time::timeout(self.timeout, took).await {
@@ -348,6 +392,98 @@ impl Shared {
                 let d = self.local.take_now(&local, tokens, &lease);
                 self.count("local");
                 self.decided(d, scopes, Source::Local(local), tokens, lease)
+            }
+        }
+    }
+
+    /// The unused rest of a slice goes back to Redis (in the background: off every
+    /// request's path).
+    fn give_back(&self, s: LocalSlice) {
+        if s.requests == 0 && s.tokens == 0 {
+            return;
+        }
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let store = self.store.clone();
+        rt.spawn(async move {
+            let unused = Settlement::unused(s.requests, s.tokens);
+            let _ = tokio::time::timeout(SETTLE_TIMEOUT, store.settle(&s.scopes, unused, "")).await;
+        });
+    }
+
+    /// Decides from this replica's slice of the tenant's budget, taking a new slice from
+    /// Redis when the slice is spent. `None`: Redis failed (the caller falls back).
+    async fn take_batched(
+        self: &Arc<Self>,
+        scopes: &Arc<[ScopeLimits]>,
+        tokens: u64,
+    ) -> Option<Result<Option<Charge>, GatewayError>> {
+        let key = scopes.last()?.id.clone();
+        let token_limited = scopes.iter().any(|s| s.tokens.is_some());
+        let charge = |figures| Charge {
+            shared: self.clone(),
+            scopes: scopes.clone(),
+            tokens,
+            lease: String::new(),
+            source: Some(Source::Redis),
+            figures,
+        };
+        {
+            let mut slices = self.slices.lock();
+            if let Some(s) = slices.get_mut(&key) {
+                if s.requests >= 1 && (!token_limited || s.tokens >= tokens) {
+                    s.requests -= 1;
+                    s.tokens = s.tokens.saturating_sub(tokens);
+                    let figures = s.figures;
+                    drop(slices);
+                    self.count("slice");
+                    return Some(Ok(Some(charge(figures))));
+                }
+            }
+        }
+        let want_tokens = tokens.saturating_mul(self.batch);
+        let took = self
+            .store
+            .take_slice(scopes, self.batch, want_tokens, tokens);
+        match tokio::time::timeout(self.timeout, took).await {
+            Ok(Ok(SliceDecision::Granted(g))) => {
+                self.count("redis");
+                let rest = LocalSlice {
+                    scopes: scopes.clone(),
+                    requests: g.requests.saturating_sub(1),
+                    tokens: g.tokens.saturating_sub(tokens),
+                    taken_at: tokio::time::Instant::now(),
+                    figures: g.figures,
+                };
+                let old = self.slices.lock().insert(key, rest);
+                if let Some(old) = old {
+                    self.give_back(old);
+                }
+                Some(Ok(Some(charge(g.figures))))
+            }
+            Ok(Ok(SliceDecision::Refused {
+                scope,
+                limit,
+                retry_after,
+            })) => {
+                self.count("redis");
+                Some(Err(refusal(
+                    scopes,
+                    scope,
+                    limit,
+                    retry_after,
+                    tokens,
+                    false,
+                )))
+            }
+            Ok(Err(e)) => {
+                self.went_down(e.to_string());
+                None
+            }
+            Err(_) => {
+                self.went_down(format!("no answer within {} ms", self.timeout.as_millis()));
+                None
             }
         }
     }
@@ -394,6 +530,7 @@ impl Shared {
             "on_failure": match self.mode { OnFailure::FailOpen => "fail_open", OnFailure::FailClosed => "fail_closed" },
             "live_replicas": self.live_replicas(),
             "timeout_ms": u64::try_from(self.timeout.as_millis()).unwrap_or(u64::MAX),
+            "batch": self.batch,
             "last_error": *self.last_error.lock(),
         })
     }

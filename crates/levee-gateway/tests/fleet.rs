@@ -200,6 +200,57 @@ async fn three_replicas_hold_the_fleet_limit_where_memory_admits_three_times() {
     );
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batching_never_over_admits_and_saves_round_trips() {
+    let url = "redis://127.0.0.1:6379";
+    if !redis_up(url).await {
+        return skip("Redis on 127.0.0.1:6379 is unreachable");
+    }
+    let m = mock().await;
+    let prefix = unique_prefix("batch");
+    let (rpm, burst, batch) = (60, 30, 4);
+    let mut cfg = fleet_config(&m.url(), url, &prefix, rpm, burst);
+    cfg.state.batch = batch;
+    let gws = fleet(&cfg, 3).await;
+    let t = Instant::now();
+    let (ok, limited, other, _) = flood(&gws, 150, 6).await;
+    let secs = t.elapsed().as_secs_f64();
+    let (mut from_redis, mut from_slices) = (0.0, 0.0);
+    for g in &gws {
+        let text = g.gateway().metrics.encode();
+        from_redis += metric(&text, "levee_state_decisions_total{source=\"redis\"}");
+        from_slices += metric(&text, "levee_state_decisions_total{source=\"slice\"}");
+    }
+    for g in gws {
+        g.shutdown().await;
+    }
+    clear(url, &prefix).await;
+    eprintln!(
+        "batched: {ok} of 150 admitted in {secs:.2} s; {from_redis} Redis calls, \
+         {from_slices} from slices"
+    );
+    assert!(other.is_empty(), "unexpected statuses {other:?}");
+    assert_eq!(ok + limited, 150);
+    // Slices are charged in Redis before use: the fleet bound is the unbatched one.
+    let bound = burst as f64 + rpm as f64 * secs / 60.0;
+    assert!(
+        ok as f64 <= bound.floor() + 1.0,
+        "{ok} admitted, bound {bound:.1}"
+    );
+    // What batching costs: budget sitting in other replicas' slices, at most
+    // replicas × (batch − 1) requests.
+    let stranded = 3 * (batch as usize - 1);
+    assert!(
+        ok + stranded >= burst as usize,
+        "{ok} admitted; at most {stranded} stranded"
+    );
+    // Each slice taken serves up to `batch` requests; refusals still ask Redis each time.
+    assert!(
+        from_slices >= ok as f64 / 2.0,
+        "{from_slices} of {ok} admitted came from slices ({from_redis} Redis calls in all)"
+    );
+}
+
 /// A `redis-server` of the test's own on a free port.
 struct OwnRedis {
     port: u16,

@@ -23,6 +23,9 @@ mod limits;
 mod memory;
 mod redis_store;
 
-pub use limits::{Decision, Figures, LimitStore, Limited, ScopeLimits, Settlement, StoreError};
+pub use limits::{
+    Decision, Figures, LimitStore, Limited, ScopeLimits, Settlement, Slice, SliceDecision,
+    StoreError,
+};
 pub use memory::MemoryStore;
 pub use redis_store::{RedisStore, SCRIPT_VERSION};

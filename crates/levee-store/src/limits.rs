@@ -53,6 +53,34 @@ pub struct Figures {
     pub tokens: Option<RateLimitInfo>,
 }
 
+/// A slice of the budget granted by [`LimitStore::take_slice`], charged at once, for a
+/// replica to hand out locally.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Slice {
+    /// Requests granted (at least 1).
+    pub requests: u64,
+    /// Tokens granted (at least the minimum asked for).
+    pub tokens: u64,
+    /// The last scope's figures after the charge.
+    pub figures: Figures,
+}
+
+/// The answer to [`LimitStore::take_slice`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SliceDecision {
+    /// Granted and charged.
+    Granted(Slice),
+    /// Nothing was charged: not even one request with `min_tokens` fits now.
+    Refused {
+        /// Index of the refusing scope.
+        scope: usize,
+        /// Which of its limits.
+        limit: Limited,
+        /// When one request of `min_tokens` would pass.
+        retry_after: Duration,
+    },
+}
+
 /// The answer to [`LimitStore::take`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Decision {
@@ -79,8 +107,9 @@ pub struct Settlement {
     /// Tokens really used: less refunds the difference, more charges it (as debt of at most
     /// one capacity).
     pub actual: u64,
-    /// The request was never served: give its request-rate charge back too.
-    pub give_back_request: bool,
+    /// Request-rate charges to give back: 1 for a request never served, the unused count
+    /// of a returned slice.
+    pub give_back_requests: u64,
 }
 
 impl Settlement {
@@ -89,7 +118,16 @@ impl Settlement {
         Settlement {
             reserved,
             actual: 0,
-            give_back_request: true,
+            give_back_requests: 1,
+        }
+    }
+
+    /// The unused rest of a slice: `requests` and `tokens` come back.
+    pub fn unused(requests: u64, tokens: u64) -> Self {
+        Settlement {
+            reserved: tokens,
+            actual: 0,
+            give_back_requests: requests,
         }
     }
 
@@ -98,7 +136,7 @@ impl Settlement {
         Settlement {
             reserved,
             actual,
-            give_back_request: false,
+            give_back_requests: 0,
         }
     }
 }
@@ -126,6 +164,19 @@ pub trait LimitStore: Send + Sync {
         tokens: u64,
         lease: &str,
     ) -> impl Future<Output = Result<Decision, StoreError>> + Send;
+
+    /// Charges as much of the budget as every scope has now, up to `requests` requests and
+    /// `max_tokens` tokens, and at least one request and `min_tokens` tokens — or nothing.
+    /// For local batching; scopes with a concurrency limit are not sliced (the caller takes
+    /// a lease per request) and their concurrency is ignored here. Give the unused rest
+    /// back with [`LimitStore::settle`] and [`Settlement::unused`].
+    fn take_slice(
+        &self,
+        scopes: &[ScopeLimits],
+        requests: u64,
+        max_tokens: u64,
+        min_tokens: u64,
+    ) -> impl Future<Output = Result<SliceDecision, StoreError>> + Send;
 
     /// Settles a request `take` admitted with the same scopes, and frees its lease.
     fn settle(

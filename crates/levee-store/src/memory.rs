@@ -1,6 +1,9 @@
 //! The in-memory store: levee-policy's limiters behind one lock.
 
-use crate::limits::{Decision, Figures, LimitStore, Limited, ScopeLimits, Settlement, StoreError};
+use crate::limits::{
+    Decision, Figures, LimitStore, Limited, ScopeLimits, Settlement, Slice, SliceDecision,
+    StoreError,
+};
 use levee_policy::{Clock, Gcra, Refused, TokenBucket};
 use parking_lot::Mutex;
 use std::collections::{HashMap, HashSet};
@@ -132,6 +135,85 @@ impl<C: Clock> MemoryStore<C> {
         Decision::Admitted(figures)
     }
 
+    /// Grants a slice at once (see [`LimitStore::take_slice`]).
+    pub fn take_slice_now(
+        &self,
+        scopes: &[ScopeLimits],
+        requests: u64,
+        max_tokens: u64,
+        min_tokens: u64,
+    ) -> SliceDecision {
+        let now = self.clock.now();
+        let mut states = self.states.lock();
+        let (mut g_r, mut g_t) = (requests.max(1), max_tokens.max(min_tokens));
+        for (i, s) in scopes.iter().enumerate() {
+            let st = states.entry(s.id.clone()).or_default();
+            st.align(s);
+            if let Some(g) = st.requests.as_ref() {
+                let avail = g.info(now).remaining;
+                if avail < 1 {
+                    let mut probe = g.clone();
+                    let retry_after = probe.check(now).err().map(|e| e.retry_after);
+                    return SliceDecision::Refused {
+                        scope: i,
+                        limit: Limited::Requests,
+                        retry_after: retry_after.unwrap_or_default(),
+                    };
+                }
+                g_r = g_r.min(avail);
+            }
+            if let Some(b) = st.tokens.as_ref() {
+                let capacity = b.quota().capacity();
+                if min_tokens > capacity {
+                    return SliceDecision::Refused {
+                        scope: i,
+                        limit: Limited::TooLarge { capacity },
+                        retry_after: std::time::Duration::ZERO,
+                    };
+                }
+                let avail = b.available(now);
+                if avail < min_tokens {
+                    let mut probe = b.clone();
+                    let retry_after = match probe.reserve(min_tokens, now) {
+                        Err(Refused::NotUntil { retry_after }) => retry_after,
+                        _ => std::time::Duration::ZERO,
+                    };
+                    return SliceDecision::Refused {
+                        scope: i,
+                        limit: Limited::Tokens,
+                        retry_after,
+                    };
+                }
+                g_t = g_t.min(avail);
+            }
+        }
+        for s in scopes {
+            if let Some(st) = states.get_mut(&s.id) {
+                if let Some(g) = st.requests.as_mut() {
+                    for _ in 0..g_r {
+                        let _ = g.check(now);
+                    }
+                }
+                if let Some(b) = st.tokens.as_mut() {
+                    let _ = b.reserve(g_t, now);
+                }
+            }
+        }
+        let figures = scopes
+            .last()
+            .and_then(|s| states.get(&s.id))
+            .map(|st| Figures {
+                requests: st.requests.as_ref().map(|g| g.info(now)),
+                tokens: st.tokens.as_ref().map(|b| b.info(now)),
+            })
+            .unwrap_or_default();
+        SliceDecision::Granted(Slice {
+            requests: g_r,
+            tokens: g_t,
+            figures,
+        })
+    }
+
     /// Settles at once.
     pub fn settle_now(&self, scopes: &[ScopeLimits], s: Settlement, lease: &str) {
         let now = self.clock.now();
@@ -142,8 +224,8 @@ impl<C: Clock> MemoryStore<C> {
             };
             st.align(scope);
             st.leases.remove(lease);
-            if s.give_back_request {
-                if let Some(g) = st.requests.as_mut() {
+            if let Some(g) = st.requests.as_mut() {
+                for _ in 0..s.give_back_requests {
                     g.refund(now);
                 }
             }
@@ -164,6 +246,16 @@ impl<C: Clock> LimitStore for MemoryStore<C> {
         lease: &str,
     ) -> Result<Decision, StoreError> {
         Ok(self.take_now(scopes, tokens, lease))
+    }
+
+    async fn take_slice(
+        &self,
+        scopes: &[ScopeLimits],
+        requests: u64,
+        max_tokens: u64,
+        min_tokens: u64,
+    ) -> Result<SliceDecision, StoreError> {
+        Ok(self.take_slice_now(scopes, requests, max_tokens, min_tokens))
     }
 
     async fn settle(

@@ -11,7 +11,10 @@
 //! a lease expires unless its replica renews it ([`RedisStore::renew`]), so the leases of a
 //! replica that died free themselves.
 
-use crate::limits::{Decision, Figures, LimitStore, Limited, ScopeLimits, Settlement, StoreError};
+use crate::limits::{
+    Decision, Figures, LimitStore, Limited, ScopeLimits, Settlement, Slice, SliceDecision,
+    StoreError,
+};
 use levee_policy::RateLimitInfo;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::Script;
@@ -24,6 +27,7 @@ const TAKE: &str = include_str!("scripts/take.lua");
 const SETTLE: &str = include_str!("scripts/settle.lua");
 const HEARTBEAT: &str = include_str!("scripts/heartbeat.lua");
 const RENEW: &str = include_str!("scripts/renew.lua");
+const SLICE: &str = include_str!("scripts/slice.lua");
 
 /// Limits shared through one Redis (or Valkey) server.
 #[derive(Clone)]
@@ -35,6 +39,7 @@ pub struct RedisStore {
     settle: Script,
     heartbeat: Script,
     renew: Script,
+    slice: Script,
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -109,6 +114,7 @@ impl RedisStore {
             settle: Script::new(SETTLE),
             heartbeat: Script::new(HEARTBEAT),
             renew: Script::new(RENEW),
+            slice: Script::new(SLICE),
         })
     }
 
@@ -275,6 +281,88 @@ impl LimitStore for RedisStore {
         }
     }
 
+    async fn take_slice(
+        &self,
+        scopes: &[ScopeLimits],
+        requests: u64,
+        max_tokens: u64,
+        min_tokens: u64,
+    ) -> Result<SliceDecision, StoreError> {
+        let limited: Vec<(usize, &ScopeLimits)> = scopes
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.requests.is_some() || s.tokens.is_some())
+            .collect();
+        let requests = requests.max(1);
+        let max_tokens = max_tokens.max(min_tokens);
+        let Some(&(_, last)) = limited.last() else {
+            return Ok(SliceDecision::Granted(Slice {
+                requests,
+                tokens: max_tokens,
+                figures: Figures::default(),
+            }));
+        };
+        let mut inv = self.slice.prepare_invoke();
+        let mut args = vec![
+            requests.to_string(),
+            max_tokens.to_string(),
+            min_tokens.to_string(),
+        ];
+        for (_, s) in &limited {
+            for k in self.keys(&s.id) {
+                inv.key(k);
+            }
+            scope_args(s, &mut args);
+        }
+        for a in &args {
+            inv.arg(a);
+        }
+        let mut conn = self.conn.clone();
+        let reply: Vec<i64> = inv.invoke_async(&mut conn).await?;
+        match reply.as_slice() {
+            [1, r, t, rr, rreset, tr, treset] => {
+                // Figures are the last scope's; the script reports the last limited one.
+                let figures = if scopes
+                    .last()
+                    .is_some_and(|s| s.requests.is_some() || s.tokens.is_some())
+                {
+                    Figures {
+                        requests: info(last.requests.map(|q| q.burst()), *rr, *rreset),
+                        tokens: info(last.tokens.map(|q| q.capacity()), *tr, *treset),
+                    }
+                } else {
+                    Figures::default()
+                };
+                let count = |v: i64| u64::try_from(v).map_err(|_| StoreError::Reply(reply.clone()));
+                Ok(SliceDecision::Granted(Slice {
+                    requests: count(*r)?,
+                    tokens: count(*t)?,
+                    figures,
+                }))
+            }
+            [0, i, kind, retry] => {
+                let pos = usize::try_from(*i - 1)
+                    .ok()
+                    .and_then(|i| limited.get(i))
+                    .ok_or_else(|| StoreError::Reply(reply.clone()))?;
+                let limit = match kind {
+                    1 => Limited::Requests,
+                    2 => Limited::Tokens,
+                    3 => Limited::TooLarge {
+                        capacity: pos.1.tokens.map_or(0, |q| q.capacity()),
+                    },
+                    _ => return Err(StoreError::Reply(reply.clone())),
+                };
+                Ok(SliceDecision::Refused {
+                    scope: pos.0,
+                    limit,
+                    retry_after: micros(*retry),
+                })
+            }
+            _ => Err(StoreError::Reply(reply)),
+        }
+    }
+
     async fn settle(
         &self,
         scopes: &[ScopeLimits],
@@ -285,7 +373,7 @@ impl LimitStore for RedisStore {
         let mut args = vec![
             s.reserved.to_string(),
             s.actual.to_string(),
-            if s.give_back_request { "1" } else { "0" }.to_string(),
+            s.give_back_requests.to_string(),
             lease.to_string(),
         ];
         let mut any = false;

@@ -12,7 +12,7 @@
 
 use levee_policy::{ManualClock, Quota, Timestamp, TokenQuota};
 use levee_store::{
-    Decision, LimitStore, Limited, MemoryStore, RedisStore, ScopeLimits, Settlement,
+    Decision, LimitStore, Limited, MemoryStore, RedisStore, ScopeLimits, Settlement, SliceDecision,
 };
 use proptest::prelude::*;
 use std::sync::Arc;
@@ -26,6 +26,10 @@ enum Op {
     /// Settle the n-th open grant (mod the number open) with this many tokens used.
     Reconcile(usize, u64),
     Refund(usize),
+    /// Ask for a slice of at most this many requests and tokens, at least this many tokens.
+    Slice(u64, u64, u64),
+    /// Give the n-th open slice back unused.
+    ReturnSlice(usize),
 }
 
 fn op(cap: u64) -> impl Strategy<Value = Op> {
@@ -33,6 +37,8 @@ fn op(cap: u64) -> impl Strategy<Value = Op> {
         3 => (0..=cap + cap / 4).prop_map(Op::Take),
         2 => (any::<usize>(), 0..=cap * 2).prop_map(|(i, a)| Op::Reconcile(i, a)),
         1 => any::<usize>().prop_map(Op::Refund),
+        1 => (1u64..6, 0..=cap, 0..=cap / 2).prop_map(|(r, t, m)| Op::Slice(r, t.max(m), m)),
+        1 => any::<usize>().prop_map(Op::ReturnSlice),
     ]
 }
 
@@ -90,12 +96,12 @@ impl Model {
             self.level -= tokens as i64;
         }
     }
-    fn settle(&mut self, s: Settlement) {
-        if self.conc.is_some() {
+    fn settle(&mut self, s: Settlement, leased: bool) {
+        if leased && self.conc.is_some() {
             self.held -= 1;
         }
-        if s.give_back_request && self.burst.is_some() {
-            self.used = self.used.saturating_sub(1);
+        if self.burst.is_some() {
+            self.used = self.used.saturating_sub(s.give_back_requests);
         }
         if let Some(c) = self.cap {
             let c = c as i64;
@@ -126,6 +132,7 @@ async fn check_store<S: LimitStore>(
     ops: &[Op],
 ) -> Result<(), String> {
     let mut open: Vec<(u64, String)> = Vec::new();
+    let mut slices: Vec<(u64, u64)> = Vec::new();
     for (step, op) in ops.iter().enumerate() {
         match op {
             Op::Take(tokens) => {
@@ -200,7 +207,74 @@ async fn check_store<S: LimitStore>(
                     .await
                     .map_err(|e| e.to_string())?;
                 for m in &mut models {
-                    m.settle(s);
+                    m.settle(s, true);
+                }
+            }
+            Op::Slice(r, t, min) => {
+                // The model: as much as every scope has, or a refusal by the first scope
+                // short of one request and `min` tokens.
+                let mut want: Result<(u64, u64), (usize, Limited)> = Ok((*r, *t));
+                for (i, m) in models.iter().enumerate() {
+                    let Ok((gr, gt)) = want else { break };
+                    let mut gr2 = gr;
+                    let mut gt2 = gt;
+                    if let Some(b) = m.burst {
+                        if m.used >= b {
+                            want = Err((i, Limited::Requests));
+                            continue;
+                        }
+                        gr2 = gr2.min(b - m.used);
+                    }
+                    if let Some(c) = m.cap {
+                        if *min > c {
+                            want = Err((i, Limited::TooLarge { capacity: c }));
+                            continue;
+                        }
+                        let avail = m.level.max(0) as u64;
+                        if avail < *min {
+                            want = Err((i, Limited::Tokens));
+                            continue;
+                        }
+                        gt2 = gt2.min(avail);
+                    }
+                    want = Ok((gr2, gt2));
+                }
+                let got = store
+                    .take_slice(scopes, *r, *t, *min)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                match (want, got) {
+                    (Ok((gr, gt)), SliceDecision::Granted(g))
+                        if (g.requests, g.tokens) == (gr, gt) =>
+                    {
+                        for m in &mut models {
+                            if m.burst.is_some() {
+                                m.used += gr;
+                            }
+                            if m.cap.is_some() {
+                                m.level -= gt as i64;
+                            }
+                        }
+                        slices.push((gr, gt));
+                    }
+                    (Err((i, l)), SliceDecision::Refused { scope, limit, .. })
+                        if (i, l) == (scope, limit) => {}
+                    (want, got) => {
+                        return Err(format!(
+                            "step {step}: slice({r}, {t}, {min}) gave {got:?}, model {want:?}"
+                        ))
+                    }
+                }
+            }
+            Op::ReturnSlice(i) if !slices.is_empty() => {
+                let (gr, gt) = slices.remove(i % slices.len());
+                let s = Settlement::unused(gr, gt);
+                store
+                    .settle(scopes, s, "")
+                    .await
+                    .map_err(|e| e.to_string())?;
+                for m in &mut models {
+                    m.settle(s, false);
                 }
             }
             _ => {}

@@ -1,14 +1,14 @@
 -- levee settlement of one admitted request, script version 2 (see take.lua for the keys
 -- and the six numbers per scope).
--- ARGV[1]: tokens reserved; ARGV[2]: tokens used; ARGV[3]: 1 to give the request back
--- (it was never served), 0 otherwise; ARGV[4]: the request's lease id (empty: none); then
+-- ARGV[1]: tokens reserved; ARGV[2]: tokens used; ARGV[3]: requests to give back (a
+-- request never served: 1; the unused rest of a slice: its count); ARGV[4]: the request's lease id (empty: none); then
 -- six numbers per scope.
 -- Tokens: a refund never fills past capacity; a charge past empty is kept as debt of at most
 -- one capacity (the level stays within -capacity..capacity), as in the in-memory bucket.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local reserved, actual = tonumber(ARGV[1]), tonumber(ARGV[2])
-local give_back = ARGV[3] == '1'
+local give_back = tonumber(ARGV[3])
 local lease = ARGV[4]
 for i = 1, #KEYS / 2 do
   local b = 4 + (i - 1) * 6
@@ -21,10 +21,10 @@ for i = 1, #KEYS / 2 do
   end
   local st = redis.call('HMGET', h, 'r', 't')
   local wrote = false
-  if ri > 0 and give_back then
+  if ri > 0 and give_back > 0 then
     local tat = tonumber(st[1])
     if tat and tat > now then
-      tat = math.max(tat - ri, now)
+      tat = math.max(tat - give_back * ri, now)
       redis.call('HSET', h, 'r', tat)
       wrote = true
     end
