@@ -1079,8 +1079,12 @@ impl Config {
     /// A short human summary for `levee config check`.
     pub fn summary(&self) -> String {
         let backends: usize = self.models.iter().map(|m| m.backends.len()).sum();
+        let state = match self.state.backend {
+            StateBackend::Memory => "limits in memory".to_string(),
+            StateBackend::Redis => format!("limits shared in Redis (prefix {:?})", self.state.key_prefix),
+        };
         format!(
-            "public {} admin {}; {} tiers, {} tenants, {} models, {} backends; queue safe/soft/hard {}/{}/{}",
+            "public {} admin {}; {} tiers, {} tenants, {} models, {} backends; queue safe/soft/hard {}/{}/{}; {state}",
             self.listen.public,
             self.listen.admin,
             self.tiers.len(),
@@ -1185,6 +1189,26 @@ url = "http://127.0.0.1:1"
         // Ejection settings are not judged while ejection is off.
         cfg.outlier.enabled = false;
         assert_eq!(cfg.validate().len(), 2);
+    }
+
+    #[test]
+    fn redis_state_is_checked_only_when_used() {
+        let mut cfg = Config::default();
+        cfg.state.url = "http://nope".into();
+        cfg.state.timeout_ms = 0;
+        assert!(cfg.validate().is_empty(), "memory backend: [state] url unused");
+        cfg.state.backend = StateBackend::Redis;
+        let errs = cfg.validate();
+        let joined = errs.join("\n");
+        assert!(joined.contains("state.url: \"http://nope\" is not a redis:// URL"), "{joined}");
+        assert!(joined.contains("state.timeout_ms: must be > 0"), "{joined}");
+        let parsed = Config::from_toml_str(
+            "[state]\nbackend = \"redis\"\non_failure = \"fail_closed\"\nbatch = 8\n",
+        )
+        .unwrap();
+        assert_eq!(parsed.state.on_failure, OnFailure::FailClosed);
+        assert_eq!(parsed.state.batch, 8);
+        assert!(Config::from_toml_str("[state]\nbackend = \"etcd\"\n").is_err());
     }
 
     #[test]

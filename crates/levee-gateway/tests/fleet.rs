@@ -71,7 +71,9 @@ fn fleet_config(backend: &str, url: &str, prefix: &str, rpm: u32, burst: u32) ->
     cfg.state.backend = StateBackend::Redis;
     cfg.state.url = url.to_string();
     cfg.state.key_prefix = prefix.to_string();
-    cfg.state.timeout_ms = 50;
+    // Generous: on a loaded machine a slow answer must not send a replica to its local
+    // share in tests that are about the shared limit. The outage tests shorten it.
+    cfg.state.timeout_ms = 2000;
     cfg.state.heartbeat_ms = 100;
     cfg
 }
@@ -331,7 +333,8 @@ async fn redis_frozen_then_killed_fail_open_keeps_flowing_and_shared_limits_retu
     };
     let m = mock().await;
     // 600 per minute, burst 30: shares of 10 at once per replica while Redis is away.
-    let cfg = fleet_config(&m.url(), &redis.url(), "levee-test:own:", 600, 30);
+    let mut cfg = fleet_config(&m.url(), &redis.url(), "levee-test:own:", 600, 30);
+    cfg.state.timeout_ms = 200;
     let timeout = Duration::from_millis(cfg.state.timeout_ms);
     let gws = fleet(&cfg, 3).await;
     let (ok, _, other, _) = flood(&gws, 9, 3).await;
@@ -425,6 +428,7 @@ async fn fail_closed_answers_503_until_redis_is_back() {
         30,
     );
     cfg.state.on_failure = OnFailure::FailClosed;
+    cfg.state.timeout_ms = 200;
     let gws = fleet(&cfg, 1).await;
     let c = client();
     let r = chat(&c, &gws[0].public_url(), "a", "x").await;
@@ -449,6 +453,12 @@ async fn fail_closed_answers_503_until_redis_is_back() {
     };
     gws[0].gateway().shared.as_ref().unwrap().beat().await;
     assert_eq!(chat(&c, &gws[0].public_url(), "a", "z").await.status(), 200);
+    // [state] is fixed at start: a reload that changes it is refused, the old one kept.
+    let mut changed = cfg.clone();
+    changed.state.on_failure = OnFailure::FailOpen;
+    let errs = gws[0].reload(changed).unwrap_err();
+    assert!(errs[0].contains("restart"), "{errs:?}");
+    assert_eq!(state(&gws[0])["on_failure"], "fail_closed");
     for g in gws {
         g.shutdown().await;
     }
