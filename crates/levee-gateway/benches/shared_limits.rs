@@ -98,7 +98,12 @@ async fn throughput(store: &Store, scopes: &[Arc<[ScopeLimits]>], secs: f64) -> 
     total as f64 / start.elapsed().as_secs_f64()
 }
 
-async fn latency(store: &Store, scopes: &[Arc<[ScopeLimits]>], rate: u64, secs: u64) -> Histogram<u64> {
+async fn latency(
+    store: &Store,
+    scopes: &[Arc<[ScopeLimits]>],
+    rate: u64,
+    secs: u64,
+) -> Histogram<u64> {
     let hist = Arc::new(parking_lot::Mutex::new(
         Histogram::<u64>::new_with_bounds(1, 10_000_000_000, 3).unwrap(),
     ));
@@ -108,7 +113,11 @@ async fn latency(store: &Store, scopes: &[Arc<[ScopeLimits]>], rate: u64, secs: 
     let mut tasks = Vec::with_capacity(n as usize);
     for i in 0..n {
         tokio::time::sleep_until(start + interval * i as u32).await;
-        let (store, scopes, hist) = (store.clone(), scopes[i as usize % scopes.len()].clone(), hist.clone());
+        let (store, scopes, hist) = (
+            store.clone(),
+            scopes[i as usize % scopes.len()].clone(),
+            hist.clone(),
+        );
         tasks.push(tokio::spawn(async move {
             let t = Instant::now();
             store.decide(&scopes).await;

@@ -1081,7 +1081,10 @@ impl Config {
         let backends: usize = self.models.iter().map(|m| m.backends.len()).sum();
         let state = match self.state.backend {
             StateBackend::Memory => "limits in memory".to_string(),
-            StateBackend::Redis => format!("limits shared in Redis (prefix {:?})", self.state.key_prefix),
+            StateBackend::Redis => format!(
+                "limits shared in Redis (prefix {:?})",
+                self.state.key_prefix
+            ),
         };
         format!(
             "public {} admin {}; {} tiers, {} tenants, {} models, {} backends; queue safe/soft/hard {}/{}/{}; {state}",
@@ -1196,11 +1199,17 @@ url = "http://127.0.0.1:1"
         let mut cfg = Config::default();
         cfg.state.url = "http://nope".into();
         cfg.state.timeout_ms = 0;
-        assert!(cfg.validate().is_empty(), "memory backend: [state] url unused");
+        assert!(
+            cfg.validate().is_empty(),
+            "memory backend: [state] url unused"
+        );
         cfg.state.backend = StateBackend::Redis;
         let errs = cfg.validate();
         let joined = errs.join("\n");
-        assert!(joined.contains("state.url: \"http://nope\" is not a redis:// URL"), "{joined}");
+        assert!(
+            joined.contains("state.url: \"http://nope\" is not a redis:// URL"),
+            "{joined}"
+        );
         assert!(joined.contains("state.timeout_ms: must be > 0"), "{joined}");
         let parsed = Config::from_toml_str(
             "[state]\nbackend = \"redis\"\non_failure = \"fail_closed\"\nbatch = 8\n",
