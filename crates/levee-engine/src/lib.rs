@@ -157,6 +157,15 @@ impl EngineHandle {
         self.shared.metrics.failures("unavailable")
     }
 
+    /// Of [`Self::refused_while_down`], those that arrived after the engine had already
+    /// answered a refusal in the same down period: traffic a router sent to a backend that
+    /// had told it it was down. (The engine orders refusals as it answers them; one the router
+    /// sent while the first answer was on the wire counts too, so this errs against the
+    /// router.)
+    pub fn refused_after_first_failure(&self) -> u64 {
+        self.shared.down_log.lock().after_first
+    }
+
     /// Crashes the engine now, as `POST /admin/crash` does.
     pub fn crash_now(&self) {
         let _ = self.shared.commands.send(Command::Crash);

@@ -227,9 +227,40 @@ pub(crate) struct Shared {
     /// Crashes ordered from outside (`POST /admin/crash`, [`crate::EngineHandle::crash_now`]),
     /// as opposed to those the KV cache caused: a drill reports the two apart.
     pub injected_crashes: AtomicU64,
+    /// Refusals while down, per down period (see [`Shared::refuse_while_down`]).
+    pub down_log: parking_lot::Mutex<DownLog>,
+}
+
+/// The engine's own record of what reached it while it was down: the first refusal of each
+/// down period tells a router the engine failed; whatever arrives after that answer is
+/// traffic the router sent although it had been told.
+#[derive(Debug, Default)]
+pub struct DownLog {
+    /// The crash count of the down period being logged.
+    epoch: u64,
+    /// Whether this period's first refusal has been answered.
+    answered: bool,
+    /// Refusals that arrived after a first refusal of their down period had been answered.
+    pub after_first: u64,
 }
 
 impl Shared {
+    /// Answers a request that reached the engine while it was down (`crashes` is the crash
+    /// count, which names the down period): counted as `unavailable`, and apart when an
+    /// earlier refusal of the same period had already been answered.
+    pub fn refuse_while_down(&self, crashes: u64) {
+        self.metrics.fail("unavailable");
+        let mut log = self.down_log.lock();
+        if log.epoch != crashes {
+            log.epoch = crashes;
+            log.answered = false;
+        }
+        if log.answered {
+            log.after_first += 1;
+        }
+        log.answered = true;
+    }
+
     /// The latest published stats, with clock fields brought to now.
     pub fn stats_now(&self) -> EngineStats {
         let stats = self.stats.borrow().clone();
@@ -301,6 +332,7 @@ pub(crate) fn start(
         faults: parking_lot::Mutex::new(Faults::default()),
         next_id: AtomicU64::new(1),
         injected_crashes: AtomicU64::new(0),
+        down_log: parking_lot::Mutex::new(DownLog::default()),
     });
     let scheduler = Scheduler {
         model,
@@ -436,7 +468,7 @@ impl Scheduler {
                     }
                     Err(e) => {
                         if e == SubmitError::Unavailable {
-                            self.shared.metrics.fail("unavailable");
+                            self.shared.refuse_while_down(self.model.stats().crashes);
                         }
                         let _ = sub.events.send(SeqEvent::Rejected(e));
                     }

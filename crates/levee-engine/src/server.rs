@@ -353,8 +353,12 @@ async fn generate(shared: Arc<Shared>, g: Generation) -> Response {
         )
         .into_response();
     }
-    if shared.stats.borrow().state == EngineState::Crashed {
-        shared.metrics.fail("unavailable");
+    let (state, crashes) = {
+        let stats = shared.stats.borrow();
+        (stats.state, stats.crashes)
+    };
+    if state == EngineState::Crashed {
+        shared.refuse_while_down(crashes);
         return ApiError::unavailable().into_response();
     }
     let id = shared.next_id();

@@ -463,6 +463,18 @@ async fn crash_mode_overload_fails_in_flight_then_recovers_after_restart_secs() 
     // An overload crash is not an injected one; the refusal while down is counted.
     assert_eq!(engine.injected_crashes(), 0);
     assert_eq!(engine.refused_while_down(), 1);
+    assert_eq!(engine.refused_after_first_failure(), 0);
+    // A second request in the same down period arrives after the engine said it was down.
+    let again = post(
+        &client,
+        &engine,
+        "/v1/chat/completions",
+        chat(&model, "hi", 2, false),
+    )
+    .await;
+    assert_eq!(again.status(), 503);
+    assert_eq!(engine.refused_while_down(), 2);
+    assert_eq!(engine.refused_after_first_failure(), 1);
 
     // Still down just before restart_secs have passed, up just after.
     tokio::time::sleep(Duration::from_secs_f64(restart_in - 0.05)).await;
@@ -505,7 +517,7 @@ async fn crash_mode_overload_fails_in_flight_then_recovers_after_restart_secs() 
             "levee_engine_requests_failed_total",
             "reason=\"unavailable\""
         ),
-        1.0
+        2.0
     );
     engine.shutdown().await.unwrap();
 }

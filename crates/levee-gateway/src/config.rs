@@ -464,9 +464,9 @@ pub struct QueueConfig {
     pub hard: u32,
     /// Bound on the estimated tokens waiting in each lane's queue (0 = unbounded).
     pub max_queued_tokens: u64,
-    /// While another tenant of the same or a higher priority is active in a lane, a tenant
-    /// holds at most what the others leave it; each of them keeps in reserve its peak use
-    /// of this window (plus one request), up to its weighted share.
+    /// How long after its last request a tenant still counts as active in a lane: while
+    /// another tenant of its priority is active, one past its share (and burst allowance)
+    /// must leave the others their waiting demand and a pooled burst headroom.
     pub fair_share_window_ms: u64,
 }
 
@@ -477,7 +477,7 @@ impl Default for QueueConfig {
             soft: 1_024,
             hard: 4_096,
             max_queued_tokens: 0,
-            fair_share_window_ms: 10_000,
+            fair_share_window_ms: 60_000,
         }
     }
 }

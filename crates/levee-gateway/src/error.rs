@@ -329,6 +329,15 @@ impl GatewayError {
         .with_retry_after(retry_after)
     }
 
+    /// 429 `capacity_overload`: it was queued, and when the queue was full a tenant of its
+    /// tier with fewer requests waiting took its place.
+    pub fn displaced(retry_after: Duration) -> Self {
+        Self::capacity_overload(
+            "the queue was full, and a tenant with fewer requests waiting took this one's place",
+            retry_after,
+        )
+    }
+
     /// 429 `queue_timeout`: waited past the tier's budget or the request deadline.
     pub fn queue_timeout(waited: Duration, retry_after: Duration) -> Self {
         Self::new(

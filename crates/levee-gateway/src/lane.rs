@@ -361,6 +361,7 @@ fn expired_error(model: &str, e: &Expired<Waiter>) -> GatewayError {
         RefusalReason::Unservable(Unservable::NoHealthyBackend) => {
             GatewayError::no_healthy_backend(model, retry)
         }
+        RefusalReason::Displaced => GatewayError::displaced(retry),
         _ => GatewayError::queue_timeout(e.waited, retry),
     };
     err.with_refusal(e.reason)
@@ -563,6 +564,8 @@ pub async fn admit(
     match decided {
         Admit::Dispatch(d) => {
             lane.note_outcome(now, false);
+            // Admission may have displaced a queued request to let this one in: answer it.
+            lane.wake();
             Ok(Admitted::new(gw, lane, d.grant, Duration::ZERO))
         }
         Admit::Queued { ticket, .. } => {
@@ -676,6 +679,7 @@ fn refusal_error(
             retry,
         ),
         RefusalReason::QueueTimeout => GatewayError::queue_timeout(Duration::ZERO, retry),
+        RefusalReason::Displaced => GatewayError::displaced(retry),
         RefusalReason::Unservable(Unservable::CircuitOpen) => {
             GatewayError::circuit_open(&req.model, retry)
         }

@@ -214,6 +214,9 @@ pub enum RefusalReason {
     Unservable(Unservable),
     /// The model has no lane.
     UnknownModel,
+    /// It was queued, and a peer of its tier with less waiting took its place when the lane
+    /// was full (longest-queue drop).
+    Displaced,
 }
 
 impl RefusalReason {
@@ -229,6 +232,7 @@ impl RefusalReason {
             RefusalReason::Concurrency(_)
             | RefusalReason::Watermark(_)
             | RefusalReason::QueueFull(_)
+            | RefusalReason::Displaced
             | RefusalReason::PredictedWait => "capacity_overload",
             RefusalReason::ExceedsKvBudget => "context_length_exceeded",
             RefusalReason::QueueTimeout => "queue_timeout",
@@ -263,6 +267,7 @@ impl RefusalReason {
             RefusalReason::Unservable(Unservable::NoHealthyBackend) => "no_healthy_backend",
             RefusalReason::Unservable(Unservable::CircuitOpen) => "circuit_open",
             RefusalReason::UnknownModel => "unknown_model",
+            RefusalReason::Displaced => "displaced",
         }
     }
 
@@ -565,6 +570,8 @@ struct ModelState<T, K> {
     lane: Lane<Pending<T, K>, K>,
     /// Entries `dequeue` found past their deadline, for `expire`.
     expired: Vec<Entry<Pending<T, K>, K>>,
+    /// Entries a peer with less waiting displaced from a full lane, for `expire`.
+    displaced: Vec<Entry<Pending<T, K>, K>>,
 }
 
 /// A queued request that waited past its deadline, or was drained: answer it with `reason`.
@@ -685,6 +692,7 @@ impl<T, K: Hash + Eq + Ord + Clone> Admission<T, K> {
                         limits: RateLimits::new(&spec.limits),
                         lane: Lane::new(spec.lane.clone(), tiers),
                         expired: Vec::new(),
+                        displaced: Vec::new(),
                         spec,
                     },
                 );
@@ -823,10 +831,20 @@ impl<T, K: Hash + Eq + Ord + Clone> Admission<T, K> {
         let lane = &mut model.lane;
         lane.note_arrival(&req.tenant, req.tier, weight, now);
         let load = lane.load_for(req.tier);
-        let decision =
-            lane.config()
-                .watermarks
-                .decide(load, tier_budget, lane.drain(), &retry, now);
+        let watermarks = lane.config().watermarks;
+        let mut decision = watermarks.decide(load, tier_budget, lane.drain(), &retry, now);
+        // A full lane gives a place to a peer with less waiting: the newest entry of the
+        // tier's longest backlog leaves (answered by `expire`) if that lets this one in.
+        let mut displace = None;
+        if decision.action == WatermarkAction::Refuse {
+            if let Some((ticket, _)) = lane.displaceable(req.tier, &req.tenant) {
+                let d = watermarks.decide(load - 1, tier_budget, lane.drain(), &retry, now);
+                if d.action != WatermarkAction::Refuse {
+                    decision = d;
+                    displace = Some(ticket);
+                }
+            }
+        }
         let budget = match decision.action {
             WatermarkAction::Refuse => {
                 let r = capacity_retry(lane, &retry, 1);
@@ -857,10 +875,27 @@ impl<T, K: Hash + Eq + Ord + Clone> Admission<T, K> {
                 let r = RetryAfter::from_duration(wait).clamp(retry.min, retry.max);
                 Some((RefusalReason::PredictedWait, Some(r)))
             } else if let Err(p) = lane.can_push(req.tier, est) {
-                Some((
-                    RefusalReason::QueueFull(p),
-                    capacity_retry(lane, &retry, pos),
-                ))
+                // A displacement makes room for one entry, and for this one's tokens if the
+                // displaced entry had as many.
+                let freed = match (displace, p) {
+                    (Some(_), PushRefusal::QueueFull) => true,
+                    (None, PushRefusal::QueueFull | PushRefusal::TokensFull) => {
+                        match lane.displaceable(req.tier, &req.tenant) {
+                            Some((ticket, cost)) if p == PushRefusal::QueueFull || cost >= est => {
+                                displace = Some(ticket);
+                                true
+                            }
+                            _ => false,
+                        }
+                    }
+                    _ => false,
+                };
+                (!freed).then(|| {
+                    (
+                        RefusalReason::QueueFull(p),
+                        capacity_retry(lane, &retry, pos),
+                    )
+                })
             } else {
                 None
             };
@@ -891,6 +926,11 @@ impl<T, K: Hash + Eq + Ord + Clone> Admission<T, K> {
             _permits: permits,
         };
         let lane = &mut model.lane;
+        if let Some(ticket) = displace {
+            if let Some(e) = lane.cancel(ticket) {
+                model.displaced.push(e);
+            }
+        }
         if let Some(i) = target {
             if let Some(p) = lane.place(i, &req.tenant, est, now) {
                 lane.charge(req.tier, &req.tenant, est);
@@ -987,12 +1027,15 @@ impl<T, K: Hash + Eq + Ord + Clone> Admission<T, K> {
         let mut entries = Vec::new();
         m.lane.expire_into(now, &mut entries);
         entries.append(&mut m.expired);
-        if entries.is_empty() {
+        let displaced = std::mem::take(&mut m.displaced);
+        if entries.is_empty() && displaced.is_empty() {
             return Vec::new();
         }
         let retry = capacity_retry(&m.lane, &self.cfg.retry, 1)
             .unwrap_or(RetryAfter::from_duration(self.cfg.retry.min));
-        self.refund_all(entries, RefusalReason::QueueTimeout, retry, now)
+        let mut out = self.refund_all(entries, RefusalReason::QueueTimeout, retry, now);
+        out.extend(self.refund_all(displaced, RefusalReason::Displaced, retry, now));
+        out
     }
 
     /// When `model`'s lane cannot serve anything (no healthy backend, every breaker open),
@@ -1041,6 +1084,7 @@ impl<T, K: Hash + Eq + Ord + Clone> Admission<T, K> {
             return Vec::new();
         };
         let mut entries = std::mem::take(&mut m.expired);
+        entries.append(&mut m.displaced);
         m.lane.drain_into(&mut entries);
         let mut out = Vec::with_capacity(entries.len());
         for e in entries {
@@ -1054,9 +1098,11 @@ impl<T, K: Hash + Eq + Ord + Clone> Admission<T, K> {
     /// The earliest queued deadline of `model`, to schedule the next [`Admission::expire`].
     pub fn next_deadline(&self, model: &K) -> Option<Timestamp> {
         let m = self.models.get(model)?;
-        match m.expired.first() {
-            Some(e) => Some(e.deadline),
-            None => m.lane.next_deadline(),
+        // Displaced entries are due at once; expired ones were due at their deadline.
+        match (m.displaced.first(), m.expired.first()) {
+            (Some(e), _) => Some(e.enqueued_at),
+            (None, Some(e)) => Some(e.deadline),
+            (None, None) => m.lane.next_deadline(),
         }
     }
 

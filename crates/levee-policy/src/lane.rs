@@ -9,13 +9,17 @@
 //! levee thinks, the larger figure counts; when it says requests are waiting inside it, levee
 //! sends no more than it is running. A report older than `report_max_age` is ignored.
 //!
-//! Inside the lane, tenants share capacity by weight. When a tenant is not alone — another
-//! tenant of the same or a higher priority has requests outstanding, or had some within
-//! `fair_share_window` — it may hold at most the capacity the others leave it: each of them
-//! keeps in reserve the smaller of its weighted share and its recent peak use (plus one
-//! request), and the tenant gets the rest, never less than its own weighted share. A quiet
-//! tenant so finds room at once when it comes back, while a busy one still uses whatever the
-//! others do not need (the lane stays work-conserving up to those small reserves).
+//! Inside the lane, tenants share capacity by weight. A tenant may always hold its weighted
+//! share. Beyond it, when it is not alone — another tenant of the same or a higher priority
+//! has requests outstanding, or had some within `fair_share_window` — it may take a slot
+//! (and KV tokens) only if what stays free afterwards still covers the others: their
+//! outstanding demand up to their own shares that is not yet running, plus a burst headroom
+//! pooled over them all, `⌈z·√(their demand + one per tenant)⌉` requests (z = 3, about the
+//! 99.9th percentile of Poisson-like arrivals; in tokens, that many of their average
+//! request) — but never more than the room left under their own shares, which is all they
+//! could claim. A quiet tenant so finds room at once when its traffic rises or it comes back,
+//! while a busy one uses everything else: the headroom grows with the square root of the
+//! others' demand, not with their sum, so the lane stays nearly work-conserving.
 
 use crate::breaker::{Breaker, BreakerConfig, BreakerState, BreakerStats, BreakerTicket, Outcome};
 use crate::clock::Timestamp;
@@ -23,6 +27,7 @@ use crate::fasthash::FastState;
 use crate::queue::{Entry, FairQueue, Pick, QueueLimits, QueueStats, Tier};
 use crate::retry::DrainRate;
 use crate::watermark::Watermarks;
+use std::cell::RefCell;
 use std::collections::HashMap;
 use std::hash::Hash;
 use std::sync::Arc;
@@ -41,7 +46,8 @@ pub struct LaneConfig {
     pub kv_headroom: f64,
     /// A backend's own load report is trusted this long after it was read.
     pub report_max_age: Duration,
-    /// How long a tenant's recent peak use is kept in reserve for it.
+    /// How long after its last arrival an idle tenant still counts as active: its burst
+    /// headroom is kept free for it that long.
     pub fair_share_window: Duration,
     /// The breaker of each backend.
     pub breaker: BreakerConfig,
@@ -57,7 +63,7 @@ impl LaneConfig {
             watermarks,
             kv_headroom: 0.05,
             report_max_age: Duration::from_secs(3),
-            fair_share_window: Duration::from_secs(10),
+            fair_share_window: Duration::from_secs(60),
             breaker: BreakerConfig::default(),
         }
     }
@@ -93,6 +99,8 @@ struct Backend {
     in_flight: usize,
     tokens: u64,
     report: Option<(BackendReport, Timestamp)>,
+    /// Out of routing by outlier ejection until then (its breaker is held open as well).
+    ejected_until: Option<Timestamp>,
 }
 
 impl Backend {
@@ -175,9 +183,6 @@ struct TenantUse {
     tokens: u64,
     queued: usize,
     queued_tokens: u64,
-    peak_requests: usize,
-    peak_tokens: u64,
-    peak_at: Timestamp,
     last_seen: Timestamp,
 }
 
@@ -190,11 +195,19 @@ impl TenantUse {
             tokens: 0,
             queued: 0,
             queued_tokens: 0,
-            peak_requests: 0,
-            peak_tokens: 0,
-            peak_at: now,
             last_seen: now,
         }
+    }
+
+    fn left_queue(&mut self, cost: u64) {
+        self.queued = self.queued.saturating_sub(1);
+        self.queued_tokens = self.queued_tokens.saturating_sub(cost);
+    }
+
+    /// The next time `active` would change by time alone.
+    fn expiry(&self, now: Timestamp, window: Duration) -> Option<Timestamp> {
+        (self.idle() && now.saturating_duration_since(self.last_seen) <= window)
+            .then(|| self.last_seen + window)
     }
 
     fn idle(&self) -> bool {
@@ -203,23 +216,6 @@ impl TenantUse {
 
     fn active(&self, now: Timestamp, window: Duration) -> bool {
         !self.idle() || now.saturating_duration_since(self.last_seen) <= window
-    }
-
-    /// Keeps the peak outstanding use of the last window.
-    fn note_peak(&mut self, now: Timestamp, window: Duration) {
-        let req = self.in_flight + self.queued;
-        let tok = self.tokens + self.queued_tokens;
-        if now.saturating_duration_since(self.peak_at) > window {
-            self.peak_requests = req;
-            self.peak_tokens = tok;
-            self.peak_at = now;
-        } else {
-            if req >= self.peak_requests {
-                self.peak_requests = req;
-                self.peak_at = now;
-            }
-            self.peak_tokens = self.peak_tokens.max(tok);
-        }
     }
 }
 
@@ -276,6 +272,10 @@ pub struct Lane<P, K> {
     backends: Vec<Backend>,
     queue: FairQueue<P, K>,
     tenants: HashMap<K, TenantUse, FastState>,
+    /// The fair-share sums over `tenants`, kept in step as each tenant's figures change;
+    /// `None` when they must be built again (a tenant became active or idle, a weight or
+    /// tier changed, the backends changed, or time moved past a window).
+    shares: RefCell<Option<ShareTable>>,
     in_flight: usize,
     drain: DrainRate,
     /// Mean time a request holds a backend (EWMA, seconds), from completions.
@@ -297,6 +297,7 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
             cfg,
             backends: Vec::new(),
             tenants: HashMap::default(),
+            shares: RefCell::new(None),
             in_flight: 0,
             drain: DrainRate::new(Duration::from_secs(5)),
             service_secs: None,
@@ -325,6 +326,44 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
             }
         }
         self.cfg = cfg;
+        self.forget_shares();
+    }
+
+    /// Drops the fair-share sums; the next judgement builds them again.
+    fn forget_shares(&mut self) {
+        *self.shares.get_mut() = None;
+    }
+
+    /// Changes `tenant`'s figures through `f` and keeps the fair-share sums in step: its
+    /// part is taken out before and put back after, unless it became active or idle, which
+    /// changes everyone's shares.
+    fn update_tenant(&mut self, tenant: &K, now: Timestamp, f: impl FnOnce(&mut TenantUse)) {
+        let window = self.cfg.fair_share_window;
+        let Some(u) = self.tenants.get_mut(tenant) else {
+            return;
+        };
+        let shares = self.shares.get_mut();
+        let table = match shares {
+            Some(t) if t.valid_at(now) => t,
+            _ => {
+                *shares = None;
+                f(u);
+                return;
+            }
+        };
+        let was_active = u.active(now, window);
+        if was_active {
+            table.apply(u, Sign::Minus);
+        }
+        f(u);
+        if u.active(now, window) != was_active {
+            *shares = None;
+        } else if was_active {
+            table.apply(u, Sign::Plus);
+            if let Some(e) = u.expiry(now, window) {
+                table.expires = table.expires.min(e);
+            }
+        }
     }
 
     /// Sets the backends by id, keeping the live state (in flight, breaker, report) of those
@@ -350,11 +389,13 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
                     in_flight: 0,
                     tokens: 0,
                     report: None,
+                    ejected_until: None,
                 },
             };
             self.backends.push(b);
         }
         self.in_flight = self.backends.iter().map(|b| b.in_flight).sum();
+        self.forget_shares();
     }
 
     fn backend_mut(&mut self, id: &str) -> Option<&mut Backend> {
@@ -364,11 +405,14 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
     /// Changes a backend's limits (learned from the engine). `false` if there is no such
     /// backend.
     pub fn set_backend_limits(&mut self, id: &str, limits: BackendLimits) -> bool {
-        self.backend_mut(id).map(|b| b.limits = limits).is_some()
+        let found = self.backend_mut(id).map(|b| b.limits = limits).is_some();
+        self.forget_shares();
+        found
     }
 
     /// Marks a backend routable or not (health checks, outlier ejection).
     pub fn set_routable(&mut self, id: &str, routable: bool) {
+        self.forget_shares();
         if let Some(b) = self.backend_mut(id) {
             b.routable = routable;
         }
@@ -379,6 +423,9 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
     pub fn eject(&mut self, id: &str, until: Timestamp, now: Timestamp) {
         if let Some(b) = self.backend_mut(id) {
             b.breaker.hold_open(until, now);
+            if until > now {
+                b.ejected_until = Some(b.ejected_until.map_or(until, |u| u.max(until)));
+            }
         }
     }
 
@@ -400,26 +447,29 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
     }
 
     fn tenant_entry(&mut self, tenant: &K, tier: Tier, weight: u32, now: Timestamp) {
-        if !self.tenants.contains_key(tenant) {
-            if self.tenants.len() >= 1024 {
-                let window = self.cfg.fair_share_window;
-                self.tenants.retain(|_, u| u.active(now, window));
+        let weight = weight.max(1);
+        match self.tenants.get_mut(tenant) {
+            Some(u) if u.tier == tier && u.weight == weight => return,
+            Some(u) => {
+                u.tier = tier;
+                u.weight = weight;
             }
-            self.tenants
-                .insert(tenant.clone(), TenantUse::new(tier, weight, now));
+            None => {
+                if self.tenants.len() >= 1024 {
+                    let window = self.cfg.fair_share_window;
+                    self.tenants.retain(|_, u| u.active(now, window));
+                }
+                self.tenants
+                    .insert(tenant.clone(), TenantUse::new(tier, weight, now));
+            }
         }
-        if let Some(u) = self.tenants.get_mut(tenant) {
-            u.tier = tier;
-            u.weight = weight.max(1);
-        }
+        self.forget_shares();
     }
 
     /// Records an arrival of `tenant` (for the fair-share reserve) and sets its weight.
     pub fn note_arrival(&mut self, tenant: &K, tier: Tier, weight: u32, now: Timestamp) {
         self.tenant_entry(tenant, tier, weight, now);
-        if let Some(u) = self.tenants.get_mut(tenant) {
-            u.last_seen = now;
-        }
+        self.update_tenant(tenant, now, |u| u.last_seen = now);
         self.queue.set_weight(tenant.clone(), weight);
     }
 
@@ -428,6 +478,7 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
             backends: &self.backends,
             tenants: &self.tenants,
             cfg: &self.cfg,
+            shares: &self.shares,
         }
     }
 
@@ -463,12 +514,10 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
         let id = b.id.clone();
         self.in_flight += 1;
         self.drain.record(1, now);
-        let window = self.cfg.fair_share_window;
-        if let Some(u) = self.tenants.get_mut(tenant) {
+        self.update_tenant(tenant, now, |u| {
             u.in_flight += 1;
             u.tokens += kv_cost;
-            u.note_peak(now, window);
-        }
+        });
         Some(Placement {
             backend: id,
             kv_tokens: kv_cost,
@@ -499,10 +548,10 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
             }
             self.in_flight = self.in_flight.saturating_sub(1);
         }
-        if let Some(u) = self.tenants.get_mut(tenant) {
+        self.update_tenant(tenant, now, |u| {
             u.in_flight = u.in_flight.saturating_sub(1);
             u.tokens = u.tokens.saturating_sub(kv_tokens);
-        }
+        });
         if outcome == Outcome::Success {
             let secs = now.saturating_duration_since(at).as_secs_f64();
             self.service_secs = Some(match self.service_secs {
@@ -525,20 +574,15 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
         let t = self
             .queue
             .push(tier, tenant.clone(), cost, now, deadline, item)?;
-        let window = self.cfg.fair_share_window;
-        if let Some(u) = self.tenants.get_mut(tenant) {
+        self.update_tenant(tenant, now, |u| {
             u.queued += 1;
             u.queued_tokens += cost;
-            u.note_peak(now, window);
-        }
+        });
         Ok(t)
     }
 
-    fn left_queue(&mut self, tenant: &K, cost: u64) {
-        if let Some(u) = self.tenants.get_mut(tenant) {
-            u.queued = u.queued.saturating_sub(1);
-            u.queued_tokens = u.queued_tokens.saturating_sub(cost);
-        }
+    fn left_queue(&mut self, tenant: &K, cost: u64, now: Timestamp) {
+        self.update_tenant(tenant, now, |u| u.left_queue(cost));
     }
 
     /// Takes the next queued entry that may go now, with the backend it goes to. `kv_of`
@@ -555,12 +599,14 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
             backends,
             tenants,
             cfg,
+            shares,
             ..
         } = self;
         let view = LaneView {
             backends,
             tenants,
             cfg,
+            shares,
         };
         let entry = queue.pop_where(|tenant, cost| {
             let kv = kv_of(tenant, cost);
@@ -575,33 +621,52 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
                 None => Pick::Stop,
             }
         })?;
-        self.left_queue(&entry.tenant, entry.cost);
+        self.left_queue(&entry.tenant, entry.cost, now);
         Some((entry, target?))
     }
 
     /// Removes a queued entry (cancelled).
     pub(crate) fn cancel(&mut self, ticket: crate::queue::Ticket) -> Option<Entry<P, K>> {
         let e = self.queue.cancel(ticket)?;
-        self.left_queue(&e.tenant, e.cost);
+        // No clock here: the sums are rebuilt at the next judgement.
+        self.forget_shares();
+        if let Some(u) = self.tenants.get_mut(&e.tenant) {
+            u.left_queue(e.cost);
+        }
         Some(e)
+    }
+
+    /// The newest queued entry of the tenant with the longest backlog in `tier`, if it is
+    /// longer than `tenant`'s by more than one: `(ticket, cost)`.
+    pub(crate) fn displaceable(
+        &self,
+        tier: Tier,
+        tenant: &K,
+    ) -> Option<(crate::queue::Ticket, u64)> {
+        self.queue.longest_backlog_newest(tier, tenant)
     }
 
     /// Removes every entry past its deadline into `out`.
     pub(crate) fn expire_into(&mut self, now: Timestamp, out: &mut Vec<Entry<P, K>>) {
         let from = out.len();
         self.queue.expire_into(now, out);
+        if out.len() > from {
+            self.forget_shares();
+        }
         for e in &out[from..] {
             if let Some(u) = self.tenants.get_mut(&e.tenant) {
-                u.queued = u.queued.saturating_sub(1);
-                u.queued_tokens = u.queued_tokens.saturating_sub(e.cost);
+                u.left_queue(e.cost);
             }
         }
     }
 
     /// Removes every queued entry into `out` (the lane cannot serve them).
     pub(crate) fn drain_into(&mut self, out: &mut Vec<Entry<P, K>>) {
+        self.forget_shares();
         while let Some(e) = self.queue.pop() {
-            self.left_queue(&e.tenant, e.cost);
+            if let Some(u) = self.tenants.get_mut(&e.tenant) {
+                u.left_queue(e.cost);
+            }
             out.push(e);
         }
     }
@@ -680,9 +745,27 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
     /// Why nothing can be served now, if so, and when to try again (the earliest breaker
     /// probe; `None` when that is unknown).
     pub fn unservable(&self, now: Timestamp) -> Option<(Unservable, Option<Duration>)> {
-        let healthy: Vec<&Backend> = self.backends.iter().filter(|b| b.routable).collect();
+        // Down (health checks) and ejected (outlier detection) backends are not healthy; a
+        // lane with nothing else answers `NoHealthyBackend`, with the earliest end of an
+        // ejection as the time to try again.
+        let ejected_for = |b: &Backend| {
+            b.ejected_until
+                .filter(|u| *u > now)
+                .map(|u| u.saturating_duration_since(now))
+        };
+        let healthy: Vec<&Backend> = self
+            .backends
+            .iter()
+            .filter(|b| b.routable && ejected_for(b).is_none())
+            .collect();
         if healthy.is_empty() {
-            return Some((Unservable::NoHealthyBackend, None));
+            let back = self
+                .backends
+                .iter()
+                .filter(|b| b.routable)
+                .filter_map(ejected_for)
+                .min();
+            return Some((Unservable::NoHealthyBackend, back));
         }
         if healthy
             .iter()
@@ -747,82 +830,252 @@ struct LaneView<'a, K> {
     backends: &'a [Backend],
     tenants: &'a HashMap<K, TenantUse, FastState>,
     cfg: &'a LaneConfig,
+    shares: &'a RefCell<Option<ShareTable>>,
+}
+
+/// What fair shares are cut from, summed over the tenants active in the fair-share window:
+/// built in one pass over the tenants, then kept in step as each tenant's figures change,
+/// so judging a candidate costs O(1) instead of a pass over every tenant.
+#[derive(Debug)]
+struct ShareTable {
+    /// Request slots of the routable backends.
+    slots: u64,
+    /// Usable KV tokens of the routable backends, if every one is known.
+    tokens: Option<u64>,
+    /// Index `p`: sums over the active tenants at priority `p` or higher.
+    by_tier: Vec<TierSums>,
+    /// When it was built; it holds from then until `expires`, when a tenant's activity
+    /// changes by time alone.
+    built: Timestamp,
+    expires: Timestamp,
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Sign {
+    Plus,
+    Minus,
+}
+
+impl ShareTable {
+    fn build<K>(
+        tenants: &HashMap<K, TenantUse, FastState>,
+        backends: &[Backend],
+        cfg: &LaneConfig,
+        now: Timestamp,
+    ) -> Self {
+        let window = cfg.fair_share_window;
+        let routable = || backends.iter().filter(|b| b.routable);
+        let slots: u64 = routable().map(|b| b.limits.max_in_flight as u64).sum();
+        let tokens: Option<u64> = routable().map(|b| b.usable_tokens(cfg.kv_headroom)).sum();
+        let tiers = tenants
+            .values()
+            .map(|u| usize::from(u.tier.0) + 1)
+            .max()
+            .unwrap_or(0);
+        let mut table = ShareTable {
+            slots,
+            tokens,
+            by_tier: vec![TierSums::default(); tiers],
+            built: now,
+            expires: Timestamp::MAX,
+        };
+        for u in tenants.values() {
+            if let Some(e) = u.expiry(now, window) {
+                table.expires = table.expires.min(e);
+            }
+            if u.active(now, window) {
+                for sums in &mut table.by_tier[usize::from(u.tier.0)..] {
+                    sums.active += 1;
+                    sums.weights += u64::from(u.weight);
+                }
+            }
+        }
+        for u in tenants.values().filter(|u| u.active(now, window)) {
+            table.apply(u, Sign::Plus);
+        }
+        table
+    }
+
+    fn valid_at(&self, now: Timestamp) -> bool {
+        self.built <= now && now <= self.expires
+    }
+
+    /// Adds or takes out active tenant `u`'s demand, at its priority and below.
+    fn apply(&mut self, u: &TenantUse, sign: Sign) {
+        let (slots, tokens) = (self.slots, self.tokens);
+        for sums in self.by_tier.iter_mut().skip(usize::from(u.tier.0)) {
+            let d = u.demand(slots, tokens, sums.weights);
+            let add = |sum: &mut u64, v: u64| match sign {
+                Sign::Plus => *sum += v,
+                Sign::Minus => *sum = sum.saturating_sub(v),
+            };
+            add(&mut sums.demand_requests, d.requests);
+            add(&mut sums.demand_tokens, d.tokens);
+            add(&mut sums.waiting_requests, d.waiting_requests);
+            add(&mut sums.waiting_tokens, d.waiting_tokens);
+            add(&mut sums.room_requests, d.room_requests);
+            add(&mut sums.room_tokens, d.room_tokens);
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct TierSums {
+    active: usize,
+    weights: u64,
+    /// Outstanding demand, each tenant's counted up to its limit (share + burst allowance).
+    demand_requests: u64,
+    demand_tokens: u64,
+    /// The part of that demand not yet running.
+    waiting_requests: u64,
+    waiting_tokens: u64,
+    /// What these tenants could still take before reaching their limits.
+    room_requests: u64,
+    room_tokens: u64,
+}
+
+/// One tenant's outstanding demand as the fair-share rule counts it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Demand {
+    limit_requests: u64,
+    limit_tokens: u64,
+    requests: u64,
+    tokens: u64,
+    waiting_requests: u64,
+    waiting_tokens: u64,
+    room_requests: u64,
+    room_tokens: u64,
+}
+
+/// Burst headroom, in standard deviations of the others' (Poisson-like) demand.
+const BURST_Z: f64 = 3.0;
+const OWN_Z: f64 = 2.0;
+
+impl TenantUse {
+    /// Its limit — its weighted share of `slots`/`tokens` (`weights` summed over the tenants
+    /// at the judged priority), plus a burst allowance when it is not backlogged — its
+    /// outstanding demand (running + queued) up to that limit, the part of it not yet
+    /// running, and what it could still take before reaching the limit.
+    fn demand(&self, slots: u64, tokens: Option<u64>, weights: u64) -> Demand {
+        let share = |total: u64| total.saturating_mul(u64::from(self.weight)) / weights.max(1);
+        let share_requests = share(slots);
+        let share_tokens = tokens.map(share);
+        // A burst of its own — up to z standard deviations of Poisson-like traffic that
+        // averages its share — is let through like its share, unless it has more than that
+        // outstanding (a backlog is not a burst): a flooder gets its share, a quiet tenant
+        // its share and its bursts.
+        let allowance = (OWN_Z * (share_requests as f64).sqrt()).ceil() as u64;
+        let token_allowance = share_tokens.map(|t| t / share_requests.max(1) * allowance);
+        let outstanding = (self.in_flight + self.queued) as u64;
+        let outstanding_tokens = self.tokens + self.queued_tokens;
+        let bursting = outstanding <= share_requests + allowance
+            && share_tokens
+                .zip(token_allowance)
+                .is_none_or(|(t, a)| outstanding_tokens <= t + a);
+        let (limit_requests, limit_tokens) = if bursting {
+            (
+                share_requests + allowance,
+                share_tokens.zip(token_allowance).map(|(t, a)| t + a),
+            )
+        } else {
+            (share_requests, share_tokens)
+        };
+        let limit_tokens = limit_tokens.unwrap_or(u64::MAX);
+        let requests = outstanding.min(limit_requests);
+        let tokens = outstanding_tokens.min(limit_tokens);
+        Demand {
+            limit_requests,
+            limit_tokens,
+            requests,
+            tokens,
+            waiting_requests: requests.saturating_sub(self.in_flight as u64),
+            waiting_tokens: tokens.saturating_sub(self.tokens),
+            room_requests: limit_requests.saturating_sub(self.in_flight as u64),
+            room_tokens: if limit_tokens == u64::MAX {
+                0
+            } else {
+                limit_tokens.saturating_sub(self.tokens)
+            },
+        }
+    }
 }
 
 impl<K: Hash + Eq> LaneView<'_, K> {
-    /// The most `tenant` may hold now, in requests and KV tokens, or `None` when it is
-    /// alone at its priority and may take everything.
-    fn share_cap(&self, tenant: &K, now: Timestamp) -> Option<(usize, Option<u64>)> {
-        let me = self.tenants.get(tenant)?;
-        let window = self.cfg.fair_share_window;
-        let mut weights = u64::from(me.weight);
-        let mut others = false;
-        for (k, u) in self.tenants.iter() {
-            if k == tenant || u.tier > me.tier || !u.active(now, window) {
-                continue;
-            }
-            others = true;
-            weights += u64::from(u.weight);
+    /// The request slots, usable tokens and the sums at priority `tier`, building the
+    /// sums first if they are stale.
+    fn sums(&self, tier: Tier, now: Timestamp) -> Option<(u64, Option<u64>, TierSums)> {
+        let mut shares = self.shares.borrow_mut();
+        if !shares.as_ref().is_some_and(|t| t.valid_at(now)) {
+            *shares = Some(ShareTable::build(
+                self.tenants,
+                self.backends,
+                self.cfg,
+                now,
+            ));
         }
-        if !others {
-            return None;
-        }
-        let slots: usize = self
-            .backends
-            .iter()
-            .filter(|b| b.routable)
-            .map(|b| b.limits.max_in_flight)
-            .sum();
-        let tokens: Option<u64> = self
-            .backends
-            .iter()
-            .filter(|b| b.routable)
-            .map(|b| b.usable_tokens(self.cfg.kv_headroom))
-            .sum();
-        let share = |total: u64, w: u32| total.saturating_mul(u64::from(w)) / weights.max(1);
-        let (mut reserve_req, mut reserve_tok) = (0u64, 0u64);
-        for (k, u) in self.tenants.iter() {
-            if k == tenant || u.tier > me.tier || !u.active(now, window) {
-                continue;
-            }
-            let recent = now.saturating_duration_since(u.peak_at) <= window;
-            let (peak_r, peak_t) = if recent {
-                (u.peak_requests, u.peak_tokens)
-            } else {
-                (0, 0)
-            };
-            let need_r = (u.in_flight + u.queued).max(peak_r) as u64 + 1;
-            reserve_req += share(slots as u64, u.weight).min(need_r);
-            if let Some(t) = tokens {
-                // One average request of headroom on top of its peak.
-                let per_req = (u.tokens + u.queued_tokens)
-                    .max(peak_t)
-                    .checked_div(need_r.saturating_sub(1))
-                    .unwrap_or(0);
-                let need_t = (u.tokens + u.queued_tokens).max(peak_t) + per_req;
-                reserve_tok += share(t, u.weight).min(need_t);
-            }
-        }
-        let cap_req =
-            share(slots as u64, me.weight).max((slots as u64).saturating_sub(reserve_req));
-        let cap_tok = tokens.map(|t| share(t, me.weight).max(t.saturating_sub(reserve_tok)));
-        Some((usize::try_from(cap_req).unwrap_or(usize::MAX), cap_tok))
+        let t = shares.as_ref()?;
+        Some((t.slots, t.tokens, *t.by_tier.get(usize::from(tier.0))?))
     }
 
-    /// Whether `tenant` may take one more request of `kv_cost` under its fair share.
+    /// Whether `tenant` may take one more request of `kv_cost` under the fair-share rule:
+    /// within its weighted share always; beyond it only if what stays free afterwards covers
+    /// the other active tenants' waiting demand plus their pooled burst headroom.
     fn within_share(&self, tenant: &K, kv_cost: u64, now: Timestamp) -> bool {
-        let Some(u) = self.tenants.get(tenant) else {
+        let Some(me) = self.tenants.get(tenant) else {
             return true;
         };
-        if u.in_flight == 0 {
+        if me.in_flight == 0 {
             return true; // everyone may have one request running
         }
-        match self.share_cap(tenant, now) {
-            None => true,
-            Some((req, tok)) => {
-                u.in_flight < req && tok.is_none_or(|t| u.tokens.saturating_add(kv_cost) <= t)
-            }
+        let Some((slots, tokens, sums)) = self.sums(me.tier, now) else {
+            return true;
+        };
+        // A tenant with a request running is active, so the sums count it.
+        if sums.active < 2 {
+            return true; // alone at its priority: it may take everything
         }
+        let own = me.demand(slots, tokens, sums.weights);
+        let within_requests = (me.in_flight as u64) < own.limit_requests;
+        let within_tokens = me.tokens.saturating_add(kv_cost) <= own.limit_tokens;
+        if within_requests && within_tokens {
+            return true;
+        }
+        let others = (sums.active - 1) as u64;
+        let their_demand = sums.demand_requests.saturating_sub(own.requests);
+        let burst = (BURST_Z * ((their_demand + others) as f64).sqrt()).ceil() as u64;
+        let (free_requests, free_tokens) = self.free(now);
+        // The others never need more than the room left under their own limits.
+        let requests_ok = within_requests || {
+            let need = (sums.waiting_requests.saturating_sub(own.waiting_requests) + burst)
+                .min(sums.room_requests.saturating_sub(own.room_requests));
+            free_requests.saturating_sub(1) >= need
+        };
+        let tokens_ok = within_tokens || {
+            let their_tokens = sums.demand_tokens.saturating_sub(own.tokens);
+            // The headroom in tokens: `burst` of their average request (or of this one when
+            // they have nothing outstanding).
+            let per_request = their_tokens.checked_div(their_demand).unwrap_or(kv_cost);
+            let need = (sums.waiting_tokens.saturating_sub(own.waiting_tokens)
+                + burst.saturating_mul(per_request))
+            .min(sums.room_tokens.saturating_sub(own.room_tokens));
+            free_tokens.saturating_sub(kv_cost) >= need
+        };
+        requests_ok && tokens_ok
+    }
+
+    /// Free request slots and free KV tokens of the routable backends now (tokens: `u64::MAX`
+    /// when a budget is unknown).
+    fn free(&self, now: Timestamp) -> (u64, u64) {
+        let mut requests = 0u64;
+        let mut tokens = Some(0u64);
+        for b in self.backends.iter().filter(|b| b.routable) {
+            requests += b.request_cap(now, self.cfg).saturating_sub(b.in_flight) as u64;
+            tokens = match (tokens, b.usable_tokens(self.cfg.kv_headroom)) {
+                (Some(t), Some(u)) => Some(t + u.saturating_sub(b.tokens_in_use(now, self.cfg))),
+                _ => None,
+            };
+        }
+        (requests, tokens.unwrap_or(u64::MAX))
     }
 
     /// The backend with room for `kv_cost` and the lowest fill, skipping `except`.
@@ -838,5 +1091,76 @@ impl<K: Hash + Eq> LaneView<'_, K> {
             }
         }
         best.map(|(i, _)| i)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Arrive(u8),
+        Push(u8, u64),
+        Dispatch,
+        Complete,
+        Advance(u64),
+        Routable(bool),
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            (0u8..6).prop_map(Op::Arrive),
+            ((0u8..6), 1u64..500).prop_map(|(t, c)| Op::Push(t, c)),
+            Just(Op::Dispatch),
+            Just(Op::Complete),
+            (0u64..4_000).prop_map(Op::Advance),
+            any::<bool>().prop_map(Op::Routable),
+        ]
+    }
+
+    proptest! {
+        /// The sums kept in step as tenants change are the sums a fresh pass over the
+        /// tenants gives, whatever happened and however much time passed.
+        #[test]
+        fn kept_in_step_sums_equal_a_fresh_build(ops in proptest::collection::vec(op(), 1..120)) {
+            let mut cfg = LaneConfig::new(Watermarks { safe: 1_000, soft: 2_000, hard: 3_000 });
+            cfg.fair_share_window = Duration::from_secs(2);
+            let mut lane: Lane<u32, u8> = Lane::new(cfg, 3);
+            let limits = BackendLimits { max_in_flight: 4, kv_tokens: Some(2_000) };
+            lane.set_backends(vec![(Arc::from("a"), limits), (Arc::from("b"), limits)]);
+            let mut now = Timestamp::from_nanos(1);
+            let mut running: Vec<(u8, Placement)> = Vec::new();
+            for op in ops {
+                match op {
+                    Op::Arrive(t) => lane.note_arrival(&t, Tier(t % 3), 1 + u32::from(t % 2), now),
+                    Op::Push(t, c) => {
+                        lane.note_arrival(&t, Tier(t % 3), 1 + u32::from(t % 2), now);
+                        let _ = lane.push(Tier(t % 3), &t, c, now, now + Duration::from_secs(60), 0);
+                    }
+                    Op::Dispatch => {
+                        if let Some((e, i)) = lane.next_ready(now, |_, c| c) {
+                            if let Some(p) = lane.place(i, &e.tenant, e.cost, now) {
+                                running.push((e.tenant, p));
+                            }
+                        }
+                    }
+                    Op::Complete => {
+                        if !running.is_empty() {
+                            let (t, p) = running.remove(0);
+                            lane.release(&t, p, Outcome::Success, now);
+                        }
+                    }
+                    Op::Advance(ms) => now = now + Duration::from_millis(ms),
+                    Op::Routable(r) => lane.set_routable("b", r),
+                }
+                let kept = lane.shares.borrow().as_ref().filter(|t| t.valid_at(now)).map(|t| t.by_tier.clone());
+                if let Some(kept) = kept {
+                    let fresh = ShareTable::build(&lane.tenants, &lane.backends, &lane.cfg, now);
+                    prop_assert_eq!(kept, fresh.by_tier);
+                }
+            }
+        }
     }
 }

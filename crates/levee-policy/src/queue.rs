@@ -502,6 +502,38 @@ impl<T, K: Hash + Eq + Ord + Clone> FairQueue<T, K> {
         })
     }
 
+    /// The newest entry of the tenant with the longest backlog in `tier`, if that backlog is
+    /// longer than `tenant`'s own by more than one: `(ticket, cost)`. A full queue gives
+    /// that place to a tenant with less waiting (longest-queue drop), so one tenant's
+    /// backlog cannot lock its peers out of their tier.
+    pub fn longest_backlog_newest(&self, tier: Tier, tenant: &K) -> Option<(Ticket, u64)> {
+        let t = tier.0 as usize;
+        let own = self
+            .ids
+            .get(tenant)
+            .and_then(|&id| self.tenants.get(id as usize))
+            .and_then(|r| r.per_tier.get(t))
+            .map_or(0, |q| q.live);
+        let longest = self
+            .tenants
+            .iter()
+            .filter_map(|r| r.per_tier.get(t))
+            .max_by_key(|q| q.live)?;
+        if longest.live <= own + 1 {
+            return None;
+        }
+        longest.fifo.iter().rev().find_map(|&ticket| {
+            let (idx, generation) = split(ticket);
+            match self.slab.get(idx) {
+                Some(SlabSlot {
+                    generation: g,
+                    data: Some(slot),
+                }) if *g == generation => Some((Ticket(ticket), slot.cost)),
+                _ => None,
+            }
+        })
+    }
+
     /// Removes the entry with `ticket` at once, if it is still queued.
     pub fn cancel(&mut self, ticket: Ticket) -> Option<Entry<T, K>> {
         let slot = self.take(ticket.0)?;

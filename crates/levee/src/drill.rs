@@ -138,6 +138,9 @@ struct FleetStats {
     injected_crashes: u64,
     /// Requests answered 503 because their engine was down after a crash.
     sent_to_down: u64,
+    /// Of those, the ones that arrived after the engine had already answered a refusal in
+    /// the same down period (the router had been told).
+    sent_after_failure: u64,
 }
 
 impl Fleet {
@@ -163,6 +166,7 @@ impl Fleet {
             s.crashes += e.stats().crashes;
             s.injected_crashes += e.injected_crashes();
             s.sent_to_down += e.refused_while_down();
+            s.sent_after_failure += e.refused_after_first_failure();
         }
         s
     }
@@ -885,6 +889,7 @@ pub async fn run_cli(args: DrillArgs) -> anyhow::Result<()> {
             "engine_crashes": o.fleet.crashes,
             "injected_crashes": o.fleet.injected_crashes,
             "sent_to_down_engine": o.fleet.sent_to_down,
+            "sent_to_down_engine_after_first_failure": o.fleet.sent_after_failure,
             "goodput_rps": o.report.rates.goodput_rps,
             "flood_goodput_rps": verdicts::window_goodput(&o.report, &window),
             "success_rate": o.report.rates.success_rate,
@@ -1069,6 +1074,9 @@ fn side_by_side(scenario: &Scenario, sweep: &Sweep, runs: &[(Contender, Outcome)
     }
     row("sent to a down engine", &|o| {
         o.fleet.sent_to_down.to_string()
+    });
+    row("  after its first failure", &|o| {
+        o.fleet.sent_after_failure.to_string()
     });
     row("429s", &|o| o.report.rate_limited().to_string());
     row("5xx", &|o| o.report.server_errors().to_string());
