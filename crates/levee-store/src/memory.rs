@@ -171,20 +171,15 @@ impl<C: Clock> MemoryStore<C> {
                         retry_after: std::time::Duration::ZERO,
                     };
                 }
-                let avail = b.available(now);
-                if avail < min_tokens {
-                    let mut probe = b.clone();
-                    let retry_after = match probe.reserve(min_tokens, now) {
-                        Err(Refused::NotUntil { retry_after }) => retry_after,
-                        _ => std::time::Duration::ZERO,
-                    };
+                // As in `take`: a bucket in debt refuses even a request of zero tokens.
+                if let Err(Refused::NotUntil { retry_after }) = b.clone().reserve(min_tokens, now) {
                     return SliceDecision::Refused {
                         scope: i,
                         limit: Limited::Tokens,
                         retry_after,
                     };
                 }
-                g_t = g_t.min(avail);
+                g_t = g_t.min(b.available(now));
             }
         }
         for s in scopes {

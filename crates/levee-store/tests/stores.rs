@@ -230,12 +230,12 @@ async fn check_store<S: LimitStore>(
                             want = Err((i, Limited::TooLarge { capacity: c }));
                             continue;
                         }
-                        let avail = m.level.max(0) as u64;
-                        if avail < *min {
+                        // In debt, even zero tokens are refused (as `take` does).
+                        if m.level < *min as i64 {
                             want = Err((i, Limited::Tokens));
                             continue;
                         }
-                        gt2 = gt2.min(avail);
+                        gt2 = gt2.min(m.level as u64);
                     }
                     want = Ok((gr2, gt2));
                 }
