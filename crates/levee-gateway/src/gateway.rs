@@ -829,7 +829,10 @@ impl Gateway {
                     "tier": t.tier,
                     "priority": t.priority,
                     "weight": t.cfg.weight,
-                    "limits": info(adm.rate_limit_headers(&t.name, now)),
+                    "limits": info(match (&self.shared, rt.shared_scopes.get(&t.name)) {
+                        (Some(s), Some(scopes)) => s.tenant_figures(scopes, now),
+                        _ => adm.rate_limit_headers(&t.name, now),
+                    }),
                 })
             })
             .collect();

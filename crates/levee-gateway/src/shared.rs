@@ -128,6 +128,8 @@ pub struct Shared {
     batch: u64,
     /// Each tenant's current slice, by its scope id.
     slices: Mutex<HashMap<Arc<str>, LocalSlice>>,
+    /// Each tenant's fleet-wide figures as of this replica's last decision for it.
+    figures: Mutex<HashMap<Arc<str>, Figures>>,
     gauge: Gauge,
     replicas_gauge: Gauge,
     switches: Family<SwitchLabel, Counter>,
@@ -205,6 +207,7 @@ impl Shared {
             next_lease: AtomicU64::new(0),
             batch: u64::from(cfg.batch),
             slices: Mutex::new(HashMap::new()),
+            figures: Mutex::new(HashMap::new()),
             gauge: metrics.state_shared.clone(),
             replicas_gauge: metrics.fleet_replicas.clone(),
             switches: metrics.state_switches.clone(),
@@ -449,6 +452,7 @@ impl Shared {
         match tokio::time::timeout(self.timeout, took).await {
             Ok(Ok(SliceDecision::Granted(g))) => {
                 self.count("redis");
+                self.figures.lock().insert(key.clone(), g.figures);
                 let rest = LocalSlice {
                     scopes: scopes.clone(),
                     requests: g.requests.saturating_sub(1),
@@ -497,14 +501,19 @@ impl Shared {
         lease: String,
     ) -> Result<Option<Charge>, GatewayError> {
         match d {
-            Decision::Admitted(figures) => Ok(Some(Charge {
-                shared: self.clone(),
-                scopes: scopes.clone(),
-                tokens,
-                lease,
-                source: Some(source),
-                figures,
-            })),
+            Decision::Admitted(figures) => {
+                if let (Source::Redis, Some(last)) = (&source, scopes.last()) {
+                    self.figures.lock().insert(last.id.clone(), figures);
+                }
+                Ok(Some(Charge {
+                    shared: self.clone(),
+                    scopes: scopes.clone(),
+                    tokens,
+                    lease,
+                    source: Some(source),
+                    figures,
+                }))
+            }
             Decision::Refused {
                 scope,
                 limit,
@@ -513,6 +522,37 @@ impl Shared {
                 let local = matches!(source, Source::Local(_));
                 Err(refusal(scopes, scope, limit, retry_after, tokens, local))
             }
+        }
+    }
+
+    /// A tenant's fleet-wide figures (its scopes, tenant last) for `/admin/state`: as of
+    /// this replica's last decision for it in Redis, or a full budget if it made none.
+    pub fn tenant_figures(
+        &self,
+        scopes: &[ScopeLimits],
+        now: levee_policy::Timestamp,
+    ) -> levee_policy::RateLimitHeaders {
+        let Some(tenant) = scopes.last() else {
+            return levee_policy::RateLimitHeaders::default();
+        };
+        let seen = self
+            .figures
+            .lock()
+            .get(&tenant.id)
+            .copied()
+            .unwrap_or_default();
+        levee_policy::RateLimitHeaders {
+            requests: seen.requests.or_else(|| {
+                tenant
+                    .requests
+                    .map(|q| levee_policy::Gcra::new(q).info(now))
+            }),
+            tokens: seen.tokens.or_else(|| {
+                tenant
+                    .tokens
+                    .map(|q| levee_policy::TokenBucket::new(q).info(now))
+            }),
+            concurrency: None,
         }
     }
 

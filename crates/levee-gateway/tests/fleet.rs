@@ -162,6 +162,22 @@ async fn three_replicas_hold_the_fleet_limit_where_memory_admits_three_times() {
     let t = Instant::now();
     let (ok, limited, other, _) = flood(&gws, 150, 6).await;
     let secs = t.elapsed().as_secs_f64();
+    // Each replica's admin state shows the tenant's fleet-wide figures.
+    for g in &gws {
+        let tenants = g.gateway().state_json()["tenants"].clone();
+        let a = tenants
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|t| t["name"] == "a")
+            .unwrap()
+            .clone();
+        assert_eq!(a["limits"]["requests_limit"], burst, "{a}");
+        assert!(
+            a["limits"]["requests_remaining"].as_u64().unwrap() < burst as u64,
+            "{a}"
+        );
+    }
     for g in gws {
         g.shutdown().await;
     }
