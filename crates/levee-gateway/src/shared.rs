@@ -130,6 +130,10 @@ pub struct Shared {
     slices: Mutex<HashMap<Arc<str>, LocalSlice>>,
     /// Each tenant's fleet-wide figures as of this replica's last decision for it.
     figures: Mutex<HashMap<Arc<str>, Figures>>,
+    /// Scopes Redis refused by request rate, until the wait it gave: while it lasts, this
+    /// replica refuses their requests itself instead of asking again (a flooding tenant
+    /// costs Redis one call per wait, not one per request).
+    refused_until: Mutex<HashMap<Arc<str>, tokio::time::Instant>>,
     gauge: Gauge,
     replicas_gauge: Gauge,
     switches: Family<SwitchLabel, Counter>,
@@ -208,6 +212,7 @@ impl Shared {
             batch: u64::from(cfg.batch),
             slices: Mutex::new(HashMap::new()),
             figures: Mutex::new(HashMap::new()),
+            refused_until: Mutex::new(HashMap::new()),
             gauge: metrics.state_shared.clone(),
             replicas_gauge: metrics.fleet_replicas.clone(),
             switches: metrics.state_switches.clone(),
@@ -359,6 +364,12 @@ impl Shared {
         } else {
             String::new()
         };
+        if self.is_shared() {
+            if let Some(refused) = self.still_refused(scopes, tokens) {
+                self.count("cache");
+                return Err(refused);
+            }
+        }
         if self.batch > 1 && lease.is_empty() && self.is_shared() {
             if let Some(r) = self.take_batched(scopes, tokens).await {
                 return r;
@@ -396,6 +407,36 @@ impl Shared {
                 self.count("local");
                 self.decided(d, scopes, Source::Local(local), tokens, lease)
             }
+        }
+    }
+
+    /// A refusal Redis gave for a scope's request rate that still holds (see
+    /// `refused_until`), as this request's answer.
+    fn still_refused(&self, scopes: &[ScopeLimits], tokens: u64) -> Option<GatewayError> {
+        let now = tokio::time::Instant::now();
+        let mut until = self.refused_until.lock();
+        for (i, s) in scopes.iter().enumerate() {
+            let Some(&t) = until.get(&s.id) else { continue };
+            if t > now {
+                return Some(refusal(
+                    scopes,
+                    i,
+                    Limited::Requests,
+                    t - now,
+                    tokens,
+                    false,
+                ));
+            }
+            until.remove(&s.id);
+        }
+        None
+    }
+
+    /// Remembers a request-rate refusal of scope `i` for the wait Redis gave.
+    fn remember_refusal(&self, scopes: &[ScopeLimits], i: usize, limit: Limited, wait: Duration) {
+        if let (Limited::Requests, Some(s)) = (limit, scopes.get(i)) {
+            let until = tokio::time::Instant::now() + wait;
+            self.refused_until.lock().insert(s.id.clone(), until);
         }
     }
 
@@ -472,6 +513,7 @@ impl Shared {
                 retry_after,
             })) => {
                 self.count("redis");
+                self.remember_refusal(scopes, scope, limit, retry_after);
                 Some(Err(refusal(
                     scopes,
                     scope,
@@ -520,6 +562,9 @@ impl Shared {
                 retry_after,
             } => {
                 let local = matches!(source, Source::Local(_));
+                if !local {
+                    self.remember_refusal(scopes, scope, limit, retry_after);
+                }
                 Err(refusal(scopes, scope, limit, retry_after, tokens, local))
             }
         }

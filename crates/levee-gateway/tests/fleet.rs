@@ -162,6 +162,12 @@ async fn three_replicas_hold_the_fleet_limit_where_memory_admits_three_times() {
     let t = Instant::now();
     let (ok, limited, other, _) = flood(&gws, 150, 6).await;
     let secs = t.elapsed().as_secs_f64();
+    let (mut from_redis, mut from_cache) = (0.0, 0.0);
+    for g in &gws {
+        let text = g.gateway().metrics.encode();
+        from_redis += metric(&text, "levee_state_decisions_total{source=\"redis\"}");
+        from_cache += metric(&text, "levee_state_decisions_total{source=\"cache\"}");
+    }
     // Each replica's admin state shows the tenant's fleet-wide figures.
     for g in &gws {
         let tenants = g.gateway().state_json()["tenants"].clone();
@@ -182,7 +188,14 @@ async fn three_replicas_hold_the_fleet_limit_where_memory_admits_three_times() {
         g.shutdown().await;
     }
     clear(url, &prefix).await;
-    eprintln!("shared: {ok} of 150 admitted in {secs:.2} s (limit {burst} + {rpm}/min)");
+    eprintln!(
+        "shared: {ok} of 150 admitted in {secs:.2} s (limit {burst} + {rpm}/min); \
+         {from_redis} Redis calls, {from_cache} refusals remembered"
+    );
+    // Over its limit, a tenant costs Redis one call per replica per wait, not one per
+    // request: the waits here (a second) outlast the flood.
+    assert_eq!(from_redis + from_cache, 150.0);
+    assert!(from_cache > 0.0, "no refusal was remembered");
     assert!(other.is_empty(), "unexpected statuses {other:?}");
     assert_eq!(ok + limited, 150);
     // Redis decides atomically, so the bound is exact: the burst plus what refilled while
@@ -262,7 +275,7 @@ async fn batching_never_over_admits_and_saves_round_trips() {
         ok + stranded >= burst as usize,
         "{ok} admitted; at most {stranded} stranded"
     );
-    // Each slice taken serves up to `batch` requests; refusals still ask Redis each time.
+    // Each slice taken serves up to `batch` requests.
     assert!(
         from_slices >= ok as f64 / 2.0,
         "{from_slices} of {ok} admitted came from slices ({from_redis} Redis calls in all)"
