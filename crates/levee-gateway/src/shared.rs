@@ -1,10 +1,13 @@
 //! Limits shared by a fleet of gateway replicas (`[state] backend = "redis"`).
 //!
-//! Each tenant's request-rate and token limits, and the global ones, are decided in Redis
-//! by levee-store's atomic scripts before the request enters this replica's admission state
-//! (which keeps everything else: concurrency, heavy-request and model limits, lanes,
-//! queues). A charge taken in Redis travels with the request and is settled there when it
-//! ends: refunded if it was never served, reconciled with the real token usage if it was.
+//! Each tenant's request-rate and token limits and its concurrency (leases), and the global
+//! rates, are decided in Redis by levee-store's atomic scripts before the request enters
+//! this replica's admission state (which keeps everything else: global concurrency,
+//! heavy-request and model limits, lanes, queues). A charge taken in Redis travels with the
+//! request and is settled there when it ends: refunded if it was never served, reconciled
+//! with the real token usage if it was; its lease is freed either way. Optional local
+//! batching hands out slices of a tenant's budget taken from Redis at once; a request-rate
+//! refusal from Redis is remembered for the wait it gives.
 //!
 //! A decision never waits longer than `timeout_ms`. When Redis fails or is slow, this
 //! replica switches (one log line, `levee_state_switches_total`) to its `on_failure` mode:
@@ -754,5 +757,32 @@ impl Drop for Charge {
     fn drop(&mut self) {
         let tokens = self.tokens;
         self.settle(Settlement::refund(tokens));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_share_divides_every_limit_and_keeps_at_least_one() {
+        let scopes = [ScopeLimits {
+            id: Arc::from("t:x"),
+            requests: Some(Quota::per_minute(60).with_burst(10)),
+            tokens: Some(TokenQuota::per_minute(9_000).with_capacity(3_000)),
+            concurrency: Some(2),
+        }];
+        let s = share(&scopes, 3);
+        let r = s[0].requests.unwrap();
+        assert_eq!(
+            (r.count(), r.burst(), r.period()),
+            (20, 3, Duration::from_secs(60))
+        );
+        let t = s[0].tokens.unwrap();
+        assert_eq!((t.count(), t.capacity()), (3_000, 1_000));
+        assert_eq!(s[0].concurrency, Some(1));
+        // Alone (or never having counted its peers), a replica holds the whole limit.
+        assert_eq!(share(&scopes, 1)[..], scopes[..]);
+        assert_eq!(share(&scopes, 0)[..], scopes[..]);
     }
 }
