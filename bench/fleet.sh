@@ -64,7 +64,7 @@ requests_per_minute = 60
 requests_burst = 20
 
 [[models]]
-name = "sim-llm"
+name = "levee-sim-7b"
 [[models.backends]]
 url = "${ENGINES[0]}"
 [[models.backends]]
@@ -89,7 +89,7 @@ if [ "${DEMO:-1}" = 1 ]; then
     url=${PUBLIC[$((n % 3))]}
     code=$(curl -s -o /dev/null -w '%{http_code}' "$url/v1/chat/completions" \
       -H "authorization: Bearer $KEY" -H 'content-type: application/json' \
-      -d '{"model":"sim-llm","max_tokens":8,"messages":[{"role":"user","content":"hi"}]}')
+      -d '{"model":"levee-sim-7b","max_tokens":8,"messages":[{"role":"user","content":"hi"}]}')
     case $code in 200) ok=$((ok + 1));; 429) limited=$((limited + 1));; *) echo "unexpected HTTP $code" >&2;; esac
   done
   echo "60 requests round-robin over the 3 replicas: $ok admitted, $limited refused (429)"
