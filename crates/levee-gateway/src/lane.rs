@@ -17,7 +17,7 @@
 
 use crate::error::GatewayError;
 use crate::gateway::{Adm, Gateway, Tenant};
-use crate::metrics::TierLabel;
+use crate::metrics::{ModelLabel, TierLabel};
 use crate::upstream::Backend;
 use levee_policy::{
     AdmissionRequest, Admit, Clock, Completion, Expired, Grant, LoadSignals, Outcome, Refusal,
@@ -149,6 +149,14 @@ impl Lane {
                 ready.push(d);
             }
             let next = adm.next_deadline(&self.model);
+            if let Some(l) = adm.lane(&self.model) {
+                gw.metrics
+                    .lane_load
+                    .get_or_create(&ModelLabel {
+                        model: self.model.to_string(),
+                    })
+                    .set(i64::try_from(l.load()).unwrap_or(i64::MAX));
+            }
             (gone, ready, next)
         };
         for e in gone {

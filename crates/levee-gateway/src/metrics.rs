@@ -202,6 +202,9 @@ pub struct Metrics {
     pub offered_load: Family<ModelLabel, Gauge<f64, AtomicU64>>,
     /// `levee_watermark{mark}`: the configured queue watermarks (load = queued + in flight).
     pub watermark: Family<MarkLabel, Gauge>,
+    /// `levee_lane_load{model}`: each model's lane load (in flight + queued), what the
+    /// watermarks are compared with.
+    pub lane_load: Family<ModelLabel, Gauge>,
     /// `levee_backend_max_in_flight{backend}`: the configured cap of each backend.
     pub backend_max_in_flight: Family<BackendLabel, Gauge>,
     /// `levee_state_shared`: 1 when limits are decided in the shared store (Redis answers),
@@ -427,6 +430,12 @@ impl Metrics {
             "Measured offered load per model, in busy backend slots (arrival rate over service rate)",
             offered_load.clone(),
         );
+        let lane_load = Family::<ModelLabel, Gauge>::default();
+        registry.register(
+            "lane_load",
+            "Load of each model's lane (requests in flight + queued): the watermarks apply to it, per model",
+            lane_load.clone(),
+        );
         let watermark = Family::<MarkLabel, Gauge>::default();
         registry.register(
             "watermark",
@@ -479,6 +488,7 @@ impl Metrics {
             degrade_changes,
             recommended_replicas,
             offered_load,
+            lane_load,
             tenant_series: RwLock::new(HashSet::new()),
             breaker_seen: Mutex::new(HashMap::new()),
             last_degrade_level: AtomicI64::new(0),

@@ -282,6 +282,10 @@ pub struct Lane<P, K> {
     service_secs: Option<f64>,
 }
 
+/// Standard deviations above the mean wait that a predicted wait is taken at (about the
+/// 95th percentile).
+const WAIT_Z: f64 = 1.65;
+
 /// Weight of one completion in the service-time average.
 const SERVICE_ALPHA: f64 = 0.05;
 
@@ -479,6 +483,7 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
             tenants: &self.tenants,
             cfg: &self.cfg,
             shares: &self.shares,
+            free: std::cell::OnceCell::new(),
         }
     }
 
@@ -607,6 +612,7 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
             tenants,
             cfg,
             shares,
+            free: std::cell::OnceCell::new(),
         };
         let entry = queue.pop_where(|tenant, cost| {
             let kv = kv_of(tenant, cost);
@@ -731,13 +737,26 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
     }
 
     /// Where a new request of `tenant` in `tier` would stand, and how long it would wait
-    /// there: position × mean service time ÷ requests in flight (Little's law over the
-    /// lane's measured service). `None` until a service time has been measured.
+    /// there, at the 95th percentile: the n-th place in a queue that `c` requests in flight
+    /// drain, each holding its slot for the lane's measured mean service time `s`, waits
+    /// about an Erlang(n, c/s) time, whose 95th percentile is near (n + 1.65·√n)·s/c. The
+    /// longer of that over the lane (n = position, c = requests in flight) and, when the
+    /// tenant already has requests waiting, over the tenant itself (n = its waiting + 1,
+    /// c = its own requests in flight: a tenant held to its fair share drains at its own
+    /// pace, whatever the lane's). `None` until a service time has been measured.
     pub fn predict_wait(&self, tier: Tier, tenant: &K) -> (usize, Option<Duration>) {
         let position = self.queue.position_estimate(tier, tenant) + 1;
         let wait = self.service_secs.map(|s| {
-            let servers = self.in_flight.max(1) as f64;
-            Duration::from_secs_f64((position as f64 * s / servers).min(1e6))
+            let erlang_p95 = |n: usize, c: usize| {
+                let n = n as f64;
+                (n + WAIT_Z * n.sqrt()) * s / c.max(1) as f64
+            };
+            let lane = erlang_p95(position, self.in_flight);
+            let own = match self.tenants.get(tenant) {
+                Some(u) if u.queued > 0 => erlang_p95(u.queued + 1, u.in_flight),
+                _ => 0.0,
+            };
+            Duration::from_secs_f64(lane.max(own).min(1e6))
         });
         (position, wait)
     }
@@ -831,6 +850,8 @@ struct LaneView<'a, K> {
     tenants: &'a HashMap<K, TenantUse, FastState>,
     cfg: &'a LaneConfig,
     shares: &'a RefCell<Option<ShareTable>>,
+    /// Free slots and tokens, read once per view (nothing is placed while it lives).
+    free: std::cell::OnceCell<(u64, u64)>,
 }
 
 /// What fair shares are cut from, summed over the tenants active in the fair-share window:
@@ -1066,6 +1087,10 @@ impl<K: Hash + Eq> LaneView<'_, K> {
     /// Free request slots and free KV tokens of the routable backends now (tokens: `u64::MAX`
     /// when a budget is unknown).
     fn free(&self, now: Timestamp) -> (u64, u64) {
+        *self.free.get_or_init(|| self.read_free(now))
+    }
+
+    fn read_free(&self, now: Timestamp) -> (u64, u64) {
         let mut requests = 0u64;
         let mut tokens = Some(0u64);
         for b in self.backends.iter().filter(|b| b.routable) {

@@ -402,7 +402,8 @@ fn a_request_that_would_wait_past_its_budget_is_refused_at_once() {
     for i in 0..2 {
         held.push(dispatched(a.admit(&req("a", 1, 10), i, clock.now())));
     }
-    // Tier 1 may wait 15 s; with 2 in flight at 1 s each, position p waits p / 2 s.
+    // Tier 1 may wait 15 s; with 2 in flight at 1 s each, position p waits p / 2 s on
+    // average and (p + 1.65·√p) / 2 s at the 95th percentile, which is what must fit.
     let mut positions = Vec::new();
     let refused = loop {
         match a.admit(&req("a", 1, 10), 9, clock.now()) {
@@ -412,8 +413,44 @@ fn a_request_that_would_wait_past_its_budget_is_refused_at_once() {
         }
     };
     assert_eq!(refused.reason, RefusalReason::PredictedWait);
-    assert_eq!(positions.len(), 30);
-    assert_eq!(refused.position, Some(31));
+    assert_eq!(positions.len(), 22);
+    assert_eq!(refused.position, Some(23));
+    let wait = refused.retry_after.unwrap().as_duration();
+    assert!(wait > Duration::from_secs(15), "{wait:?}");
+}
+
+#[test]
+fn a_tenant_held_to_its_share_is_predicted_at_its_own_pace() {
+    let clock = ManualClock::new();
+    let mut a = admission(10, None, lane(1_000, 2_000, 3_000));
+    // Measure a service time of 1 s on all 10 slots.
+    let mut held: Vec<_> = (0..10)
+        .map(|i| dispatched(a.admit(&req("f", 1, 10), i, clock.now())))
+        .collect();
+    clock.advance(Duration::from_secs(1));
+    for d in held.drain(..) {
+        a.complete(d.grant, ok(), clock.now());
+    }
+    // A quiet peer holds 5; the flooder gets the other 5 and then queues.
+    for i in 0..5 {
+        held.push(dispatched(a.admit(&req("q", 1, 10), 100 + i, clock.now())));
+        held.push(dispatched(a.admit(&req("f", 1, 10), 200 + i, clock.now())));
+    }
+    // The lane drains 10 per second, but the flooder, held to its share, only its own 5:
+    // its n-th queued request waits about n / 5 s ((n + 1.65·√n) / 5 s at the 95th
+    // percentile), and tier 1 waits at most 15 s.
+    let mut queued_count = 0;
+    let refused = loop {
+        match a.admit(&req("f", 1, 10), 300, clock.now()) {
+            Admit::Queued { .. } => queued_count += 1,
+            Admit::Refused(r) => break r,
+            Admit::Dispatch(_) => panic!("no room"),
+        }
+    };
+    assert_eq!(refused.reason, RefusalReason::PredictedWait);
+    // n = 62 fits (14.998 s); n = 63 would take 15.2 s. The lane's pace alone would have
+    // queued about 130.
+    assert_eq!(queued_count, 62);
     let wait = refused.retry_after.unwrap().as_duration();
     assert!(wait > Duration::from_secs(15), "{wait:?}");
 }

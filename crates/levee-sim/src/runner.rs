@@ -507,13 +507,20 @@ fn schedule_next_turn(ctx: &Arc<Ctx>, req: &Req, done_ns: u64, tokens: u32) {
     }
     let class = &ctx.scenario.classes[usize::from(req.class).min(ctx.scenario.classes.len() - 1)];
     let question = class.prompt_tokens.sample(&mut rng).round().max(1.0) as u32;
+    let max_tokens = class.max_tokens.sample(&mut rng).round().max(1.0) as u32;
+    let mut prompt_tokens = req
+        .prompt_tokens
+        .saturating_add(tokens)
+        .saturating_add(question);
+    if let Some(window) = ctx.scenario.sessions.context_tokens {
+        // Drop the oldest history (never the new question) until prompt + answer fit.
+        let room = window.saturating_sub(max_tokens).max(question.min(window));
+        prompt_tokens = prompt_tokens.min(room);
+    }
     let next = Req {
         intended_ns,
-        prompt_tokens: req
-            .prompt_tokens
-            .saturating_add(tokens)
-            .saturating_add(question),
-        max_tokens: class.max_tokens.sample(&mut rng).round().max(1.0) as u32,
+        prompt_tokens,
+        max_tokens,
         turns_left: req.turns_left - 1,
         session_seed: req
             .session_seed

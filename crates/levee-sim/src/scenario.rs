@@ -233,6 +233,10 @@ impl Scenario {
             .think_time_s
             .validate()
             .context("sessions.think_time_s")?;
+        anyhow::ensure!(
+            self.sessions.context_tokens != Some(0),
+            "sessions.context_tokens must be > 0 (or left out)"
+        );
         anyhow::ensure!(self.client.timeout_s > 0.0, "client.timeout_s must be > 0");
         anyhow::ensure!(
             self.client.max_attempts >= 1,
@@ -613,6 +617,9 @@ pub struct Sessions {
     pub turns: Dist,
     /// Seconds between an answer and the next question.
     pub think_time_s: Dist,
+    /// The client's context window, if it keeps to one: a turn whose history plus its
+    /// `max_tokens` would not fit drops its oldest history first, as chat clients do.
+    pub context_tokens: Option<u32>,
 }
 
 impl Default for Sessions {
@@ -625,6 +632,7 @@ impl Default for Sessions {
                 min: None,
                 max: None,
             },
+            context_tokens: None,
         }
     }
 }

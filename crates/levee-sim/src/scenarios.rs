@@ -35,6 +35,10 @@ pub const BUILTIN: &[(&str, &str)] = &[
         "crash-mid-flood",
         include_str!("../../../scenarios/crash-mid-flood.toml"),
     ),
+    (
+        "overload-3x",
+        include_str!("../../../scenarios/overload-3x.toml"),
+    ),
 ];
 
 /// Names of the shipped scenarios.

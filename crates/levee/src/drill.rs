@@ -1079,6 +1079,20 @@ fn side_by_side(scenario: &Scenario, sweep: &Sweep, runs: &[(Contender, Outcome)
         o.fleet.sent_after_failure.to_string()
     });
     row("429s", &|o| o.report.rate_limited().to_string());
+    row("  of which queue timeouts", &|o| {
+        let t = o
+            .report
+            .errors
+            .get("429:queue_timeout")
+            .copied()
+            .unwrap_or(0);
+        let all = o.report.rate_limited();
+        if all == 0 {
+            "0".into()
+        } else {
+            format!("{t} ({:.1}%)", 100.0 * t as f64 / all as f64)
+        }
+    });
     row("5xx", &|o| o.report.server_errors().to_string());
     row("timeouts", &|o| {
         o.report
