@@ -551,3 +551,58 @@ async fn tenant_concurrency_is_one_set_of_leases_for_the_fleet() {
     }
     clear(url, &prefix).await;
 }
+
+/// A replica that dies (its heartbeats stop; its request never ends) holds its lease only
+/// until the lease expires, three heartbeats later; its peers then count one replica less.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_replicas_leases_expire_and_its_peers_stop_counting_it() {
+    let url = "redis://127.0.0.1:6379";
+    if !redis_up(url).await {
+        return skip("Redis on 127.0.0.1:6379 is unreachable");
+    }
+    let m = mock().await;
+    let prefix = unique_prefix("dead");
+    let mut cfg = fleet_config(&m.url(), url, &prefix, 0, 0);
+    cfg.tenants[3].max_concurrency = 1;
+    let gws = fleet(&cfg, 2).await;
+    let c = client();
+    m.hold(true);
+    let held = spawn_chat(&c, &gws[0].public_url(), "a", "held");
+    wait_until("the request at the backend", || m.count() == 1).await;
+    assert_eq!(
+        chat(&c, &gws[1].public_url(), "a", "refused")
+            .await
+            .status(),
+        429
+    );
+    // Replica 0 "dies": its background tasks (heartbeat, lease renewal) stop, its request
+    // stays in flight (held at the backend) for ever. New requests are not held.
+    gws[0].gateway().stop();
+    m.hold(false);
+    let peer = gws[1].gateway().shared.clone().unwrap();
+    let mut admitted = false;
+    for _ in 0..300 {
+        if chat(&c, &gws[1].public_url(), "a", "after").await.status() == 200 {
+            admitted = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(admitted, "the dead replica's lease never expired");
+    let mut live = 0;
+    for _ in 0..300 {
+        peer.beat().await;
+        live = peer.live_replicas();
+        if live == 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(live, 1, "the dead replica is still counted");
+    m.release(1);
+    let _ = held.await;
+    for g in gws {
+        g.shutdown().await;
+    }
+    clear(url, &prefix).await;
+}
