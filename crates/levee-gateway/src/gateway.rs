@@ -12,7 +12,7 @@ use crate::tokenize::TokenCounter;
 use crate::upstream::{build_client, Backend, HttpClient};
 use levee_policy::{
     Admission, AdmissionConfig, BackendLimits, Clock, HeavyRule, KeyedGcra, LaneConfig, LimitSpec,
-    ModelSpec, Quota, RetryBounds, TenantSpec, Tier, WaitBudget, Watermarks,
+    ModelSpec, Quota, RetryBounds, TenantSpec, WaitBudget, Watermarks,
 };
 use parking_lot::{Mutex, RwLock};
 use std::collections::HashMap;
@@ -36,6 +36,8 @@ pub struct Tenant {
     pub priority: u8,
     /// Degradation may shed this tenant's tier.
     pub sheddable: bool,
+    /// Its tier's waiting streams get position comments without asking.
+    pub queue_updates: bool,
     /// This tenant's per-request metric series (kept across reloads with the tenant).
     pub metrics: crate::metrics::TenantMetrics,
     cfg: TenantConfig,
@@ -43,9 +45,10 @@ pub struct Tenant {
 }
 
 impl Tenant {
-    /// Its tier as the policy sees it.
-    pub fn tier_key(&self) -> Tier {
-        Tier(self.priority)
+    /// The secret that signs its task callbacks, from `callback_secret_env`.
+    pub fn callback_secret(&self) -> Option<String> {
+        let var = self.cfg.callback_secret_env.as_ref()?;
+        std::env::var(var).ok().filter(|v| !v.is_empty())
     }
 }
 
@@ -131,6 +134,7 @@ impl Runtime {
                     tier: t.tier.clone(),
                     priority: tier_cfg.priority,
                     sheddable: tier_cfg.sheddable,
+                    queue_updates: tier_cfg.queue_updates,
                     metrics: crate::metrics::TenantMetrics::default(),
                     cfg: t.clone(),
                     tier_cfg: tier_cfg.clone(),
@@ -322,6 +326,8 @@ pub struct Gateway {
     pub scaling: crate::autoscale::Scaling,
     /// The shared limit store (`[state] backend = "redis"`).
     pub shared: Option<Arc<crate::shared::Shared>>,
+    /// Async tasks, when `tasks.enabled`.
+    tasks: Option<Arc<crate::tasks::Tasks>>,
 }
 
 impl std::fmt::Debug for Gateway {
@@ -361,6 +367,11 @@ impl Gateway {
                 &metrics,
             )?)),
         };
+        let tasks = if rt.cfg.tasks.enabled {
+            Some(Arc::new(crate::tasks::Tasks::open(&rt.cfg.tasks)?))
+        } else {
+            None
+        };
         let gw = Arc::new(Gateway {
             runtime: RwLock::new(Arc::new(rt)),
             lanes: RwLock::new(HashMap::new()),
@@ -376,6 +387,7 @@ impl Gateway {
             in_flight: AtomicI64::new(0),
             scaling: crate::autoscale::Scaling::default(),
             shared,
+            tasks,
         });
         gw.set_tenant_series();
         gw.sync_lanes();
@@ -390,6 +402,11 @@ impl Gateway {
     /// The runtime in force (tenants, models).
     pub fn runtime(&self) -> Arc<Runtime> {
         self.runtime.read().clone()
+    }
+
+    /// Async tasks, when enabled.
+    pub fn tasks(&self) -> Option<&Arc<crate::tasks::Tasks>> {
+        self.tasks.as_ref()
     }
 
     /// The lane of a model.
@@ -434,6 +451,9 @@ impl Gateway {
             return Err(vec![
                 "state: [state] changed; restart the gateway to apply it".to_string(),
             ]);
+        }
+        if cfg.tasks != old.cfg.tasks {
+            tracing::warn!("[tasks] changed in the new config; restart to apply it");
         }
         let rt = Runtime::build(cfg, Some(&old))?;
         let ip_changed = rt.cfg.ip_guard != old.cfg.ip_guard;
