@@ -510,6 +510,9 @@ async fn tenant_concurrency_is_one_set_of_leases_for_the_fleet() {
     let prefix = unique_prefix("lease");
     let mut cfg = fleet_config(&m.url(), url, &prefix, 0, 0);
     cfg.tenants[3].max_concurrency = 2;
+    // Leases live three heartbeats: long enough that a stalled machine cannot let a held
+    // one lapse during the test.
+    cfg.state.heartbeat_ms = 1000;
     let gws = fleet(&cfg, 3).await;
     let c = client();
     m.hold(true);
