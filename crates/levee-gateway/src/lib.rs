@@ -29,6 +29,7 @@ pub mod reload;
 pub mod request_log;
 pub mod routes;
 pub mod server;
+pub mod shared;
 pub mod task_store;
 pub mod tasks;
 mod tokenize;
