@@ -253,6 +253,18 @@ impl GatewayError {
         )
     }
 
+    /// 404 `task_not_found`: no task with this id belongs to the caller (another tenant's
+    /// task is answered the same way, so ids reveal nothing).
+    pub fn task_not_found(id: &str) -> Self {
+        Self::new(
+            Origin::Client,
+            StatusCode::NOT_FOUND,
+            "invalid_request_error",
+            "task_not_found",
+            format!("no task {id:?} for this API key (finished tasks are removed after the retention period)"),
+        )
+    }
+
     /// 401: no key, or a key no tenant owns.
     pub fn unauthorized(missing: bool) -> Self {
         let msg = if missing {
@@ -373,6 +385,23 @@ impl GatewayError {
             "service_unavailable",
             "no_healthy_backend",
             format!("no healthy backend for {model:?}; retry later"),
+        )
+        .with_retry_after(retry_after)
+    }
+
+    /// 503 `shared_state_unavailable`: the shared limit store did not answer and the
+    /// gateway is configured `fail_closed`.
+    pub fn shared_state_unavailable(why: &str, retry_after: Duration) -> Self {
+        Self::new(
+            Origin::Gateway,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "service_unavailable",
+            "shared_state_unavailable",
+            format!(
+                "the shared limit store is unavailable ({why}) and this gateway is configured \
+                 to refuse rather than decide limits alone ([state] on_failure = \"fail_closed\"); \
+                 retry later"
+            ),
         )
         .with_retry_after(retry_after)
     }

@@ -24,10 +24,14 @@ pub mod gateway;
 pub mod lane;
 pub mod metrics;
 pub mod proxy;
+mod queue_updates;
 pub mod reload;
 pub mod request_log;
 pub mod routes;
 pub mod server;
+pub mod shared;
+pub mod task_store;
+pub mod tasks;
 mod tokenize;
 pub mod upstream;
 

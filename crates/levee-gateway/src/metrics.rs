@@ -50,6 +50,13 @@ pub struct TenantKindLabels {
     pub kind: String,
 }
 
+/// A single `state` label (async tasks).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct StateLabel {
+    /// The state.
+    pub state: String,
+}
+
 /// A single `backend` label.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct BackendLabel {
@@ -114,6 +121,21 @@ pub struct MarkLabel {
 pub struct LevelLabel {
     /// Degradation level entered.
     pub level: String,
+}
+
+/// `to` of a shared-state switch.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct SwitchLabel {
+    /// `shared` (Redis answers again), `local` (`fail_open` shares) or `closed`
+    /// (`fail_closed`).
+    pub to: String,
+}
+
+/// `source` of a shared-limit decision.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct SourceLabel {
+    /// `redis` or `local`.
+    pub source: String,
 }
 
 /// Every metric the gateway exports.
@@ -192,6 +214,23 @@ pub struct Metrics {
     pub lane_load: Family<ModelLabel, Gauge>,
     /// `levee_backend_max_in_flight{backend}`: the configured cap of each backend.
     pub backend_max_in_flight: Family<BackendLabel, Gauge>,
+    /// `levee_state_shared`: 1 when limits are decided in the shared store (Redis answers),
+    /// 0 when this replica runs on its local fallback (or refuses, `fail_closed`); absent
+    /// with `backend = "memory"`.
+    pub state_shared: Gauge,
+    /// `levee_state_switches_total{to}`: switches between shared and local decisions.
+    pub state_switches: Family<SwitchLabel, Counter>,
+    /// `levee_state_decisions_total{source}`: shared-limit decisions by where they were made.
+    pub state_decisions: Family<SourceLabel, Counter>,
+    /// `levee_fleet_replicas`: live gateway replicas seen in the shared store's heartbeats.
+    pub fleet_replicas: Gauge,
+    /// `levee_tasks_finished_total{state}`: async tasks by final state.
+    pub tasks_finished: Family<StateLabel, Counter>,
+    /// `levee_task_band{state}`: async tasks `waiting` for the batch band and `placed` in it
+    /// (in a fair queue or at a backend).
+    pub task_band: Family<StateLabel, Gauge>,
+    /// `levee_task_callbacks_total{state}`: callback POSTs, `delivered` or `failed`.
+    pub task_callbacks: Family<StateLabel, Counter>,
     /// Tenants with their own series in the per-tenant histograms.
     tenant_series: RwLock<HashSet<String>>,
     /// Per backend: breaker trips and the time of the last look, to turn breaker stats into
@@ -369,6 +408,24 @@ impl Metrics {
             "Time queued before dispatch, per model and tenant",
             request_queue.clone(),
         );
+        let tasks_finished = Family::<StateLabel, Counter>::default();
+        registry.register(
+            "tasks_finished",
+            "Async tasks by final state",
+            tasks_finished.clone(),
+        );
+        let task_band = Family::<StateLabel, Gauge>::default();
+        registry.register(
+            "task_band",
+            "Async tasks waiting for the batch band, and placed in it",
+            task_band.clone(),
+        );
+        let task_callbacks = Family::<StateLabel, Counter>::default();
+        registry.register(
+            "task_callbacks",
+            "Task callback POSTs, delivered or failed",
+            task_callbacks.clone(),
+        );
         let tenant_abandoned = Family::<AbandonLabels, Counter>::default();
         registry.register(
             "tenant_abandoned",
@@ -423,7 +480,35 @@ impl Metrics {
             "Configured most requests levee sends to each backend at once",
             backend_max_in_flight.clone(),
         );
+        let state_shared = Gauge::default();
+        registry.register(
+            "state_shared",
+            "1 when limits are decided in the shared store, 0 on the local fallback",
+            state_shared.clone(),
+        );
+        let state_switches = Family::<SwitchLabel, Counter>::default();
+        registry.register(
+            "state_switches",
+            "Switches between shared (Redis) and local limit decisions",
+            state_switches.clone(),
+        );
+        let state_decisions = Family::<SourceLabel, Counter>::default();
+        registry.register(
+            "state_decisions",
+            "Shared-limit decisions by where they were made",
+            state_decisions.clone(),
+        );
+        let fleet_replicas = Gauge::default();
+        registry.register(
+            "fleet_replicas",
+            "Live gateway replicas seen in the shared store",
+            fleet_replicas.clone(),
+        );
         Metrics {
+            state_shared,
+            state_switches,
+            state_decisions,
+            fleet_replicas,
             registry,
             watermark,
             backend_max_in_flight,
@@ -452,6 +537,9 @@ impl Metrics {
             backend_tokens_in_flight,
             backend_kv_budget,
             tenant_abandoned,
+            tasks_finished,
+            task_band,
+            task_callbacks,
             estimate_ratio,
             backend_load,
             backend_kv,

@@ -80,6 +80,7 @@ impl GatewayHandle {
         {
             tracing::warn!("shutdown grace period passed with connections still open");
         }
+        self.gateway.leave_fleet().await;
         self.gateway.stop();
     }
 }
@@ -98,6 +99,9 @@ pub async fn start(config: Config) -> anyhow::Result<GatewayHandle> {
     let admin = admin_listener.local_addr()?;
     let gateway = Gateway::new(config)?;
     gateway.spawn_background();
+    if let Some(t) = gateway.tasks() {
+        t.clone().start(&gateway)?;
+    }
     let stop_accepting = CancellationToken::new();
     let public_router = routes::router(gateway.clone());
     let access = admin::AdminAccess::from_env(admin);

@@ -1107,6 +1107,12 @@ impl<T, K: Hash + Eq + Ord + Clone> Admission<T, K> {
         }
     }
 
+    /// The place of a queued request in its lane's serving order now (1 = next); `None` once
+    /// it has left the queue.
+    pub fn position_of(&self, model: &K, ticket: Ticket) -> Option<usize> {
+        self.models.get(model)?.lane.position_of(ticket)
+    }
+
     /// Withdraws a queued request (the client went away) and refunds it. `None` if it already
     /// left the queue.
     pub fn cancel(&mut self, model: &K, ticket: Ticket, now: Timestamp) -> Option<T> {

@@ -231,6 +231,7 @@ mod tests {
             timeseries: seconds,
             metrics: Vec::new(),
             faults: Vec::new(),
+            tasks: None,
         }
     }
 
