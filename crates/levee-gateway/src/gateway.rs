@@ -392,6 +392,9 @@ impl Gateway {
         if cfg.listen != old.cfg.listen {
             tracing::warn!("listen addresses changed in the new config; restart to apply them");
         }
+        if cfg.observe.otlp_endpoint != old.cfg.observe.otlp_endpoint {
+            tracing::warn!("observe.otlp_endpoint changed in the new config; restart to apply it");
+        }
         let rt = Runtime::build(cfg, Some(&old))?;
         let ip_changed = rt.cfg.ip_guard != old.cfg.ip_guard;
         let new_ip_quota = ip_quota(&rt.cfg);

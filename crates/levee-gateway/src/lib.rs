@@ -23,6 +23,8 @@ pub mod error;
 pub mod gateway;
 pub mod lane;
 pub mod metrics;
+#[cfg(feature = "otel")]
+pub mod otel;
 pub mod proxy;
 pub mod reload;
 pub mod request_log;
