@@ -49,6 +49,8 @@ pub struct Config {
     pub autoscale: AutoscaleConfig,
     /// Request logs and metric cardinality.
     pub observe: ObserveConfig,
+    /// Async tasks (`/v1/tasks`): their durable store, band and callbacks.
+    pub tasks: TasksConfig,
 }
 
 impl Default for Config {
@@ -61,6 +63,7 @@ impl Default for Config {
                 queue_wait_ms: 30_000,
                 soft_queue_wait_ms: 15_000,
                 sheddable: false,
+                queue_updates: false,
             },
         );
         tiers.insert(
@@ -70,6 +73,7 @@ impl Default for Config {
                 queue_wait_ms: 10_000,
                 soft_queue_wait_ms: 2_000,
                 sheddable: false,
+                queue_updates: false,
             },
         );
         tiers.insert(
@@ -79,6 +83,7 @@ impl Default for Config {
                 queue_wait_ms: 5_000,
                 soft_queue_wait_ms: 0,
                 sheddable: true,
+                queue_updates: false,
             },
         );
         Config {
@@ -99,6 +104,7 @@ impl Default for Config {
             admin: AdminConfig::default(),
             autoscale: AutoscaleConfig::default(),
             observe: ObserveConfig::default(),
+            tasks: TasksConfig::default(),
         }
     }
 }
@@ -204,6 +210,11 @@ pub struct TierConfig {
     pub soft_queue_wait_ms: u64,
     /// Whether degradation level 3 may shed this tier.
     pub sheddable: bool,
+    /// Streaming requests of this tier that wait in the queue get SSE comment lines
+    /// (`: queued position=N eta_ms=M`) every second, as if each sent
+    /// `x-levee-queue-updates: 1`. Once the first comment is out the status is 200, so a
+    /// later refusal arrives as an SSE error event instead of a 429.
+    pub queue_updates: bool,
 }
 
 impl Default for TierConfig {
@@ -213,6 +224,7 @@ impl Default for TierConfig {
             queue_wait_ms: 10_000,
             soft_queue_wait_ms: 2_000,
             sheddable: false,
+            queue_updates: false,
         }
     }
 }
@@ -241,6 +253,9 @@ pub struct TenantConfig {
     pub max_concurrency: u32,
     /// Share of the tier's capacity under contention (fairness weight).
     pub weight: f64,
+    /// Environment variable holding the secret that signs this tenant's task callbacks
+    /// (HMAC-SHA256). Without it the tenant's tasks cannot ask for a `callback_url`.
+    pub callback_secret_env: Option<String>,
 }
 
 impl Default for TenantConfig {
@@ -255,6 +270,57 @@ impl Default for TenantConfig {
             tokens_per_minute: 0,
             max_concurrency: 0,
             weight: 1.0,
+            callback_secret_env: None,
+        }
+    }
+}
+
+/// Async tasks: `POST /v1/tasks` queues a chat or completion request durably and answers at
+/// once with its id, place in line and ETA. Tasks run through the same admission path as
+/// every other request, in `tier` (a configured tier, normally the lowest priority: the
+/// batch band), at most `max_running` at a time, so they use idle capacity and yield to
+/// interactive traffic.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct TasksConfig {
+    /// Serve `/v1/tasks` (off: the routes answer 404).
+    pub enabled: bool,
+    /// The embedded store (redb file); created if missing, reopened after a restart.
+    pub store_path: std::path::PathBuf,
+    /// The tier tasks are admitted in (must be one of `[tiers]`).
+    pub tier: String,
+    /// The band's width: tasks in the fair queue or at a backend at once, all models.
+    pub max_running: u32,
+    /// Tasks one tenant may have queued or running; one more is refused with 429.
+    pub max_queued_per_tenant: u32,
+    /// A task still queued this long after submission ends as `expired`.
+    pub max_queue_ms: u64,
+    /// Finished tasks (and their results) are kept this long, then removed.
+    pub result_retention_ms: u64,
+    /// The polling interval advised to clients (`poll_after_ms` and `Retry-After`).
+    pub poll_interval_ms: u64,
+    /// Attempts to deliver a callback before giving up.
+    pub callback_attempts: u32,
+    /// First retry delay of a callback; each retry doubles it, with full jitter.
+    pub callback_backoff_ms: u64,
+    /// Deadline of one callback POST.
+    pub callback_timeout_ms: u64,
+}
+
+impl Default for TasksConfig {
+    fn default() -> Self {
+        TasksConfig {
+            enabled: false,
+            store_path: std::path::PathBuf::from("levee-tasks.redb"),
+            tier: "batch".to_string(),
+            max_running: 2,
+            max_queued_per_tenant: 100,
+            max_queue_ms: 3_600_000,
+            result_retention_ms: 86_400_000,
+            poll_interval_ms: 1_000,
+            callback_attempts: 6,
+            callback_backoff_ms: 500,
+            callback_timeout_ms: 5_000,
         }
     }
 }
@@ -1018,6 +1084,43 @@ impl Config {
         if self.server.max_body_bytes == 0 {
             errs.push("server.max_body_bytes: must be > 0".to_string());
         }
+        let tk = &self.tasks;
+        if tk.enabled {
+            if !self.tiers.contains_key(&tk.tier) {
+                let known: Vec<&str> = self.tiers.keys().map(String::as_str).collect();
+                errs.push(format!(
+                    "tasks.tier: unknown tier {:?} (known tiers: {}); add a [tiers.{}] with \
+                     the lowest priority for the batch band",
+                    tk.tier,
+                    known.join(", "),
+                    tk.tier
+                ));
+            }
+            for (field, v) in [
+                ("max_running", u64::from(tk.max_running)),
+                ("max_queued_per_tenant", u64::from(tk.max_queued_per_tenant)),
+                ("max_queue_ms", tk.max_queue_ms),
+                ("poll_interval_ms", tk.poll_interval_ms),
+                ("callback_timeout_ms", tk.callback_timeout_ms),
+            ] {
+                if v == 0 {
+                    errs.push(format!("tasks.{field}: must be > 0"));
+                }
+            }
+            if tk.store_path.as_os_str().is_empty() {
+                errs.push("tasks.store_path: must name a file".to_string());
+            }
+        }
+        for (i, t) in self.tenants.iter().enumerate() {
+            if let Some(var) = &t.callback_secret_env {
+                if std::env::var(var).map_or(true, |v| v.is_empty()) {
+                    errs.push(format!(
+                        "tenants[{i}].callback_secret_env: environment variable {var:?} is not \
+                         set or empty"
+                    ));
+                }
+            }
+        }
         if self.server.max_header_bytes < 8192 {
             // hyper refuses smaller read buffers; say so here rather than at bind time.
             errs.push("server.max_header_bytes: must be >= 8192".to_string());
@@ -1064,6 +1167,48 @@ mod tests {
         assert_eq!(errs.len(), 1);
         assert!(errs[0].starts_with("models[0].backends[0]"), "{errs:?}");
         assert!(errs[0].contains("max_inflight"), "{errs:?}");
+    }
+
+    #[test]
+    fn tasks_need_a_configured_tier_and_set_secrets() {
+        let mut cfg = Config::default();
+        cfg.tasks.enabled = true;
+        cfg.tasks.max_running = 0;
+        cfg.tenants.push(TenantConfig {
+            name: "a".into(),
+            key_sha256: vec![hash_key("k")],
+            callback_secret_env: Some("LEVEE_TEST_UNSET_CALLBACK_SECRET".into()),
+            ..TenantConfig::default()
+        });
+        let errs = cfg.validate();
+        assert!(
+            errs.iter()
+                .any(|e| e.starts_with("tasks.tier: unknown tier \"batch\"")),
+            "{errs:?}"
+        );
+        assert!(
+            errs.iter().any(|e| e.starts_with("tasks.max_running")),
+            "{errs:?}"
+        );
+        assert!(
+            errs.iter()
+                .any(|e| e.starts_with("tenants[0].callback_secret_env")),
+            "{errs:?}"
+        );
+        cfg.tiers.insert(
+            "batch".into(),
+            TierConfig {
+                priority: 3,
+                ..TierConfig::default()
+            },
+        );
+        cfg.tasks.max_running = 2;
+        cfg.tenants[0].callback_secret_env = None;
+        assert!(cfg.validate().is_empty(), "{:?}", cfg.validate());
+        // Off, nothing about tasks is checked.
+        cfg.tasks.enabled = false;
+        cfg.tasks.tier = "nope".into();
+        assert!(cfg.validate().is_empty());
     }
 
     #[test]

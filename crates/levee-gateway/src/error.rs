@@ -253,6 +253,18 @@ impl GatewayError {
         )
     }
 
+    /// 404 `task_not_found`: no task with this id belongs to the caller (another tenant's
+    /// task is answered the same way, so ids reveal nothing).
+    pub fn task_not_found(id: &str) -> Self {
+        Self::new(
+            Origin::Client,
+            StatusCode::NOT_FOUND,
+            "invalid_request_error",
+            "task_not_found",
+            format!("no task {id:?} for this API key (finished tasks are removed after the retention period)"),
+        )
+    }
+
     /// 401: no key, or a key no tenant owns.
     pub fn unauthorized(missing: bool) -> Self {
         let msg = if missing {

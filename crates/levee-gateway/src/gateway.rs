@@ -12,7 +12,7 @@ use crate::tokenize::TokenCounter;
 use crate::upstream::{build_client, Backend, HttpClient};
 use levee_policy::{
     Admission, AdmissionConfig, BackendLimits, Clock, HeavyRule, KeyedGcra, LaneConfig, LimitSpec,
-    ModelSpec, Quota, RetryBounds, TenantSpec, Tier, WaitBudget, Watermarks,
+    ModelSpec, Quota, RetryBounds, TenantSpec, WaitBudget, Watermarks,
 };
 use parking_lot::{Mutex, RwLock};
 use std::collections::HashMap;
@@ -36,6 +36,8 @@ pub struct Tenant {
     pub priority: u8,
     /// Degradation may shed this tenant's tier.
     pub sheddable: bool,
+    /// Its tier's waiting streams get position comments without asking.
+    pub queue_updates: bool,
     /// This tenant's per-request metric series (kept across reloads with the tenant).
     pub metrics: crate::metrics::TenantMetrics,
     cfg: TenantConfig,
@@ -43,9 +45,10 @@ pub struct Tenant {
 }
 
 impl Tenant {
-    /// Its tier as the policy sees it.
-    pub fn tier_key(&self) -> Tier {
-        Tier(self.priority)
+    /// The secret that signs its task callbacks, from `callback_secret_env`.
+    pub fn callback_secret(&self) -> Option<String> {
+        let var = self.cfg.callback_secret_env.as_ref()?;
+        std::env::var(var).ok().filter(|v| !v.is_empty())
     }
 }
 
@@ -129,6 +132,7 @@ impl Runtime {
                     tier: t.tier.clone(),
                     priority: tier_cfg.priority,
                     sheddable: tier_cfg.sheddable,
+                    queue_updates: tier_cfg.queue_updates,
                     metrics: crate::metrics::TenantMetrics::default(),
                     cfg: t.clone(),
                     tier_cfg: tier_cfg.clone(),
@@ -296,6 +300,8 @@ pub struct Gateway {
     pub in_flight: AtomicI64,
     /// Each model's measured demand and backend replica recommendation.
     pub scaling: crate::autoscale::Scaling,
+    /// Async tasks, when `tasks.enabled`.
+    tasks: Option<Arc<crate::tasks::Tasks>>,
 }
 
 impl std::fmt::Debug for Gateway {
@@ -326,6 +332,11 @@ impl Gateway {
         let degrader = Degrader::new(&rt.cfg);
         let ip_guard = KeyedGcra::new(ip_quota(&rt.cfg), 100_000);
         let admission = Admission::new(rt.admission_config());
+        let tasks = if rt.cfg.tasks.enabled {
+            Some(Arc::new(crate::tasks::Tasks::open(&rt.cfg.tasks)?))
+        } else {
+            None
+        };
         let gw = Arc::new(Gateway {
             runtime: RwLock::new(Arc::new(rt)),
             lanes: RwLock::new(HashMap::new()),
@@ -340,6 +351,7 @@ impl Gateway {
             queued: AtomicI64::new(0),
             in_flight: AtomicI64::new(0),
             scaling: crate::autoscale::Scaling::default(),
+            tasks,
         });
         gw.set_tenant_series();
         gw.sync_lanes();
@@ -354,6 +366,11 @@ impl Gateway {
     /// The runtime in force (tenants, models).
     pub fn runtime(&self) -> Arc<Runtime> {
         self.runtime.read().clone()
+    }
+
+    /// Async tasks, when enabled.
+    pub fn tasks(&self) -> Option<&Arc<crate::tasks::Tasks>> {
+        self.tasks.as_ref()
     }
 
     /// The lane of a model.
@@ -394,6 +411,9 @@ impl Gateway {
         }
         if cfg.observe.otlp_endpoint != old.cfg.observe.otlp_endpoint {
             tracing::warn!("observe.otlp_endpoint changed in the new config; restart to apply it");
+        }
+        if cfg.tasks != old.cfg.tasks {
+            tracing::warn!("[tasks] changed in the new config; restart to apply it");
         }
         let rt = Runtime::build(cfg, Some(&old))?;
         let ip_changed = rt.cfg.ip_guard != old.cfg.ip_guard;

@@ -16,7 +16,7 @@
 //!   sent upstream yet).
 
 use crate::error::GatewayError;
-use crate::gateway::{Adm, Gateway, Tenant};
+use crate::gateway::{Adm, Gateway};
 use crate::metrics::{ModelLabel, TierLabel};
 use crate::upstream::Backend;
 use levee_policy::{
@@ -38,6 +38,56 @@ type WaiterResult = Result<Admitted, GatewayError>;
 pub struct Waiter {
     tx: oneshot::Sender<WaiterResult>,
     tier: Arc<str>,
+}
+
+/// Where one request stands in its lane, for whoever watches it wait: an async task's
+/// status, or the SSE comments of a streaming request that opted in.
+#[derive(Debug, Default)]
+pub struct QueueSpot {
+    state: Mutex<Spot>,
+    /// Fires when the request is queued and when it is dispatched.
+    changed: Notify,
+    /// The watcher wants position comments (set once the request is classified).
+    pub updates: AtomicBool,
+}
+
+#[derive(Debug, Clone, Default)]
+enum Spot {
+    #[default]
+    Before,
+    Queued {
+        model: Arc<str>,
+        ticket: Ticket,
+    },
+    Dispatched,
+}
+
+impl QueueSpot {
+    fn set(&self, s: Spot) {
+        *self.state.lock() = s;
+        self.changed.notify_one();
+    }
+
+    /// Waits until the request is queued or dispatched (returns at once if a change came
+    /// since the last call).
+    pub async fn changed(&self) {
+        self.changed.notified().await;
+    }
+
+    /// Whether the request left the queue for a backend.
+    pub fn dispatched(&self) -> bool {
+        matches!(*self.state.lock(), Spot::Dispatched)
+    }
+
+    /// Its place in the lane's serving order now (1 = next), while it is queued.
+    pub fn position(&self, gw: &Gateway) -> Option<(Arc<str>, usize)> {
+        let (model, ticket) = match &*self.state.lock() {
+            Spot::Queued { model, ticket } => (model.clone(), *ticket),
+            _ => return None,
+        };
+        let p = gw.admission.lock().position_of(&model, ticket)?;
+        Some((model, p))
+    }
 }
 
 /// How long the TTFT and refusal windows look back.
@@ -509,12 +559,13 @@ impl Drop for Admitted {
 pub async fn admit(
     gw: &Arc<Gateway>,
     lane: &Arc<Lane>,
-    tenant: &Tenant,
+    tier: &str,
     req: AdmissionRequest<Arc<str>>,
+    spot: Option<&QueueSpot>,
 ) -> Result<Admitted, GatewayError> {
     let now = gw.clock.now();
     let (tx, rx) = oneshot::channel();
-    let tier: Arc<str> = Arc::from(tenant.tier.as_str());
+    let tier: Arc<str> = Arc::from(tier);
     let waiter = Waiter {
         tx,
         tier: tier.clone(),
@@ -548,11 +599,16 @@ pub async fn admit(
     match decided {
         Admit::Dispatch(d) => {
             lane.note_outcome(now, false);
+            if let Some(s) = spot {
+                s.set(Spot::Dispatched);
+            }
             // Admission may have displaced a queued request to let this one in: answer it.
             lane.wake();
             Ok(Admitted::new(gw, lane, d.grant, Duration::ZERO))
         }
-        Admit::Queued { ticket, .. } => {
+        Admit::Queued {
+            ticket, position, ..
+        } => {
             gw.metrics.queued.inc();
             gw.metrics
                 .queue_depth
@@ -561,6 +617,12 @@ pub async fn admit(
                 })
                 .inc();
             lane.wake();
+            if let Some(s) = spot {
+                s.set(Spot::Queued {
+                    model: lane.model.clone(),
+                    ticket,
+                });
+            }
             let mut guard = QueueGuard {
                 gw,
                 lane,
@@ -572,7 +634,14 @@ pub async fn admit(
             match got {
                 Ok(Ok(a)) => {
                     lane.note_outcome(now, false);
+                    if let Some(s) = spot {
+                        s.set(Spot::Dispatched);
+                    }
                     Ok(a)
+                }
+                // A refusal after waiting carries the place the request took on arrival.
+                Ok(Err(e)) if e.position.is_none() => {
+                    Err(e.with_position(u32::try_from(position).unwrap_or(u32::MAX)))
                 }
                 Ok(Err(e)) => Err(e),
                 Err(_) => Err(GatewayError::internal(

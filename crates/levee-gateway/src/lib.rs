@@ -26,10 +26,13 @@ pub mod metrics;
 #[cfg(feature = "otel")]
 pub mod otel;
 pub mod proxy;
+mod queue_updates;
 pub mod reload;
 pub mod request_log;
 pub mod routes;
 pub mod server;
+pub mod task_store;
+pub mod tasks;
 mod tokenize;
 pub mod upstream;
 

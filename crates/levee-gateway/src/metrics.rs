@@ -50,6 +50,13 @@ pub struct TenantKindLabels {
     pub kind: String,
 }
 
+/// A single `state` label (async tasks).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct StateLabel {
+    /// The state.
+    pub state: String,
+}
+
 /// A single `backend` label.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct BackendLabel {
@@ -192,6 +199,13 @@ pub struct Metrics {
     pub lane_load: Family<ModelLabel, Gauge>,
     /// `levee_backend_max_in_flight{backend}`: the configured cap of each backend.
     pub backend_max_in_flight: Family<BackendLabel, Gauge>,
+    /// `levee_tasks_finished_total{state}`: async tasks by final state.
+    pub tasks_finished: Family<StateLabel, Counter>,
+    /// `levee_task_band{state}`: async tasks `waiting` for the batch band and `placed` in it
+    /// (in a fair queue or at a backend).
+    pub task_band: Family<StateLabel, Gauge>,
+    /// `levee_task_callbacks_total{state}`: callback POSTs, `delivered` or `failed`.
+    pub task_callbacks: Family<StateLabel, Counter>,
     /// Tenants with their own series in the per-tenant histograms.
     tenant_series: RwLock<HashSet<String>>,
     /// Per backend: breaker trips and the time of the last look, to turn breaker stats into
@@ -369,6 +383,24 @@ impl Metrics {
             "Time queued before dispatch, per model and tenant",
             request_queue.clone(),
         );
+        let tasks_finished = Family::<StateLabel, Counter>::default();
+        registry.register(
+            "tasks_finished",
+            "Async tasks by final state",
+            tasks_finished.clone(),
+        );
+        let task_band = Family::<StateLabel, Gauge>::default();
+        registry.register(
+            "task_band",
+            "Async tasks waiting for the batch band, and placed in it",
+            task_band.clone(),
+        );
+        let task_callbacks = Family::<StateLabel, Counter>::default();
+        registry.register(
+            "task_callbacks",
+            "Task callback POSTs, delivered or failed",
+            task_callbacks.clone(),
+        );
         let tenant_abandoned = Family::<AbandonLabels, Counter>::default();
         registry.register(
             "tenant_abandoned",
@@ -452,6 +484,9 @@ impl Metrics {
             backend_tokens_in_flight,
             backend_kv_budget,
             tenant_abandoned,
+            tasks_finished,
+            task_band,
+            task_callbacks,
             estimate_ratio,
             backend_load,
             backend_kv,

@@ -18,7 +18,7 @@
 
 use crate::error::{GatewayError, RateInfo};
 use crate::gateway::{Gateway, Model, Runtime, Tenant};
-use crate::lane::{self, Admitted, Lane};
+use crate::lane::{self, Admitted, Lane, QueueSpot};
 use crate::metrics::{TenantKindLabels, TierLabel};
 use crate::proxy::{self, Outcome, Settle, Settlement, StreamLimits};
 use crate::request_log::{ms, RequestId, RequestLine};
@@ -45,6 +45,14 @@ pub fn router(gw: Arc<Gateway>) -> Router {
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
+        .route(
+            "/v1/tasks",
+            post(crate::tasks::submit).get(crate::tasks::list),
+        )
+        .route(
+            "/v1/tasks/{id}",
+            get(crate::tasks::show).delete(crate::tasks::cancel),
+        )
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .fallback(not_found)
@@ -189,6 +197,27 @@ async fn handle(
     req: Box<Request>,
     path: &'static str,
 ) -> Response {
+    // Position comments are opt-in (header, or a tier's `queue_updates`): only then does the
+    // request run beside a watcher that may start the response before dispatch.
+    let watch = req
+        .headers()
+        .get("x-levee-queue-updates")
+        .is_some_and(|v| v.as_bytes() == b"1")
+        || gw.config().tiers.values().any(|t| t.queue_updates);
+    if watch {
+        return crate::queue_updates::watched(gw, peer, req, path).await;
+    }
+    handle_with(gw, peer, req, path, None).await
+}
+
+/// The pipeline with its error accounting; `spot` reports where the request waits.
+pub(crate) async fn handle_with(
+    gw: Arc<Gateway>,
+    peer: SocketAddr,
+    req: Box<Request>,
+    path: &'static str,
+    spot: Option<&QueueSpot>,
+) -> Response {
     let dash: Arc<str> = Arc::from("-");
     let request = req.extensions().get::<RequestId>().cloned();
     let span = request_span(path, request.as_ref());
@@ -201,19 +230,13 @@ async fn handle(
         span: span.clone(),
     };
     let arrived = Instant::now();
-    match pipeline(&gw, peer, req, path, &mut labels)
+    match pipeline(&gw, peer, req, path, &mut labels, spot)
         .instrument(span)
         .await
     {
         Ok(resp) => resp,
-        Err(e) => {
-            if e.status == StatusCode::TOO_MANY_REQUESTS
-                || e.status == StatusCode::SERVICE_UNAVAILABLE
-            {
-                gw.metrics.reject(&labels.tier, e.code);
-            }
-            gw.metrics.request(&labels.tenant, &labels.model, e.code);
-            record_end(&labels.span, e.code, e.status.as_u16());
+        Err(mut e) => {
+            account_error(&gw, &labels, &e);
             if let Some(id) = &labels.request {
                 RequestLine {
                     request_id: id.as_str(),
@@ -229,18 +252,34 @@ async fn handle(
                 }
                 .emit(id.seq, gw.config().observe.request_log_sample);
             }
-            if e.origin == crate::error::Origin::Upstream {
-                tracing::warn!(tenant = %labels.tenant, model = %labels.model, "{e}");
-            } else {
-                tracing::debug!(tenant = %labels.tenant, model = %labels.model, "{e}");
+            if e.code == "capacity_overload" && gw.tasks().is_some() {
+                // The seeds' switch to async: a long job need not hold a connection open.
+                e.message.push_str(
+                    "; for long jobs, submit the same body to POST /v1/tasks: it waits in \
+                     line durably and answers at once with its position and ETA",
+                );
             }
             e.into_response()
         }
     }
 }
 
+/// Metrics and the log line of a request that ended in an error.
+fn account_error(gw: &Gateway, labels: &Labels, e: &GatewayError) {
+    if e.status == StatusCode::TOO_MANY_REQUESTS || e.status == StatusCode::SERVICE_UNAVAILABLE {
+        gw.metrics.reject(&labels.tier, e.code);
+    }
+    gw.metrics.request(&labels.tenant, &labels.model, e.code);
+    record_end(&labels.span, e.code, e.status.as_u16());
+    if e.origin == crate::error::Origin::Upstream {
+        tracing::warn!(tenant = %labels.tenant, model = %labels.model, "{e}");
+    } else {
+        tracing::debug!(tenant = %labels.tenant, model = %labels.model, "{e}");
+    }
+}
+
 /// Reads the body; the request head is dropped here so its buffer is not held while queued.
-async fn read_body(req: Request, limit: usize) -> Result<Bytes, GatewayError> {
+pub(crate) async fn read_body(req: Request, limit: usize) -> Result<Bytes, GatewayError> {
     let (parts, body) = req.into_parts();
     if let Some(len) = parts
         .headers
@@ -298,20 +337,91 @@ async fn pipeline(
     req: Box<Request>,
     path: &'static str,
     labels: &mut Labels,
+    spot: Option<&QueueSpot>,
 ) -> Result<Response, GatewayError> {
     let rt = gw.runtime();
     let tenant = info_span!("authenticate").in_scope(|| authenticate(gw, peer, req.headers()))?;
+    let asked_updates = req
+        .headers()
+        .get("x-levee-queue-updates")
+        .is_some_and(|v| v.as_bytes() == b"1");
     labels.tenant = tenant.name.clone();
-    labels.tier = tenant.tier.clone();
     labels.span.record("tenant", &*tenant.name);
+    let seat = Seat::of(&tenant);
     let body = Box::pin(read_body(*req, rt.cfg.server.max_body_bytes))
         .instrument(info_span!("read_body"))
         .await?;
-    let c = info_span!("classify").in_scope(|| classify(gw, &rt, &tenant, &body, labels));
+    let seat_updates = seat.queue_updates;
+    let served = serve(gw, &rt, tenant, seat, &body, path, labels, spot, |stream| {
+        stream && (asked_updates || seat_updates)
+    });
+    Box::pin(served).await
+}
+
+/// Runs one task's request through the same phases as a client's (classify → admit in the
+/// batch band → dispatch → proxy, buffered), for [`crate::tasks`].
+pub(crate) async fn serve_task(
+    gw: &Arc<Gateway>,
+    tenant: Arc<Tenant>,
+    seat: Seat,
+    body: &[u8],
+    path: &'static str,
+    spot: &QueueSpot,
+) -> Result<Response, GatewayError> {
+    let rt = gw.runtime();
+    let dash: Arc<str> = Arc::from("-");
+    let span = request_span(path, None);
+    span.record("tenant", &*tenant.name);
+    let mut labels = Labels {
+        tenant: tenant.name.clone(),
+        tier: seat.tier.clone(),
+        model: dash,
+        lane: None,
+        request: None,
+        span: span.clone(),
+    };
+    let served = serve(
+        gw,
+        &rt,
+        tenant,
+        seat,
+        body,
+        path,
+        &mut labels,
+        Some(spot),
+        |_| false,
+    );
+    let r = Box::pin(served.instrument(span)).await;
+    if let Err(e) = &r {
+        account_error(gw, &labels, e);
+    }
+    r
+}
+
+/// Everything after authentication: classify → admit → dispatch → proxy → settle.
+#[allow(clippy::too_many_arguments)]
+async fn serve(
+    gw: &Arc<Gateway>,
+    rt: &Runtime,
+    tenant: Arc<Tenant>,
+    seat: Seat,
+    body: &[u8],
+    path: &'static str,
+    labels: &mut Labels,
+    spot: Option<&QueueSpot>,
+    wants_updates: impl FnOnce(bool) -> bool,
+) -> Result<Response, GatewayError> {
+    labels.tier = seat.tier.clone();
+    let c = info_span!("classify").in_scope(|| classify(gw, rt, &seat, body, labels));
     labels.span.record("model", &*labels.model);
     let c = c?;
-    drop(body); // a view into hyper's read buffer: not held while queued
-    let admitted = match admit_phase(gw, &tenant, &c)
+    if let Some(s) = spot {
+        s.updates.store(
+            wants_updates(c.parsed.stream),
+            std::sync::atomic::Ordering::Relaxed,
+        );
+    }
+    let admitted = match admit_phase(gw, &tenant, &seat, &c, spot)
         .instrument(info_span!("admit"))
         .await
     {
@@ -328,22 +438,47 @@ async fn pipeline(
         }
     };
     labels.span.record("queue_ms", ms(admitted.waited));
-    gw.metrics.admitted_for(&tenant.metrics, &tenant.tier);
+    gw.metrics.admitted_for(&tenant.metrics, &seat.tier);
     for d in &c.degraded {
         let measure = d.split('=').next().unwrap_or("degraded").to_string();
         gw.metrics
             .degraded
             .get_or_create(&crate::metrics::ReasonLabels {
-                tier: tenant.tier.clone(),
+                tier: seat.tier.clone(),
                 reason: measure,
             })
             .inc();
     }
     let (admitted, backend) = info_span!("dispatch").in_scope(|| dispatch(admitted, &c))?;
     Box::pin(
-        proxy_phase(gw, &rt, tenant, c, admitted, backend, path).instrument(info_span!("proxy")),
+        proxy_phase(gw, rt, tenant, c, admitted, backend, path).instrument(info_span!("proxy")),
     )
     .await
+}
+
+/// The tier a request is admitted in: the tenant's own, or the batch band for its tasks.
+#[derive(Debug, Clone)]
+pub(crate) struct Seat {
+    /// Tier name (metric label).
+    pub tier: String,
+    /// Its strict priority.
+    pub priority: u8,
+    /// Degradation may shed it.
+    pub sheddable: bool,
+    /// Waiting streams of this tier get position comments without asking.
+    pub queue_updates: bool,
+}
+
+impl Seat {
+    /// The tenant's own tier.
+    pub fn of(t: &Tenant) -> Seat {
+        Seat {
+            tier: t.tier.clone(),
+            priority: t.priority,
+            sheddable: t.sheddable,
+            queue_updates: t.queue_updates,
+        }
+    }
 }
 
 /// Authenticate: the per-IP guard first (a flood of bad keys costs one map lookup each),
@@ -368,7 +503,7 @@ fn authenticate(
     tenant_of(gw, headers)
 }
 
-fn tenant_of(gw: &Gateway, headers: &HeaderMap) -> Result<Arc<Tenant>, GatewayError> {
+pub(crate) fn tenant_of(gw: &Gateway, headers: &HeaderMap) -> Result<Arc<Tenant>, GatewayError> {
     let key = bearer(headers).ok_or_else(|| GatewayError::unauthorized(true))?;
     if key.is_empty() {
         return Err(GatewayError::unauthorized(true));
@@ -395,7 +530,7 @@ fn max_context(model: &Model, lane: &Lane) -> Option<u64> {
 fn classify(
     gw: &Gateway,
     rt: &Runtime,
-    tenant: &Tenant,
+    tenant: &Seat,
     body: &[u8],
     labels: &mut Labels,
 ) -> Result<Classified, GatewayError> {
@@ -486,19 +621,21 @@ fn classify(
 async fn admit_phase(
     gw: &Arc<Gateway>,
     tenant: &Tenant,
+    seat: &Seat,
     c: &Classified,
+    spot: Option<&QueueSpot>,
 ) -> Result<Admitted, GatewayError> {
     let req = AdmissionRequest {
         tenant: tenant.name.clone(),
         model: c.target.name.clone(),
-        tier: tenant.tier_key(),
+        tier: levee_policy::Tier(seat.priority),
         prompt_tokens: c.prompt_tokens,
         completion_tokens: u64::from(c.max_tokens) * u64::from(c.parsed.choices),
         max_wait: None,
     };
     gw.scaling.arrival(&c.target.name);
     let waiting = gw.metrics.queued_wait(&tenant.name);
-    let admitted = Box::pin(lane::admit(gw, &c.lane, tenant, req)).await;
+    let admitted = Box::pin(lane::admit(gw, &c.lane, &seat.tier, req, spot)).await;
     waiting.done();
     admitted
 }

@@ -98,6 +98,9 @@ pub async fn start(config: Config) -> anyhow::Result<GatewayHandle> {
     let admin = admin_listener.local_addr()?;
     let gateway = Gateway::new(config)?;
     gateway.spawn_background();
+    if let Some(t) = gateway.tasks() {
+        t.clone().start(&gateway)?;
+    }
     let stop_accepting = CancellationToken::new();
     let public_router = routes::router(gateway.clone());
     let access = admin::AdminAccess::from_env(admin);

@@ -864,7 +864,7 @@ impl<T, K: Hash + Eq + Ord + Clone> Admission<T, K> {
         };
         let mut position = 0;
         if target.is_none() {
-            let (pos, predicted) = lane.predict_wait(req.tier, &req.tenant);
+            let (pos, predicted) = lane.predict_wait(req.tier, &req.tenant, now);
             position = pos;
             let refusal = if budget.is_zero() {
                 Some((
@@ -931,6 +931,7 @@ impl<T, K: Hash + Eq + Ord + Clone> Admission<T, K> {
                 model.displaced.push(e);
             }
         }
+        lane.note_admitted(req.tier, now);
         if let Some(i) = target {
             if let Some(p) = lane.place(i, &req.tenant, est, now) {
                 lane.charge(req.tier, &req.tenant, est);
@@ -1104,6 +1105,12 @@ impl<T, K: Hash + Eq + Ord + Clone> Admission<T, K> {
             (None, Some(e)) => Some(e.deadline),
             (None, None) => m.lane.next_deadline(),
         }
+    }
+
+    /// The place of a queued request in its lane's serving order now (1 = next); `None` once
+    /// it has left the queue.
+    pub fn position_of(&self, model: &K, ticket: Ticket) -> Option<usize> {
+        self.models.get(model)?.lane.position_of(ticket)
     }
 
     /// Withdraws a queued request (the client went away) and refunds it. `None` if it already

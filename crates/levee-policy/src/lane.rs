@@ -278,6 +278,9 @@ pub struct Lane<P, K> {
     shares: RefCell<Option<ShareTable>>,
     in_flight: usize,
     drain: DrainRate,
+    /// Requests taken in (dispatched or queued) per tier: what higher tiers add ahead of a
+    /// waiting request while it waits.
+    admitted: Vec<DrainRate>,
     /// Mean time a request holds a backend (EWMA, seconds), from completions.
     service_secs: Option<f64>,
 }
@@ -304,6 +307,9 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
             shares: RefCell::new(None),
             in_flight: 0,
             drain: DrainRate::new(Duration::from_secs(5)),
+            admitted: (0..tiers.max(1))
+                .map(|_| DrainRate::new(Duration::from_secs(5)))
+                .collect(),
             service_secs: None,
         }
     }
@@ -324,6 +330,9 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
         if self.queue.limits() != limits && self.queue.is_empty() {
             self.queue = FairQueue::new(limits);
         }
+        self.admitted.resize_with(usize::from(tiers.max(1)), || {
+            DrainRate::new(Duration::from_secs(5))
+        });
         if cfg.breaker != self.cfg.breaker {
             for b in &mut self.backends {
                 b.breaker = Breaker::new(cfg.breaker);
@@ -693,6 +702,12 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
         (self.in_flight + self.queue.len()) as u64
     }
 
+    /// The place of a queued request in the order the queue would serve it now (1 = next);
+    /// see [`FairQueue::position_of`].
+    pub fn position_of(&self, ticket: crate::queue::Ticket) -> Option<usize> {
+        self.queue.position_of(ticket)
+    }
+
     /// Requests queued.
     pub fn queued(&self) -> usize {
         self.queue.len()
@@ -736,24 +751,50 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
         self.service_secs.map(Duration::from_secs_f64)
     }
 
+    /// Records a request of `tier` taken into the lane (dispatched or queued).
+    pub(crate) fn note_admitted(&mut self, tier: Tier, now: Timestamp) {
+        if let Some(r) = self.admitted.get_mut(usize::from(tier.0)) {
+            r.record(1, now);
+        }
+    }
+
     /// Where a new request of `tenant` in `tier` would stand, and how long it would wait
-    /// there, at the 95th percentile: the n-th place in a queue that `c` requests in flight
-    /// drain, each holding its slot for the lane's measured mean service time `s`, waits
-    /// about an Erlang(n, c/s) time, whose 95th percentile is near (n + 1.65·√n)·s/c. The
-    /// longer of that over the lane (n = position, c = requests in flight) and, when the
-    /// tenant already has requests waiting, over the tenant itself (n = its waiting + 1,
-    /// c = its own requests in flight: a tenant held to its fair share drains at its own
-    /// pace, whatever the lane's). `None` until a service time has been measured.
-    pub fn predict_wait(&self, tier: Tier, tenant: &K) -> (usize, Option<Duration>) {
+    /// there, at the 95th percentile. The lane serves `μ = c / s` requests per second (`c` in
+    /// flight, each holding its slot for the measured mean service time `s`); of that,
+    /// requests of higher tiers arriving meanwhile (`λ`, measured) go first, so the queue
+    /// ahead moves at `μ − λ`, and the n-th place waits about an Erlang time of mean
+    /// `n / (μ − λ)`, whose 95th percentile is near `(n + 1.65·√n) / (μ − λ)`. The longer of
+    /// that over the lane (n = position) and, when the tenant already has requests waiting,
+    /// over the tenant itself (n = its waiting + 1, at its own pace: its requests in flight
+    /// ÷ `s` — a tenant held to its fair share drains at its own pace). When higher tiers
+    /// take nearly everything the wait is unbounded (reported as a very long one). `None`
+    /// until a service time has been measured.
+    pub fn predict_wait(
+        &self,
+        tier: Tier,
+        tenant: &K,
+        now: Timestamp,
+    ) -> (usize, Option<Duration>) {
         let position = self.queue.position_estimate(tier, tenant) + 1;
+        let ahead: f64 = self
+            .admitted
+            .iter()
+            .take(usize::from(tier.0))
+            .map(|r| r.per_second(now))
+            .sum();
         let wait = self.service_secs.map(|s| {
-            let erlang_p95 = |n: usize, c: usize| {
+            let erlang_p95 = |n: usize, rate: f64| {
                 let n = n as f64;
-                (n + WAIT_Z * n.sqrt()) * s / c.max(1) as f64
+                (n + WAIT_Z * n.sqrt()) / rate
             };
-            let lane = erlang_p95(position, self.in_flight);
+            let served = self.in_flight.max(1) as f64 / s;
+            let lane = if ahead < 0.95 * served {
+                erlang_p95(position, served - ahead)
+            } else {
+                f64::INFINITY
+            };
             let own = match self.tenants.get(tenant) {
-                Some(u) if u.queued > 0 => erlang_p95(u.queued + 1, u.in_flight),
+                Some(u) if u.queued > 0 => erlang_p95(u.queued + 1, u.in_flight.max(1) as f64 / s),
                 _ => 0.0,
             };
             Duration::from_secs_f64(lane.max(own).min(1e6))

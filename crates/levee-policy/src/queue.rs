@@ -683,6 +683,42 @@ impl<T, K: Hash + Eq + Ord + Clone> FairQueue<T, K> {
         ahead + same_tier
     }
 
+    /// The place of a queued entry in the order [`FairQueue::pop`] would serve the queue as
+    /// it stands (1 = next): every entry of a higher tier, then, in its own tier, the entries
+    /// the virtual-token-counter order serves before it. Exact for the queue as it is now;
+    /// later arrivals in higher tiers, or tenants skipped for their fair share, move it.
+    /// `None` if the ticket is no longer queued. Costs O(n log t) for n entries ahead in
+    /// its tier over t backlogged tenants.
+    pub fn position_of(&self, ticket: Ticket) -> Option<usize> {
+        let target = self.peek_slot(ticket.0)?;
+        let ti = target.tier as usize;
+        let ahead: usize = self.tiers[..ti].iter().map(|t| t.len).sum();
+        // Replay the tier's pops on a copy of the counters: the smallest counter goes, its
+        // counter grows by its head entry's cost over its weight.
+        let mut order: BTreeSet<(u128, u32)> = self.tiers[ti].active.clone();
+        let mut cursor: HashMap<u32, usize, FastState> = HashMap::default();
+        let mut served = 0usize;
+        while let Some((counter, id)) = order.pop_first() {
+            let rec = &self.tenants[id as usize];
+            let fifo = &rec.per_tier[ti].fifo;
+            let at = cursor.entry(id).or_insert(0);
+            let next = fifo
+                .range(*at..)
+                .enumerate()
+                .find_map(|(i, t)| self.peek_slot(*t).map(|s| (i, *t, s.cost)));
+            let Some((skip, t, cost)) = next else {
+                continue;
+            };
+            if t == ticket.0 {
+                return Some(ahead + served + 1);
+            }
+            served += 1;
+            *at += skip + 1;
+            order.insert((counter + vcost(cost, rec.weight), id));
+        }
+        None
+    }
+
     /// Whether `ticket` is still queued.
     pub fn contains(&self, ticket: Ticket) -> bool {
         self.is_live(ticket.0)

@@ -456,6 +456,33 @@ fn a_tenant_held_to_its_share_is_predicted_at_its_own_pace() {
 }
 
 #[test]
+fn a_lower_tier_is_refused_at_once_while_higher_tiers_take_the_lane() {
+    let clock = ManualClock::new();
+    let mut a = admission(2, None, lane(100, 200, 300));
+    // Measure a service time of 1 s on both slots: the lane serves 2 requests/s.
+    let held: Vec<_> = (0..2)
+        .map(|i| dispatched(a.admit(&req("p", 0, 10), i, clock.now())))
+        .collect();
+    clock.advance(Duration::from_secs(1));
+    for d in held {
+        a.complete(d.grant, ok(), clock.now());
+    }
+    let _running: Vec<_> = (0..2)
+        .map(|i| dispatched(a.admit(&req("p", 0, 10), 10 + i, clock.now())))
+        .collect();
+    // Tier 0 keeps coming, faster than the lane serves: 20 in a second.
+    for i in 0..20 {
+        clock.advance(Duration::from_millis(50));
+        queued(a.admit(&req("p", 0, 10), 100 + i, clock.now()));
+    }
+    // A tier-1 request would stand behind those 20 — (21 + 1.65·√21) / 2 ≈ 14 s, inside its
+    // 15 s — but everything that frees goes to tier 0 while tier 0 arrives this fast: its
+    // queue would not move. Refused now, not after 15 s.
+    let r = refusal(a.admit(&req("b", 1, 10), 200, clock.now()));
+    assert_eq!(r.reason, RefusalReason::PredictedWait);
+}
+
+#[test]
 fn an_unservable_lane_refuses_and_drains_its_queue_at_once() {
     let clock = ManualClock::new();
     let mut a = admission(1, None, lane(100, 200, 300));

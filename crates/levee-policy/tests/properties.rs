@@ -663,3 +663,44 @@ proptest! {
         }
     }
 }
+
+// ---------------------------------------------------------------------------------------
+// A queued entry's position is its place in the order the queue then serves: popping
+// everything from that state hands it out exactly at that place.
+
+proptest! {
+    #[test]
+    fn position_of_is_the_real_pop_order(
+        ops in prop::collection::vec((0u8..3, 0u8..4, 1u64..400, any::<bool>(), any::<bool>()), 1..120),
+    ) {
+        let mut q: FairQueue<u64, u8> =
+            FairQueue::new(QueueLimits { tiers: 3, max_len: 1_000, max_tokens: u64::MAX });
+        q.set_weight(1, 2);
+        q.set_weight(3, 5);
+        let mut tickets = Vec::new();
+        for (i, (tier, tenant, cost, pop, cancel)) in ops.into_iter().enumerate() {
+            let t = q.push(Tier(tier), tenant, cost, ts(i as u64), Timestamp::MAX, i as u64).unwrap();
+            tickets.push(t);
+            if pop {
+                q.pop();
+            }
+            if cancel && tickets.len() > 2 {
+                let victim = tickets[tickets.len() / 2];
+                q.cancel(victim);
+            }
+        }
+        let mut predicted: HashMap<Ticket, usize> = HashMap::new();
+        for t in &tickets {
+            match q.position_of(*t) {
+                Some(p) => { predicted.insert(*t, p); }
+                None => prop_assert!(!q.contains(*t)),
+            }
+        }
+        let mut place = 0;
+        while let Some(e) = q.pop() {
+            place += 1;
+            prop_assert_eq!(predicted.get(&e.ticket).copied(), Some(place), "ticket {:?}", e.ticket);
+        }
+        prop_assert_eq!(place, predicted.len());
+    }
+}

@@ -143,22 +143,41 @@ pub fn build(scenario: &Scenario) -> anyhow::Result<Schedule> {
     tagged.sort_by(|a, b| a.0.total_cmp(&b.0));
 
     let sessions = &scenario.sessions;
+    // Tenants with a class of their own draw from generators of their own.
+    let mut own: Vec<Option<(usize, SmallRng)>> = scenario
+        .tenants
+        .iter()
+        .enumerate()
+        .map(|(i, t)| {
+            let class = scenario
+                .classes
+                .iter()
+                .position(|c| Some(&c.name) == t.class.as_ref())?;
+            Some((
+                class,
+                SmallRng::seed_from_u64(seed ^ (0x636c_6100 + i as u64)),
+            ))
+        })
+        .collect();
     let mut arrivals = Vec::with_capacity(tagged.len());
     for (t, tenant) in tagged {
-        let class = class_index.sample(&mut mix_rng);
+        let (class, rng) = match own.get_mut(usize::from(tenant)).and_then(Option::as_mut) {
+            Some((class, rng)) => (*class, rng),
+            None => (class_index.sample(&mut mix_rng), &mut mix_rng),
+        };
         let c = &scenario.classes[class];
-        let slow = c.slow_share > 0.0 && mix_rng.gen_bool(c.slow_share.clamp(0.0, 1.0));
+        let slow = c.slow_share > 0.0 && rng.gen_bool(c.slow_share.clamp(0.0, 1.0));
         let (p, m) = if slow {
             (&c.slow_prompt_tokens, &c.slow_max_tokens)
         } else {
             (&c.prompt_tokens, &c.max_tokens)
         };
-        let prompt_tokens = p.sample(&mut mix_rng).round().clamp(1.0, u32::MAX as f64) as u32;
-        let max_tokens = m.sample(&mut mix_rng).round().clamp(1.0, u32::MAX as f64) as u32;
-        let turns = if sessions.share > 0.0 && mix_rng.gen_bool(sessions.share.clamp(0.0, 1.0)) {
+        let prompt_tokens = p.sample(rng).round().clamp(1.0, u32::MAX as f64) as u32;
+        let max_tokens = m.sample(rng).round().clamp(1.0, u32::MAX as f64) as u32;
+        let turns = if sessions.share > 0.0 && rng.gen_bool(sessions.share.clamp(0.0, 1.0)) {
             sessions
                 .turns
-                .sample(&mut mix_rng)
+                .sample(rng)
                 .round()
                 .clamp(1.0, u16::MAX as f64) as u16
         } else {

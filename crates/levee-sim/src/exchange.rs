@@ -25,6 +25,38 @@ pub(crate) fn http_client() -> HttpClient {
         .build(connector)
 }
 
+/// A small JSON exchange (async clients' task calls): the status and the JSON body (or
+/// `Null`). `Err` when no answer came.
+pub(crate) async fn call_json(
+    client: &HttpClient,
+    method: http::Method,
+    url: &str,
+    auth: Option<http::HeaderValue>,
+    body: Option<Bytes>,
+) -> Result<(u16, serde_json::Value), Kind> {
+    let mut b = http::Request::builder()
+        .method(method)
+        .uri(url)
+        .header(http::header::CONTENT_TYPE, "application/json");
+    if let Some(a) = auth {
+        b = b.header(http::header::AUTHORIZATION, a);
+    }
+    let request = b
+        .body(Full::new(body.unwrap_or_default()))
+        .map_err(|_| Kind::Connect)?;
+    let response = client.request(request).await.map_err(|_| Kind::Connect)?;
+    let status = response.status().as_u16();
+    let bytes = Limited::new(response.into_body(), 16 << 20)
+        .collect()
+        .await
+        .map(|b| b.to_bytes())
+        .map_err(|_| Kind::BrokenStream)?;
+    Ok((
+        status,
+        serde_json::from_slice(&bytes).unwrap_or(serde_json::Value::Null),
+    ))
+}
+
 /// What one attempt produced.
 #[derive(Debug)]
 pub(crate) struct AttemptResult {

@@ -235,6 +235,27 @@ fn run_section(
         }
         out.push_str("</table>");
     }
+    if let Some(t) = &r.tasks {
+        let _ = write!(
+            out,
+            "<h3>Async tasks</h3><table><tr><th>submitted</th><th>accepted</th>{}<th>ETA error p50</th><th>ETA error p90</th><th>time to result p50</th></tr><tr><td>{}</td><td>{}</td>{}<td>{:.2} s ({:.0}%)</td><td>{:.2} s ({:.0}%)</td><td>{:.0} ms</td></tr></table>",
+            t.outcomes
+                .keys()
+                .map(|k| format!("<th>{}</th>", escape(k)))
+                .collect::<String>(),
+            t.submitted,
+            t.accepted,
+            t.outcomes
+                .values()
+                .map(|v| format!("<td>{v}</td>"))
+                .collect::<String>(),
+            t.eta_abs_error_s.p50,
+            t.eta_rel_error_pct.p50,
+            t.eta_abs_error_s.p90,
+            t.eta_rel_error_pct.p90,
+            t.time_to_result.p50,
+        );
+    }
     Ok(())
 }
 

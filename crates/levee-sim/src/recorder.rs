@@ -2,7 +2,8 @@
 //! [`Record`] per finished request, so the hot path takes no lock.
 
 use crate::report::{
-    Group, Latency, MetricSeries, Percentiles, Rates, Report, Second, SloSpec, Totals, SCHEMA,
+    Group, Latency, MetricSeries, Percentiles, Rates, Report, Second, SloSpec, TaskSummary, Totals,
+    SCHEMA,
 };
 use crate::scenario::{Scenario, Slo};
 use hdrhistogram::Histogram;
@@ -25,6 +26,9 @@ pub(crate) enum Kind {
     BrokenStream,
     /// The run ended first.
     Cancelled,
+    /// An async client's task ended in this state (not `succeeded`), or its submission or
+    /// polling failed (`refused`, `lost`).
+    Task(&'static str),
 }
 
 impl Kind {
@@ -39,6 +43,7 @@ impl Kind {
             Kind::Connect => "connect".into(),
             Kind::BrokenStream => "broken_stream".into(),
             Kind::Cancelled => "cancelled".into(),
+            Kind::Task(state) => format!("task:{state}"),
         })
     }
 }
@@ -64,6 +69,29 @@ pub(crate) struct Record {
     pub attempts: u32,
     pub tenant: u16,
     pub class: u16,
+    /// An async client's task, when the request was one.
+    pub task: Option<TaskOutcome>,
+}
+
+/// How an async client's task went.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct TaskOutcome {
+    /// `succeeded`, `failed`, `cancelled`, `expired`, `refused`, `unfinished`, `lost`.
+    pub state: &'static str,
+    /// Whether the submission was answered 202.
+    pub accepted: bool,
+    /// The ETA (seconds) the 202 gave.
+    pub eta_s: Option<f64>,
+    /// Submission to result, seconds.
+    pub took_s: f64,
+}
+
+#[derive(Default)]
+struct TaskAcc {
+    summary: TaskSummary,
+    abs_ms: Option<Histogram<u64>>,
+    rel_milli_pct: Option<Histogram<u64>>,
+    took_us: Option<Histogram<u64>>,
 }
 
 /// Auto-resizing histograms: memory follows the largest value actually seen. Made once and
@@ -159,6 +187,7 @@ pub(crate) struct Recorder {
     groups: Vec<String>,
     group_of: Vec<Option<usize>>,
     per_group: Vec<GroupAcc>,
+    tasks: Option<TaskAcc>,
 }
 
 impl Recorder {
@@ -204,6 +233,7 @@ impl Recorder {
             per_group: groups.iter().map(|_| GroupAcc::default()).collect(),
             group_of,
             groups,
+            tasks: None,
             protos: Protos {
                 fine: fine.clone(),
                 coarse,
@@ -222,6 +252,30 @@ impl Recorder {
     }
 
     pub(crate) fn record(&mut self, r: Record) {
+        if let Some(task) = r.task {
+            let fine = &self.protos.fine;
+            let acc = self.tasks.get_or_insert_with(TaskAcc::default);
+            acc.summary.submitted += 1;
+            if task.accepted {
+                acc.summary.accepted += 1;
+            }
+            *acc.summary
+                .outcomes
+                .entry(task.state.to_string())
+                .or_default() += 1;
+            if task.state == "succeeded" {
+                record_into(&mut acc.took_us, (task.took_s * 1e6) as u64, fine);
+                if let Some(eta) = task.eta_s {
+                    let err = (eta - task.took_s).abs();
+                    acc.summary.eta_samples += 1;
+                    // Recorded in ms (and milli-percent) so that the report's µs → ms
+                    // summary reads as seconds (and percent).
+                    record_into(&mut acc.abs_ms, (err * 1e3) as u64, fine);
+                    let rel = err / task.took_s.max(1e-3) * 100.0;
+                    record_into(&mut acc.rel_milli_pct, (rel * 1e3) as u64, fine);
+                }
+            }
+        }
         let t = &mut self.totals;
         t.scheduled += 1;
         t.completed += 1;
@@ -304,7 +358,7 @@ impl Recorder {
             Kind::Status(s) if *s >= 500 => sec.s.server_errors += 1,
             Kind::Timeout => sec.s.timeouts += 1,
             Kind::Connect | Kind::BrokenStream => sec.s.connect_errors += 1,
-            Kind::Status(_) | Kind::Cancelled => sec.s.other_errors += 1,
+            Kind::Status(_) | Kind::Cancelled | Kind::Task(_) => sec.s.other_errors += 1,
         }
         if let Some(v) = ttft_us {
             record_into(&mut sec.ttft, v, coarse);
@@ -417,6 +471,19 @@ impl Recorder {
             per_group: named(&self.per_group, &self.groups),
             per_tenant: named(&self.per_tenant, &tenant_names),
             per_class: named(&self.per_class, &self.classes),
+            tasks: self.tasks.map(|acc| {
+                let p = |h: &Option<Histogram<u64>>| {
+                    h.as_ref()
+                        .map(Percentiles::from_histogram)
+                        .unwrap_or_default()
+                };
+                TaskSummary {
+                    eta_abs_error_s: p(&acc.abs_ms),
+                    eta_rel_error_pct: p(&acc.rel_milli_pct),
+                    time_to_result: p(&acc.took_us),
+                    ..acc.summary
+                }
+            }),
             timeseries,
             metrics,
             faults: header.faults,

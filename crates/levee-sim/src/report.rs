@@ -61,6 +61,30 @@ pub struct Report {
     pub metrics: Vec<MetricSeries>,
     /// Faults injected and how the admin endpoint answered.
     pub faults: Vec<FaultRecord>,
+    /// Async clients' tasks (classes with `behaviour = "async"`), if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tasks: Option<TaskSummary>,
+}
+
+/// What happened to the tasks of async clients.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TaskSummary {
+    /// Submissions tried.
+    pub submitted: u64,
+    /// Submissions answered 202.
+    pub accepted: u64,
+    /// Tasks by final outcome: `succeeded`, `failed`, `cancelled`, `expired`, `refused`
+    /// (no 202), `unfinished` (the run ended first), `lost` (polling failed).
+    pub outcomes: BTreeMap<String, u64>,
+    /// Tasks whose 202 carried an ETA and that succeeded (the ETA error's sample).
+    pub eta_samples: u64,
+    /// |ETA − actual time to result|, seconds.
+    pub eta_abs_error_s: Percentiles,
+    /// |ETA − actual| ÷ actual, in percent.
+    pub eta_rel_error_pct: Percentiles,
+    /// Time from submission to result of succeeded tasks, ms.
+    pub time_to_result: Percentiles,
 }
 
 /// The SLO, echoed from the scenario.
@@ -392,6 +416,27 @@ impl Report {
                     );
                 }
             }
+        }
+        if let Some(t) = &self.tasks {
+            let list: Vec<String> = t.outcomes.iter().map(|(k, v)| format!("{k} {v}")).collect();
+            let _ = writeln!(
+                s,
+                "tasks      submitted {}  accepted {}  {}",
+                t.submitted,
+                t.accepted,
+                list.join("  ")
+            );
+            let _ = writeln!(
+                s,
+                "task ETA   error p50 {:.2} s ({:.0}%)  p90 {:.2} s ({:.0}%)  over {} tasks; time to result p50 {:.0} ms p99 {:.0} ms",
+                t.eta_abs_error_s.p50,
+                t.eta_rel_error_pct.p50,
+                t.eta_abs_error_s.p90,
+                t.eta_rel_error_pct.p90,
+                t.eta_samples,
+                t.time_to_result.p50,
+                t.time_to_result.p99
+            );
         }
         for f in &self.faults {
             let _ = writeln!(

@@ -7,7 +7,7 @@
 
 use crate::arrivals::{self, Arrival};
 use crate::exchange::{self, HttpClient};
-use crate::recorder::{Kind, Record, Recorder, ReportHeader};
+use crate::recorder::{Kind, Record, Recorder, ReportHeader, TaskOutcome};
 use crate::report::{FaultRecord, MetricSeries, Report};
 use crate::scenario::{Behaviour, Scenario};
 use crate::scrape;
@@ -111,10 +111,13 @@ struct Ctx {
     /// Body before the prompt, per class: `{"model":...,"messages":[{"role":"user","content":"`.
     body_head: Vec<Vec<u8>>,
     stream: Vec<bool>,
+    /// Each class's client behaviour (its own, or the scenario's).
+    behaviours: Vec<Behaviour>,
+    /// The target's base URL (async clients' `/v1/tasks`).
+    base: String,
     /// "tok tok tok …": one token per word and per four characters, whichever rule the
     /// server uses to count.
     filler: String,
-    behaviour: Behaviour,
     timeout: Duration,
     max_attempts: u32,
     policy: RetryPolicy,
@@ -164,7 +167,9 @@ impl Ctx {
                 out.push(b' ');
             }
         }
-        let stream = self.stream.get(class).copied().unwrap_or(false);
+        // An async client's task is never streamed.
+        let stream = self.stream.get(class).copied().unwrap_or(false)
+            && self.behaviours.get(class) != Some(&Behaviour::Async);
         out.extend_from_slice(b"\"}],\"max_tokens\":");
         out.extend_from_slice(req.max_tokens.to_string().as_bytes());
         if stream {
@@ -236,7 +241,7 @@ pub async fn run(
     let (tx, mut rx) = mpsc::unbounded_channel::<Record>();
     let start = Instant::now();
     let started_at = httpdate::fmt_http_date(std::time::SystemTime::now());
-    let ctx = Arc::new(build_ctx(&scenario, uri, start, tx, &schedule)?);
+    let ctx = Arc::new(build_ctx(&scenario, uri, base, start, tx, &schedule)?);
 
     // The recorder owns all measurement state and returns it when every sender is gone.
     let mut recorder = Recorder::new(&scenario)?;
@@ -382,6 +387,7 @@ fn behaviour_name(b: Behaviour) -> &'static str {
         Behaviour::None => "none",
         Behaviour::Naive => "naive",
         Behaviour::Backoff => "backoff",
+        Behaviour::Async => "async",
     }
 }
 
@@ -400,6 +406,7 @@ fn to_req(a: &Arrival, seed: u64) -> Req {
 fn build_ctx(
     scenario: &Scenario,
     uri: http::Uri,
+    base: &str,
     start: Instant,
     tx: mpsc::UnboundedSender<Record>,
     schedule: &arrivals::Schedule,
@@ -432,6 +439,7 @@ fn build_ctx(
         body_head.push(text.into_bytes());
     }
     let c = &scenario.client;
+    let c_behaviour = c.behaviour;
     let policy = RetryPolicy {
         backoff: Backoff {
             base: Duration::from_millis(c.backoff_base_ms),
@@ -454,8 +462,13 @@ fn build_ctx(
         auth,
         body_head,
         stream: scenario.classes.iter().map(|c| c.stream).collect(),
+        behaviours: scenario
+            .classes
+            .iter()
+            .map(|c| c.behaviour.unwrap_or(c_behaviour))
+            .collect(),
+        base: base.to_string(),
         filler: "tok ".repeat(FILLER_TOKENS),
-        behaviour: c.behaviour,
         timeout: Duration::from_secs_f64(c.timeout_s),
         max_attempts: c.max_attempts,
         policy,
@@ -559,15 +572,24 @@ fn cancelled(req: &Req, first_sent_ns: Option<u64>, now: u64) -> Record {
         attempts: u32::from(first_sent_ns.is_some()),
         tenant: req.tenant,
         class: req.class,
+        task: None,
     }
 }
 
 /// All attempts of one request, with the client behaviour's retries. `first_permit` is the
 /// send slot the dispatcher already took for the first attempt, if any.
 async fn execute(ctx: &Ctx, req: &Req, mut first_permit: Option<OwnedSemaphorePermit>) -> Record {
+    let behaviour = ctx
+        .behaviours
+        .get(usize::from(req.class))
+        .copied()
+        .unwrap_or(Behaviour::None);
+    if behaviour == Behaviour::Async {
+        return execute_task(ctx, req, first_permit).await;
+    }
     let body = ctx.body(req);
     let tenant = usize::from(req.tenant);
-    if ctx.behaviour == Behaviour::Backoff {
+    if behaviour == Behaviour::Backoff {
         if let Some(b) = ctx.budgets.get(tenant) {
             b.lock()
                 .unwrap_or_else(|e| e.into_inner())
@@ -640,10 +662,10 @@ async fn execute(ctx: &Ctx, req: &Req, mut first_permit: Option<OwnedSemaphorePe
             Kind::Status(s) => Some(Outcome::Status(*s)),
             Kind::Timeout => Some(Outcome::Timeout),
             Kind::Connect | Kind::BrokenStream => Some(Outcome::Connect),
-            Kind::Cancelled => None,
+            Kind::Cancelled | Kind::Task(_) => None,
         };
-        let retry = match (outcome, ctx.behaviour) {
-            (None, _) | (_, Behaviour::None) => None,
+        let retry = match (outcome, behaviour) {
+            (None, _) | (_, Behaviour::None | Behaviour::Async) => None,
             (Some(o), Behaviour::Naive) => {
                 (o.is_retryable() && attempts < ctx.max_attempts).then_some(Duration::ZERO)
             }
@@ -699,6 +721,7 @@ async fn execute(ctx: &Ctx, req: &Req, mut first_permit: Option<OwnedSemaphorePe
                     attempts,
                     tenant: req.tenant,
                     class: req.class,
+                    task: None,
                 }
             }
         }
@@ -706,6 +729,125 @@ async fn execute(ctx: &Ctx, req: &Req, mut first_permit: Option<OwnedSemaphorePe
 }
 
 /// Calls the fault schedule's URLs at their times.
+/// An async client: submit to `/v1/tasks`, poll at the advised interval until the task is
+/// final (or the run ends), take the result.
+async fn execute_task(ctx: &Ctx, req: &Req, first_permit: Option<OwnedSemaphorePermit>) -> Record {
+    let mut record = cancelled(req, None, ns_since(ctx.start));
+    let permit = match first_permit {
+        Some(p) => Some(p),
+        None => tokio::select! {
+            p = ctx.slots.clone().acquire_owned() => p.ok(),
+            _ = ctx.cancel.cancelled() => None,
+        },
+    };
+    let Some(permit) = permit else {
+        return record;
+    };
+    let sent_ns = ns_since(ctx.start);
+    ctx.counters.sent.fetch_add(1, Ordering::Relaxed);
+    let lag_us = sent_ns.saturating_sub(req.intended_ns) / 1000;
+    ctx.counters.max_lag_us.fetch_max(lag_us, Ordering::Relaxed);
+    record.first_sent_ns = Some(sent_ns);
+    record.last_sent_ns = sent_ns;
+    record.attempts = 1;
+    let auth = ctx.auth.get(usize::from(req.tenant)).cloned();
+    let mut outcome = TaskOutcome {
+        state: "refused",
+        accepted: false,
+        eta_s: None,
+        took_s: 0.0,
+    };
+    let submit_url = format!("{}/v1/tasks", ctx.base);
+    let submit = exchange::call_json(
+        &ctx.client,
+        http::Method::POST,
+        &submit_url,
+        auth.clone(),
+        Some(ctx.body(req)),
+    );
+    let submitted = tokio::select! {
+        r = tokio::time::timeout(ctx.timeout, submit) => r.unwrap_or(Err(Kind::Timeout)),
+        _ = ctx.cancel.cancelled() => return record,
+    };
+    drop(permit);
+    let task = match submitted {
+        Ok((202, v)) => v,
+        Ok((_, _)) | Err(_) => {
+            record.done_ns = ns_since(ctx.start);
+            record.kind = match submitted {
+                Err(k) => k,
+                Ok((429, v)) => {
+                    Kind::RateLimited(v["error"]["code"].as_str().unwrap_or("unknown").to_string())
+                }
+                Ok((status, _)) => Kind::Status(status),
+            };
+            record.task = Some(outcome);
+            return record;
+        }
+    };
+    record.admitted = true;
+    outcome.accepted = true;
+    outcome.eta_s = task["eta_seconds"].as_f64();
+    let Some(id) = task["id"].as_str().map(str::to_string) else {
+        outcome.state = "lost";
+        record.kind = Kind::Task("lost");
+        record.task = Some(outcome);
+        return record;
+    };
+    let url = format!("{}/v1/tasks/{id}", ctx.base);
+    let mut poll_ms = task["poll_after_ms"].as_u64().unwrap_or(1000);
+    let mut failures = 0;
+    let last = loop {
+        tokio::select! {
+            _ = tokio::time::sleep(Duration::from_millis(poll_ms.clamp(10, 60_000))) => {}
+            _ = ctx.cancel.cancelled() => {
+                outcome.state = "unfinished";
+                outcome.took_s = ns_since(ctx.start).saturating_sub(sent_ns) as f64 / 1e9;
+                record.done_ns = ns_since(ctx.start);
+                record.task = Some(outcome);
+                return record;
+            }
+        }
+        match exchange::call_json(&ctx.client, http::Method::GET, &url, auth.clone(), None).await {
+            Ok((200, v)) => {
+                failures = 0;
+                let state = v["status"].as_str().unwrap_or("");
+                if !matches!(state, "queued" | "running") {
+                    break v;
+                }
+                poll_ms = v["poll_after_ms"].as_u64().unwrap_or(poll_ms);
+            }
+            _ => {
+                failures += 1;
+                if failures >= 5 {
+                    break serde_json::json!({"status": "lost"});
+                }
+            }
+        }
+    };
+    let done_ns = ns_since(ctx.start);
+    record.done_ns = done_ns;
+    outcome.took_s = done_ns.saturating_sub(sent_ns) as f64 / 1e9;
+    outcome.state = match last["status"].as_str() {
+        Some("succeeded") => "succeeded",
+        Some("failed") => "failed",
+        Some("cancelled") => "cancelled",
+        Some("expired") => "expired",
+        _ => "lost",
+    };
+    if outcome.state == "succeeded" {
+        record.kind = Kind::Ok;
+        record.first_token_ns = Some(done_ns);
+        record.tokens = last["result"]["usage"]["completion_tokens"]
+            .as_u64()
+            .map_or(0, |t| u32::try_from(t).unwrap_or(u32::MAX));
+    } else {
+        record.kind = Kind::Task(outcome.state);
+    }
+    record.task = Some(outcome);
+    record
+}
+
 async fn run_faults(
     client: HttpClient,
     scenario: Scenario,

@@ -223,6 +223,12 @@ impl Scenario {
             if let Some(phases) = &t.phases {
                 validate_phases(phases, &format!("tenants[{i}].phases"))?;
             }
+            if let Some(c) = &t.class {
+                anyhow::ensure!(
+                    self.classes.iter().any(|k| &k.name == c),
+                    "tenants[{i}].class: no class named {c:?} under [[classes]]"
+                );
+            }
         }
         anyhow::ensure!(
             (0.0..=1.0).contains(&self.sessions.share),
@@ -554,6 +560,9 @@ pub struct Class {
     pub slow_max_tokens: Dist,
     /// Model name sent; defaults to `request.model`.
     pub model: Option<String>,
+    /// This class's client behaviour instead of `client.behaviour` (e.g. `async` long jobs
+    /// beside interactive chat).
+    pub behaviour: Option<Behaviour>,
 }
 
 impl Default for Class {
@@ -568,6 +577,7 @@ impl Default for Class {
             slow_prompt_tokens: Dist::Constant { value: 8000.0 },
             slow_max_tokens: Dist::Constant { value: 1000.0 },
             model: None,
+            behaviour: None,
         }
     }
 }
@@ -591,6 +601,10 @@ pub struct Tenant {
     pub group: Option<String>,
     /// Extra traffic of this tenant alone, on top of its share: e.g. a noisy neighbour.
     pub phases: Option<Vec<Phase>>,
+    /// Every request of this tenant is of this class (by name), its sizes drawn from the
+    /// tenant's own generator: adding or removing such a tenant leaves everyone else's
+    /// requests exactly as they were (e.g. async long jobs beside interactive traffic).
+    pub class: Option<String>,
 }
 
 impl Default for Tenant {
@@ -602,6 +616,7 @@ impl Default for Tenant {
             tier: "standard".into(),
             group: None,
             phases: None,
+            class: None,
         }
     }
 }
@@ -647,6 +662,11 @@ pub enum Behaviour {
     Naive,
     /// levee-client's policy: full-jitter backoff, Retry-After, retry budget.
     Backoff,
+    /// An async client: submits the request to `POST /v1/tasks` (not streamed), polls
+    /// `GET /v1/tasks/{id}` at the interval the gateway advises (`poll_after_ms`), and takes
+    /// the result from the finished task. The report counts task outcomes and the error of
+    /// the ETA the gateway gave at submission. No retries.
+    Async,
 }
 
 /// Client behaviour: timeouts, retries, concurrency.

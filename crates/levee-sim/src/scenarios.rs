@@ -39,6 +39,14 @@ pub const BUILTIN: &[(&str, &str)] = &[
         "overload-3x",
         include_str!("../../../scenarios/overload-3x.toml"),
     ),
+    (
+        "async-batch",
+        include_str!("../../../scenarios/async-batch.toml"),
+    ),
+    (
+        "async-batch-baseline",
+        include_str!("../../../scenarios/async-batch-baseline.toml"),
+    ),
 ];
 
 /// Names of the shipped scenarios.

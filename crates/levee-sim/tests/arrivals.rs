@@ -202,3 +202,38 @@ fn mixes_follow_weights_and_shares() {
     assert!((frac(&|a| a.turns > 1) - 0.2).abs() < 0.02);
     assert!(s.arrivals.windows(2).all(|w| w[0].at_ns <= w[1].at_ns));
 }
+
+#[test]
+fn a_tenant_with_its_own_class_leaves_everyone_elses_requests_unchanged() {
+    let mut s = Scenario {
+        phases: steady(20.0, 30.0),
+        ..Default::default()
+    };
+    s.classes.push(levee_sim::scenario::Class {
+        name: "long-job".into(),
+        weight: 0.0,
+        max_tokens: levee_sim::dist::Dist::Constant { value: 2000.0 },
+        ..Default::default()
+    });
+    let base = build(&s).unwrap();
+    s.tenants.push(levee_sim::scenario::Tenant {
+        name: "batch".into(),
+        share: 0.0,
+        phases: Some(steady(20.0, 2.0)),
+        class: Some("long-job".into()),
+        ..Default::default()
+    });
+    let with = build(&s).unwrap();
+    let others: Vec<_> = with
+        .arrivals
+        .iter()
+        .filter(|a| a.tenant == 0)
+        .copied()
+        .collect();
+    assert_eq!(others, base.arrivals, "interactive requests identical");
+    let batch: Vec<_> = with.arrivals.iter().filter(|a| a.tenant == 1).collect();
+    assert!(batch.len() > 20, "{}", batch.len());
+    assert!(batch.iter().all(|a| a.class == 1 && a.max_tokens == 2000));
+    // The mix never draws a zero-weight class.
+    assert!(base.arrivals.iter().all(|a| a.class == 0));
+}

@@ -230,6 +230,7 @@ mod tests {
             timeseries: seconds,
             metrics: Vec::new(),
             faults: Vec::new(),
+            tasks: None,
         }
     }
 

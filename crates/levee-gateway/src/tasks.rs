@@ -1,0 +1,1191 @@
+//! Async tasks: `POST /v1/tasks` stores a chat or completion request durably and answers at
+//! once (`202`, the task's id, place in line and ETA); the client polls `GET
+//! /v1/tasks/{id}` or is called back.
+//!
+//! * **One admission path.** A task runs through the same phases as a client's request
+//!   (`routes::serve_task`: classify → admit → dispatch → proxy → settle), admitted in the
+//!   configured batch tier (`tasks.tier`), so the tenant's limits, the lane's watermarks, the
+//!   fair queue and the KV budgets all apply to it.
+//! * **The band.** At most `tasks.max_running` tasks hold a place in a fair queue or a
+//!   backend at once (all models). The rest wait here; places go to tenants in turn
+//!   ([`Band::next_due`]), each tenant's tasks in submission order. Together with
+//!   the batch tier's low priority this keeps long jobs on idle capacity: interactive
+//!   requests are always served first from the queue, and never find more than
+//!   `max_running` backend slots taken by tasks.
+//! * **Durability.** Every state change is one redb transaction ([`TaskStore::update`]), so
+//!   after a crash queued tasks come back in submission order and running ones are queued
+//!   again (sent upstream at least once); the compare-and-set on the stored state gives each
+//!   task exactly one final state.
+//! * **Position and ETA.** A task in a fair queue reports its place in that queue's real
+//!   serving order ([`levee_policy::FairQueue::position_of`]); one waiting for the band
+//!   reports the tasks the band's turn order puts ahead of it ([`Band::ahead_of`]). The ETA divides the starts it waits for by the
+//!   band's measured completion rate and adds the measured mean run time.
+//! * **Callbacks** are POSTed on their own tokio task, signed with HMAC-SHA256 under the
+//!   tenant's secret, and retried with full-jitter exponential backoff.
+
+use crate::config::TasksConfig;
+use crate::error::GatewayError;
+use crate::gateway::{Gateway, Tenant};
+use crate::lane::QueueSpot;
+use crate::routes::{self, Seat};
+use crate::task_store::{CallbackState, RedbStore, Status, StoreError, Task, TaskStore};
+use axum::extract::{ConnectInfo, Path, Query, Request, State};
+use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
+use http::{HeaderMap, HeaderValue, StatusCode};
+use levee_policy::Clock;
+use parking_lot::Mutex;
+use serde_json::{json, Value};
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::Notify;
+use tokio::task::AbortHandle;
+use tokio::time::Instant;
+
+/// Largest task response kept (a completion body).
+const MAX_RESULT_BYTES: usize = 16 << 20;
+/// Completions the band's drain rate looks back over.
+const RATE_WINDOW: usize = 32;
+
+/// The async task service of one gateway.
+pub struct Tasks {
+    store: Box<dyn TaskStore>,
+    cfg: TasksConfig,
+    seq: AtomicU64,
+    band: Mutex<Band>,
+    wake: Notify,
+}
+
+impl std::fmt::Debug for Tasks {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tasks").finish_non_exhaustive()
+    }
+}
+
+/// In-memory view of what runs: rebuilt from the store at start.
+#[derive(Default)]
+struct Band {
+    /// Tasks waiting for a place in the band, by submission sequence.
+    waiting: BTreeMap<u64, Waiting>,
+    /// Band places given to each tenant (a virtual counter: the backlogged tenant with the
+    /// fewest goes next; a tenant that becomes backlogged starts at the smallest counter of
+    /// those waiting, so idling banks no credit).
+    turns: HashMap<Arc<str>, u64>,
+    /// Tasks holding a place (in a fair queue or at a backend).
+    live: HashMap<String, Live>,
+    /// Unfinished tasks per tenant (the submit quota).
+    open: HashMap<String, u32>,
+    /// When recent tasks were dispatched and finished (Unix ms), for the band's drain rate.
+    finished: VecDeque<(u64, u64)>,
+    /// Mean run time (dispatch to result) of recent tasks, seconds (EWMA).
+    service_s: Option<f64>,
+    /// The task last given a place, until admission has queued or dispatched it: tasks
+    /// enter admission one at a time, so they reach the fair queue in submission order.
+    entering: Option<String>,
+}
+
+struct Waiting {
+    id: String,
+    tenant: Arc<str>,
+    /// Not before this (a task refused for capacity waits its Retry-After).
+    not_before: Option<Instant>,
+}
+
+struct Live {
+    spot: Arc<QueueSpot>,
+    abort: Option<AbortHandle>,
+    started: Option<Instant>,
+}
+
+impl Band {
+    /// Puts a task in line for the band.
+    fn enqueue(&mut self, seq: u64, w: Waiting) {
+        let backlogged = self.waiting.values().any(|o| o.tenant == w.tenant);
+        if !backlogged {
+            let floor = self
+                .waiting
+                .values()
+                .filter_map(|o| self.turns.get(&o.tenant).copied())
+                .min();
+            let own = self.turns.entry(w.tenant.clone()).or_default();
+            if let Some(f) = floor {
+                *own = (*own).max(f);
+            }
+        }
+        self.waiting.insert(seq, w);
+    }
+
+    /// The next due waiting task: the tenant with the fewest band places given, its oldest
+    /// task (the oldest overall on a tie).
+    fn next_due(&self, now: Instant) -> Option<u64> {
+        self.waiting
+            .iter()
+            .filter(|(_, w)| w.not_before.is_none_or(|t| t <= now))
+            .min_by_key(|(seq, w)| (self.turns.get(&w.tenant).copied().unwrap_or(0), **seq))
+            .map(|(seq, _)| *seq)
+    }
+
+    /// Waiting tasks that go to the band before the task `seq` of `tenant`, by the same
+    /// rule, if nothing else changes.
+    fn ahead_of(&self, seq: u64, tenant: &Arc<str>) -> usize {
+        let mut by_tenant: HashMap<&Arc<str>, Vec<u64>> = HashMap::new();
+        for (s, w) in &self.waiting {
+            by_tenant.entry(&w.tenant).or_default().push(*s);
+        }
+        let own = by_tenant.get(tenant).map_or(&[][..], |v| &v[..]);
+        let rank = own.iter().take_while(|s| **s < seq).count() as u64;
+        let turn = self.turns.get(tenant).copied().unwrap_or(0) + rank;
+        let mut ahead = rank as usize;
+        for (other, seqs) in &by_tenant {
+            if *other == tenant {
+                continue;
+            }
+            let start = self.turns.get(*other).copied().unwrap_or(0);
+            // Its entries at counters below `turn` go first; at `turn`, the older goes first.
+            let before = turn.saturating_sub(start) as usize;
+            let mut n = before.min(seqs.len());
+            if turn >= start && seqs.get(before).is_some_and(|s| *s < seq) {
+                n += 1;
+            }
+            ahead += n;
+        }
+        ahead
+    }
+}
+
+/// How one attempt at running a task ended.
+enum Attempt {
+    /// Final.
+    Done(Status, Option<Value>, Option<Value>),
+    /// Refused for capacity or quota: back in line after this long.
+    Retry(Duration),
+    /// The gateway is stopping, or the task is gone or final already: leave it as stored.
+    Leave,
+}
+
+fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+fn store_failed(e: StoreError) -> GatewayError {
+    tracing::error!("{e}");
+    GatewayError::internal(format!("{e}; the task was not changed, retry shortly"))
+}
+
+fn err_object(code: &str, message: &str) -> Value {
+    json!({"message": message, "type": "invalid_request_error", "code": code, "param": null})
+}
+
+impl Tasks {
+    /// Opens the store at `cfg.store_path`.
+    pub fn open(cfg: &TasksConfig) -> anyhow::Result<Tasks> {
+        let store = RedbStore::open(&cfg.store_path)?;
+        Ok(Tasks {
+            store: Box::new(store),
+            cfg: cfg.clone(),
+            seq: AtomicU64::new(0),
+            band: Mutex::new(Band::default()),
+            wake: Notify::new(),
+        })
+    }
+
+    /// Runs a store call on tokio's blocking pool: a durable commit waits for the disk
+    /// (fsync), and a worker thread stalled on it would stall every request it serves.
+    async fn db<R: Send + 'static>(
+        self: &Arc<Self>,
+        f: impl FnOnce(&dyn TaskStore) -> Result<R, StoreError> + Send + 'static,
+    ) -> Result<R, StoreError> {
+        let me = self.clone();
+        tokio::task::spawn_blocking(move || f(me.store.as_ref()))
+            .await
+            .unwrap_or_else(|e| Err(StoreError::Db(format!("a store call did not finish: {e}"))))
+    }
+
+    /// Re-queues what a previous run left queued or running (in submission order), resumes
+    /// undelivered callbacks, and starts the band's feeder and the expiry sweep.
+    pub fn start(self: Arc<Self>, gw: &Arc<Gateway>) -> anyhow::Result<()> {
+        let all = self.store.all()?;
+        let next = all.iter().map(|t| t.seq + 1).max().unwrap_or(0);
+        self.seq.store(next, Ordering::SeqCst);
+        let mut requeued = 0;
+        for t in all {
+            if t.status.is_final() {
+                if t.callback.as_ref().is_some_and(|c| !c.done) {
+                    self.clone().spawn_callback(gw, t);
+                }
+                continue;
+            }
+            if t.status == Status::Running {
+                self.store.update(&t.id, &mut |s| {
+                    if s.status != Status::Running {
+                        return false;
+                    }
+                    s.status = Status::Queued;
+                    true
+                })?;
+                requeued += 1;
+            }
+            let mut band = self.band.lock();
+            *band.open.entry(t.tenant.clone()).or_default() += 1;
+            band.enqueue(
+                t.seq,
+                Waiting {
+                    id: t.id,
+                    tenant: Arc::from(t.tenant.as_str()),
+                    not_before: None,
+                },
+            );
+        }
+        if requeued > 0 {
+            tracing::warn!("{requeued} tasks were running when the gateway stopped; queued again");
+        }
+        let stop = gw.stopped_token();
+        let weak = Arc::downgrade(gw);
+        let me = self.clone();
+        tokio::spawn(async move {
+            loop {
+                let notified = me.wake.notified();
+                tokio::pin!(notified);
+                notified.as_mut().enable();
+                let Some(gw) = weak.upgrade() else { break };
+                let next = me.clone().feed(&gw);
+                drop(gw);
+                let sleep = async {
+                    match next {
+                        Some(at) => tokio::time::sleep_until(at).await,
+                        None => std::future::pending().await,
+                    }
+                };
+                tokio::select! {
+                    _ = stop.cancelled() => break,
+                    _ = &mut notified => {}
+                    _ = sleep => {}
+                }
+            }
+        });
+        let stop = gw.stopped_token();
+        let weak = Arc::downgrade(gw);
+        let me = self;
+        let every = Duration::from_millis((me.cfg.max_queue_ms / 4).clamp(20, 1_000));
+        tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    _ = stop.cancelled() => break,
+                    _ = tokio::time::sleep(every) => {}
+                }
+                let Some(gw) = weak.upgrade() else { break };
+                if let Err(e) = me.sweep(&gw).await {
+                    tracing::error!("task sweep: {e}");
+                }
+            }
+        });
+        Ok(())
+    }
+
+    /// Gives free band places to due waiting tasks, fairly across tenants
+    /// ([`Band::next_due`]). Returns when a waiting task becomes due.
+    fn feed(self: Arc<Self>, gw: &Arc<Gateway>) -> Option<Instant> {
+        let now = Instant::now();
+        let mut band = self.band.lock();
+        let width = usize::try_from(self.cfg.max_running).unwrap_or(usize::MAX);
+        let mut next_due = None;
+        while band.live.len() < width && band.entering.is_none() {
+            let Some(seq) = band.next_due(now) else { break };
+            let Some(w) = band.waiting.remove(&seq) else {
+                break;
+            };
+            *band.turns.entry(w.tenant.clone()).or_default() += 1;
+            let spot = Arc::new(QueueSpot::default());
+            let handle = tokio::spawn(self.clone().work(
+                gw.clone(),
+                w.id.clone(),
+                seq,
+                w.tenant.clone(),
+                spot.clone(),
+            ));
+            band.entering = Some(w.id.clone());
+            band.live.insert(
+                w.id,
+                Live {
+                    spot,
+                    abort: Some(handle.abort_handle()),
+                    started: None,
+                },
+            );
+        }
+        let state = |s: &str| crate::metrics::StateLabel { state: s.into() };
+        let count = |n: usize| i64::try_from(n).unwrap_or(i64::MAX);
+        let m = &gw.metrics;
+        m.task_band
+            .get_or_create(&state("waiting"))
+            .set(count(band.waiting.len()));
+        m.task_band
+            .get_or_create(&state("placed"))
+            .set(count(band.live.len()));
+        for w in band.waiting.values() {
+            if let Some(t) = w.not_before.filter(|t| *t > now) {
+                next_due = Some(next_due.map_or(t, |n: Instant| n.min(t)));
+            }
+        }
+        next_due
+    }
+
+    /// Runs one task once and files the outcome. Its band place frees when this ends,
+    /// aborted or not.
+    async fn work(
+        self: Arc<Self>,
+        gw: Arc<Gateway>,
+        id: String,
+        seq: u64,
+        tenant: Arc<str>,
+        spot: Arc<QueueSpot>,
+    ) {
+        struct Place<'a>(&'a Tasks, &'a str);
+        impl Drop for Place<'_> {
+            fn drop(&mut self) {
+                let mut band = self.0.band.lock();
+                band.live.remove(self.1);
+                if band.entering.as_deref() == Some(self.1) {
+                    band.entering = None;
+                }
+                drop(band);
+                self.0.wake.notify_one();
+            }
+        }
+        let place = Place(&self, &id);
+        let outcome = self.attempt(&gw, &id, &spot).await;
+        match outcome {
+            Attempt::Done(status, result, error) => {
+                drop(place);
+                self.finish(&gw, &id, status, result, error).await;
+            }
+            Attempt::Retry(after) => {
+                let key = id.clone();
+                let back = self
+                    .db(move |st| {
+                        st.update(&key, &mut |t| {
+                            if t.status != Status::Running {
+                                return false;
+                            }
+                            t.status = Status::Queued;
+                            true
+                        })?;
+                        st.get(&key)
+                    })
+                    .await;
+                drop(place);
+                let still_open = match back {
+                    Ok(Some(t)) => !t.status.is_final(),
+                    Ok(None) => false,
+                    Err(e) => {
+                        tracing::error!("task {id}: {e}");
+                        true
+                    }
+                };
+                if still_open {
+                    self.band.lock().enqueue(
+                        seq,
+                        Waiting {
+                            id: id.clone(),
+                            tenant: tenant.clone(),
+                            not_before: Some(Instant::now() + after),
+                        },
+                    );
+                    self.wake.notify_one();
+                }
+            }
+            Attempt::Leave => drop(place),
+        }
+    }
+
+    async fn attempt(self: &Arc<Self>, gw: &Arc<Gateway>, id: &str, spot: &QueueSpot) -> Attempt {
+        let key = id.to_string();
+        let task = match self.db(move |st| st.get(&key)).await {
+            Ok(Some(t)) if !t.status.is_final() => t,
+            Ok(_) => return Attempt::Leave,
+            Err(e) => {
+                tracing::error!("task {id}: {e}");
+                return Attempt::Retry(Duration::from_secs(1));
+            }
+        };
+        let rt = gw.runtime();
+        let Some(tenant) = rt.tenants.iter().find(|t| *t.name == *task.tenant).cloned() else {
+            let e = err_object(
+                "tenant_removed",
+                "the task's tenant is no longer configured on this gateway",
+            );
+            return Attempt::Done(Status::Failed, None, Some(e));
+        };
+        let Some(tier) = rt.cfg.tiers.get(&self.cfg.tier) else {
+            let e = err_object("no_task_tier", "tasks.tier names no configured tier");
+            return Attempt::Done(Status::Failed, None, Some(e));
+        };
+        let seat = Seat {
+            tier: self.cfg.tier.clone(),
+            priority: tier.priority,
+            sheddable: tier.sheddable,
+            queue_updates: false,
+        };
+        let path = if task.endpoint == "/v1/completions" {
+            "/v1/completions"
+        } else {
+            "/v1/chat/completions"
+        };
+        let run = routes::serve_task(gw, tenant, seat, task.body.as_bytes(), path, spot);
+        tokio::pin!(run);
+        let served = loop {
+            tokio::select! {
+                r = &mut run => break r,
+                _ = spot.changed() => {
+                    self.entered(id);
+                    if spot.dispatched() {
+                        self.mark_running(id).await;
+                    }
+                }
+            }
+        };
+        if spot.dispatched() {
+            self.mark_running(id).await;
+        }
+        match served {
+            Ok(resp) => {
+                let status = resp.status();
+                let advised = crate::upstream::advised_retry(resp.headers());
+                let body = match axum::body::to_bytes(resp.into_body(), MAX_RESULT_BYTES).await {
+                    Ok(b) => b,
+                    Err(e) => {
+                        let e = err_object(
+                            "upstream_error",
+                            &format!("the backend's response could not be read: {e}"),
+                        );
+                        return Attempt::Done(Status::Failed, None, Some(e));
+                    }
+                };
+                let v: Value = serde_json::from_slice(&body)
+                    .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&body).into()));
+                if status.is_success() {
+                    Attempt::Done(Status::Succeeded, Some(v), None)
+                } else if status == StatusCode::TOO_MANY_REQUESTS
+                    || status == StatusCode::SERVICE_UNAVAILABLE
+                {
+                    // The backend's own backpressure: try again later.
+                    Attempt::Retry(advised.unwrap_or(Duration::from_secs(1)))
+                } else {
+                    let e = v.get("error").cloned().unwrap_or_else(|| {
+                        err_object("upstream_error", &format!("the backend answered {status}"))
+                    });
+                    Attempt::Done(Status::Failed, None, Some(e))
+                }
+            }
+            Err(e) if e.code == "draining" => Attempt::Leave,
+            Err(e) if e.refusal.is_some() && e.retryable() => {
+                Attempt::Retry(e.retry_after.unwrap_or(Duration::from_secs(1)))
+            }
+            Err(e) => {
+                let v = e.body_json();
+                Attempt::Done(Status::Failed, None, v.get("error").cloned())
+            }
+        }
+    }
+
+    /// Admission has queued or dispatched `id`: the next task may enter.
+    fn entered(&self, id: &str) {
+        let mut band = self.band.lock();
+        if band.entering.as_deref() == Some(id) {
+            band.entering = None;
+            drop(band);
+            self.wake.notify_one();
+        }
+    }
+
+    async fn mark_running(self: &Arc<Self>, id: &str) {
+        {
+            let mut band = self.band.lock();
+            match band.live.get_mut(id) {
+                Some(l) if l.started.is_none() => l.started = Some(Instant::now()),
+                _ => return,
+            }
+        }
+        let now = unix_ms();
+        let key = id.to_string();
+        let r = self
+            .db(move |st| {
+                st.update(&key, &mut |t| {
+                    if t.status != Status::Queued {
+                        return false;
+                    }
+                    t.status = Status::Running;
+                    t.started_ms = Some(now);
+                    t.attempts += 1;
+                    true
+                })
+            })
+            .await;
+        if let Err(e) = r {
+            tracing::error!("task {id}: {e}");
+        }
+    }
+
+    /// Moves a task to its final state, if nothing else did first; the one that does also
+    /// sends the callback.
+    async fn finish(
+        self: &Arc<Self>,
+        gw: &Arc<Gateway>,
+        id: &str,
+        status: Status,
+        result: Option<Value>,
+        error: Option<Value>,
+    ) -> Option<Task> {
+        let now = unix_ms();
+        let key = id.to_string();
+        let (mut result, mut error) = (result, error);
+        let done = self
+            .db(move |st| {
+                st.update(&key, &mut |t| {
+                    if t.status.is_final() {
+                        return false;
+                    }
+                    t.status = status;
+                    t.finished_ms = Some(now);
+                    t.result = result.take();
+                    t.error = error.take();
+                    if t.callback_url.is_some() {
+                        t.callback = Some(CallbackState::default());
+                    }
+                    true
+                })
+            })
+            .await;
+        let done = match done {
+            Ok(d) => d?,
+            Err(e) => {
+                tracing::error!("task {id}: {e}");
+                return None;
+            }
+        };
+        gw.metrics
+            .tasks_finished
+            .get_or_create(&crate::metrics::StateLabel {
+                state: status.as_str().into(),
+            })
+            .inc();
+        {
+            let mut band = self.band.lock();
+            if let Some(n) = band.open.get_mut(&done.tenant) {
+                *n = n.saturating_sub(1);
+            }
+            if status == Status::Succeeded {
+                if let (Some(s), Some(f)) = (done.started_ms, done.finished_ms) {
+                    band.finished.push_back((s, f));
+                    while band.finished.len() > RATE_WINDOW {
+                        band.finished.pop_front();
+                    }
+                    let run = f.saturating_sub(s) as f64 / 1000.0;
+                    band.service_s = Some(match band.service_s {
+                        Some(m) => 0.8 * m + 0.2 * run,
+                        None => run,
+                    });
+                }
+            }
+        }
+        if done.callback_url.is_some() {
+            self.clone().spawn_callback(gw, done.clone());
+        }
+        Some(done)
+    }
+
+    /// Expires tasks queued too long, removes finished ones past retention.
+    async fn sweep(self: &Arc<Self>, gw: &Arc<Gateway>) -> Result<(), StoreError> {
+        let now = unix_ms();
+        for t in self.db(|st| st.all()).await? {
+            if t.status == Status::Queued
+                && now.saturating_sub(t.created_ms) >= self.cfg.max_queue_ms
+            {
+                let e = err_object(
+                    "task_expired",
+                    &format!(
+                        "the task was still queued {} ms after submission (tasks.max_queue_ms)",
+                        self.cfg.max_queue_ms
+                    ),
+                );
+                if self
+                    .finish(gw, &t.id, Status::Expired, None, Some(e))
+                    .await
+                    .is_some()
+                {
+                    self.withdraw(&t.id, t.seq);
+                }
+            } else if t.status.is_final()
+                && t.callback.as_ref().is_none_or(|c| c.done)
+                && t.finished_ms
+                    .is_some_and(|f| now.saturating_sub(f) >= self.cfg.result_retention_ms)
+            {
+                let id = t.id.clone();
+                self.db(move |st| st.remove(&id)).await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Takes a task out of the band (its worker is aborted: a request upstream is cut).
+    fn withdraw(&self, id: &str, seq: u64) {
+        let mut band = self.band.lock();
+        band.waiting.remove(&seq);
+        if let Some(l) = band.live.remove(id) {
+            if let Some(a) = l.abort {
+                a.abort();
+            }
+        }
+        drop(band);
+        self.wake.notify_one();
+    }
+
+    /// Place in line (1 = next) and ETA (seconds) of an unfinished task.
+    fn place(&self, gw: &Gateway, t: &Task) -> (Option<usize>, Option<f64>) {
+        let band = self.band.lock();
+        let service = band.service_s;
+        let width = f64::from(self.cfg.max_running.max(1));
+        if let Some(l) = band.live.get(&t.id) {
+            if let Some(started) = l.started {
+                let left = service.map(|s| (s - started.elapsed().as_secs_f64()).max(0.0));
+                return (None, left);
+            }
+            let Some((model, p)) = l.spot.position(gw) else {
+                return (Some(1), service);
+            };
+            let now = gw.clock.now();
+            let rate = gw
+                .admission
+                .lock()
+                .lane(&model)
+                .map_or(0.0, |l| l.dispatch_rate(now));
+            let eta = match service {
+                Some(s) if rate > 0.0 => Some(p as f64 / rate + s),
+                Some(s) => Some((p as f64 / width).ceil() * s + s),
+                None => None,
+            };
+            return (Some(p), eta);
+        }
+        if !band.waiting.contains_key(&t.seq) {
+            return (Some(1), service);
+        }
+        let ahead_waiting = band.ahead_of(t.seq, &Arc::from(t.tenant.as_str()));
+        let in_queue = band.live.values().filter(|l| l.started.is_none()).count();
+        let p = ahead_waiting + in_queue + 1;
+        // Band places must free for it and every task ahead of it, less the places free now.
+        let free = usize::try_from(self.cfg.max_running)
+            .unwrap_or(usize::MAX)
+            .saturating_sub(band.live.len());
+        let starts = (ahead_waiting + 1).saturating_sub(free) as f64;
+        let eta = match (service, drain_rate(&band.finished)) {
+            (Some(s), Some(r)) => Some(starts / r + s),
+            (Some(s), None) => Some((starts / width).ceil() * s + s),
+            _ => None,
+        };
+        (Some(p), eta)
+    }
+
+    /// The JSON a client sees for `t`.
+    fn view(&self, gw: &Gateway, t: &Task) -> Value {
+        let secs = |ms: Option<u64>| ms.map(|m| m / 1000);
+        let mut v = json!({
+            "id": t.id,
+            "object": "task",
+            "status": t.status,
+            "model": t.model,
+            "endpoint": t.endpoint,
+            "created_at": t.created_ms / 1000,
+            "started_at": secs(t.started_ms),
+            "finished_at": secs(t.finished_ms),
+            "attempts": t.attempts,
+        });
+        if !t.status.is_final() {
+            let (position, eta) = self.place(gw, t);
+            v["position"] = json!(position);
+            v["eta_seconds"] = json!(eta.map(|e| (e * 10.0).round() / 10.0));
+            v["poll_after_ms"] = json!(self.cfg.poll_interval_ms);
+        }
+        if let Some(r) = &t.result {
+            v["result"] = r.clone();
+        }
+        if let Some(e) = &t.error {
+            v["error"] = e.clone();
+        }
+        if let Some(url) = &t.callback_url {
+            v["callback_url"] = json!(url);
+        }
+        if let Some(c) = &t.callback {
+            v["callback"] = json!({"delivered": c.delivered, "attempts": c.attempts,
+                "last_error": c.last_error});
+        }
+        v
+    }
+
+    fn spawn_callback(self: Arc<Self>, gw: &Arc<Gateway>, task: Task) {
+        let gw = gw.clone();
+        tokio::spawn(async move { self.deliver(&gw, task).await });
+    }
+
+    /// POSTs the final state to the task's `callback_url`, signed, retried with full-jitter
+    /// exponential backoff; the outcome is stored with the task.
+    async fn deliver(self: &Arc<Self>, gw: &Gateway, task: Task) {
+        use hmac::Mac;
+        let Some(url) = task.callback_url.clone() else {
+            return;
+        };
+        let secret = gw
+            .runtime()
+            .tenants
+            .iter()
+            .find(|t| *t.name == *task.tenant)
+            .and_then(|t| t.callback_secret());
+        let mut attempts = task.callback.as_ref().map_or(0, |c| c.attempts);
+        let body = {
+            let mut v = self.view(gw, &task);
+            if let Some(o) = v.as_object_mut() {
+                o.remove("callback");
+            }
+            v.to_string()
+        };
+        let stop = gw.stopped_token();
+        while attempts < self.cfg.callback_attempts {
+            let outcome = match &secret {
+                None => Err("the tenant has no callback secret configured".to_string()),
+                Some(secret) => {
+                    let ts = unix_ms() / 1000;
+                    let mut mac =
+                        match hmac::Hmac::<sha2::Sha256>::new_from_slice(secret.as_bytes()) {
+                            Ok(m) => m,
+                            Err(e) => {
+                                tracing::error!("task {}: callback key: {e}", task.id);
+                                return;
+                            }
+                        };
+                    mac.update(format!("{ts}.").as_bytes());
+                    mac.update(body.as_bytes());
+                    let sig = hex::encode(mac.finalize().into_bytes());
+                    post_callback(gw, &url, &task.id, ts, &sig, &body, &self.cfg).await
+                }
+            };
+            attempts += 1;
+            let ok = outcome.is_ok();
+            gw.metrics
+                .task_callbacks
+                .get_or_create(&crate::metrics::StateLabel {
+                    state: if ok { "delivered" } else { "failed" }.into(),
+                })
+                .inc();
+            let last = outcome.err();
+            let give_up = ok || attempts >= self.cfg.callback_attempts || secret.is_none();
+            let key = task.id.clone();
+            let r = self
+                .db(move |st| {
+                    st.update(&key, &mut |t| {
+                        let c = t.callback.get_or_insert_with(CallbackState::default);
+                        c.attempts = attempts;
+                        c.delivered = ok;
+                        c.done = give_up;
+                        c.last_error = last.clone();
+                        true
+                    })
+                })
+                .await;
+            if let Err(e) = r {
+                tracing::error!("task {}: {e}", task.id);
+            }
+            if give_up {
+                return;
+            }
+            let cap = self
+                .cfg
+                .callback_backoff_ms
+                .saturating_mul(1u64 << (attempts - 1).min(16))
+                .min(60_000);
+            let wait = Duration::from_millis(rand::random::<u64>() % (cap + 1));
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                _ = tokio::time::sleep(wait) => {}
+            }
+        }
+    }
+}
+
+/// The band's drain rate: tasks finished per second over the last [`RATE_WINDOW`] that
+/// finished within a minute, counted from the earliest dispatch among them to the last
+/// finish (so the first finishes of a band that ran tasks side by side do not look like a
+/// burst, and the gaps between one task's end and the next one's dispatch are counted).
+/// At least two tasks.
+fn drain_rate(finished: &VecDeque<(u64, u64)>) -> Option<f64> {
+    let now = unix_ms();
+    let recent: Vec<(u64, u64)> = finished
+        .iter()
+        .copied()
+        .filter(|(_, f)| now.saturating_sub(*f) < 60_000)
+        .collect();
+    if recent.len() < 2 {
+        return None;
+    }
+    let from = recent.iter().map(|(s, _)| *s).min()?;
+    let to = recent.iter().map(|(_, f)| *f).max()?;
+    let span = to.saturating_sub(from) as f64 / 1000.0;
+    (span > 0.0).then(|| recent.len() as f64 / span)
+}
+
+async fn post_callback(
+    gw: &Gateway,
+    url: &str,
+    id: &str,
+    ts: u64,
+    sig: &str,
+    body: &str,
+    cfg: &TasksConfig,
+) -> Result<(), String> {
+    let req = http::Request::post(url)
+        .header(http::header::CONTENT_TYPE, "application/json")
+        .header("x-levee-task-id", id)
+        .header("x-levee-timestamp", ts.to_string())
+        .header("x-levee-signature", format!("sha256={sig}"))
+        .body(http_body_util::Full::new(Bytes::from(body.to_string())))
+        .map_err(|e| format!("bad callback request: {e}"))?;
+    let timeout = Duration::from_millis(cfg.callback_timeout_ms);
+    match tokio::time::timeout(timeout, gw.client.request(req)).await {
+        Err(_) => Err(format!("no answer within {} ms", cfg.callback_timeout_ms)),
+        Ok(Err(e)) => Err(format!("could not reach the receiver: {e}")),
+        Ok(Ok(r)) if r.status().is_success() => Ok(()),
+        Ok(Ok(r)) => Err(format!("the receiver answered {}", r.status())),
+    }
+}
+
+/// The caller's tenant, after the per-IP guard (polls are requests like any other).
+fn caller(
+    gw: &Gateway,
+    peer: SocketAddr,
+    headers: &HeaderMap,
+) -> Result<Arc<Tenant>, GatewayError> {
+    if let Err(wait) = gw.check_ip(peer.ip()) {
+        return Err(GatewayError::rate_limited(
+            "per-IP request rate",
+            wait,
+            crate::error::RateInfo::default(),
+        ));
+    }
+    routes::tenant_of(gw, headers)
+}
+
+fn tasks_of(gw: &Gateway) -> Result<&Arc<Tasks>, GatewayError> {
+    gw.tasks().ok_or_else(|| {
+        let mut e = GatewayError::not_found("/v1/tasks");
+        e.message = "async tasks are not enabled on this gateway (tasks.enabled)".into();
+        e
+    })
+}
+
+async fn owned(tasks: &Arc<Tasks>, tenant: &Tenant, id: &str) -> Result<Task, GatewayError> {
+    let key = id.to_string();
+    match tasks
+        .db(move |st| st.get(&key))
+        .await
+        .map_err(store_failed)?
+    {
+        Some(t) if *t.tenant == *tenant.name => Ok(t),
+        _ => Err(GatewayError::task_not_found(id)),
+    }
+}
+
+/// `POST /v1/tasks`: a chat or completion body, plus an optional `callback_url`.
+pub(crate) async fn submit(
+    State(gw): State<Arc<Gateway>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    req: Request,
+) -> Response {
+    submit_inner(&gw, peer, req)
+        .await
+        .unwrap_or_else(IntoResponse::into_response)
+}
+
+async fn submit_inner(
+    gw: &Arc<Gateway>,
+    peer: SocketAddr,
+    req: Request,
+) -> Result<Response, GatewayError> {
+    let tasks = tasks_of(gw)?;
+    if gw.is_draining() {
+        return Err(GatewayError::draining(Duration::from_millis(
+            gw.config().server.drain_retry_after_ms,
+        )));
+    }
+    let tenant = caller(gw, peer, req.headers())?;
+    let rt = gw.runtime();
+    let body = routes::read_body(req, rt.cfg.server.max_body_bytes).await?;
+    let mut v: Value = serde_json::from_slice(&body)
+        .map_err(|e| GatewayError::bad_request(format!("the body is not valid JSON: {e}")))?;
+    let Some(obj) = v.as_object_mut() else {
+        return Err(GatewayError::bad_request(
+            "the body must be a JSON object (a chat or completion request)",
+        ));
+    };
+    let callback_url = match obj.remove("callback_url") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(u)) => {
+            let ok = u
+                .parse::<http::Uri>()
+                .is_ok_and(|p| p.scheme_str() == Some("http") && p.authority().is_some());
+            if !ok {
+                return Err(GatewayError::bad_request(format!(
+                    "callback_url {u:?} must be an http:// URL with a host"
+                ))
+                .with_param("callback_url"));
+            }
+            if tenant.callback_secret().is_none() {
+                return Err(GatewayError::bad_request(
+                    "this tenant has no callback secret (tenants[].callback_secret_env), so \
+                     its callbacks could not be signed; poll GET /v1/tasks/{id} instead",
+                )
+                .with_param("callback_url"));
+            }
+            Some(u)
+        }
+        Some(_) => {
+            return Err(GatewayError::bad_request("callback_url must be a string")
+                .with_param("callback_url"))
+        }
+    };
+    if obj.get("stream").and_then(Value::as_bool) == Some(true) {
+        return Err(GatewayError::bad_request(
+            "tasks are not streamed: leave out \"stream\" (the result is stored whole)",
+        )
+        .with_param("stream"));
+    }
+    let endpoint = if obj.contains_key("messages") {
+        "/v1/chat/completions"
+    } else if obj.contains_key("prompt") {
+        "/v1/completions"
+    } else {
+        return Err(GatewayError::bad_request(
+            "a task body is a chat request (with \"messages\") or a completion request (with \
+             \"prompt\")",
+        ));
+    };
+    let Some(model) = obj.get("model").and_then(Value::as_str).map(str::to_string) else {
+        return Err(GatewayError::bad_request("\"model\" must be a string").with_param("model"));
+    };
+    if !rt.models.contains_key(&model) {
+        return Err(GatewayError::unknown_model(&model));
+    }
+    {
+        let band = tasks.band.lock();
+        let open = band.open.get(&*tenant.name).copied().unwrap_or(0);
+        if open >= tasks.cfg.max_queued_per_tenant {
+            drop(band);
+            // When one of them is likely to finish.
+            let wait = tasks
+                .band
+                .lock()
+                .service_s
+                .map_or(Duration::from_millis(tasks.cfg.poll_interval_ms), |s| {
+                    Duration::from_secs_f64(s.max(0.001))
+                });
+            return Err(GatewayError::rate_limited(
+                &format!(
+                    "tenant {} has {open} tasks queued or running, its limit \
+                     (tasks.max_queued_per_tenant); wait for one to finish",
+                    tenant.name
+                ),
+                wait,
+                crate::error::RateInfo::default(),
+            ));
+        }
+    }
+    let seq = tasks.seq.fetch_add(1, Ordering::SeqCst);
+    let id = format!("task_{seq:016x}{:08x}", rand::random::<u32>());
+    let task = Task {
+        id: id.clone(),
+        seq,
+        tenant: tenant.name.to_string(),
+        endpoint: endpoint.into(),
+        model,
+        body: v.to_string(),
+        callback_url,
+        status: Status::Queued,
+        created_ms: unix_ms(),
+        started_ms: None,
+        finished_ms: None,
+        attempts: 0,
+        result: None,
+        error: None,
+        callback: None,
+    };
+    let stored = task.clone();
+    tasks
+        .db(move |st| st.insert(&stored))
+        .await
+        .map_err(store_failed)?;
+    {
+        let mut band = tasks.band.lock();
+        *band.open.entry(task.tenant.clone()).or_default() += 1;
+        band.enqueue(
+            seq,
+            Waiting {
+                id: id.clone(),
+                tenant: tenant.name.clone(),
+                not_before: None,
+            },
+        );
+    }
+    let view = tasks.view(gw, &task);
+    tasks.wake.notify_one();
+    let mut resp = (StatusCode::ACCEPTED, axum::Json(view)).into_response();
+    let h = resp.headers_mut();
+    if let Ok(v) = HeaderValue::from_str(&format!("/v1/tasks/{id}")) {
+        h.insert(http::header::LOCATION, v);
+    }
+    h.insert(
+        http::header::RETRY_AFTER,
+        HeaderValue::from(crate::error::retry_after_secs(Duration::from_millis(
+            tasks.cfg.poll_interval_ms,
+        ))),
+    );
+    Ok(resp)
+}
+
+/// `GET /v1/tasks/{id}`.
+pub(crate) async fn show(
+    State(gw): State<Arc<Gateway>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+) -> Response {
+    let r = async {
+        let tasks = tasks_of(&gw)?;
+        let tenant = caller(&gw, peer, &headers)?;
+        let t = owned(tasks, &tenant, &id).await?;
+        Ok::<_, GatewayError>(axum::Json(tasks.view(&gw, &t)).into_response())
+    };
+    r.await.unwrap_or_else(IntoResponse::into_response)
+}
+
+/// `DELETE /v1/tasks/{id}`: cancels a queued or running task (a running one is cut
+/// upstream); a finished task is answered as it is.
+pub(crate) async fn cancel(
+    State(gw): State<Arc<Gateway>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+) -> Response {
+    let r = async {
+        let tasks = tasks_of(&gw)?;
+        let tenant = caller(&gw, peer, &headers)?;
+        let t = owned(tasks, &tenant, &id).await?;
+        let e = err_object("task_cancelled", "the task was cancelled by its tenant");
+        let t = match tasks
+            .finish(&gw, &id, Status::Cancelled, None, Some(e))
+            .await
+        {
+            Some(done) => {
+                tasks.withdraw(&id, t.seq);
+                done
+            }
+            None => owned(tasks, &tenant, &id).await?,
+        };
+        Ok::<_, GatewayError>(axum::Json(tasks.view(&gw, &t)).into_response())
+    };
+    r.await.unwrap_or_else(IntoResponse::into_response)
+}
+
+/// Query of `GET /v1/tasks`.
+#[derive(Debug, serde::Deserialize)]
+pub(crate) struct ListQuery {
+    limit: Option<usize>,
+    after: Option<String>,
+}
+
+/// `GET /v1/tasks?limit=N&after=ID`: the caller's tasks, oldest first.
+pub(crate) async fn list(
+    State(gw): State<Arc<Gateway>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    Query(q): Query<ListQuery>,
+    headers: HeaderMap,
+) -> Response {
+    let r = async {
+        let tasks = tasks_of(&gw)?;
+        let tenant = caller(&gw, peer, &headers)?;
+        let limit = q.limit.unwrap_or(20).clamp(1, 100);
+        let (owner, after) = (tenant.name.to_string(), q.after.clone());
+        let mut page = tasks
+            .db(move |st| st.list(&owner, after.as_deref(), limit + 1))
+            .await
+            .map_err(store_failed)?;
+        let has_more = page.len() > limit;
+        page.truncate(limit);
+        let data: Vec<Value> = page.iter().map(|t| tasks.view(&gw, t)).collect();
+        Ok::<_, GatewayError>(
+            axum::Json(json!({
+                "object": "list",
+                "data": data,
+                "first_id": page.first().map(|t| &t.id),
+                "last_id": page.last().map(|t| &t.id),
+                "has_more": has_more,
+            }))
+            .into_response(),
+        )
+    };
+    r.await.unwrap_or_else(IntoResponse::into_response)
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    /// `ahead_of` is the band's real order: feeding everything by `next_due` hands each task
+    /// out exactly after the tasks `ahead_of` counted.
+    #[test]
+    fn ahead_of_matches_the_feeding_order() {
+        let tenants: Vec<Arc<str>> = ["a", "b", "c"].iter().map(|t| Arc::from(*t)).collect();
+        let mut x: u64 = 0x9e37_79b9;
+        let mut next = move |n: u64| {
+            x = x
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            (x >> 33) % n
+        };
+        for _ in 0..200 {
+            let mut band = Band::default();
+            let count = 1 + next(30);
+            for seq in 0..count {
+                let tenant = tenants[next(3) as usize].clone();
+                // Some tenants have had places already.
+                if next(4) == 0 {
+                    *band.turns.entry(tenant.clone()).or_default() += next(3);
+                }
+                let w = Waiting {
+                    id: format!("t{seq}"),
+                    tenant,
+                    not_before: None,
+                };
+                band.enqueue(seq, w);
+            }
+            let predicted: Vec<(u64, usize)> = band
+                .waiting
+                .iter()
+                .map(|(seq, w)| (*seq, band.ahead_of(*seq, &w.tenant)))
+                .collect();
+            let now = Instant::now();
+            let mut order = Vec::new();
+            while let Some(seq) = band.next_due(now) {
+                let w = band.waiting.remove(&seq).unwrap();
+                *band.turns.entry(w.tenant).or_default() += 1;
+                order.push(seq);
+            }
+            for (seq, ahead) in predicted {
+                let at = order.iter().position(|s| *s == seq).unwrap();
+                assert_eq!(at, ahead, "task {seq} in {order:?}");
+            }
+        }
+    }
+}

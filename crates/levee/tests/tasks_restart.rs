@@ -1,0 +1,230 @@
+//! Async tasks survive `kill -9` of the real `levee serve` process (issue 11): tasks queued
+//! and running when the gateway dies are all there after a restart, the queued ones in
+//! their order, the running one queued again (sent upstream once more), and each reaches
+//! exactly one final state with its result.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use axum::routing::post;
+use serde_json::{json, Value};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// A backend that records the tag of each request and, while `hold` is set, never answers.
+#[derive(Default)]
+struct Backend {
+    hold: AtomicBool,
+    seen: Mutex<Vec<String>>,
+}
+
+async fn backend() -> (String, Arc<Backend>) {
+    let st = Arc::new(Backend::default());
+    let s2 = st.clone();
+    let app = axum::Router::new().route(
+        "/v1/chat/completions",
+        post(move |body: axum::Json<Value>| {
+            let st = s2.clone();
+            async move {
+                let tag = body["messages"][0]["content"].as_str().unwrap_or("").to_string();
+                st.seen.lock().unwrap().push(tag.clone());
+                while st.hold.load(Ordering::SeqCst) {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+                axum::Json(json!({"id": "x", "object": "chat.completion", "model": "m",
+                    "choices": [{"index": 0, "message": {"role": "assistant", "content": format!("done {tag}")}, "finish_reason": "stop"}],
+                    "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}))
+            }
+        }),
+    );
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    tokio::spawn(async move {
+        let _ = axum::serve(l, app).await;
+    });
+    (format!("http://{addr}"), st)
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+struct Gateway(Child);
+
+impl Drop for Gateway {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn spawn(config: &std::path::Path) -> Gateway {
+    let child = Command::new(env!("CARGO_BIN_EXE_levee"))
+        .args(["serve", "--config"])
+        .arg(config)
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    Gateway(child)
+}
+
+async fn ready(c: &reqwest::Client, base: &str) {
+    for _ in 0..400 {
+        if c.get(format!("{base}/healthz")).send().await.is_ok() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    panic!("the gateway never came up at {base}");
+}
+
+async fn task(c: &reqwest::Client, base: &str, id: &str) -> Value {
+    c.get(format!("{base}/v1/tasks/{id}"))
+        .bearer_auth("key-a")
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap()
+}
+
+async fn wait_status(c: &reqwest::Client, base: &str, id: &str, want: &str) -> Value {
+    let mut last = Value::Null;
+    for _ in 0..400 {
+        last = task(c, base, id).await;
+        if last["status"] == want {
+            return last;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    panic!("task {id} never reached {want}: {last}");
+}
+
+#[tokio::test]
+async fn kill_9_with_tasks_queued_and_running_then_restart() {
+    let (url, be) = backend().await;
+    be.hold.store(true, Ordering::SeqCst);
+    let dir = std::env::temp_dir().join(format!("levee-kill9-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let port = free_port();
+    let base = format!("http://127.0.0.1:{port}");
+    let config = format!(
+        r#"
+[listen]
+public = "127.0.0.1:{port}"
+admin = "127.0.0.1:{admin}"
+
+[scrape]
+interval_ms = 0
+
+[tiers.standard]
+priority = 1
+[tiers.batch]
+priority = 3
+queue_wait_ms = 600000
+soft_queue_wait_ms = 600000
+
+[[tenants]]
+name = "a"
+tier = "standard"
+key_sha256 = ["{key}"]
+
+[[models]]
+name = "m"
+[[models.backends]]
+url = "{url}"
+max_in_flight = 1
+
+[tasks]
+enabled = true
+store_path = "{store}"
+tier = "batch"
+max_running = 2
+"#,
+        admin = free_port(),
+        key = levee_gateway::hash_key("key-a"),
+        store = dir.join("tasks.redb").display(),
+    );
+    let cfg_path = dir.join("levee.toml");
+    std::fs::write(&cfg_path, config).unwrap();
+    let c = reqwest::Client::new();
+
+    let gw = spawn(&cfg_path);
+    ready(&c, &base).await;
+    let mut ids = Vec::new();
+    for i in 0..4 {
+        let r = c
+            .post(format!("{base}/v1/tasks"))
+            .bearer_auth("key-a")
+            .json(&json!({"model": "m", "max_tokens": 4,
+                "messages": [{"role": "user", "content": format!("t{i}")}]}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 202);
+        ids.push(
+            r.json::<Value>().await.unwrap()["id"]
+                .as_str()
+                .unwrap()
+                .to_string(),
+        );
+    }
+    // t0 runs (held by the backend), t1 waits in the fair queue, t2 and t3 for the band.
+    wait_status(&c, &base, &ids[0], "running").await;
+    assert_eq!(task(&c, &base, &ids[1]).await["status"], "queued");
+
+    drop(gw); // SIGKILL: no drain, no shutdown, the store as the crash left it
+    be.hold.store(false, Ordering::SeqCst);
+    let before = be.seen.lock().unwrap().clone();
+    assert_eq!(before, vec!["t0"]);
+
+    let _gw = spawn(&cfg_path);
+    ready(&c, &base).await;
+    let mut results = Vec::new();
+    for id in &ids {
+        results.push(wait_status(&c, &base, id, "succeeded").await);
+    }
+    let after: Vec<String> = be.seen.lock().unwrap()[before.len()..].to_vec();
+    assert_eq!(
+        after,
+        vec!["t0", "t1", "t2", "t3"],
+        "the running one first, then the queued ones in submission order"
+    );
+    for (i, r) in results.iter().enumerate() {
+        assert_eq!(
+            r["result"]["choices"][0]["message"]["content"],
+            format!("done t{i}")
+        );
+    }
+    assert_eq!(results[0]["attempts"], 2, "re-sent after the crash");
+    for r in &results[1..] {
+        assert_eq!(r["attempts"], 1);
+    }
+    // Exactly one final state each: the list holds the four, each once, each succeeded.
+    let list: Value = c
+        .get(format!("{base}/v1/tasks?limit=100"))
+        .bearer_auth("key-a")
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let listed: Vec<(&str, &str)> = list["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| (t["id"].as_str().unwrap(), t["status"].as_str().unwrap()))
+        .collect();
+    let want: Vec<(&str, &str)> = ids.iter().map(|i| (i.as_str(), "succeeded")).collect();
+    assert_eq!(listed, want);
+    let _ = std::fs::remove_dir_all(&dir);
+}
