@@ -18,7 +18,7 @@
 //! # Ok(()) }
 //! ```
 //!
-//! Only the gateway's spans and events at `info` or above are exported; the
+//! Only the gateway's spans and events (at `debug` or above) are exported; the
 //! exporter's HTTP client runs on the batch processor's own thread, outside any request.
 
 use opentelemetry::trace::TracerProvider as _;
@@ -98,7 +98,9 @@ where
         .with_resource(Resource::builder().with_service_name("levee").build())
         .build();
     let tracer = provider.tracer("levee");
-    let targets = Targets::new().with_target("levee_gateway", tracing::Level::INFO);
+    // The request spans are at `debug`, so a build or a process without this layer does not
+    // create them (the log layer's default filter is `info`).
+    let targets = Targets::new().with_target("levee_gateway", tracing::Level::DEBUG);
     let layer = tracing_opentelemetry::layer()
         .with_tracer(tracer)
         .with_filter(targets);

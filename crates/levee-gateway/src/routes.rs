@@ -6,7 +6,7 @@
 //! (send, resend once if the backend could not be reached, stream back) → settle
 //! ([`RequestSettle`]: breaker, reconcile, metrics).
 //!
-//! Each request runs in a `tracing` span named `request` (fields `request_id`, `tenant`,
+//! Each request runs in a `tracing` span (at `debug` level) named `request` (fields `request_id`, `tenant`,
 //! `model`, `backend`, `queue_ms`, `outcome`, `http.response.status_code`; never a key or a
 //! body) with one child span per phase, named as above (and `read_body`). A served request's
 //! span ends when it settles, after the last byte of its answer; with the `otel` feature
@@ -37,7 +37,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 use tower_http::catch_panic::CatchPanicLayer;
 use tracing::field::Empty;
-use tracing::{info_span, Instrument, Span};
+use tracing::{debug_span, Instrument, Span};
 
 /// The public router.
 pub fn router(gw: Arc<Gateway>) -> Router {
@@ -166,7 +166,7 @@ struct Labels {
 
 /// The request's span: its fields are filled in as the pipeline learns them.
 fn request_span(path: &'static str, request: Option<&RequestId>) -> Span {
-    info_span!(
+    debug_span!(
         "request",
         otel.kind = "server",
         http.request.method = "POST",
@@ -340,7 +340,7 @@ async fn pipeline(
     spot: Option<&QueueSpot>,
 ) -> Result<Response, GatewayError> {
     let rt = gw.runtime();
-    let tenant = info_span!("authenticate").in_scope(|| authenticate(gw, peer, req.headers()))?;
+    let tenant = debug_span!("authenticate").in_scope(|| authenticate(gw, peer, req.headers()))?;
     let asked_updates = req
         .headers()
         .get("x-levee-queue-updates")
@@ -349,7 +349,7 @@ async fn pipeline(
     labels.span.record("tenant", &*tenant.name);
     let seat = Seat::of(&tenant);
     let body = Box::pin(read_body(*req, rt.cfg.server.max_body_bytes))
-        .instrument(info_span!("read_body"))
+        .instrument(debug_span!("read_body"))
         .await?;
     let seat_updates = seat.queue_updates;
     let served = serve(gw, &rt, tenant, seat, &body, path, labels, spot, |stream| {
@@ -412,7 +412,7 @@ async fn serve(
     wants_updates: impl FnOnce(bool) -> bool,
 ) -> Result<Response, GatewayError> {
     labels.tier = seat.tier.clone();
-    let c = info_span!("classify").in_scope(|| classify(gw, rt, &seat, body, labels));
+    let c = debug_span!("classify").in_scope(|| classify(gw, rt, &seat, body, labels));
     labels.span.record("model", &*labels.model);
     let c = c?;
     if let Some(s) = spot {
@@ -422,7 +422,7 @@ async fn serve(
         );
     }
     let admitted = match admit_phase(gw, &tenant, &seat, &c, spot)
-        .instrument(info_span!("admit"))
+        .instrument(debug_span!("admit"))
         .await
     {
         Ok(a) => a,
@@ -449,9 +449,9 @@ async fn serve(
             })
             .inc();
     }
-    let (admitted, backend) = info_span!("dispatch").in_scope(|| dispatch(admitted, &c))?;
+    let (admitted, backend) = debug_span!("dispatch").in_scope(|| dispatch(admitted, &c))?;
     Box::pin(
-        proxy_phase(gw, rt, tenant, c, admitted, backend, path).instrument(info_span!("proxy")),
+        proxy_phase(gw, rt, tenant, c, admitted, backend, path).instrument(debug_span!("proxy")),
     )
     .await
 }
@@ -944,7 +944,7 @@ struct RequestSettle {
 
 impl Settle for RequestSettle {
     fn settle(mut self: Box<Self>, outcome: Outcome) {
-        let _settling = info_span!(parent: &self.span, "settle").entered();
+        let _settling = debug_span!(parent: &self.span, "settle").entered();
         let now = self.gw.clock.now();
         let verdict = outcome.verdict(self.backend.is_routable(), &self.outlier);
         if !self.judged {
