@@ -132,6 +132,8 @@ warm_pool = 0
     // Figures move: in-flight work appears and the admitted rate goes above zero.
     await waitFor("requests in flight on the page", async () => Number(await page.textContent("#inflight")) > 0);
     await waitFor("an admitted rate", async () => Number(await page.textContent('[data-series="rates/admitted"]')) > 0);
+    // The limit store in use and its health (this gateway runs on in-memory state).
+    assert.equal(await page.textContent("#store"), "in memory");
     const before = await page.textContent("#load");
     await waitFor("the load figure to change", async () => (await page.textContent("#load")) !== before);
     await waitFor("a replica recommendation", async () => (await page.locator("#autoscale td").count()) > 0);

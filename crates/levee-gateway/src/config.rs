@@ -49,6 +49,8 @@ pub struct Config {
     pub autoscale: AutoscaleConfig,
     /// Request logs and metric cardinality.
     pub observe: ObserveConfig,
+    /// Where limit state lives: this process (one replica) or Redis (a fleet).
+    pub state: StateConfig,
     /// Async tasks (`/v1/tasks`): their durable store, band and callbacks.
     pub tasks: TasksConfig,
 }
@@ -104,7 +106,75 @@ impl Default for Config {
             admin: AdminConfig::default(),
             autoscale: AutoscaleConfig::default(),
             observe: ObserveConfig::default(),
+            state: StateConfig::default(),
             tasks: TasksConfig::default(),
+        }
+    }
+}
+
+/// Where the tenants' and the global request and token limits are decided.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum StateBackend {
+    /// In this process: limits hold per replica.
+    #[default]
+    Memory,
+    /// In Redis or Valkey: limits hold for every replica sharing the server and prefix.
+    Redis,
+}
+
+/// What a replica does while Redis does not answer within `timeout_ms`.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum OnFailure {
+    /// Keep serving: each replica enforces its share of each limit (limit ÷ live replicas,
+    /// the count last seen in Redis) locally until Redis answers again.
+    #[default]
+    FailOpen,
+    /// Refuse with 503 `shared_state_unavailable` until Redis answers again.
+    FailClosed,
+}
+
+/// Shared state for many gateway replicas (`backend = "redis"`). Changing it takes a
+/// restart.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct StateConfig {
+    /// `memory` (default) or `redis`.
+    pub backend: StateBackend,
+    /// The Redis server, `redis://host:port[/db]` (Redis Cluster is not supported yet).
+    pub url: String,
+    /// Prefix of every key levee writes; replicas of one fleet share it.
+    pub key_prefix: String,
+    /// The longest a limit decision waits for Redis before this replica switches to
+    /// `on_failure` (milliseconds).
+    pub timeout_ms: u64,
+    /// `fail_open` (default) or `fail_closed`.
+    pub on_failure: OnFailure,
+    /// How often this replica reports itself alive and probes Redis (milliseconds); a
+    /// replica silent for three intervals no longer counts as live.
+    pub heartbeat_ms: u64,
+    /// This replica's name among its peers (empty: host name and process id).
+    pub replica_id: String,
+    /// Local batching: requests per slice of a tenant's budget taken from Redis at once
+    /// and handed out here without a round trip (0 or 1: off). Never over-admits; the cost
+    /// is that up to `replicas × (batch − 1)` requests of budget can sit unspent in other
+    /// replicas' slices for up to one `heartbeat_ms` (see docs/replicas.md). Tenants with a
+    /// `max_concurrency` are not batched (each request takes a lease).
+    pub batch: u32,
+}
+
+impl Default for StateConfig {
+    fn default() -> Self {
+        StateConfig {
+            backend: StateBackend::Memory,
+            url: "redis://127.0.0.1:6379".to_string(),
+            key_prefix: "levee:".to_string(),
+            timeout_ms: 25,
+            on_failure: OnFailure::FailOpen,
+            heartbeat_ms: 1000,
+            replica_id: String::new(),
+            batch: 0,
         }
     }
 }
@@ -903,6 +973,20 @@ impl Config {
                 ));
             }
         }
+        if self.state.backend == StateBackend::Redis {
+            if !self.state.url.starts_with("redis://") {
+                errs.push(format!(
+                    "state.url: {:?} is not a redis:// URL (TLS is not supported yet)",
+                    self.state.url
+                ));
+            }
+            if self.state.timeout_ms == 0 {
+                errs.push("state.timeout_ms: must be > 0".to_string());
+            }
+            if self.state.heartbeat_ms < 50 {
+                errs.push("state.heartbeat_ms: must be at least 50".to_string());
+            }
+        }
         let mut tenant_names = HashSet::new();
         let mut seen_keys: BTreeMap<String, String> = BTreeMap::new();
         for (i, t) in self.tenants.iter().enumerate() {
@@ -1131,8 +1215,15 @@ impl Config {
     /// A short human summary for `levee config check`.
     pub fn summary(&self) -> String {
         let backends: usize = self.models.iter().map(|m| m.backends.len()).sum();
+        let state = match self.state.backend {
+            StateBackend::Memory => "limits in memory".to_string(),
+            StateBackend::Redis => format!(
+                "limits shared in Redis (prefix {:?})",
+                self.state.key_prefix
+            ),
+        };
         format!(
-            "public {} admin {}; {} tiers, {} tenants, {} models, {} backends; queue safe/soft/hard {}/{}/{}",
+            "public {} admin {}; {} tiers, {} tenants, {} models, {} backends; queue safe/soft/hard {}/{}/{}; {state}",
             self.listen.public,
             self.listen.admin,
             self.tiers.len(),
@@ -1297,6 +1388,32 @@ url = "http://127.0.0.1:1"
             assert!(errs[0].starts_with("observe.otlp_endpoint: "), "{errs:?}");
             assert!(errs[0].contains("--features otel"), "{errs:?}");
         }
+    }
+
+    #[test]
+    fn redis_state_is_checked_only_when_used() {
+        let mut cfg = Config::default();
+        cfg.state.url = "http://nope".into();
+        cfg.state.timeout_ms = 0;
+        assert!(
+            cfg.validate().is_empty(),
+            "memory backend: [state] url unused"
+        );
+        cfg.state.backend = StateBackend::Redis;
+        let errs = cfg.validate();
+        let joined = errs.join("\n");
+        assert!(
+            joined.contains("state.url: \"http://nope\" is not a redis:// URL"),
+            "{joined}"
+        );
+        assert!(joined.contains("state.timeout_ms: must be > 0"), "{joined}");
+        let parsed = Config::from_toml_str(
+            "[state]\nbackend = \"redis\"\non_failure = \"fail_closed\"\nbatch = 8\n",
+        )
+        .unwrap();
+        assert_eq!(parsed.state.on_failure, OnFailure::FailClosed);
+        assert_eq!(parsed.state.batch, 8);
+        assert!(Config::from_toml_str("[state]\nbackend = \"etcd\"\n").is_err());
     }
 
     #[test]

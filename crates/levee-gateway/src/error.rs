@@ -389,6 +389,23 @@ impl GatewayError {
         .with_retry_after(retry_after)
     }
 
+    /// 503 `shared_state_unavailable`: the shared limit store did not answer and the
+    /// gateway is configured `fail_closed`.
+    pub fn shared_state_unavailable(why: &str, retry_after: Duration) -> Self {
+        Self::new(
+            Origin::Gateway,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "service_unavailable",
+            "shared_state_unavailable",
+            format!(
+                "the shared limit store is unavailable ({why}) and this gateway is configured \
+                 to refuse rather than decide limits alone ([state] on_failure = \"fail_closed\"); \
+                 retry later"
+            ),
+        )
+        .with_retry_after(retry_after)
+    }
+
     /// 503 while draining or shutting down.
     pub fn draining(retry_after: Duration) -> Self {
         Self::new(

@@ -4,7 +4,7 @@
 //! (its backends' I/O side and its dispatcher task), degradation and drain state, metrics.
 
 use crate::clock::TokioClock;
-use crate::config::{Config, ModelConfig, TenantConfig, TierConfig};
+use crate::config::{Config, ModelConfig, StateBackend, TenantConfig, TierConfig};
 use crate::degrade::Degrader;
 use crate::lane::{Lane, Waiter};
 use crate::metrics::{BackendLabel, Metrics};
@@ -85,6 +85,8 @@ pub struct Runtime {
     pub tenants: Vec<Arc<Tenant>>,
     /// Models by name.
     pub models: HashMap<String, Arc<Model>>,
+    /// Each tenant's scopes in the shared limit store (`[state] backend = "redis"` only).
+    pub shared_scopes: HashMap<Arc<str>, Arc<[levee_store::ScopeLimits]>>,
 }
 
 fn decode_key(hex_digest: &str) -> Option<[u8; 32]> {
@@ -196,11 +198,18 @@ impl Runtime {
         if !errors.is_empty() {
             return Err(errors);
         }
+        let mut shared_scopes = HashMap::new();
+        if cfg.state.backend == StateBackend::Redis {
+            for (t, tenant) in cfg.tenants.iter().zip(&tenants) {
+                shared_scopes.insert(tenant.name.clone(), crate::shared::scopes(&cfg, t));
+            }
+        }
         Ok(Runtime {
             cfg: Arc::new(cfg),
             keys,
             tenants,
             models,
+            shared_scopes,
         })
     }
 
@@ -211,9 +220,16 @@ impl Runtime {
         self.keys.get(&digest)
     }
 
+    /// Whether tenant and global request and token rates are decided in the shared store
+    /// (then the admission state does not decide them again).
+    pub fn rates_shared(&self) -> bool {
+        self.cfg.state.backend == StateBackend::Redis
+    }
+
     /// The admission settings of this configuration.
     fn admission_config(&self) -> AdmissionConfig {
         let cfg = &self.cfg;
+        let shared = self.rates_shared();
         let max_prio = cfg.tiers.values().map(|t| t.priority).max().unwrap_or(0);
         let mut tiers = vec![
             WaitBudget {
@@ -231,9 +247,17 @@ impl Runtime {
         let h = &cfg.heavy;
         AdmissionConfig {
             global: limit_spec(
-                cfg.limits.requests_per_minute,
+                if shared {
+                    0
+                } else {
+                    cfg.limits.requests_per_minute
+                },
                 0,
-                cfg.limits.tokens_per_minute,
+                if shared {
+                    0
+                } else {
+                    cfg.limits.tokens_per_minute
+                },
                 cfg.limits.max_concurrency,
             ),
             tenant_default: LimitSpec::UNLIMITED,
@@ -300,6 +324,8 @@ pub struct Gateway {
     pub in_flight: AtomicI64,
     /// Each model's measured demand and backend replica recommendation.
     pub scaling: crate::autoscale::Scaling,
+    /// The shared limit store (`[state] backend = "redis"`).
+    pub shared: Option<Arc<crate::shared::Shared>>,
     /// Async tasks, when `tasks.enabled`.
     tasks: Option<Arc<crate::tasks::Tasks>>,
 }
@@ -332,6 +358,15 @@ impl Gateway {
         let degrader = Degrader::new(&rt.cfg);
         let ip_guard = KeyedGcra::new(ip_quota(&rt.cfg), 100_000);
         let admission = Admission::new(rt.admission_config());
+        let metrics = Metrics::new();
+        let shared = match rt.cfg.state.backend {
+            StateBackend::Memory => None,
+            StateBackend::Redis => Some(Arc::new(crate::shared::Shared::new(
+                &rt.cfg.state,
+                clock,
+                &metrics,
+            )?)),
+        };
         let tasks = if rt.cfg.tasks.enabled {
             Some(Arc::new(crate::tasks::Tasks::open(&rt.cfg.tasks)?))
         } else {
@@ -341,7 +376,7 @@ impl Gateway {
             runtime: RwLock::new(Arc::new(rt)),
             lanes: RwLock::new(HashMap::new()),
             admission: Mutex::new(admission),
-            metrics: Metrics::new(),
+            metrics,
             client: build_client(),
             clock,
             draining: AtomicBool::new(false),
@@ -351,6 +386,7 @@ impl Gateway {
             queued: AtomicI64::new(0),
             in_flight: AtomicI64::new(0),
             scaling: crate::autoscale::Scaling::default(),
+            shared,
             tasks,
         });
         gw.set_tenant_series();
@@ -412,6 +448,13 @@ impl Gateway {
         if cfg.observe.otlp_endpoint != old.cfg.observe.otlp_endpoint {
             tracing::warn!("observe.otlp_endpoint changed in the new config; restart to apply it");
         }
+        if cfg.state != old.cfg.state {
+            // The store's kind and connection are fixed at start; the admission state must
+            // keep agreeing with it about who decides the rates.
+            return Err(vec![
+                "state: [state] changed; restart the gateway to apply it".to_string(),
+            ]);
+        }
         if cfg.tasks != old.cfg.tasks {
             tracing::warn!("[tasks] changed in the new config; restart to apply it");
         }
@@ -452,15 +495,16 @@ impl Gateway {
         let lane_cfg = rt.lane_config();
         {
             let mut adm = self.admission.lock();
+            let shared = rt.rates_shared();
             for t in &rt.tenants {
                 adm.set_tenant(
                     t.name.clone(),
                     TenantSpec {
                         limits: limit_spec(
-                            t.cfg.requests_per_minute,
+                            if shared { 0 } else { t.cfg.requests_per_minute },
                             t.cfg.requests_burst,
-                            t.cfg.tokens_per_minute,
-                            t.cfg.max_concurrency,
+                            if shared { 0 } else { t.cfg.tokens_per_minute },
+                            if shared { 0 } else { t.cfg.max_concurrency },
                         ),
                         weight: weight_units(t.cfg.weight),
                     },
@@ -543,6 +587,13 @@ impl Gateway {
         }
     }
 
+    /// Leaves the fleet's live set at once (a clean shutdown shortens nobody's share).
+    pub async fn leave_fleet(&self) {
+        if let Some(s) = &self.shared {
+            s.leave().await;
+        }
+    }
+
     /// Stops background tasks.
     pub fn stop(&self) {
         self.stopped.cancel();
@@ -568,8 +619,20 @@ impl Gateway {
         any
     }
 
-    /// Spawns the scraper and the degradation ticker.
+    /// Spawns the scraper, the degradation ticker and, with a shared store, the heartbeat.
     pub fn spawn_background(self: &Arc<Self>) {
+        if let Some(shared) = self.shared.clone() {
+            let stop = self.stopped.clone();
+            tokio::spawn(async move {
+                loop {
+                    shared.beat().await;
+                    tokio::select! {
+                        _ = stop.cancelled() => break,
+                        _ = tokio::time::sleep(shared.heartbeat_interval()) => {}
+                    }
+                }
+            });
+        }
         let gw = self.clone();
         let stop = self.stopped.clone();
         tokio::spawn(async move {
@@ -789,7 +852,10 @@ impl Gateway {
                     "tier": t.tier,
                     "priority": t.priority,
                     "weight": t.cfg.weight,
-                    "limits": info(adm.rate_limit_headers(&t.name, now)),
+                    "limits": info(match (&self.shared, rt.shared_scopes.get(&t.name)) {
+                        (Some(s), Some(scopes)) => s.tenant_figures(scopes, now),
+                        _ => adm.rate_limit_headers(&t.name, now),
+                    }),
                 })
             })
             .collect();
@@ -820,6 +886,10 @@ impl Gateway {
             "degradation": deg,
             "autoscale": self.scaling.state_json(),
             "global_limits": global,
+            "state": match &self.shared {
+                Some(s) => s.state_json(),
+                None => serde_json::json!({"backend": "memory", "healthy": true, "mode": "local", "live_replicas": 1}),
+            },
             "tenants": tenants,
             "models": lanes,
         })

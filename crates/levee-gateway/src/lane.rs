@@ -462,6 +462,8 @@ pub struct Admitted {
     /// Time spent queued before dispatch.
     pub waited: Duration,
     sent: bool,
+    /// Its charge in the shared limit store, settled when it ends.
+    charge: Option<crate::shared::Charge>,
 }
 
 impl std::fmt::Debug for Admitted {
@@ -482,7 +484,18 @@ impl Admitted {
             grant: Some(grant),
             waited,
             sent: false,
+            charge: None,
         }
+    }
+
+    /// Gives it the charge taken in the shared limit store, to settle when it ends.
+    pub fn attach(&mut self, charge: Option<crate::shared::Charge>) {
+        self.charge = charge;
+    }
+
+    /// The tenant's figures from the shared limit store, if it was decided there.
+    pub fn shared_figures(&self) -> Option<levee_store::Figures> {
+        self.charge.as_ref().map(|c| c.figures)
     }
 
     /// The backend it was placed on.
@@ -521,6 +534,12 @@ impl Admitted {
         if let Some(g) = self.grant.take() {
             let now = self.gw.clock.now();
             self.gw.admission.lock().complete(g, done, now);
+            if let Some(c) = self.charge.take() {
+                match done.actual_tokens {
+                    Some(actual) => c.reconcile(actual),
+                    None => c.keep(),
+                }
+            }
             self.finish();
         }
     }
@@ -546,8 +565,13 @@ impl Drop for Admitted {
                     actual_tokens: None,
                 };
                 adm.complete(g, done, now);
+                if let Some(c) = self.charge.take() {
+                    c.keep();
+                }
             } else {
                 adm.refund(g, now);
+                // Dropping the charge refunds it.
+                self.charge = None;
             }
         }
         self.finish();

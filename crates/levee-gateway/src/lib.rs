@@ -31,6 +31,7 @@ pub mod reload;
 pub mod request_log;
 pub mod routes;
 pub mod server;
+pub mod shared;
 pub mod task_store;
 pub mod tasks;
 mod tokenize;

@@ -123,6 +123,21 @@ pub struct LevelLabel {
     pub level: String,
 }
 
+/// `to` of a shared-state switch.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct SwitchLabel {
+    /// `shared` (Redis answers again), `local` (`fail_open` shares) or `closed`
+    /// (`fail_closed`).
+    pub to: String,
+}
+
+/// `source` of a shared-limit decision.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct SourceLabel {
+    /// `redis` or `local`.
+    pub source: String,
+}
+
 /// Every metric the gateway exports.
 pub struct Metrics {
     /// The registry `/metrics` encodes.
@@ -199,6 +214,16 @@ pub struct Metrics {
     pub lane_load: Family<ModelLabel, Gauge>,
     /// `levee_backend_max_in_flight{backend}`: the configured cap of each backend.
     pub backend_max_in_flight: Family<BackendLabel, Gauge>,
+    /// `levee_state_shared`: 1 when limits are decided in the shared store (Redis answers),
+    /// 0 when this replica runs on its local fallback (or refuses, `fail_closed`); absent
+    /// with `backend = "memory"`.
+    pub state_shared: Gauge,
+    /// `levee_state_switches_total{to}`: switches between shared and local decisions.
+    pub state_switches: Family<SwitchLabel, Counter>,
+    /// `levee_state_decisions_total{source}`: shared-limit decisions by where they were made.
+    pub state_decisions: Family<SourceLabel, Counter>,
+    /// `levee_fleet_replicas`: live gateway replicas seen in the shared store's heartbeats.
+    pub fleet_replicas: Gauge,
     /// `levee_tasks_finished_total{state}`: async tasks by final state.
     pub tasks_finished: Family<StateLabel, Counter>,
     /// `levee_task_band{state}`: async tasks `waiting` for the batch band and `placed` in it
@@ -455,7 +480,35 @@ impl Metrics {
             "Configured most requests levee sends to each backend at once",
             backend_max_in_flight.clone(),
         );
+        let state_shared = Gauge::default();
+        registry.register(
+            "state_shared",
+            "1 when limits are decided in the shared store, 0 on the local fallback",
+            state_shared.clone(),
+        );
+        let state_switches = Family::<SwitchLabel, Counter>::default();
+        registry.register(
+            "state_switches",
+            "Switches between shared (Redis) and local limit decisions",
+            state_switches.clone(),
+        );
+        let state_decisions = Family::<SourceLabel, Counter>::default();
+        registry.register(
+            "state_decisions",
+            "Shared-limit decisions by where they were made",
+            state_decisions.clone(),
+        );
+        let fleet_replicas = Gauge::default();
+        registry.register(
+            "fleet_replicas",
+            "Live gateway replicas seen in the shared store",
+            fleet_replicas.clone(),
+        );
         Metrics {
+            state_shared,
+            state_switches,
+            state_decisions,
+            fleet_replicas,
             registry,
             watermark,
             backend_max_in_flight,

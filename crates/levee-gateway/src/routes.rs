@@ -634,10 +634,24 @@ async fn admit_phase(
         max_wait: None,
     };
     gw.scaling.arrival(&c.target.name);
+    // Fleet-wide rates first (a refusal here costs the local state nothing); the charge
+    // comes back if the local admission then refuses.
+    let charge = match (&gw.shared, rt_scopes(gw, tenant)) {
+        (Some(shared), Some(scopes)) => Box::pin(shared.take(&scopes, req.tokens())).await?,
+        _ => None,
+    };
     let waiting = gw.metrics.queued_wait(&tenant.name);
     let admitted = Box::pin(lane::admit(gw, &c.lane, &seat.tier, req, spot)).await;
     waiting.done();
-    admitted
+    let mut admitted = admitted?;
+    admitted.attach(charge);
+    Ok(admitted)
+}
+
+/// The tenant's scopes in the shared limit store, when there is one.
+fn rt_scopes(gw: &Gateway, tenant: &Tenant) -> Option<Arc<[levee_store::ScopeLimits]>> {
+    gw.shared.as_ref()?;
+    gw.runtime().shared_scopes.get(&tenant.name).cloned()
 }
 
 /// Dispatch: the backend the admission placed the request on.
@@ -793,7 +807,11 @@ fn response_headers(
         }
     }
     let now = gw.clock.now();
-    let rate = gw.admission.lock().rate_limit_headers(&tenant.name, now);
+    let mut rate = gw.admission.lock().rate_limit_headers(&tenant.name, now);
+    if let Some(f) = admitted.shared_figures() {
+        rate.requests = f.requests;
+        rate.tokens = f.tokens;
+    }
     let info = RateInfo {
         limit_requests: rate.requests.map(|i| i.limit),
         remaining_requests: rate.requests.map(|i| i.remaining),

@@ -80,6 +80,7 @@ impl GatewayHandle {
         {
             tracing::warn!("shutdown grace period passed with connections still open");
         }
+        self.gateway.leave_fleet().await;
         self.gateway.stop();
     }
 }

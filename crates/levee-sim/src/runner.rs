@@ -508,6 +508,9 @@ async fn run_request(ctx: Arc<Ctx>, req: Req, permit: Option<OwnedSemaphorePermi
     }
 }
 
+/// Tokens a one-message chat costs beyond its content (4 for the message, 2 for the prompt).
+const CHAT_FORMAT_TOKENS: u32 = 6;
+
 /// A session's next turn: after a think time, with the history (previous prompt and answer)
 /// plus a new question as its prompt. Turns that would start after the run ends are dropped
 /// before they are scheduled (they were never offered).
@@ -526,8 +529,13 @@ fn schedule_next_turn(ctx: &Arc<Ctx>, req: &Req, done_ns: u64, tokens: u32) {
         .saturating_add(tokens)
         .saturating_add(question);
     if let Some(window) = ctx.scenario.sessions.context_tokens {
-        // Drop the oldest history (never the new question) until prompt + answer fit.
-        let room = window.saturating_sub(max_tokens).max(question.min(window));
+        // Drop the oldest history (never the new question) until prompt + answer fit, less
+        // the chat format's own tokens (4 per message and 2 per prompt, as OpenAI counts
+        // them: the history is sent as one message).
+        let room = window
+            .saturating_sub(max_tokens)
+            .saturating_sub(CHAT_FORMAT_TOKENS)
+            .max(question.min(window));
         prompt_tokens = prompt_tokens.min(room);
     }
     let next = Req {
