@@ -764,9 +764,9 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
     /// requests of higher tiers arriving meanwhile (`λ`, measured) go first, so the queue
     /// ahead moves at `μ − λ`, and the n-th place waits about an Erlang time of mean
     /// `n / (μ − λ)`, whose 95th percentile is near `(n + 1.65·√n) / (μ − λ)`. The longer of
-    /// that over the lane (n = position) and, when the tenant already has requests waiting,
-    /// over the tenant itself (n = its waiting + 1, at its own pace: its requests in flight
-    /// ÷ `s` — a tenant held to its fair share drains at its own pace). When higher tiers
+    /// that over the lane (n = position) and, when the fair-share rule holds the tenant back
+    /// and it already has requests waiting, over the tenant itself (n = its waiting + 1, at
+    /// its own pace: its requests in flight ÷ `s`). When higher tiers
     /// take nearly everything the wait is unbounded (reported as a very long one). `None`
     /// until a service time has been measured.
     pub fn predict_wait(
@@ -793,8 +793,11 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
             } else {
                 f64::INFINITY
             };
+            // Only a tenant the fair-share rule holds back drains at its own pace.
             let own = match self.tenants.get(tenant) {
-                Some(u) if u.queued > 0 => erlang_p95(u.queued + 1, u.in_flight.max(1) as f64 / s),
+                Some(u) if u.queued > 0 && !self.view().within_share(tenant, 1, now) => {
+                    erlang_p95(u.queued + 1, u.in_flight.max(1) as f64 / s)
+                }
                 _ => 0.0,
             };
             Duration::from_secs_f64(lane.max(own).min(1e6))
