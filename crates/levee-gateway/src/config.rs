@@ -871,6 +871,11 @@ pub struct ObserveConfig {
     /// Tenants (in config order) that get their own series in the per-tenant histograms;
     /// the others are counted under `tenant="other"`.
     pub max_tenant_series: usize,
+    /// An OpenTelemetry collector's OTLP/HTTP base URL (`http://127.0.0.1:4318`): one trace
+    /// per request is exported to `<url>/v1/traces` as protobuf. Needs a levee built with
+    /// `--features otel`; read at start (a reload does not change it).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub otlp_endpoint: Option<String>,
 }
 
 impl Default for ObserveConfig {
@@ -878,8 +883,31 @@ impl Default for ObserveConfig {
         ObserveConfig {
             request_log_sample: 0.0,
             max_tenant_series: 50,
+            otlp_endpoint: None,
         }
     }
+}
+
+/// Whether this build can export to `observe.otlp_endpoint`, and the URL is one it can use.
+#[cfg(feature = "otel")]
+fn check_otlp_endpoint(url: &str) -> Result<(), String> {
+    match url.parse::<http::Uri>() {
+        Ok(u) if u.scheme_str() == Some("http") && u.authority().is_some() => Ok(()),
+        Ok(_) => Err(format!(
+            "{url:?} must be an http:// URL with a host (the collector's OTLP/HTTP base URL, \
+             such as http://127.0.0.1:4318)"
+        )),
+        Err(e) => Err(format!("{url:?} is not a URL: {e}")),
+    }
+}
+
+#[cfg(not(feature = "otel"))]
+fn check_otlp_endpoint(_url: &str) -> Result<(), String> {
+    Err(
+        "this levee was built without OpenTelemetry support; rebuild it with \
+         `cargo build --release -p levee --features otel`, or remove the field"
+            .to_string(),
+    )
 }
 
 /// Hex SHA-256 of an API key, as stored in `key_sha256`.
@@ -1132,6 +1160,11 @@ impl Config {
                 self.observe.request_log_sample
             ));
         }
+        if let Some(url) = &self.observe.otlp_endpoint {
+            if let Err(e) = check_otlp_endpoint(url) {
+                errs.push(format!("observe.otlp_endpoint: {e}"));
+            }
+        }
         if self.server.max_body_bytes == 0 {
             errs.push("server.max_body_bytes: must be > 0".to_string());
         }
@@ -1337,6 +1370,24 @@ url = "http://127.0.0.1:1"
         // Ejection settings are not judged while ejection is off.
         cfg.outlier.enabled = false;
         assert_eq!(cfg.validate().len(), 2);
+    }
+
+    #[test]
+    fn otlp_endpoint_needs_the_otel_feature_and_an_http_url() {
+        let mut cfg = Config::default();
+        cfg.observe.otlp_endpoint = Some("http://127.0.0.1:4318".into());
+        let errs = cfg.validate();
+        if cfg!(feature = "otel") {
+            assert!(errs.is_empty(), "{errs:?}");
+            cfg.observe.otlp_endpoint = Some("grpc://collector".into());
+            let errs = cfg.validate();
+            assert_eq!(errs.len(), 1, "{errs:?}");
+            assert!(errs[0].starts_with("observe.otlp_endpoint: "), "{errs:?}");
+        } else {
+            assert_eq!(errs.len(), 1, "{errs:?}");
+            assert!(errs[0].starts_with("observe.otlp_endpoint: "), "{errs:?}");
+            assert!(errs[0].contains("--features otel"), "{errs:?}");
+        }
     }
 
     #[test]

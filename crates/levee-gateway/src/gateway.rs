@@ -445,6 +445,9 @@ impl Gateway {
         if cfg.listen != old.cfg.listen {
             tracing::warn!("listen addresses changed in the new config; restart to apply them");
         }
+        if cfg.observe.otlp_endpoint != old.cfg.observe.otlp_endpoint {
+            tracing::warn!("observe.otlp_endpoint changed in the new config; restart to apply it");
+        }
         if cfg.state != old.cfg.state {
             // The store's kind and connection are fixed at start; the admission state must
             // keep agreeing with it about who decides the rates.

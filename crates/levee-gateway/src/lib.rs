@@ -23,6 +23,8 @@ pub mod error;
 pub mod gateway;
 pub mod lane;
 pub mod metrics;
+#[cfg(feature = "otel")]
+pub mod otel;
 pub mod proxy;
 mod queue_updates;
 pub mod reload;

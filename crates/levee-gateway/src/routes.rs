@@ -6,6 +6,12 @@
 //! (send, resend once if the backend could not be reached, stream back) → settle
 //! ([`RequestSettle`]: breaker, reconcile, metrics).
 //!
+//! Each request runs in a `tracing` span (at `debug` level) named `request` (fields `request_id`, `tenant`,
+//! `model`, `backend`, `queue_ms`, `outcome`, `http.response.status_code`; never a key or a
+//! body) with one child span per phase, named as above (and `read_body`). A served request's
+//! span ends when it settles, after the last byte of its answer; with the `otel` feature
+//! these spans are exported as an OpenTelemetry trace (see `crate::otel`).
+//!
 //! Degradation is decided before admission rather than after it: queues are per model, so
 //! routing to a fallback model and shedding a tier must happen before a request joins a
 //! queue. The `max_tokens` cap is applied when the upstream body is built.
@@ -30,6 +36,8 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio::time::Instant;
 use tower_http::catch_panic::CatchPanicLayer;
+use tracing::field::Empty;
+use tracing::{debug_span, Instrument, Span};
 
 /// The public router.
 pub fn router(gw: Arc<Gateway>) -> Router {
@@ -152,6 +160,35 @@ struct Labels {
     model: Arc<str>,
     lane: Option<Arc<Lane>>,
     request: Option<RequestId>,
+    /// The request's `tracing` span; phases are its children.
+    span: Span,
+}
+
+/// The request's span: its fields are filled in as the pipeline learns them.
+fn request_span(path: &'static str, request: Option<&RequestId>) -> Span {
+    debug_span!(
+        "request",
+        otel.kind = "server",
+        http.request.method = "POST",
+        http.route = path,
+        request_id = request.map(RequestId::as_str),
+        tenant = Empty,
+        model = Empty,
+        backend = Empty,
+        queue_ms = Empty,
+        outcome = Empty,
+        http.response.status_code = Empty,
+        otel.status_code = Empty,
+    )
+}
+
+/// Records how a request ended on its span.
+fn record_end(span: &Span, outcome: &str, status: u16) {
+    span.record("outcome", outcome);
+    span.record("http.response.status_code", status);
+    if status >= 500 || status == 0 {
+        span.record("otel.status_code", "ERROR");
+    }
 }
 
 async fn handle(
@@ -182,15 +219,21 @@ pub(crate) async fn handle_with(
     spot: Option<&QueueSpot>,
 ) -> Response {
     let dash: Arc<str> = Arc::from("-");
+    let request = req.extensions().get::<RequestId>().cloned();
+    let span = request_span(path, request.as_ref());
     let mut labels = Labels {
         tenant: dash.clone(),
         tier: "-".into(),
         model: dash,
         lane: None,
-        request: req.extensions().get::<RequestId>().cloned(),
+        request,
+        span: span.clone(),
     };
     let arrived = Instant::now();
-    match pipeline(&gw, peer, req, path, &mut labels, spot).await {
+    match pipeline(&gw, peer, req, path, &mut labels, spot)
+        .instrument(span)
+        .await
+    {
         Ok(resp) => resp,
         Err(mut e) => {
             account_error(&gw, &labels, &e);
@@ -227,6 +270,7 @@ fn account_error(gw: &Gateway, labels: &Labels, e: &GatewayError) {
         gw.metrics.reject(&labels.tier, e.code);
     }
     gw.metrics.request(&labels.tenant, &labels.model, e.code);
+    record_end(&labels.span, e.code, e.status.as_u16());
     if e.origin == crate::error::Origin::Upstream {
         tracing::warn!(tenant = %labels.tenant, model = %labels.model, "{e}");
     } else {
@@ -281,6 +325,8 @@ struct Classified {
     degraded: Vec<String>,
     /// The request's id, for its log line.
     request: Option<RequestId>,
+    /// The request's span, kept until it settles.
+    span: Span,
 }
 
 /// The pipeline, one named phase after another (each a function below):
@@ -294,14 +340,17 @@ async fn pipeline(
     spot: Option<&QueueSpot>,
 ) -> Result<Response, GatewayError> {
     let rt = gw.runtime();
-    let tenant = authenticate(gw, peer, req.headers())?;
+    let tenant = debug_span!("authenticate").in_scope(|| authenticate(gw, peer, req.headers()))?;
     let asked_updates = req
         .headers()
         .get("x-levee-queue-updates")
         .is_some_and(|v| v.as_bytes() == b"1");
     labels.tenant = tenant.name.clone();
+    labels.span.record("tenant", &*tenant.name);
     let seat = Seat::of(&tenant);
-    let body = Box::pin(read_body(*req, rt.cfg.server.max_body_bytes)).await?;
+    let body = Box::pin(read_body(*req, rt.cfg.server.max_body_bytes))
+        .instrument(debug_span!("read_body"))
+        .await?;
     let seat_updates = seat.queue_updates;
     let served = serve(gw, &rt, tenant, seat, &body, path, labels, spot, |stream| {
         stream && (asked_updates || seat_updates)
@@ -321,12 +370,15 @@ pub(crate) async fn serve_task(
 ) -> Result<Response, GatewayError> {
     let rt = gw.runtime();
     let dash: Arc<str> = Arc::from("-");
+    let span = request_span(path, None);
+    span.record("tenant", &*tenant.name);
     let mut labels = Labels {
         tenant: tenant.name.clone(),
         tier: seat.tier.clone(),
         model: dash,
         lane: None,
         request: None,
+        span: span.clone(),
     };
     let served = serve(
         gw,
@@ -339,7 +391,7 @@ pub(crate) async fn serve_task(
         Some(spot),
         |_| false,
     );
-    let r = Box::pin(served).await;
+    let r = Box::pin(served.instrument(span)).await;
     if let Err(e) = &r {
         account_error(gw, &labels, e);
     }
@@ -360,23 +412,32 @@ async fn serve(
     wants_updates: impl FnOnce(bool) -> bool,
 ) -> Result<Response, GatewayError> {
     labels.tier = seat.tier.clone();
-    let c = classify(gw, rt, &seat, body, labels)?;
+    let c = debug_span!("classify").in_scope(|| classify(gw, rt, &seat, body, labels));
+    labels.span.record("model", &*labels.model);
+    let c = c?;
     if let Some(s) = spot {
         s.updates.store(
             wants_updates(c.parsed.stream),
             std::sync::atomic::Ordering::Relaxed,
         );
     }
-    let admitted = match admit_phase(gw, &tenant, &seat, &c, spot).await {
+    let admitted = match admit_phase(gw, &tenant, &seat, &c, spot)
+        .instrument(debug_span!("admit"))
+        .await
+    {
         Ok(a) => a,
         Err(e) => {
             let unservable = matches!(e.refusal, Some(RefusalReason::Unservable(_)));
             return match (&c.target.fallback_response, unservable) {
-                (Some(text), true) => Ok(fallback_reply(gw, &tenant, &c, path, text, &e)),
+                (Some(text), true) => {
+                    record_end(&labels.span, "fallback_response", StatusCode::OK.as_u16());
+                    Ok(fallback_reply(gw, &tenant, &c, path, text, &e))
+                }
                 _ => Err(e),
             };
         }
     };
+    labels.span.record("queue_ms", ms(admitted.waited));
     gw.metrics.admitted_for(&tenant.metrics, &seat.tier);
     for d in &c.degraded {
         let measure = d.split('=').next().unwrap_or("degraded").to_string();
@@ -388,8 +449,11 @@ async fn serve(
             })
             .inc();
     }
-    let (admitted, backend) = dispatch(admitted, &c)?;
-    Box::pin(proxy_phase(gw, rt, tenant, c, admitted, backend, path)).await
+    let (admitted, backend) = debug_span!("dispatch").in_scope(|| dispatch(admitted, &c))?;
+    Box::pin(
+        proxy_phase(gw, rt, tenant, c, admitted, backend, path).instrument(debug_span!("proxy")),
+    )
+    .await
 }
 
 /// The tier a request is admitted in: the tenant's own, or the batch band for its tasks.
@@ -548,6 +612,7 @@ fn classify(
         cap,
         degraded,
         request: labels.request.clone(),
+        span: labels.span.clone(),
     })
 }
 
@@ -676,6 +741,7 @@ async fn proxy_phase(
         }
     };
     let backend_id = backend.id.clone();
+    c.span.record("backend", &*backend_id);
     let queued = admitted.waited;
     let settle = RequestSettle {
         gw: gw.clone(),
@@ -690,6 +756,7 @@ async fn proxy_phase(
         outlier: rt.cfg.outlier.clone(),
         judged,
         request: c.request.clone(),
+        span: c.span.clone(),
     };
     let settlement = Settlement::new(Box::new(settle));
     if c.parsed.stream && resp.status().is_success() {
@@ -889,10 +956,13 @@ struct RequestSettle {
     /// The outcome already went to outlier ejection (see `proxy_phase`).
     judged: bool,
     request: Option<RequestId>,
+    /// The request's span: it ends when this is dropped, at the end of `settle`.
+    span: Span,
 }
 
 impl Settle for RequestSettle {
     fn settle(mut self: Box<Self>, outcome: Outcome) {
+        let _settling = debug_span!(parent: &self.span, "settle").entered();
         let now = self.gw.clock.now();
         let verdict = outcome.verdict(self.backend.is_routable(), &self.outlier);
         if !self.judged {
@@ -966,6 +1036,7 @@ impl Settle for RequestSettle {
         self.gw
             .metrics
             .request_for(&self.tenant.metrics, &self.tenant.name, &self.model, label);
+        record_end(&self.span, label, outcome.status);
         self.gw.scaling.completion(&self.model);
         let times = crate::metrics::RequestTimes {
             queued: self.queued,

@@ -55,8 +55,23 @@ enum ConfigCommand {
     },
 }
 
+/// `observe.otlp_endpoint` of the config `levee serve` will load, read ahead so the trace
+/// layer is in place before the gateway starts. A config that does not load gives `None`
+/// here; `serve` then reports its errors.
+#[cfg(feature = "otel")]
+fn otlp_endpoint(command: &Command) -> Option<String> {
+    match command {
+        Command::Serve(args) => levee_gateway::Config::load(&args.config)
+            .ok()
+            .and_then(|c| c.observe.otlp_endpoint),
+        _ => None,
+    }
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    #[cfg(feature = "otel")]
+    let mut otel_exporter: Option<levee_gateway::otel::OtelExporter> = None;
     let filter = |default: &str| {
         tracing_subscriber::EnvFilter::try_from_default_env()
             .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default))
@@ -81,10 +96,32 @@ fn main() -> ExitCode {
             }
         }
     } else {
-        tracing_subscriber::fmt()
-            .with_env_filter(filter("info"))
+        use tracing_subscriber::layer::SubscriberExt;
+        use tracing_subscriber::util::SubscriberInitExt;
+        use tracing_subscriber::Layer;
+        let logs = tracing_subscriber::fmt::layer()
             .with_writer(std::io::stderr)
-            .init();
+            .with_filter(filter("info"));
+        let registry = tracing_subscriber::registry().with(logs);
+        #[cfg(feature = "otel")]
+        {
+            let otel = match otlp_endpoint(&cli.command) {
+                Some(url) => match levee_gateway::otel::layer(&url) {
+                    Ok((layer, exporter)) => {
+                        otel_exporter = Some(exporter);
+                        Some(layer)
+                    }
+                    Err(e) => {
+                        eprintln!("levee: {e}");
+                        return ExitCode::FAILURE;
+                    }
+                },
+                None => None,
+            };
+            registry.with(otel).init();
+        }
+        #[cfg(not(feature = "otel"))]
+        registry.init();
     }
     if let Command::Config {
         command: ConfigCommand::Check { file },
@@ -123,6 +160,13 @@ fn main() -> ExitCode {
             Command::Config { .. } => Ok(()),
         }
     });
+    #[cfg(feature = "otel")]
+    if let Some(exporter) = otel_exporter {
+        // The last batch of spans goes out before the process ends.
+        if let Err(e) = exporter.shutdown() {
+            eprintln!("levee: {e}");
+        }
+    }
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
