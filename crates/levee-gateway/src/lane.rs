@@ -156,33 +156,10 @@ impl Lane {
     /// Spawns the dispatcher task: it runs [`Lane::pump`] whenever woken, and at the
     /// earliest queued deadline.
     pub fn spawn_dispatcher(self: &Arc<Self>, gw: Weak<Gateway>) {
-        let lane = self.clone();
-        tokio::spawn(async move {
-            let Some(stop) = gw.upgrade().map(|g| g.stopped_token()) else {
-                return;
-            };
-            loop {
-                let notified = lane.wake.notified();
-                tokio::pin!(notified);
-                // Register before pumping, so a wake during the pump is not lost.
-                notified.as_mut().enable();
-                let next = {
-                    let Some(g) = gw.upgrade() else { break };
-                    lane.pump(&g)
-                };
-                let sleep = async {
-                    match next {
-                        Some(at) => tokio::time::sleep_until(at).await,
-                        None => std::future::pending().await,
-                    }
-                };
-                tokio::select! {
-                    _ = stop.cancelled() => break,
-                    _ = &mut notified => {}
-                    _ = sleep => {}
-                }
-            }
-        });
+        let Some(stop) = gw.upgrade().map(|g| g.stopped_token()) else {
+            return;
+        };
+        spawn_pump(self.clone(), |l| &l.wake, gw, stop, |l, g| l.pump(g));
     }
 
     /// Answers what must be answered now — expired waiters, and every waiter when the lane
@@ -779,4 +756,39 @@ fn scope_name(s: levee_policy::Scope, req: &AdmissionRequest<Arc<str>>) -> Strin
         levee_policy::Scope::Tenant => format!("tenant {}", req.tenant),
         levee_policy::Scope::TenantHeavy => format!("tenant {} heavy requests", req.tenant),
     }
+}
+
+/// Spawns a task that runs `step` at once, then whenever `wake(owner)` is notified or the time
+/// `step` returned comes, until `stop` is cancelled or the gateway is gone: the loop behind
+/// each lane's dispatcher and the task feeder.
+pub(crate) fn spawn_pump<S: Send + Sync + 'static>(
+    owner: Arc<S>,
+    wake: fn(&S) -> &Notify,
+    gw: Weak<Gateway>,
+    stop: tokio_util::sync::CancellationToken,
+    step: impl Fn(&Arc<S>, &Arc<Gateway>) -> Option<tokio::time::Instant> + Send + 'static,
+) {
+    tokio::spawn(async move {
+        loop {
+            let notified = wake(&owner).notified();
+            tokio::pin!(notified);
+            // Register before stepping, so a wake during the step is not lost.
+            notified.as_mut().enable();
+            let next = {
+                let Some(g) = gw.upgrade() else { break };
+                step(&owner, &g)
+            };
+            let sleep = async {
+                match next {
+                    Some(at) => tokio::time::sleep_until(at).await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                _ = stop.cancelled() => break,
+                _ = &mut notified => {}
+                _ = sleep => {}
+            }
+        }
+    });
 }

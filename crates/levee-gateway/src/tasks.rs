@@ -244,30 +244,13 @@ impl Tasks {
         if requeued > 0 {
             tracing::warn!("{requeued} tasks were running when the gateway stopped; queued again");
         }
-        let stop = gw.stopped_token();
-        let weak = Arc::downgrade(gw);
-        let me = self.clone();
-        tokio::spawn(async move {
-            loop {
-                let notified = me.wake.notified();
-                tokio::pin!(notified);
-                notified.as_mut().enable();
-                let Some(gw) = weak.upgrade() else { break };
-                let next = me.clone().feed(&gw);
-                drop(gw);
-                let sleep = async {
-                    match next {
-                        Some(at) => tokio::time::sleep_until(at).await,
-                        None => std::future::pending().await,
-                    }
-                };
-                tokio::select! {
-                    _ = stop.cancelled() => break,
-                    _ = &mut notified => {}
-                    _ = sleep => {}
-                }
-            }
-        });
+        crate::lane::spawn_pump(
+            self.clone(),
+            |t| &t.wake,
+            Arc::downgrade(gw),
+            gw.stopped_token(),
+            |t, g| t.clone().feed(g),
+        );
         let stop = gw.stopped_token();
         let weak = Arc::downgrade(gw);
         let me = self;
