@@ -84,6 +84,49 @@ fn micros(us: i64) -> Duration {
     Duration::from_micros(u64::try_from(us).unwrap_or(0))
 }
 
+/// The figures of an admitting reply `[remaining requests, their reset µs, remaining tokens,
+/// their reset µs]`: the script reports the last limited scope's, which are the last scope's
+/// figures when that scope is limited (none otherwise).
+fn last_figures(scopes: &[ScopeLimits], last: &ScopeLimits, reply: [i64; 4]) -> Figures {
+    let [rr, rreset, tr, treset] = reply;
+    if scopes
+        .last()
+        .is_some_and(|s| s.requests.is_some() || s.tokens.is_some())
+    {
+        Figures {
+            requests: info(last.requests.map(|q| q.burst()), rr, rreset),
+            tokens: info(last.tokens.map(|q| q.capacity()), tr, treset),
+        }
+    } else {
+        Figures::default()
+    }
+}
+
+/// A refusing reply's scope (the `i`-th limited one, from 1) and what refused there (`kind`: 1
+/// request rate, 2 token rate, 3 larger than the token bucket, 4 concurrency).
+fn refusal(
+    reply: &[i64],
+    limited: &[(usize, &ScopeLimits)],
+    i: i64,
+    kind: i64,
+) -> Result<(usize, Limited), StoreError> {
+    let bad = || StoreError::Reply(reply.to_vec());
+    let &(scope, limits) = usize::try_from(i - 1)
+        .ok()
+        .and_then(|i| limited.get(i))
+        .ok_or_else(bad)?;
+    let limit = match kind {
+        1 => Limited::Requests,
+        2 => Limited::Tokens,
+        3 => Limited::TooLarge {
+            capacity: limits.tokens.map_or(0, |q| q.capacity()),
+        },
+        4 => Limited::Concurrency,
+        _ => return Err(bad()),
+    };
+    Ok((scope, limit))
+}
+
 fn info(limit: Option<u64>, remaining: i64, reset_us: i64) -> Option<RateLimitInfo> {
     let limit = limit?;
     (remaining >= 0).then(|| RateLimitInfo {
@@ -245,34 +288,15 @@ impl LimitStore for RedisStore {
         let mut conn = self.conn.clone();
         let reply: Vec<i64> = inv.invoke_async(&mut conn).await?;
         match reply.as_slice() {
-            [1, rr, rreset, tr, treset] => {
-                // Figures are the last scope's; the script reports the last limited one.
-                let figures = if scopes.last().is_some_and(|s| s.is_limited()) {
-                    Figures {
-                        requests: info(last.requests.map(|q| q.burst()), *rr, *rreset),
-                        tokens: info(last.tokens.map(|q| q.capacity()), *tr, *treset),
-                    }
-                } else {
-                    Figures::default()
-                };
-                Ok(Decision::Admitted(figures))
-            }
+            [1, rr, rreset, tr, treset] => Ok(Decision::Admitted(last_figures(
+                scopes,
+                last,
+                [*rr, *rreset, *tr, *treset],
+            ))),
             [0, i, kind, retry] => {
-                let pos = usize::try_from(*i - 1)
-                    .ok()
-                    .and_then(|i| limited.get(i))
-                    .ok_or_else(|| StoreError::Reply(reply.clone()))?;
-                let limit = match kind {
-                    1 => Limited::Requests,
-                    2 => Limited::Tokens,
-                    3 => Limited::TooLarge {
-                        capacity: pos.1.tokens.map_or(0, |q| q.capacity()),
-                    },
-                    4 => Limited::Concurrency,
-                    _ => return Err(StoreError::Reply(reply.clone())),
-                };
+                let (scope, limit) = refusal(&reply, &limited, *i, *kind)?;
                 Ok(Decision::Refused {
-                    scope: pos.0,
+                    scope,
                     limit,
                     retry_after: micros(*retry),
                 })
@@ -321,18 +345,7 @@ impl LimitStore for RedisStore {
         let reply: Vec<i64> = inv.invoke_async(&mut conn).await?;
         match reply.as_slice() {
             [1, r, t, rr, rreset, tr, treset] => {
-                // Figures are the last scope's; the script reports the last limited one.
-                let figures = if scopes
-                    .last()
-                    .is_some_and(|s| s.requests.is_some() || s.tokens.is_some())
-                {
-                    Figures {
-                        requests: info(last.requests.map(|q| q.burst()), *rr, *rreset),
-                        tokens: info(last.tokens.map(|q| q.capacity()), *tr, *treset),
-                    }
-                } else {
-                    Figures::default()
-                };
+                let figures = last_figures(scopes, last, [*rr, *rreset, *tr, *treset]);
                 let count = |v: i64| u64::try_from(v).map_err(|_| StoreError::Reply(reply.clone()));
                 Ok(SliceDecision::Granted(Slice {
                     requests: count(*r)?,
@@ -341,20 +354,9 @@ impl LimitStore for RedisStore {
                 }))
             }
             [0, i, kind, retry] => {
-                let pos = usize::try_from(*i - 1)
-                    .ok()
-                    .and_then(|i| limited.get(i))
-                    .ok_or_else(|| StoreError::Reply(reply.clone()))?;
-                let limit = match kind {
-                    1 => Limited::Requests,
-                    2 => Limited::Tokens,
-                    3 => Limited::TooLarge {
-                        capacity: pos.1.tokens.map_or(0, |q| q.capacity()),
-                    },
-                    _ => return Err(StoreError::Reply(reply.clone())),
-                };
+                let (scope, limit) = refusal(&reply, &limited, *i, *kind)?;
                 Ok(SliceDecision::Refused {
-                    scope: pos.0,
+                    scope,
                     limit,
                     retry_after: micros(*retry),
                 })
