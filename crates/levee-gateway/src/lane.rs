@@ -603,8 +603,6 @@ pub async fn admit(
             if let Some(s) = spot {
                 s.set(Spot::Dispatched);
             }
-            // Admission may have displaced a queued request to let this one in: answer it.
-            lane.wake();
             Ok(Admitted::new(gw, lane, d.grant, Duration::ZERO))
         }
         Admit::Queued {
@@ -617,6 +615,8 @@ pub async fn admit(
                     tier: tier.to_string(),
                 })
                 .inc();
+            // Dispatch what may go, and answer a request this one displaced from a full lane
+            // (displacement only happens to a request that then queues).
             lane.wake();
             if let Some(s) = spot {
                 s.set(Spot::Queued {

@@ -615,3 +615,48 @@ async fn a_connection_closed_without_an_answer_is_tried_once_more() {
     assert_eq!(chats.load(Ordering::SeqCst), 2, "one close, one answer");
     gw.shutdown().await;
 }
+
+#[tokio::test]
+async fn a_full_lane_answers_the_displaced_request_at_once() {
+    let be = gated().await;
+    let mut cfg = config(std::slice::from_ref(&be.url), 1);
+    (cfg.queue.safe, cfg.queue.soft, cfg.queue.hard) = (1, 2, 3);
+    let standard = cfg.tiers.get_mut("standard").unwrap();
+    (standard.queue_wait_ms, standard.soft_queue_wait_ms) = (60_000, 60_000);
+    let gw = start(cfg).await.unwrap();
+    let c = client();
+    let g = gw.gateway().clone();
+    let first = spawn_chat(&c, &gw.public_url(), "a", "running");
+    wait_until("a's first request at the backend", || {
+        be.received.load(Ordering::SeqCst) == 1
+    })
+    .await;
+    let older = spawn_chat(&c, &gw.public_url(), "a", "queued first");
+    wait_until("one queued", || g.queued.load(Ordering::SeqCst) == 1).await;
+    let newest = spawn_chat(&c, &gw.public_url(), "a", "queued second");
+    wait_until("two queued", || g.queued.load(Ordering::SeqCst) == 2).await;
+    // The lane is at its hard watermark (1 running + 2 queued): a peer with nothing waiting
+    // takes the place of a's newest request, which is answered now, not after a minute.
+    let peer = spawn_chat(&c, &gw.public_url(), "b", "peer");
+    let r = tokio::time::timeout(Duration::from_secs(10), newest)
+        .await
+        .expect("the displaced request was left waiting")
+        .unwrap();
+    assert_eq!(r.status(), 429);
+    assert!(r.headers().contains_key("retry-after"));
+    let e = error_json(r).await;
+    assert_eq!(e["error"]["code"], "capacity_overload", "{e}");
+    assert!(
+        e["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("took this one's place"),
+        "{e}"
+    );
+    be.gate.add_permits(3);
+    for h in [first, older, peer] {
+        assert_eq!(h.await.unwrap().status(), 200);
+    }
+    assert_eq!(be.received.load(Ordering::SeqCst), 3);
+    gw.shutdown().await;
+}

@@ -1096,6 +1096,14 @@ impl<T, K: Hash + Eq + Ord + Clone> Admission<T, K> {
         out
     }
 
+    /// Whether `model` holds requests displaced from its queue, to be answered by
+    /// [`Admission::expire`] at once.
+    pub fn has_displaced(&self, model: &K) -> bool {
+        self.models
+            .get(model)
+            .is_some_and(|m| !m.displaced.is_empty())
+    }
+
     /// The earliest queued deadline of `model`, to schedule the next [`Admission::expire`].
     pub fn next_deadline(&self, model: &K) -> Option<Timestamp> {
         let m = self.models.get(model)?;
