@@ -876,16 +876,23 @@ impl<T, K: Hash + Eq + Ord + Clone> Admission<T, K> {
                 Some((RefusalReason::PredictedWait, Some(r)))
             } else if let Err(p) = lane.can_push(req.tier, est) {
                 // A displacement makes room for one entry, and for this one's tokens if the
-                // displaced entry had as many.
+                // displaced entry had as many: first a peer's in this tier with a longer
+                // backlog, else the newest of the lowest tier below (a higher tier is never
+                // refused for a full queue while a lower one waits in it).
+                let fits = |&(_, cost): &(_, u64)| p == PushRefusal::QueueFull || cost >= est;
                 let freed = match (displace, p) {
                     (Some(_), PushRefusal::QueueFull) => true,
                     (None, PushRefusal::QueueFull | PushRefusal::TokensFull) => {
-                        match lane.displaceable(req.tier, &req.tenant) {
-                            Some((ticket, cost)) if p == PushRefusal::QueueFull || cost >= est => {
+                        match lane
+                            .displaceable(req.tier, &req.tenant)
+                            .filter(fits)
+                            .or_else(|| lane.lower_displaceable(req.tier).filter(fits))
+                        {
+                            Some((ticket, _)) => {
                                 displace = Some(ticket);
                                 true
                             }
-                            _ => false,
+                            None => false,
                         }
                     }
                     _ => false,

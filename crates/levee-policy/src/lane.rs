@@ -661,6 +661,12 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
         self.queue.longest_backlog_newest(tier, tenant)
     }
 
+    /// The newest queued entry of the lowest tier below `tier` (see
+    /// [`FairQueue::lowest_tier_newest`]): `(ticket, cost)`.
+    pub(crate) fn lower_displaceable(&self, tier: Tier) -> Option<(crate::queue::Ticket, u64)> {
+        self.queue.lowest_tier_newest(tier)
+    }
+
     /// Removes every entry past its deadline into `out`.
     pub(crate) fn expire_into(&mut self, now: Timestamp, out: &mut Vec<Entry<P, K>>) {
         let from = out.len();

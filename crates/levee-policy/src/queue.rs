@@ -514,12 +514,27 @@ impl<T, K: Hash + Eq + Ord + Clone> FairQueue<T, K> {
             .and_then(|&id| self.tenants.get(id as usize))
             .and_then(|r| r.per_tier.get(t))
             .map_or(0, |q| q.live);
+        self.newest_of_longest(t, own + 1)
+    }
+
+    /// The newest entry of the longest backlog in the lowest tier below `tier` that has
+    /// anything queued: `(ticket, cost)`. A full queue gives a higher tier's request the
+    /// place of the least urgent one waiting (a bounded priority queue drops from the bottom).
+    pub fn lowest_tier_newest(&self, tier: Tier) -> Option<(Ticket, u64)> {
+        let below = (tier.0 as usize + 1).min(self.tiers.len());
+        let lowest = (below..self.tiers.len()).rev().find(|&t| self.tiers[t].len > 0)?;
+        self.newest_of_longest(lowest, 0)
+    }
+
+    /// The newest live entry of the tenant with the longest backlog in tier `t`, if that
+    /// backlog is longer than `floor`.
+    fn newest_of_longest(&self, t: usize, floor: usize) -> Option<(Ticket, u64)> {
         let longest = self
             .tenants
             .iter()
             .filter_map(|r| r.per_tier.get(t))
             .max_by_key(|q| q.live)?;
-        if longest.live <= own + 1 {
+        if longest.live <= floor {
             return None;
         }
         longest.fifo.iter().rev().find_map(|&ticket| {

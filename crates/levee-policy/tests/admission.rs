@@ -387,6 +387,36 @@ fn a_full_lane_gives_a_place_to_the_tenant_with_less_waiting() {
 }
 
 #[test]
+fn a_full_queue_gives_a_higher_tier_the_place_of_the_lowest_one_waiting() {
+    let clock = ManualClock::new();
+    // One slot; three places in the queue, well below every watermark.
+    let mut cfg = lane(10, 20, 30);
+    cfg.queue_max_len = 3;
+    let mut a = admission(1, None, cfg);
+    let _running = dispatched(a.admit(&req("l", 2, 10), 1, clock.now()));
+    queued(a.admit(&req("l", 2, 10), 2, clock.now()));
+    queued(a.admit(&req("l", 2, 10), 3, clock.now()));
+    queued(a.admit(&req("s", 1, 10), 10, clock.now()));
+    // Full: the lowest tier's own flooder finds no one below it (or shorter) to displace.
+    let r = refusal(a.admit(&req("l", 2, 10), 4, clock.now()));
+    assert_eq!(r.reason, RefusalReason::QueueFull(PushRefusal::QueueFull));
+    // Premium takes the places of the lowest tier's newest entries first, then tier 1's.
+    queued(a.admit(&req("p", 0, 10), 100, clock.now()));
+    queued(a.admit(&req("p", 0, 10), 101, clock.now()));
+    let gone: Vec<u32> = a.expire(&"m", clock.now()).into_iter().map(|e| e.item).collect();
+    assert_eq!(gone, vec![3, 2]);
+    queued(a.admit(&req("p", 0, 10), 102, clock.now()));
+    let gone = a.expire(&"m", clock.now());
+    assert_eq!(gone.len(), 1);
+    assert_eq!(gone[0].item, 10);
+    assert_eq!(gone[0].reason, RefusalReason::Displaced);
+    // Only premium waits now; its own tenant displaces nobody.
+    let r = refusal(a.admit(&req("p", 0, 10), 103, clock.now()));
+    assert_eq!(r.reason, RefusalReason::QueueFull(PushRefusal::QueueFull));
+    assert!(a.expire(&"m", clock.now()).is_empty());
+}
+
+#[test]
 fn a_request_that_would_wait_past_its_budget_is_refused_at_once() {
     let clock = ManualClock::new();
     let mut a = admission(2, None, lane(100, 200, 300));
