@@ -11,8 +11,8 @@ use crate::metrics::{BackendLabel, Metrics};
 use crate::tokenize::TokenCounter;
 use crate::upstream::{build_client, Backend, HttpClient};
 use levee_policy::{
-    Admission, AdmissionConfig, BackendLimits, Clock, HeavyRule, KeyedGcra, LaneConfig, LimitSpec,
-    ModelSpec, Quota, RetryBounds, TenantSpec, WaitBudget, Watermarks,
+    Admission, AdmissionConfig, BackendLimits, Clock, HeavyRule, Key, KeyedGcra, LaneConfig,
+    LimitSpec, ModelSpec, Quota, RetryBounds, TenantSpec, WaitBudget, Watermarks,
 };
 use parking_lot::{Mutex, RwLock};
 use std::collections::HashMap;
@@ -23,13 +23,13 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 /// The admission state: levee-policy's one path, keyed by tenant and model names.
-pub type Adm = Admission<Waiter, Arc<str>>;
+pub type Adm = Admission<Waiter, Key>;
 
 /// One tenant at run time.
 #[derive(Debug)]
 pub struct Tenant {
     /// Name (also its key in the admission state and the fair queue).
-    pub name: Arc<str>,
+    pub name: Key,
     /// Tier name.
     pub tier: String,
     /// Strict priority (0 first), from the tier.
@@ -57,7 +57,7 @@ impl Tenant {
 #[derive(Debug)]
 pub struct Model {
     /// Public name (also its key in the admission state).
-    pub name: Arc<str>,
+    pub name: Key,
     /// Fallback model under degradation.
     pub fallback: Option<String>,
     /// Canned reply instead of a 503 when no backend can serve.
@@ -86,7 +86,7 @@ pub struct Runtime {
     /// Models by name.
     pub models: HashMap<String, Arc<Model>>,
     /// Each tenant's scopes in the shared limit store (`[state] backend = "redis"` only).
-    pub shared_scopes: HashMap<Arc<str>, Arc<[levee_store::ScopeLimits]>>,
+    pub shared_scopes: HashMap<Key, Arc<[levee_store::ScopeLimits]>>,
 }
 
 fn decode_key(hex_digest: &str) -> Option<[u8; 32]> {
@@ -130,7 +130,7 @@ impl Runtime {
             });
             let tenant = reuse.unwrap_or_else(|| {
                 Arc::new(Tenant {
-                    name: Arc::from(t.name.as_str()),
+                    name: Key::new(&t.name),
                     tier: t.tier.clone(),
                     priority: tier_cfg.priority,
                     sheddable: tier_cfg.sheddable,
@@ -180,7 +180,7 @@ impl Runtime {
                         },
                     };
                     Arc::new(Model {
-                        name: Arc::from(m.name.as_str()),
+                        name: Key::new(&m.name),
                         fallback: m.fallback.clone(),
                         fallback_response: m.fallback_response.clone(),
                         default_max_tokens: m

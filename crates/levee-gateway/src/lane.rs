@@ -20,7 +20,7 @@ use crate::gateway::{Adm, Gateway};
 use crate::metrics::{ModelLabel, TierLabel};
 use crate::upstream::Backend;
 use levee_policy::{
-    AdmissionRequest, Admit, Clock, Completion, Expired, Grant, LoadSignals, Outcome, Refusal,
+    AdmissionRequest, Admit, Clock, Completion, Expired, Grant, Key, LoadSignals, Outcome, Refusal,
     RefusalReason, Ticket, Timestamp, Unservable,
 };
 use parking_lot::{Mutex, RwLock};
@@ -56,7 +56,7 @@ enum Spot {
     #[default]
     Before,
     Queued {
-        model: Arc<str>,
+        model: Key,
         ticket: Ticket,
     },
     Dispatched,
@@ -80,7 +80,7 @@ impl QueueSpot {
     }
 
     /// Its place in the lane's serving order now (1 = next), while it is queued.
-    pub fn position(&self, gw: &Gateway) -> Option<(Arc<str>, usize)> {
+    pub fn position(&self, gw: &Gateway) -> Option<(Key, usize)> {
         let (model, ticket) = match &*self.state.lock() {
             Spot::Queued { model, ticket } => (model.clone(), *ticket),
             _ => return None,
@@ -96,7 +96,7 @@ const WINDOW: Duration = Duration::from_secs(10);
 /// One model's lane.
 pub struct Lane {
     /// The model (its key in the admission state).
-    pub model: Arc<str>,
+    pub model: Key,
     backends: RwLock<Vec<Arc<Backend>>>,
     wake: Notify,
     retired: AtomicBool,
@@ -138,7 +138,7 @@ impl std::fmt::Debug for Lane {
 
 impl Lane {
     /// A lane with no backends yet.
-    pub fn new(model: Arc<str>) -> Arc<Lane> {
+    pub fn new(model: Key) -> Arc<Lane> {
         Arc::new(Lane {
             model,
             backends: RwLock::new(Vec::new()),
@@ -435,7 +435,7 @@ impl Drop for QueueGuard<'_> {
 pub struct Admitted {
     gw: Arc<Gateway>,
     lane: Arc<Lane>,
-    grant: Option<Grant<Arc<str>>>,
+    grant: Option<Grant<Key>>,
     /// Time spent queued before dispatch.
     pub waited: Duration,
     sent: bool,
@@ -452,7 +452,7 @@ impl std::fmt::Debug for Admitted {
 }
 
 impl Admitted {
-    fn new(gw: &Arc<Gateway>, lane: &Arc<Lane>, grant: Grant<Arc<str>>, waited: Duration) -> Self {
+    fn new(gw: &Arc<Gateway>, lane: &Arc<Lane>, grant: Grant<Key>, waited: Duration) -> Self {
         gw.in_flight.fetch_add(1, Ordering::AcqRel);
         gw.metrics.in_flight.inc();
         Admitted {
@@ -561,7 +561,7 @@ pub async fn admit(
     gw: &Arc<Gateway>,
     lane: &Arc<Lane>,
     tier: &str,
-    req: AdmissionRequest<Arc<str>>,
+    req: AdmissionRequest<Key>,
     spot: Option<&QueueSpot>,
 ) -> Result<Admitted, GatewayError> {
     let now = gw.clock.now();
@@ -656,7 +656,7 @@ pub async fn admit(
 
 /// The HTTP error of a refusal, with the tenant's rate-limit figures.
 fn refusal_error(
-    req: &AdmissionRequest<Arc<str>>,
+    req: &AdmissionRequest<Key>,
     r: Refusal<Waiter>,
     rate: levee_policy::RateLimitHeaders,
 ) -> GatewayError {
@@ -749,7 +749,7 @@ fn refusal_error(
     }
 }
 
-fn scope_name(s: levee_policy::Scope, req: &AdmissionRequest<Arc<str>>) -> String {
+fn scope_name(s: levee_policy::Scope, req: &AdmissionRequest<Key>) -> String {
     match s {
         levee_policy::Scope::Global => "global".to_string(),
         levee_policy::Scope::Model => format!("model {}", req.model),

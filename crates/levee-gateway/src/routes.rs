@@ -29,7 +29,9 @@ use axum::routing::{get, post};
 use axum::Router;
 use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, StatusCode};
-use levee_policy::{AdmissionRequest, Clock, Completion, Outcome as BreakerOutcome, RefusalReason};
+use levee_policy::{
+    AdmissionRequest, Clock, Completion, Key, Outcome as BreakerOutcome, RefusalReason,
+};
 use serde_json::Value;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -155,9 +157,9 @@ fn completions(
 /// Labels for the request's metrics, filled in as the pipeline learns them. `model` only
 /// ever holds a configured model's name (or `-`): a client's string never becomes a label.
 struct Labels {
-    tenant: Arc<str>,
+    tenant: Key,
     tier: String,
-    model: Arc<str>,
+    model: Key,
     lane: Option<Arc<Lane>>,
     request: Option<RequestId>,
     /// The request's `tracing` span; phases are its children.
@@ -218,7 +220,7 @@ pub(crate) async fn handle_with(
     path: &'static str,
     spot: Option<&QueueSpot>,
 ) -> Response {
-    let dash: Arc<str> = Arc::from("-");
+    let dash = Key::new("-");
     let request = req.extensions().get::<RequestId>().cloned();
     let span = request_span(path, request.as_ref());
     let mut labels = Labels {
@@ -369,7 +371,7 @@ pub(crate) async fn serve_task(
     spot: &QueueSpot,
 ) -> Result<Response, GatewayError> {
     let rt = gw.runtime();
-    let dash: Arc<str> = Arc::from("-");
+    let dash = Key::new("-");
     let span = request_span(path, None);
     span.record("tenant", &*tenant.name);
     let mut labels = Labels {
@@ -949,7 +951,7 @@ struct RequestSettle {
     admitted: Option<Admitted>,
     backend: Arc<Backend>,
     tenant: Arc<Tenant>,
-    model: Arc<str>,
+    model: Key,
     lane: Arc<Lane>,
     prompt_estimate: u64,
     outlier: crate::config::OutlierConfig,

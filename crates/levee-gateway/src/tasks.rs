@@ -1015,7 +1015,7 @@ async fn submit_inner(
             seq,
             Waiting {
                 id: id.clone(),
-                tenant: tenant.name.clone(),
+                tenant: Arc::from(&*tenant.name),
                 not_before: None,
             },
         );

@@ -250,14 +250,15 @@ impl<K: std::hash::Hash + Eq + Ord + Clone> Bench<K> {
 
 fn admission(c: &mut Criterion) {
     let mut g = c.benchmark_group("admission");
-    // The gateway's keys: `Arc<str>` tenant and model names.
+    // The gateway's keys: `Key` tenant and model names (hash computed once, at config load).
     g.bench_function("full_decision/1_thread", |b| {
-        let mut s: Bench<Arc<str>> = Bench::new(|n| Arc::from(n));
+        let mut s = KeyBench::new(Key::new);
         b.iter(|| s.cycle())
     });
-    // The same with interned `Key` keys (hashing a u64 instead of a string).
-    g.bench_function("full_decision/1_thread_interned_keys", |b| {
-        let mut s = KeyBench::new(Key::new);
+    // The same with plain `Arc<str>` names (a string hash and compare per lookup), which the
+    // gateway used before its names became `Key`s.
+    g.bench_function("full_decision/1_thread_arc_str_keys", |b| {
+        let mut s: Bench<Arc<str>> = Bench::new(|n| Arc::from(n));
         b.iter(|| s.cycle())
     });
     // Two threads share one Admission behind a parking_lot::Mutex, as in the gateway: each
@@ -265,7 +266,7 @@ fn admission(c: &mut Criterion) {
     // the latency of one decision as each thread sees it, waiting for the lock included.
     g.bench_function("full_decision/2_threads_contended", |b| {
         b.iter_custom(|iters| {
-            let shared = Arc::new(Mutex::new(Bench::<Arc<str>>::new(|n| Arc::from(n))));
+            let shared = Arc::new(Mutex::new(KeyBench::new(Key::new)));
             let start = Instant::now();
             std::thread::scope(|sc| {
                 for _ in 0..2 {

@@ -37,6 +37,22 @@ impl Key {
     }
 }
 
+impl std::ops::Deref for Key {
+    type Target = str;
+
+    #[inline]
+    fn deref(&self) -> &str {
+        &self.0.name
+    }
+}
+
+impl AsRef<str> for Key {
+    #[inline]
+    fn as_ref(&self) -> &str {
+        &self.0.name
+    }
+}
+
 impl From<&str> for Key {
     fn from(s: &str) -> Self {
         Key::new(s)

@@ -522,7 +522,9 @@ impl<T, K: Hash + Eq + Ord + Clone> FairQueue<T, K> {
     /// place of the least urgent one waiting (a bounded priority queue drops from the bottom).
     pub fn lowest_tier_newest(&self, tier: Tier) -> Option<(Ticket, u64)> {
         let below = (tier.0 as usize + 1).min(self.tiers.len());
-        let lowest = (below..self.tiers.len()).rev().find(|&t| self.tiers[t].len > 0)?;
+        let lowest = (below..self.tiers.len())
+            .rev()
+            .find(|&t| self.tiers[t].len > 0)?;
         self.newest_of_longest(lowest, 0)
     }
 

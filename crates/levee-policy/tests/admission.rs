@@ -403,7 +403,11 @@ fn a_full_queue_gives_a_higher_tier_the_place_of_the_lowest_one_waiting() {
     // Premium takes the places of the lowest tier's newest entries first, then tier 1's.
     queued(a.admit(&req("p", 0, 10), 100, clock.now()));
     queued(a.admit(&req("p", 0, 10), 101, clock.now()));
-    let gone: Vec<u32> = a.expire(&"m", clock.now()).into_iter().map(|e| e.item).collect();
+    let gone: Vec<u32> = a
+        .expire(&"m", clock.now())
+        .into_iter()
+        .map(|e| e.item)
+        .collect();
     assert_eq!(gone, vec![3, 2]);
     queued(a.admit(&req("p", 0, 10), 102, clock.now()));
     let gone = a.expire(&"m", clock.now());
