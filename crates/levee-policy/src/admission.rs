@@ -561,6 +561,8 @@ impl Evictable for TenantState {
 pub struct Pending<T, K> {
     item: T,
     grant: Grant<K>,
+    /// The wait predicted at arrival (before calibration), to learn from how it ended.
+    predicted: Option<Duration>,
 }
 
 #[derive(Debug)]
@@ -863,9 +865,12 @@ impl<T, K: Hash + Eq + Ord + Clone> Admission<T, K> {
             None
         };
         let mut position = 0;
+        let mut raw_wait = None;
         if target.is_none() {
-            let (pos, predicted) = lane.predict_wait(req.tier, &req.tenant, now);
+            let (pos, raw) = lane.predict_wait(req.tier, &req.tenant, now);
             position = pos;
+            raw_wait = raw;
+            let predicted = raw.map(|w| lane.calibrated_wait(req.tier, w));
             let refusal = if budget.is_zero() {
                 Some((
                     RefusalReason::Watermark(decision.zone),
@@ -957,7 +962,11 @@ impl<T, K: Hash + Eq + Ord + Clone> Admission<T, K> {
             est,
             now,
             deadline,
-            Pending { item, grant },
+            Pending {
+                item,
+                grant,
+                predicted: raw_wait,
+            },
         ) {
             Ok(ticket) => Admit::Queued {
                 ticket,
@@ -968,7 +977,7 @@ impl<T, K: Hash + Eq + Ord + Clone> Admission<T, K> {
             Err(rej) => {
                 // Unreachable after can_push; undo the charge.
                 let reason = RefusalReason::QueueFull(rej.reason);
-                let Pending { item, grant } = rej.item;
+                let Pending { item, grant, .. } = rej.item;
                 self.refund(grant, now);
                 Admit::Refused(Refusal {
                     item,
@@ -995,20 +1004,33 @@ impl<T, K: Hash + Eq + Ord + Clone> Admission<T, K> {
                 expired.push(e);
                 continue;
             }
-            let Pending { item, mut grant } = e.item;
+            let Pending {
+                item,
+                mut grant,
+                predicted,
+            } = e.item;
             match lane.place(i, &e.tenant, e.cost, now) {
                 Some(p) => {
                     grant.placement = Some(p);
+                    let waited = now.saturating_duration_since(e.enqueued_at);
+                    if let Some(predicted) = predicted {
+                        let budget = e.deadline.saturating_duration_since(e.enqueued_at);
+                        lane.note_wait(e.tier, predicted, waited, budget, false);
+                    }
                     return Some(Dispatched {
                         item,
                         grant,
-                        waited: now.saturating_duration_since(e.enqueued_at),
+                        waited,
                     });
                 }
                 None => {
                     // The breaker refused between the check and the take (they read the
                     // same state, so this does not happen): keep the request queued.
-                    let pending = Pending { item, grant };
+                    let pending = Pending {
+                        item,
+                        grant,
+                        predicted,
+                    };
                     let back = lane.push(
                         e.tier,
                         &e.tenant,
@@ -1018,7 +1040,7 @@ impl<T, K: Hash + Eq + Ord + Clone> Admission<T, K> {
                         pending,
                     );
                     if let Err(rej) = back {
-                        let Pending { item: _, grant } = rej.item;
+                        let Pending { grant, .. } = rej.item;
                         self.refund(grant, now);
                     }
                     return None;
@@ -1035,6 +1057,13 @@ impl<T, K: Hash + Eq + Ord + Clone> Admission<T, K> {
         let mut entries = Vec::new();
         m.lane.expire_into(now, &mut entries);
         entries.append(&mut m.expired);
+        // A wait that ran out of budget teaches the tier's calibration the most.
+        for e in &entries {
+            if let Some(predicted) = e.item.predicted {
+                let budget = e.deadline.saturating_duration_since(e.enqueued_at);
+                m.lane.note_wait(e.tier, predicted, budget, budget, true);
+            }
+        }
         let displaced = std::mem::take(&mut m.displaced);
         if entries.is_empty() && displaced.is_empty() {
             return Vec::new();
@@ -1073,7 +1102,7 @@ impl<T, K: Hash + Eq + Ord + Clone> Admission<T, K> {
     ) -> Vec<Expired<T>> {
         let mut out = Vec::with_capacity(entries.len());
         for e in entries {
-            let Pending { item, grant } = e.item;
+            let Pending { item, grant, .. } = e.item;
             self.refund(grant, now);
             out.push(Expired {
                 item,
@@ -1096,7 +1125,7 @@ impl<T, K: Hash + Eq + Ord + Clone> Admission<T, K> {
         m.lane.drain_into(&mut entries);
         let mut out = Vec::with_capacity(entries.len());
         for e in entries {
-            let Pending { item, grant } = e.item;
+            let Pending { item, grant, .. } = e.item;
             self.refund(grant, now);
             out.push(item);
         }
@@ -1132,7 +1161,7 @@ impl<T, K: Hash + Eq + Ord + Clone> Admission<T, K> {
     /// left the queue.
     pub fn cancel(&mut self, model: &K, ticket: Ticket, now: Timestamp) -> Option<T> {
         let e = self.models.get_mut(model)?.lane.cancel(ticket)?;
-        let Pending { item, grant } = e.item;
+        let Pending { item, grant, .. } = e.item;
         self.refund(grant, now);
         Some(item)
     }

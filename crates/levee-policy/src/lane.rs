@@ -283,6 +283,58 @@ pub struct Lane<P, K> {
     admitted: Vec<DrainRate>,
     /// Mean time a request holds a backend (EWMA, seconds), from completions.
     service_secs: Option<f64>,
+    /// Per tier: how far actual waits ran past their predictions.
+    calibration: Vec<WaitCalibration>,
+}
+
+/// The 95th percentile of `actual wait ÷ predicted wait` over a tier's recent queued
+/// requests, tracked in log space by stochastic quantile steps (up `0.95·η` when a wait ran
+/// past `q` × its prediction, down `0.05·η` otherwise, so that 95% of waits end within `q` ×
+/// their prediction). Predictions are multiplied by it: what the model of the queue misses —
+/// bursts of higher tiers after a request queued, peers of its tier overtaking it in the fair
+/// order, a slower engine — is learned from how waits actually ended, and a request whose
+/// corrected wait is past its budget is refused at arrival instead of timing out in the queue.
+/// A queue timeout counts as a wait past any `q` (its real wait is unknown, but longer than
+/// the budget). Waits that are short next to their budget (both under a tenth of it) count as
+/// on time, so small absolute errors on short waits do not inflate long predictions.
+#[derive(Debug, Clone, Copy)]
+struct WaitCalibration {
+    log_q: f64,
+}
+
+/// Step of the calibration's quantile tracking (in natural log units).
+const CALIBRATION_STEP: f64 = 0.1;
+/// The percentile the calibration tracks.
+const CALIBRATION_P: f64 = 0.95;
+/// Bounds of the correction factor.
+const CALIBRATION_MIN: f64 = 0.25;
+const CALIBRATION_MAX: f64 = 16.0;
+
+impl Default for WaitCalibration {
+    fn default() -> Self {
+        WaitCalibration { log_q: 0.0 }
+    }
+}
+
+impl WaitCalibration {
+    /// The correction factor now.
+    fn factor(&self) -> f64 {
+        self.log_q.exp()
+    }
+
+    /// Learns from one wait that ended: `predicted` at arrival, `actual` when it left (for a
+    /// timeout, its budget), against the request's wait `budget`.
+    fn note(&mut self, predicted: Duration, actual: Duration, budget: Duration, timed_out: bool) {
+        let floor = budget.as_secs_f64() / 10.0;
+        let ratio = actual.as_secs_f64().max(floor) / predicted.as_secs_f64().max(floor);
+        let late = timed_out || ratio.ln() > self.log_q;
+        self.log_q += if late {
+            CALIBRATION_STEP * CALIBRATION_P
+        } else {
+            -CALIBRATION_STEP * (1.0 - CALIBRATION_P)
+        };
+        self.log_q = self.log_q.clamp(CALIBRATION_MIN.ln(), CALIBRATION_MAX.ln());
+    }
 }
 
 /// Standard deviations above the mean wait that a predicted wait is taken at (about the
@@ -311,6 +363,7 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
                 .map(|_| DrainRate::new(Duration::from_secs(5)))
                 .collect(),
             service_secs: None,
+            calibration: vec![WaitCalibration::default(); usize::from(tiers.max(1))],
         }
     }
 
@@ -333,6 +386,8 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
         self.admitted.resize_with(usize::from(tiers.max(1)), || {
             DrainRate::new(Duration::from_secs(5))
         });
+        self.calibration
+            .resize(usize::from(tiers.max(1)), WaitCalibration::default());
         if cfg.breaker != self.cfg.breaker {
             for b in &mut self.backends {
                 b.breaker = Breaker::new(cfg.breaker);
@@ -809,6 +864,31 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
             Duration::from_secs_f64(lane.max(own).min(1e6))
         });
         (position, wait)
+    }
+
+    /// `predicted` corrected by what `tier`'s waits have actually been: multiplied by the
+    /// 95th percentile of actual ÷ predicted over its recent queued requests.
+    pub fn calibrated_wait(&self, tier: Tier, predicted: Duration) -> Duration {
+        let f = self
+            .calibration
+            .get(usize::from(tier.0))
+            .map_or(1.0, WaitCalibration::factor);
+        Duration::from_secs_f64((predicted.as_secs_f64() * f).min(1e6))
+    }
+
+    /// Records how a queued request's wait ended, for the calibration of `tier`'s
+    /// predictions.
+    pub(crate) fn note_wait(
+        &mut self,
+        tier: Tier,
+        predicted: Duration,
+        actual: Duration,
+        budget: Duration,
+        timed_out: bool,
+    ) {
+        if let Some(c) = self.calibration.get_mut(usize::from(tier.0)) {
+            c.note(predicted, actual, budget, timed_out);
+        }
     }
 
     /// Why nothing can be served now, if so, and when to try again (the earliest breaker

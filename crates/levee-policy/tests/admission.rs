@@ -454,6 +454,53 @@ fn a_request_that_would_wait_past_its_budget_is_refused_at_once() {
 }
 
 #[test]
+fn waits_that_run_past_their_prediction_make_later_predictions_longer() {
+    let clock = ManualClock::new();
+    let mut cfg = AdmissionConfig::new();
+    cfg.tiers = vec![WaitBudget {
+        normal: Duration::from_secs(3),
+        soft: Duration::from_secs(3),
+    }];
+    let mut a = Admission::new(cfg);
+    a.set_model(
+        "m",
+        ModelSpec {
+            limits: LimitSpec::UNLIMITED,
+            lane: lane(100, 200, 300),
+        },
+    );
+    a.set_backends(&"m", vec![backend("b0", 1, None)]);
+    // Measure a service time of 1 s; then a request holds the one slot far longer than
+    // that (an engine stuck on a long answer: nothing the queue model knows of).
+    let d = dispatched(a.admit(&req("a", 0, 10), 0, clock.now()));
+    clock.advance(Duration::from_secs(1));
+    a.complete(d.grant, ok(), clock.now());
+    let _stuck = dispatched(a.admit(&req("a", 0, 10), 1, clock.now()));
+    // The first place is predicted at (1 + 1.65) s, inside the 3 s budget: queued. Each
+    // such request waits out its budget; the tier's predictions learn from it, and within
+    // a few timeouts a request in the same place is refused at arrival instead.
+    let mut timeouts = 0;
+    let refusal = loop {
+        match a.admit(&req("b", 0, 10), 2, clock.now()) {
+            Admit::Queued { .. } => {
+                clock.advance(Duration::from_millis(3_001));
+                let gone = a.expire(&"m", clock.now());
+                assert_eq!(gone.len(), 1);
+                assert_eq!(gone[0].reason, RefusalReason::QueueTimeout);
+                timeouts += 1;
+                assert!(timeouts <= 5, "still queued after {timeouts} timeouts");
+            }
+            Admit::Refused(r) => break r,
+            Admit::Dispatch(_) => panic!("the slot is held"),
+        }
+    };
+    assert_eq!(refusal.reason, RefusalReason::PredictedWait);
+    assert!(timeouts >= 1);
+    let wait = refusal.retry_after.unwrap().as_duration();
+    assert!(wait > Duration::from_secs(3), "{wait:?}");
+}
+
+#[test]
 fn a_tenant_held_to_its_share_is_predicted_at_its_own_pace() {
     let clock = ManualClock::new();
     let mut a = admission(10, None, lane(1_000, 2_000, 3_000));
