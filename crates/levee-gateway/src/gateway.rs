@@ -367,10 +367,15 @@ impl Gateway {
                 &metrics,
             )?)),
         };
-        let tasks = if rt.cfg.tasks.enabled {
-            Some(Arc::new(crate::tasks::Tasks::open(&rt.cfg.tasks)?))
-        } else {
-            None
+        let tasks = match (&shared, rt.cfg.tasks.enabled) {
+            (_, false) => None,
+            (None, true) => Some(Arc::new(crate::tasks::Tasks::open(&rt.cfg.tasks)?)),
+            (Some(s), true) => Some(Arc::new(crate::tasks::Tasks::open_shared(
+                &rt.cfg.tasks,
+                &rt.cfg.state,
+                s.redacted_url(),
+                s.replica(),
+            )?)),
         };
         let gw = Arc::new(Gateway {
             runtime: RwLock::new(Arc::new(rt)),
