@@ -1,0 +1,256 @@
+//! Async tasks shared by three gateway replicas through Redis (`[state] backend = "redis"`),
+//! in process on ephemeral ports, against one mock backend: a task submitted on one replica
+//! is read, listed and cancelled on the others (the cancel reaches the replica that runs it
+//! and cuts its upstream request), and exactly one final state is written. And a submit
+//! that cannot be stored answers 503 `task_store_unavailable` saying what failed.
+//!
+//! The shared Redis on 127.0.0.1:6379 is used under a key prefix of this run's own, deleted
+//! at the end. Without Redis the Redis tests are skipped with a message, unless
+//! `LEVEE_REQUIRE_REDIS=1`, where they fail. The kill -9 test of a replica with tasks
+//! queued and running is `crates/levee/tests/fleet_tasks_kill.rs` (real processes).
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is the report
+
+mod common;
+
+use common::*;
+use levee_gateway::config::{StateBackend, TierConfig};
+use levee_gateway::{start, Config, GatewayHandle};
+use serde_json::Value;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+const URL: &str = "redis://127.0.0.1:6379";
+
+fn required() -> bool {
+    std::env::var("LEVEE_REQUIRE_REDIS").as_deref() == Ok("1")
+}
+
+fn skip(why: &str) {
+    assert!(!required(), "LEVEE_REQUIRE_REDIS=1 but {why}");
+    eprintln!("SKIPPED: {why}; set LEVEE_REQUIRE_REDIS=1 to fail instead");
+}
+
+fn unique_prefix(tag: &str) -> String {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    format!("levee-test:{tag}:{}:{nanos}:", std::process::id())
+}
+
+async fn redis_up(url: &str) -> bool {
+    let Ok(s) = levee_store::RedisStore::new(url, "levee-test:probe:", Duration::from_secs(1))
+    else {
+        return false;
+    };
+    s.heartbeat("probe", Duration::from_millis(10))
+        .await
+        .is_ok()
+}
+
+async fn clear(url: &str, prefix: &str) {
+    let s = levee_store::RedisStore::new(url, prefix, Duration::from_secs(1)).unwrap();
+    s.clear().await.unwrap();
+}
+
+async fn redis_conn() -> redis::aio::MultiplexedConnection {
+    redis::Client::open(URL)
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap()
+}
+
+/// Tasks on, in a `batch` tier, the band 2 wide on each replica, state in Redis at `url`.
+fn fleet_task_config(backend: &str, url: &str, prefix: &str) -> Config {
+    let mut cfg = config(&[backend.to_string()], 16);
+    cfg.ip_guard.enabled = false;
+    cfg.tiers.insert(
+        "batch".into(),
+        TierConfig {
+            priority: 3,
+            queue_wait_ms: 600_000,
+            soft_queue_wait_ms: 600_000,
+            sheddable: false,
+            queue_updates: false,
+        },
+    );
+    cfg.tasks.enabled = true;
+    cfg.tasks.max_running = 2;
+    cfg.tasks.visibility_ms = 5_000;
+    cfg.state.backend = StateBackend::Redis;
+    cfg.state.url = url.to_string();
+    cfg.state.key_prefix = prefix.to_string();
+    cfg.state.timeout_ms = 2000;
+    cfg.state.heartbeat_ms = 100;
+    cfg
+}
+
+async fn submit(c: &reqwest::Client, base: &str, who: &str, tag: &str) -> reqwest::Response {
+    c.post(format!("{base}/v1/tasks"))
+        .bearer_auth(format!("key-{who}"))
+        .json(&chat_body(tag))
+        .send()
+        .await
+        .unwrap()
+}
+
+async fn get(c: &reqwest::Client, base: &str, who: &str, id: &str) -> reqwest::Response {
+    c.get(format!("{base}/v1/tasks/{id}"))
+        .bearer_auth(format!("key-{who}"))
+        .send()
+        .await
+        .unwrap()
+}
+
+async fn delete(c: &reqwest::Client, base: &str, who: &str, id: &str) -> reqwest::Response {
+    c.delete(format!("{base}/v1/tasks/{id}"))
+        .bearer_auth(format!("key-{who}"))
+        .send()
+        .await
+        .unwrap()
+}
+
+/// The value of the series `name` (with its labels) in a Prometheus text page.
+fn metric(text: &str, name: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(name).and_then(|r| r.trim().parse().ok()))
+        .unwrap_or(0.0)
+}
+
+/// Tasks this replica holds in its band (placed: in a fair queue or at a backend).
+fn placed(g: &GatewayHandle) -> f64 {
+    metric(
+        &g.gateway().metrics.encode(),
+        "levee_task_band{state=\"placed\"}",
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_task_submitted_on_one_replica_is_read_listed_and_cancelled_on_another() {
+    if !redis_up(URL).await {
+        return skip("Redis on 127.0.0.1:6379 is unreachable");
+    }
+    let m = mock().await;
+    m.hold(true);
+    let prefix = unique_prefix("fleet-tasks");
+    let cfg = fleet_task_config(&m.url(), URL, &prefix);
+    let mut gws = Vec::new();
+    for _ in 0..3 {
+        gws.push(start(cfg.clone()).await.unwrap());
+    }
+    let c = client();
+    let r = submit(&c, &gws[0].public_url(), "a", "shared").await;
+    assert_eq!(r.status(), 202);
+    let t: Value = r.json().await.unwrap();
+    let id = t["id"].as_str().unwrap().to_string();
+    assert_eq!(t["status"], "queued");
+    // Some replica takes it and sends it upstream (held there).
+    wait_until("the task reaches the backend", || m.count() == 1).await;
+    let runner = loop {
+        if let Some(i) = (0..3).find(|i| placed(&gws[*i]) == 1.0) {
+            break i;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    let other = (runner + 1) % 3;
+    let third = (runner + 2) % 3;
+    // Every replica answers for it; another tenant gets 404 everywhere.
+    for g in &gws {
+        let r = get(&c, &g.public_url(), "a", &id).await;
+        assert_eq!(r.status(), 200);
+        let v: Value = r.json().await.unwrap();
+        assert_eq!(v["id"], id.as_str());
+        assert_eq!(get(&c, &g.public_url(), "b", &id).await.status(), 404);
+    }
+    assert_eq!(
+        delete(&c, &gws[other].public_url(), "b", &id)
+            .await
+            .status(),
+        404
+    );
+    let listed: Value = c
+        .get(format!("{}/v1/tasks", gws[third].public_url()))
+        .bearer_auth("key-a")
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(listed["data"][0]["id"], id.as_str(), "{listed}");
+    // Cancelled on a replica that does not run it: the runner learns it at its next tick
+    // and cuts the upstream request.
+    let r = delete(&c, &gws[other].public_url(), "a", &id).await;
+    assert_eq!(r.status(), 200);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["status"], "cancelled", "{v}");
+    wait_until("the runner cuts the upstream request", || {
+        m.state.cancelled.load(Ordering::SeqCst) == 1
+    })
+    .await;
+    wait_until("the runner frees its band place", || {
+        placed(&gws[runner]) == 0.0
+    })
+    .await;
+    for g in &gws {
+        let v: Value = get(&c, &g.public_url(), "a", &id)
+            .await
+            .json()
+            .await
+            .unwrap();
+        assert_eq!(v["status"], "cancelled", "{v}");
+    }
+    // One final write, counted by the script itself; the queue holds nothing more.
+    let mut conn = redis_conn().await;
+    let finals: u32 = redis::cmd("HGET")
+        .arg(format!("{prefix}task:v1:{id}"))
+        .arg("finals")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(finals, 1);
+    let left: u64 = redis::cmd("XLEN")
+        .arg(format!("{prefix}tasks:v1:queue"))
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(left, 0);
+    // The worker that was cut wrote nothing after the cancel: still one final state, and
+    // the backend saw the task once.
+    assert_eq!(m.count(), 1);
+    m.release(16);
+    for g in gws {
+        g.shutdown().await;
+    }
+    clear(URL, &prefix).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_submit_that_cannot_be_stored_answers_503_saying_what_failed() {
+    // A port nothing listens on: every Redis command fails to connect.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let m = mock().await;
+    let url = format!("redis://127.0.0.1:{port}");
+    let cfg = fleet_task_config(&m.url(), &url, "levee-test:down:");
+    let gw = start(cfg).await.unwrap();
+    let c = client();
+    let r = submit(&c, &gw.public_url(), "a", "lost").await;
+    assert_eq!(r.status(), 503);
+    assert!(r.headers().get("retry-after").is_some());
+    let e = error_json(r).await;
+    assert_eq!(e["error"]["code"], "task_store_unavailable", "{e}");
+    let msg = e["error"]["message"].as_str().unwrap();
+    assert!(
+        msg.contains(&format!("Redis at redis://127.0.0.1:{port}")) && msg.contains("not stored"),
+        "{msg}"
+    );
+    let r = get(&c, &gw.public_url(), "a", "task_00000000000000000000000000").await;
+    assert_eq!(r.status(), 503);
+    assert_eq!(m.count(), 0);
+    gw.shutdown().await;
+}
