@@ -147,12 +147,15 @@ async fn a_task_submitted_on_one_replica_is_read_listed_and_cancelled_on_another
     assert_eq!(t["status"], "queued");
     // Some replica takes it and sends it upstream (held there).
     wait_until("the task reaches the backend", || m.count() == 1).await;
-    let runner = loop {
-        if let Some(i) = (0..3).find(|i| placed(&gws[*i]) == 1.0) {
-            break i;
+    let mut runner = None;
+    for _ in 0..1000 {
+        runner = (0..3).find(|i| placed(&gws[*i]) == 1.0);
+        if runner.is_some() {
+            break;
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
-    };
+    }
+    let runner = runner.expect("no replica shows the task placed in its band");
     let other = (runner + 1) % 3;
     let third = (runner + 2) % 3;
     // Every replica answers for it; another tenant gets 404 everywhere.
