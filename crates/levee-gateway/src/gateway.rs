@@ -592,10 +592,14 @@ impl Gateway {
         }
     }
 
-    /// Leaves the fleet's live set at once (a clean shutdown shortens nobody's share).
+    /// Leaves the fleet's live set at once (a clean shutdown shortens nobody's share) and
+    /// hands the async tasks this replica holds back to the fleet's queue.
     pub async fn leave_fleet(&self) {
         if let Some(s) = &self.shared {
             s.leave().await;
+        }
+        if let Some(t) = &self.tasks {
+            t.leave().await;
         }
     }
 

@@ -234,6 +234,10 @@ pub trait TaskStore: Send + Sync {
     /// Shared queue only: keeps the tasks `ids` this replica holds, and says for each
     /// (same order) whether it still does.
     fn renew<'a>(&'a self, ids: &'a [String]) -> StoreFuture<'a, Vec<Held>>;
+    /// Shared queue only: hands the tasks `ids` this replica holds back to the queue at
+    /// once (a clean shutdown), so other replicas claim them without waiting for the
+    /// visibility timeout.
+    fn release<'a>(&'a self, ids: &'a [String]) -> StoreFuture<'a, ()>;
     /// Shared queue only: the unfinished tasks submitted before task `id` still in the
     /// shared queue (waiting or running anywhere in the fleet), counted up to 1000.
     fn ahead<'a>(&'a self, id: &'a str) -> StoreFuture<'a, Option<usize>>;
@@ -570,6 +574,10 @@ impl TaskStore for RedbStore {
     fn renew<'a>(&'a self, ids: &'a [String]) -> StoreFuture<'a, Vec<Held>> {
         let kept = vec![Held::Kept; ids.len()];
         Box::pin(async move { Ok(kept) })
+    }
+
+    fn release<'a>(&'a self, _ids: &'a [String]) -> StoreFuture<'a, ()> {
+        Box::pin(async { Ok(()) })
     }
 
     fn ahead<'a>(&'a self, _id: &'a str) -> StoreFuture<'a, Option<usize>> {

@@ -13,7 +13,8 @@
 //!   reads new entries (`XREADGROUP`) only when its band has room, resets the idle time of
 //!   the entries it holds on every tick (`XCLAIM` to itself, only while it still owns
 //!   them), and claims entries idle past `tasks.visibility_ms` (`XAUTOCLAIM`): those of a
-//!   replica that died. The final write acknowledges and deletes the entry, so the stream
+//!   replica that died. A replica that shuts down cleanly hands its entries back by setting
+//!   their idle time to the visibility timeout. The final write acknowledges and deletes the entry, so the stream
 //!   holds the unfinished tasks only.
 //! * **Per tenant**: `<prefix>tasks:v1:by-tenant:<tenant>` (ids scored by sequence, for
 //!   listing; pruned as records expire) and `<prefix>tasks:v1:open:<tenant>` (unfinished
@@ -496,7 +497,8 @@ impl RedisTaskStore {
             .collect())
     }
 
-    async fn renew_inner(&self, ids: &[String]) -> Result<Vec<Held>, StoreError> {
+    /// Gives the entries of the tasks `ids` this replica holds the idle time `idle`.
+    async fn renew_inner(&self, ids: &[String], idle: Duration) -> Result<Vec<Held>, StoreError> {
         if ids.is_empty() {
             return Ok(Vec::new());
         }
@@ -505,7 +507,9 @@ impl RedisTaskStore {
         for id in ids {
             inv.key(self.task_key(id));
         }
-        inv.arg(GROUP).arg(&self.consumer);
+        inv.arg(GROUP)
+            .arg(&self.consumer)
+            .arg(u64::try_from(idle.as_millis()).unwrap_or(u64::MAX));
         let mut conn = self.conn.clone();
         let codes: Vec<i64> = inv
             .invoke_async(&mut conn)
@@ -631,7 +635,14 @@ impl TaskStore for RedisTaskStore {
     }
 
     fn renew<'a>(&'a self, ids: &'a [String]) -> StoreFuture<'a, Vec<Held>> {
-        Box::pin(self.renew_inner(ids))
+        Box::pin(self.renew_inner(ids, Duration::ZERO))
+    }
+
+    fn release<'a>(&'a self, ids: &'a [String]) -> StoreFuture<'a, ()> {
+        Box::pin(async move {
+            self.renew_inner(ids, self.visibility).await?;
+            Ok(())
+        })
     }
 
     fn ahead<'a>(&'a self, id: &'a str) -> StoreFuture<'a, Option<usize>> {

@@ -63,6 +63,8 @@ pub struct Tasks {
     wake: Notify,
     /// Wakes the shared queue's reader (a band place freed, a task was submitted here).
     pull: Notify,
+    /// This replica handed its tasks back (clean shutdown): it renews and claims no more.
+    released: std::sync::atomic::AtomicBool,
 }
 
 impl std::fmt::Debug for Tasks {
@@ -194,6 +196,7 @@ impl Tasks {
             band: Mutex::new(Band::default()),
             wake: Notify::new(),
             pull: Notify::new(),
+            released: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
@@ -315,16 +318,47 @@ impl Tasks {
         });
     }
 
+    /// The tasks this replica holds: waiting for its band or placed.
+    fn held(&self) -> Vec<String> {
+        let band = self.band.lock();
+        band.waiting
+            .values()
+            .map(|w| w.id.clone())
+            .chain(band.live.keys().cloned())
+            .collect()
+    }
+
+    /// Clean shutdown on a shared queue: hands the tasks this replica still holds back, so
+    /// other replicas claim them at once rather than after `tasks.visibility_ms`.
+    pub async fn leave(&self) {
+        if !self.store.shared() {
+            return;
+        }
+        self.released
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        let held = self.held();
+        if held.is_empty() {
+            return;
+        }
+        match self.store.release(&held).await {
+            Ok(()) => tracing::info!(
+                "handed {} unfinished tasks back to the shared queue",
+                held.len()
+            ),
+            Err(e) => tracing::warn!(
+                "could not hand {} tasks back to the shared queue ({e}); other replicas \
+                 claim them after tasks.visibility_ms",
+                held.len()
+            ),
+        }
+    }
+
     /// One round of the shared queue's reader.
     async fn read_once(self: &Arc<Self>, gw: &Arc<Gateway>) -> Result<(), StoreError> {
-        let held: Vec<String> = {
-            let band = self.band.lock();
-            band.waiting
-                .values()
-                .map(|w| w.id.clone())
-                .chain(band.live.keys().cloned())
-                .collect()
-        };
+        if self.released.load(std::sync::atomic::Ordering::SeqCst) {
+            return Ok(());
+        }
+        let held = self.held();
         let kept = self.store.renew(&held).await?;
         for (id, h) in held.iter().zip(kept) {
             match h {

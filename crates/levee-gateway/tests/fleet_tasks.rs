@@ -229,6 +229,85 @@ async fn a_task_submitted_on_one_replica_is_read_listed_and_cancelled_on_another
     clear(URL, &prefix).await;
 }
 
+/// With a visibility timeout far beyond the test, only the clean shutdown's hand-back lets
+/// another replica take the task the stopping one was running.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_that_shuts_down_hands_its_tasks_back_at_once() {
+    if !redis_up(URL).await {
+        return skip("Redis on 127.0.0.1:6379 is unreachable");
+    }
+    let m = mock().await;
+    m.hold(true);
+    let prefix = unique_prefix("fleet-tasks-leave");
+    let mut cfg = fleet_task_config(&m.url(), URL, &prefix);
+    cfg.tasks.visibility_ms = 600_000;
+    cfg.server.shutdown_grace_ms = 100;
+    let mut gws = Vec::new();
+    for _ in 0..2 {
+        gws.push(start(cfg.clone()).await.unwrap());
+    }
+    let c = client();
+    let t: Value = submit(&c, &gws[0].public_url(), "a", "handed")
+        .await
+        .json()
+        .await
+        .unwrap();
+    let id = t["id"].as_str().unwrap().to_string();
+    wait_until("the task reaches the backend", || m.count() == 1).await;
+    let mut runner = None;
+    for _ in 0..1000 {
+        runner = (0..2).find(|i| placed(&gws[*i]) == 1.0);
+        if runner.is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let stopping = gws.remove(runner.expect("no replica shows the task placed"));
+    stopping.shutdown().await;
+    // The other replica claims it and sends it upstream again (at-least-once).
+    wait_until("the other replica runs the task", || m.count() == 2).await;
+    let reclaimed = metric(
+        &gws[0].gateway().metrics.encode(),
+        "levee_tasks_reclaimed_total",
+    );
+    assert_eq!(reclaimed, 1.0);
+    let base = gws[0].public_url();
+    let mut last = Value::Null;
+    for _ in 0..400 {
+        last = get(&c, &base, "a", &id).await.json().await.unwrap();
+        if last["attempts"] == 2 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    assert_eq!(last["status"], "running", "{last}");
+    assert_eq!(last["attempts"], 2, "{last}");
+    // Both copies may now answer (the stopped replica's worker is still alive in this
+    // process): one final state either way.
+    m.hold(false);
+    m.release(16);
+    for _ in 0..400 {
+        last = get(&c, &base, "a", &id).await.json().await.unwrap();
+        if last["status"] == "succeeded" {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    assert_eq!(last["status"], "succeeded", "{last}");
+    let mut conn = redis_conn().await;
+    let finals: u32 = redis::cmd("HGET")
+        .arg(format!("{prefix}task:v1:{id}"))
+        .arg("finals")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(finals, 1);
+    for g in gws {
+        g.shutdown().await;
+    }
+    clear(URL, &prefix).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_submit_that_cannot_be_stored_answers_503_saying_what_failed() {
     // A port nothing listens on: every Redis command fails to connect.
