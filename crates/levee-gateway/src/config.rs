@@ -1199,8 +1199,7 @@ impl Config {
                     errs.push(format!("tasks.{field}: must be > 0"));
                 }
             }
-            if self.state.backend == StateBackend::Memory && tk.store_path.as_os_str().is_empty()
-            {
+            if self.state.backend == StateBackend::Memory && tk.store_path.as_os_str().is_empty() {
                 errs.push("tasks.store_path: must name a file".to_string());
             }
         }

@@ -643,10 +643,7 @@ mod tests {
                 .unwrap();
             assert_eq!(done.unwrap().status, Status::Succeeded);
             // One of "a"'s tasks is final: room for one more.
-            assert_eq!(
-                s.insert(&task(5, "a"), 3).await.unwrap(),
-                Inserted::Stored
-            );
+            assert_eq!(s.insert(&task(5, "a"), 3).await.unwrap(), Inserted::Stored);
         }
         let s = RedbStore::open(&dir).unwrap();
         // The sequence and the open counts are rebuilt from the file.

@@ -163,7 +163,10 @@ impl RedisTaskStore {
     }
 
     fn index_key(&self, tenant: &str) -> String {
-        format!("{}tasks:v{TASK_SCRIPT_VERSION}:by-tenant:{tenant}", self.prefix)
+        format!(
+            "{}tasks:v{TASK_SCRIPT_VERSION}:by-tenant:{tenant}",
+            self.prefix
+        )
     }
 
     fn open_key(&self, tenant: &str) -> String {
@@ -334,7 +337,9 @@ impl RedisTaskStore {
             .arg("0-0")
             .arg("COUNT")
             .arg(max);
-        let v = self.group_cmd("claim tasks idle past the visibility timeout", &auto).await?;
+        let v = self
+            .group_cmd("claim tasks idle past the visibility timeout", &auto)
+            .await?;
         if let Value::Array(parts) = &v {
             if let Some(list) = parts.get(1) {
                 got.extend(entries(list).into_iter().map(|(e, t)| (e, t, true)));
@@ -350,7 +355,9 @@ impl RedisTaskStore {
                 .arg("STREAMS")
                 .arg(&q)
                 .arg(">");
-            let v = self.group_cmd("read new tasks from the queue", &read).await?;
+            let v = self
+                .group_cmd("read new tasks from the queue", &read)
+                .await?;
             // [[stream, [entries]]] or nil.
             if let Value::Array(streams) = &v {
                 for s in streams {

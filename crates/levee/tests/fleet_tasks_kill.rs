@@ -272,8 +272,10 @@ async fn kill_9_one_of_three_replicas_with_tasks_queued_and_running() {
         let r = c
             .post(format!("{}/v1/tasks", bases[i % REPLICAS]))
             .bearer_auth("key-a")
-            .json(&json!({"model": "m", "max_tokens": 4, "callback_url": cb_url,
-                "messages": [{"role": "user", "content": format!("t{i}")}]}))
+            .json(
+                &json!({"model": "m", "max_tokens": 4, "callback_url": cb_url,
+                "messages": [{"role": "user", "content": format!("t{i}")}]}),
+            )
             .send()
             .await
             .unwrap();
@@ -328,7 +330,11 @@ async fn kill_9_one_of_three_replicas_with_tasks_queued_and_running() {
             .or_insert(0) += 1;
     }
     assert_eq!(statuses.get("running"), Some(&running), "{statuses:?}");
-    assert_eq!(statuses.get("queued"), Some(&(TASKS - running)), "{statuses:?}");
+    assert_eq!(
+        statuses.get("queued"),
+        Some(&(TASKS - running)),
+        "{statuses:?}"
+    );
 
     // kill -9 r0 with two tasks running; the backend answers from now on.
     drop(replicas[0].take());
@@ -377,7 +383,10 @@ async fn kill_9_one_of_three_replicas_with_tasks_queued_and_running() {
     for a in &admins[1..] {
         reclaims += reclaimed(&c, a).await;
     }
-    assert_eq!(reclaims, WIDTH as f64, "the survivors claimed r0's two tasks");
+    assert_eq!(
+        reclaims, WIDTH as f64,
+        "the survivors claimed r0's two tasks"
+    );
     // Exactly one final state per task: the script's own count, and one callback each.
     for id in &ids {
         let finals: u32 = redis::cmd("HGET")
