@@ -232,7 +232,7 @@ pub struct Metrics {
     /// `levee_task_callbacks_total{state}`: callback POSTs, `delivered` or `failed`.
     pub task_callbacks: Family<StateLabel, Counter>,
     /// `levee_tasks_reclaimed_total`: tasks this replica claimed from the shared queue after
-    /// another replica held them past `tasks.visibility_ms`.
+    /// another replica held them past `tasks.visibility_ms` or handed them back at shutdown.
     pub tasks_reclaimed: Counter,
     /// Tenants with their own series in the per-tenant histograms.
     tenant_series: RwLock<HashSet<String>>,
