@@ -229,6 +229,82 @@ async fn a_task_submitted_on_one_replica_is_read_listed_and_cancelled_on_another
     clear(URL, &prefix).await;
 }
 
+/// The tenant's quota of unfinished tasks holds for the fleet, not per replica, and a task
+/// no replica has taken yet reports its place among the fleet's unfinished tasks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_task_quota_is_fleet_wide_and_a_queued_task_has_its_fleet_position() {
+    if !redis_up(URL).await {
+        return skip("Redis on 127.0.0.1:6379 is unreachable");
+    }
+    let m = mock().await;
+    m.hold(true);
+    let prefix = unique_prefix("fleet-tasks-quota");
+    let mut cfg = fleet_task_config(&m.url(), URL, &prefix);
+    cfg.tasks.max_running = 1;
+    cfg.tasks.max_queued_per_tenant = 3;
+    let gws = vec![
+        start(cfg.clone()).await.unwrap(),
+        start(cfg.clone()).await.unwrap(),
+    ];
+    let c = client();
+    let mut ids = Vec::new();
+    for i in 0..2 {
+        let r = submit(&c, &gws[i].public_url(), "a", &format!("q{i}")).await;
+        assert_eq!(r.status(), 202);
+        ids.push(
+            r.json::<Value>().await.unwrap()["id"]
+                .as_str()
+                .unwrap()
+                .to_string(),
+        );
+    }
+    // One running on each replica (bands of one).
+    wait_until("both replicas run a task", || m.count() == 2).await;
+    let r = submit(&c, &gws[0].public_url(), "a", "q2").await;
+    assert_eq!(r.status(), 202);
+    let third: Value = r.json().await.unwrap();
+    let id3 = third["id"].as_str().unwrap().to_string();
+    // No replica has room: it waits in the stream behind the two running ones.
+    assert_eq!(third["position"], 3, "{third}");
+    for g in &gws {
+        let v: Value = get(&c, &g.public_url(), "a", &id3)
+            .await
+            .json()
+            .await
+            .unwrap();
+        assert_eq!(v["status"], "queued", "{v}");
+        assert_eq!(v["position"], 3, "{v}");
+    }
+    // Three open in the fleet: a fourth is refused on either replica, though each holds
+    // fewer than three.
+    for g in &gws {
+        let r = submit(&c, &g.public_url(), "a", "q3").await;
+        assert_eq!(r.status(), 429);
+        assert!(r.headers().get("retry-after").is_some());
+    }
+    // Another tenant has its own count.
+    assert_eq!(
+        submit(&c, &gws[1].public_url(), "b", "b0").await.status(),
+        202
+    );
+    // A final state frees a place at once, fleet-wide.
+    let v: Value = delete(&c, &gws[1].public_url(), "a", &ids[0])
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(v["status"], "cancelled", "{v}");
+    assert_eq!(
+        submit(&c, &gws[0].public_url(), "a", "q3").await.status(),
+        202
+    );
+    m.release(16);
+    for g in gws {
+        g.shutdown().await;
+    }
+    clear(URL, &prefix).await;
+}
+
 /// With a visibility timeout far beyond the test, only the clean shutdown's hand-back lets
 /// another replica take the task the stopping one was running.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
