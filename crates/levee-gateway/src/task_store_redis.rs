@@ -42,10 +42,14 @@ const CAS_ATTEMPTS: usize = 16;
 const SWEEP_PAGE: usize = 100;
 /// `ahead` counts up to this many entries.
 const AHEAD_CAP: usize = 1000;
+/// Consumers idle this many visibility timeouts with nothing pending are removed from the
+/// group, looked for at most this often.
+const STALE_CONSUMER_VISIBILITIES: u32 = 10;
 
 const INSERT: &str = include_str!("scripts/task_insert.lua");
 const UPDATE: &str = include_str!("scripts/task_update.lua");
 const RENEW: &str = include_str!("scripts/task_renew.lua");
+const TIDY: &str = include_str!("scripts/task_tidy.lua");
 
 /// Tasks in Redis, the queue a stream shared by the fleet.
 pub struct RedisTaskStore {
@@ -59,9 +63,12 @@ pub struct RedisTaskStore {
     /// Lifetime of a tenant's index after its last submission.
     index_ttl: Duration,
     group_ready: AtomicBool,
+    /// When this replica last removed stale consumers from the group.
+    last_tidy: parking_lot::Mutex<Option<std::time::Instant>>,
     insert: Script,
     update: Script,
     renew: Script,
+    tidy: Script,
 }
 
 impl std::fmt::Debug for RedisTaskStore {
@@ -110,6 +117,21 @@ fn entries(v: &Value) -> Vec<(String, Option<String>)> {
         .collect()
 }
 
+/// A RESP2 flat `[key, value, ...]` array or a RESP3 map as (key, value) pairs.
+fn fields(v: &Value) -> Vec<(String, Value)> {
+    match v {
+        Value::Array(kv) => kv
+            .chunks(2)
+            .filter_map(|p| Some((text(p.first()?)?, p.get(1)?.clone())))
+            .collect(),
+        Value::Map(kv) => kv
+            .iter()
+            .filter_map(|(k, v)| Some((text(k)?, v.clone())))
+            .collect(),
+        _ => Vec::new(),
+    }
+}
+
 /// The sequence number in an id `task_<16 hex digits><8 hex digits>`.
 fn seq_of(id: &str) -> Option<u64> {
     u64::from_str_radix(id.get(5..21)?, 16).ok()
@@ -148,9 +170,11 @@ impl RedisTaskStore {
             retention,
             index_ttl: retention.saturating_add(max_queue),
             group_ready: AtomicBool::new(false),
+            last_tidy: parking_lot::Mutex::new(None),
             insert: Script::new(INSERT),
             update: Script::new(UPDATE),
             renew: Script::new(RENEW),
+            tidy: Script::new(TIDY),
         })
     }
 
@@ -325,7 +349,70 @@ impl RedisTaskStore {
         Err(StoreError::Contended(id.to_string()))
     }
 
+    /// Removes consumers idle for [`STALE_CONSUMER_VISIBILITIES`] visibility timeouts with
+    /// nothing pending, at most once per that period: every restart of a replica with a
+    /// generated id adds a consumer, and this keeps the group small. Removing one that is
+    /// alive but idle costs nothing (Redis creates a consumer again when it is handed an
+    /// entry), and one with pending entries is never removed (they would be lost to
+    /// `XAUTOCLAIM`).
+    async fn tidy(&self) -> Result<(), StoreError> {
+        let stale = self.visibility * STALE_CONSUMER_VISIBILITIES;
+        {
+            let mut last = self.last_tidy.lock();
+            if last.is_some_and(|t| t.elapsed() < stale) {
+                return Ok(());
+            }
+            *last = Some(std::time::Instant::now());
+        }
+        let mut info = redis::cmd("XINFO");
+        info.arg("CONSUMERS").arg(self.queue_key()).arg(GROUP);
+        let v = self
+            .group_cmd("list the task queue's consumers", &info)
+            .await?;
+        let Value::Array(consumers) = v else {
+            return Err(self.bad_reply("list the task queue's consumers", v));
+        };
+        let stale_ms = i64::try_from(stale.as_millis()).unwrap_or(i64::MAX);
+        let mut gone = Vec::new();
+        for c in &consumers {
+            let fields = fields(c);
+            let name = fields
+                .iter()
+                .find(|(k, _)| k == "name")
+                .and_then(|(_, v)| text(v));
+            let int = |key: &str| {
+                fields
+                    .iter()
+                    .find(|(k, _)| k == key)
+                    .and_then(|(_, v)| match v {
+                        Value::Int(n) => Some(*n),
+                        _ => None,
+                    })
+            };
+            if let (Some(name), Some(0), Some(idle)) = (name, int("pending"), int("idle")) {
+                if idle > stale_ms && name != self.consumer {
+                    gone.push(name);
+                }
+            }
+        }
+        if gone.is_empty() {
+            return Ok(());
+        }
+        let mut conn = self.conn.clone();
+        let removed: i64 = self
+            .tidy
+            .key(self.queue_key())
+            .arg(GROUP)
+            .arg(&gone)
+            .invoke_async(&mut conn)
+            .await
+            .map_err(self.err("remove idle consumers from the task queue"))?;
+        tracing::debug!("removed {removed} idle consumers from the task queue");
+        Ok(())
+    }
+
     async fn claim_inner(&self, max: usize) -> Result<Claimed, StoreError> {
+        self.tidy().await?;
         let q = self.queue_key();
         let mut got: Vec<(String, Option<String>, bool)> = Vec::new();
         // First what a silent replica held past the visibility timeout.

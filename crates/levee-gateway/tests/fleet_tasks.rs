@@ -384,6 +384,115 @@ async fn a_replica_that_shuts_down_hands_its_tasks_back_at_once() {
     clear(URL, &prefix).await;
 }
 
+/// Consumers of replicas gone long ago (idle ten visibility timeouts, nothing pending) are
+/// removed from the group; a live replica's consumer comes back with the first entry it
+/// reads, so removing an idle one costs nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn consumers_of_replicas_gone_long_ago_are_removed() {
+    if !redis_up(URL).await {
+        return skip("Redis on 127.0.0.1:6379 is unreachable");
+    }
+    let m = mock().await;
+    let prefix = unique_prefix("fleet-tasks-tidy");
+    let queue = format!("{prefix}tasks:v1:queue");
+    let mut conn = redis_conn().await;
+    let _: () = redis::cmd("XGROUP")
+        .arg("CREATE")
+        .arg(&queue)
+        .arg("levee")
+        .arg("0")
+        .arg("MKSTREAM")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let _: i64 = redis::cmd("XGROUP")
+        .arg("CREATECONSUMER")
+        .arg(&queue)
+        .arg("levee")
+        .arg("ghost")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let names = |v: &Vec<Vec<redis::Value>>| -> Vec<String> {
+        v.iter()
+            .map(|c| match &c[1] {
+                redis::Value::BulkString(b) => String::from_utf8(b.clone()).unwrap(),
+                other => panic!("{other:?}"),
+            })
+            .collect()
+    };
+    // Ten visibility timeouts of 20 ms: the ghost must be idle 200 ms.
+    let mut cfg = fleet_task_config(&m.url(), URL, &prefix);
+    cfg.tasks.visibility_ms = 20;
+    cfg.state.replica_id = "live".into();
+    let mut idle = 0;
+    for _ in 0..400 {
+        let info: Vec<Vec<redis::Value>> = redis::cmd("XINFO")
+            .arg("CONSUMERS")
+            .arg(&queue)
+            .arg("levee")
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        idle = match info[0][5] {
+            redis::Value::Int(n) => n,
+            ref other => panic!("{other:?}"),
+        };
+        if idle > 250 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    assert!(idle > 250, "the ghost consumer never aged");
+    let gw = start(cfg).await.unwrap();
+    let consumers = |mut conn: redis::aio::MultiplexedConnection| {
+        let queue = queue.clone();
+        async move {
+            let info: Vec<Vec<redis::Value>> = redis::cmd("XINFO")
+                .arg("CONSUMERS")
+                .arg(&queue)
+                .arg("levee")
+                .query_async(&mut conn)
+                .await
+                .unwrap();
+            names(&info)
+        }
+    };
+    let mut left = vec!["ghost".to_string()];
+    for _ in 0..400 {
+        left = consumers(conn.clone()).await;
+        if left.is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    assert!(left.is_empty(), "{left:?}");
+    // The live replica still takes and runs tasks; its consumer is back.
+    let c = client();
+    let t: Value = submit(&c, &gw.public_url(), "a", "after")
+        .await
+        .json()
+        .await
+        .unwrap();
+    let id = t["id"].as_str().unwrap();
+    let mut last = Value::Null;
+    for _ in 0..400 {
+        last = get(&c, &gw.public_url(), "a", id)
+            .await
+            .json()
+            .await
+            .unwrap();
+        if last["status"] == "succeeded" {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    assert_eq!(last["status"], "succeeded", "{last}");
+    assert_eq!(consumers(conn.clone()).await, ["live"]);
+    gw.shutdown().await;
+    clear(URL, &prefix).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_submit_that_cannot_be_stored_answers_503_saying_what_failed() {
     // A port nothing listens on: every Redis command fails to connect.
