@@ -248,8 +248,8 @@ async fn the_task_quota_is_fleet_wide_and_a_queued_task_has_its_fleet_position()
     ];
     let c = client();
     let mut ids = Vec::new();
-    for i in 0..2 {
-        let r = submit(&c, &gws[i].public_url(), "a", &format!("q{i}")).await;
+    for (i, g) in gws.iter().enumerate() {
+        let r = submit(&c, &g.public_url(), "a", &format!("q{i}")).await;
         assert_eq!(r.status(), 202);
         ids.push(
             r.json::<Value>().await.unwrap()["id"]
