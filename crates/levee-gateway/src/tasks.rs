@@ -531,7 +531,14 @@ impl Tasks {
                     self.wake.notify_one();
                 }
             }
-            Attempt::Leave => drop(place),
+            Attempt::Leave => {
+                drop(place);
+                // On a shared queue a task left unfinished (this replica is draining) goes
+                // back to the queue at once, for another replica to take.
+                if let Err(e) = self.store.release(std::slice::from_ref(&id)).await {
+                    tracing::warn!("task {id}: could not hand it back to the shared queue: {e}");
+                }
+            }
         }
     }
 
