@@ -1,8 +1,12 @@
-//! Async tasks shared by three gateway replicas through Redis (`[state] backend = "redis"`),
-//! in process on ephemeral ports, against one mock backend: a task submitted on one replica
-//! is read, listed and cancelled on the others (the cancel reaches the replica that runs it
-//! and cuts its upstream request), and exactly one final state is written. And a submit
-//! that cannot be stored answers 503 `task_store_unavailable` saying what failed.
+//! Async tasks shared by gateway replicas through Redis (`[state] backend = "redis"`), in
+//! process on ephemeral ports, against one mock backend: a task submitted on one replica is
+//! read, listed and cancelled on the others (the cancel reaches the replica that runs it and
+//! cuts its upstream request) with exactly one final state written; the tenant's quota is
+//! fleet-wide and a task no replica holds reports its place in the fleet's queue; a replica
+//! shutting down hands its tasks back at once; consumers gone long ago leave the group; the
+//! store's compare-and-set loses no update and lets one of many racing writers finish a
+//! task; and a submit that cannot be stored answers 503 `task_store_unavailable` saying what
+//! failed.
 //!
 //! The shared Redis on 127.0.0.1:6379 is used under a key prefix of this run's own, deleted
 //! at the end. Without Redis the Redis tests are skipped with a message, unless
@@ -14,9 +18,12 @@ mod common;
 
 use common::*;
 use levee_gateway::config::{StateBackend, TierConfig};
+use levee_gateway::task_store::{Inserted, Status, Task, TaskStore};
+use levee_gateway::task_store_redis::RedisTaskStore;
 use levee_gateway::{start, Config, GatewayHandle};
 use serde_json::Value;
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::Duration;
 
 const URL: &str = "redis://127.0.0.1:6379";
@@ -490,6 +497,135 @@ async fn consumers_of_replicas_gone_long_ago_are_removed() {
     assert_eq!(last["status"], "succeeded", "{last}");
     assert_eq!(consumers(conn.clone()).await, ["live"]);
     gw.shutdown().await;
+    clear(URL, &prefix).await;
+}
+
+/// The store itself: concurrent writers lose no update (compare-and-set with retries), and
+/// of many writers racing to finish a task exactly one does — once — which frees the
+/// tenant's quota place and deletes the stream entry in the same step.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn racing_writers_lose_no_update_and_make_one_final_state() {
+    if !redis_up(URL).await {
+        return skip("Redis on 127.0.0.1:6379 is unreachable");
+    }
+    let prefix = unique_prefix("task-store");
+    let store = Arc::new(
+        RedisTaskStore::new(
+            URL,
+            URL,
+            &prefix,
+            "solo",
+            Duration::from_secs(30),
+            Duration::from_secs(60),
+            Duration::from_secs(60),
+        )
+        .unwrap(),
+    );
+    let seq = store.next_seq().await.unwrap();
+    let id = format!("task_{seq:016x}00000000");
+    let task = Task {
+        id: id.clone(),
+        seq,
+        tenant: "a".into(),
+        endpoint: "/v1/chat/completions".into(),
+        model: "m".into(),
+        body: "{}".into(),
+        callback_url: None,
+        status: Status::Queued,
+        created_ms: 0,
+        started_ms: None,
+        finished_ms: None,
+        attempts: 0,
+        result: None,
+        error: None,
+        callback: None,
+    };
+    assert_eq!(store.insert(&task, 1).await.unwrap(), Inserted::Stored);
+    let mut other = task.clone();
+    other.id = format!("task_{:016x}00000000", seq + 1);
+    other.seq = seq + 1;
+    // The tenant's one place is taken.
+    assert_eq!(
+        store.insert(&other, 1).await.unwrap(),
+        Inserted::Full { open: 1 }
+    );
+    const WRITERS: u32 = 12;
+    let bumps = (0..WRITERS).map(|_| {
+        let (store, id) = (store.clone(), id.clone());
+        tokio::spawn(async move {
+            store
+                .update(
+                    &id,
+                    Box::new(|t| {
+                        t.attempts += 1;
+                        true
+                    }),
+                )
+                .await
+        })
+    });
+    for b in futures::future::join_all(bumps).await {
+        assert!(b.unwrap().unwrap().is_some());
+    }
+    let t = store.get(&id).await.unwrap().unwrap();
+    assert_eq!(t.attempts, WRITERS, "every increment landed once");
+    let finals = [
+        Status::Succeeded,
+        Status::Failed,
+        Status::Cancelled,
+        Status::Expired,
+    ];
+    let racers = (0..WRITERS).map(|i| {
+        let (store, id) = (store.clone(), id.clone());
+        let to = finals[i as usize % finals.len()];
+        tokio::spawn(async move {
+            store
+                .update(
+                    &id,
+                    Box::new(move |t| {
+                        if t.status.is_final() {
+                            return false;
+                        }
+                        t.status = to;
+                        true
+                    }),
+                )
+                .await
+        })
+    });
+    let mut won = Vec::new();
+    for r in futures::future::join_all(racers).await {
+        if let Some(t) = r.unwrap().unwrap() {
+            won.push(t.status);
+        }
+    }
+    assert_eq!(won.len(), 1, "{won:?}");
+    assert_eq!(store.get(&id).await.unwrap().unwrap().status, won[0]);
+    let mut conn = redis_conn().await;
+    let (finals_written, left): (u32, u64) = redis::pipe()
+        .cmd("HGET")
+        .arg(format!("{prefix}task:v1:{id}"))
+        .arg("finals")
+        .cmd("XLEN")
+        .arg(format!("{prefix}tasks:v1:queue"))
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!((finals_written, left), (1, 0));
+    // A final state is never replaced by another one.
+    let flip = store
+        .update(
+            &id,
+            Box::new(|t| {
+                t.status = Status::Queued;
+                true
+            }),
+        )
+        .await
+        .unwrap();
+    assert!(flip.is_none());
+    // The place is free again.
+    assert_eq!(store.insert(&other, 1).await.unwrap(), Inserted::Stored);
     clear(URL, &prefix).await;
 }
 
