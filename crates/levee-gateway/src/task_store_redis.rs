@@ -331,6 +331,7 @@ impl RedisTaskStore {
                 .key(self.task_key(id))
                 .key(self.queue_key())
                 .key(self.open_key(&task.tenant))
+                .key(self.index_key(&task.tenant))
                 .arg(&v)
                 .arg(json)
                 .arg(task.status.as_str())

@@ -1,6 +1,6 @@
 -- levee async task: compare-and-set of a task's record, task script version 1.
 -- KEYS[1]: the task's hash; KEYS[2]: the queue stream; KEYS[3]: the tenant's count of
--- unfinished tasks.
+-- unfinished tasks; KEYS[4]: the tenant's index.
 -- ARGV[1]: the record version the new record was computed from; ARGV[2]: the new record
 -- (JSON); ARGV[3]: its status; ARGV[4]: the consumer group; ARGV[5]: how long a final
 -- record is kept (ms).
@@ -8,7 +8,8 @@
 -- such task), -2 (refused: a final state is never replaced by another state).
 -- The move from an unfinished to a final state happens once per task: it counts itself in
 -- the field `finals`, frees the tenant's place, acknowledges and deletes the task's stream
--- entry (no replica will claim it again) and starts the record's retention.
+-- entry (no replica will claim it again) and starts the record's retention (the tenant's
+-- index lives at least as long, so the record stays listed).
 local cur = redis.call('HMGET', KEYS[1], 'v', 'status', 'entry')
 if not cur[1] then
   return -1
@@ -34,5 +35,8 @@ if final(ARGV[3]) and not was_final then
     redis.call('XDEL', KEYS[2], cur[3])
   end
   redis.call('PEXPIRE', KEYS[1], ARGV[5])
+  if redis.call('PTTL', KEYS[4]) < tonumber(ARGV[5]) then
+    redis.call('PEXPIRE', KEYS[4], ARGV[5])
+  end
 end
 return 1
