@@ -238,6 +238,16 @@ pub trait TaskStore: Send + Sync {
     /// once (a clean shutdown), so other replicas claim them without waiting for the
     /// visibility timeout.
     fn release<'a>(&'a self, ids: &'a [String]) -> StoreFuture<'a, ()>;
+    /// Shared queue only: keeps the leases on the callback deliveries `delivering` this
+    /// replica runs, and takes up to `max` deliveries whose replica stopped keeping them
+    /// (it died, or shut down), returning their tasks. The final write of a task with a
+    /// callback gives its writer the first lease.
+    fn callbacks<'a>(&'a self, delivering: &'a [String], max: usize) -> StoreFuture<'a, Vec<Task>>;
+    /// Shared queue only: hands the callback deliveries `delivering` back at once (a clean
+    /// shutdown).
+    fn release_callbacks<'a>(&'a self, delivering: &'a [String]) -> StoreFuture<'a, ()>;
+    /// The callback of task `id` needs no more attempts (delivered or given up).
+    fn callback_done<'a>(&'a self, id: &'a str) -> StoreFuture<'a, ()>;
     /// Shared queue only: the unfinished tasks submitted before task `id` still in the
     /// shared queue (waiting or running anywhere in the fleet), counted up to 1000.
     fn ahead<'a>(&'a self, id: &'a str) -> StoreFuture<'a, Option<usize>>;
@@ -577,6 +587,24 @@ impl TaskStore for RedbStore {
     }
 
     fn release<'a>(&'a self, _ids: &'a [String]) -> StoreFuture<'a, ()> {
+        Box::pin(async { Ok(()) })
+    }
+
+    fn callbacks<'a>(
+        &'a self,
+        _delivering: &'a [String],
+        _max: usize,
+    ) -> StoreFuture<'a, Vec<Task>> {
+        // Undelivered callbacks come back with `recover` at the next start.
+        Box::pin(async { Ok(Vec::new()) })
+    }
+
+    fn release_callbacks<'a>(&'a self, _delivering: &'a [String]) -> StoreFuture<'a, ()> {
+        Box::pin(async { Ok(()) })
+    }
+
+    fn callback_done<'a>(&'a self, _id: &'a str) -> StoreFuture<'a, ()> {
+        // The record's `callback.done` is the state.
         Box::pin(async { Ok(()) })
     }
 

@@ -50,6 +50,7 @@ const INSERT: &str = include_str!("scripts/task_insert.lua");
 const UPDATE: &str = include_str!("scripts/task_update.lua");
 const RENEW: &str = include_str!("scripts/task_renew.lua");
 const TIDY: &str = include_str!("scripts/task_tidy.lua");
+const CALLBACKS: &str = include_str!("scripts/task_callbacks.lua");
 
 /// Tasks in Redis, the queue a stream shared by the fleet.
 pub struct RedisTaskStore {
@@ -69,6 +70,7 @@ pub struct RedisTaskStore {
     update: Script,
     renew: Script,
     tidy: Script,
+    callbacks: Script,
 }
 
 impl std::fmt::Debug for RedisTaskStore {
@@ -175,6 +177,7 @@ impl RedisTaskStore {
             update: Script::new(UPDATE),
             renew: Script::new(RENEW),
             tidy: Script::new(TIDY),
+            callbacks: Script::new(CALLBACKS),
         })
     }
 
@@ -195,6 +198,10 @@ impl RedisTaskStore {
 
     fn open_key(&self, tenant: &str) -> String {
         format!("{}tasks:v{TASK_SCRIPT_VERSION}:open:{tenant}", self.prefix)
+    }
+
+    fn callbacks_key(&self) -> String {
+        format!("{}tasks:v{TASK_SCRIPT_VERSION}:callbacks", self.prefix)
     }
 
     fn seq_key(&self) -> String {
@@ -332,11 +339,18 @@ impl RedisTaskStore {
                 .key(self.queue_key())
                 .key(self.open_key(&task.tenant))
                 .key(self.index_key(&task.tenant))
+                .key(self.callbacks_key())
                 .arg(&v)
                 .arg(json)
                 .arg(task.status.as_str())
                 .arg(GROUP)
                 .arg(ms(self.retention))
+                .arg(id)
+                .arg(if task.callback_url.is_some() {
+                    ms(self.visibility)
+                } else {
+                    0
+                })
                 .invoke_async(&mut conn)
                 .await
                 .map_err(self.err("update a task"))?;
@@ -624,6 +638,48 @@ impl RedisTaskStore {
             .collect()
     }
 
+    /// Renews (or, with `lease` zero, hands back) the callback leases of `delivering` and
+    /// takes up to `max` due ones; returns the tasks taken (gone ones are dropped).
+    async fn callbacks_inner(
+        &self,
+        delivering: &[String],
+        max: usize,
+        lease: Duration,
+    ) -> Result<Vec<Task>, StoreError> {
+        if delivering.is_empty() && max == 0 {
+            return Ok(Vec::new());
+        }
+        let mut conn = self.conn.clone();
+        let taken: Vec<String> = self
+            .callbacks
+            .key(self.callbacks_key())
+            .arg(u64::try_from(lease.as_millis()).unwrap_or(u64::MAX))
+            .arg(max)
+            .arg(delivering)
+            .invoke_async(&mut conn)
+            .await
+            .map_err(self.err("keep the callback deliveries"))?;
+        let mut out = Vec::new();
+        for (id, t) in taken.iter().zip(self.read_many(&taken).await?) {
+            match t {
+                Some(t) => out.push(t),
+                None => self.callback_done_inner(id).await?,
+            }
+        }
+        Ok(out)
+    }
+
+    async fn callback_done_inner(&self, id: &str) -> Result<(), StoreError> {
+        let mut conn = self.conn.clone();
+        let _: i64 = redis::cmd("ZREM")
+            .arg(self.callbacks_key())
+            .arg(id)
+            .query_async(&mut conn)
+            .await
+            .map_err(self.err("finish a callback delivery"))?;
+        Ok(())
+    }
+
     async fn ahead_inner(&self, id: &str) -> Result<Option<usize>, StoreError> {
         let mut conn = self.conn.clone();
         let entry: Option<String> = redis::cmd("HGET")
@@ -738,6 +794,21 @@ impl TaskStore for RedisTaskStore {
             self.renew_inner(ids, self.visibility).await?;
             Ok(())
         })
+    }
+
+    fn callbacks<'a>(&'a self, delivering: &'a [String], max: usize) -> StoreFuture<'a, Vec<Task>> {
+        Box::pin(self.callbacks_inner(delivering, max, self.visibility))
+    }
+
+    fn release_callbacks<'a>(&'a self, delivering: &'a [String]) -> StoreFuture<'a, ()> {
+        Box::pin(async move {
+            self.callbacks_inner(delivering, 0, Duration::ZERO).await?;
+            Ok(())
+        })
+    }
+
+    fn callback_done<'a>(&'a self, id: &'a str) -> StoreFuture<'a, ()> {
+        Box::pin(self.callback_done_inner(id))
     }
 
     fn ahead<'a>(&'a self, id: &'a str) -> StoreFuture<'a, Option<usize>> {

@@ -54,6 +54,8 @@ use tokio::time::Instant;
 const MAX_RESULT_BYTES: usize = 16 << 20;
 /// Completions the band's drain rate looks back over.
 const RATE_WINDOW: usize = 32;
+/// Callback deliveries one replica runs at once that it took over from others.
+const CALLBACKS_AT_ONCE: usize = 64;
 
 /// The async task service of one gateway.
 pub struct Tasks {
@@ -65,6 +67,8 @@ pub struct Tasks {
     pull: Notify,
     /// This replica handed its tasks back (clean shutdown): it renews and claims no more.
     released: std::sync::atomic::AtomicBool,
+    /// Tasks whose callbacks this replica is delivering.
+    delivering: Mutex<std::collections::HashSet<String>>,
 }
 
 impl std::fmt::Debug for Tasks {
@@ -197,6 +201,7 @@ impl Tasks {
             wake: Notify::new(),
             pull: Notify::new(),
             released: std::sync::atomic::AtomicBool::new(false),
+            delivering: Mutex::new(std::collections::HashSet::new()),
         }
     }
 
@@ -336,6 +341,14 @@ impl Tasks {
         }
         self.released
             .store(true, std::sync::atomic::Ordering::SeqCst);
+        let delivering: Vec<String> = self.delivering.lock().iter().cloned().collect();
+        if let Err(e) = self.store.release_callbacks(&delivering).await {
+            tracing::warn!(
+                "could not hand {} callback deliveries back ({e}); other replicas take them \
+                 over after tasks.visibility_ms",
+                delivering.len()
+            );
+        }
         let held = self.held();
         if held.is_empty() {
             return;
@@ -371,6 +384,21 @@ impl Tasks {
                     self.withdraw(id);
                 }
                 Held::Finished => self.withdraw(id),
+            }
+        }
+        // Callback deliveries: keep this replica's, take over those a stopped replica left.
+        let delivering: Vec<String> = self.delivering.lock().iter().cloned().collect();
+        let take = if gw.is_draining() {
+            0
+        } else {
+            CALLBACKS_AT_ONCE.saturating_sub(delivering.len())
+        };
+        for t in self.store.callbacks(&delivering, take).await? {
+            if t.status.is_final() && t.callback.as_ref().is_some_and(|c| !c.done) {
+                tracing::info!("task {}: taking over its callback delivery", t.id);
+                self.clone().spawn_callback(gw, t);
+            } else {
+                self.store.callback_done(&t.id).await?;
             }
         }
         if gw.is_draining() {
@@ -918,17 +946,32 @@ impl Tasks {
         v
     }
 
+    /// Delivers the task's callback on a tokio task of its own (unless this replica is
+    /// delivering it already).
     fn spawn_callback(self: Arc<Self>, gw: &Arc<Gateway>, task: Task) {
+        if !self.delivering.lock().insert(task.id.clone()) {
+            return;
+        }
         let gw = gw.clone();
-        tokio::spawn(async move { self.deliver(&gw, task).await });
+        tokio::spawn(async move {
+            let id = task.id.clone();
+            let done = self.deliver(&gw, task).await;
+            self.delivering.lock().remove(&id);
+            if done {
+                if let Err(e) = self.store.callback_done(&id).await {
+                    tracing::warn!("task {id}: {e}");
+                }
+            }
+        });
     }
 
     /// POSTs the final state to the task's `callback_url`, signed, retried with full-jitter
-    /// exponential backoff; the outcome is stored with the task.
-    async fn deliver(self: &Arc<Self>, gw: &Gateway, task: Task) {
+    /// exponential backoff; the outcome is stored with the task. Returns whether it is
+    /// over (delivered, or no attempt left); `false` when the gateway stopped first.
+    async fn deliver(self: &Arc<Self>, gw: &Gateway, task: Task) -> bool {
         use hmac::Mac;
         let Some(url) = task.callback_url.clone() else {
-            return;
+            return true;
         };
         let secret = gw
             .runtime()
@@ -955,7 +998,7 @@ impl Tasks {
                             Ok(m) => m,
                             Err(e) => {
                                 tracing::error!("task {}: callback key: {e}", task.id);
-                                return;
+                                return true;
                             }
                         };
                     mac.update(format!("{ts}.").as_bytes());
@@ -992,7 +1035,7 @@ impl Tasks {
                 tracing::error!("task {}: {e}", task.id);
             }
             if give_up {
-                return;
+                return true;
             }
             let cap = self
                 .cfg
@@ -1001,10 +1044,11 @@ impl Tasks {
                 .min(60_000);
             let wait = Duration::from_millis(rand::random::<u64>() % (cap + 1));
             tokio::select! {
-                _ = stop.cancelled() => return,
+                _ = stop.cancelled() => return false,
                 _ = tokio::time::sleep(wait) => {}
             }
         }
+        true
     }
 }
 

@@ -312,6 +312,157 @@ async fn the_task_quota_is_fleet_wide_and_a_queued_task_has_its_fleet_position()
     clear(URL, &prefix).await;
 }
 
+/// A callback receiver answering 500 while `fail` is set; counts calls and successes.
+struct Receiver {
+    url: String,
+    fail: Arc<std::sync::atomic::AtomicBool>,
+    calls: Arc<std::sync::atomic::AtomicUsize>,
+    ok: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+async fn receiver() -> Receiver {
+    use std::sync::atomic::{AtomicBool, AtomicUsize};
+    let fail = Arc::new(AtomicBool::new(true));
+    let calls = Arc::new(AtomicUsize::new(0));
+    let ok = Arc::new(AtomicUsize::new(0));
+    let (f, c, o) = (fail.clone(), calls.clone(), ok.clone());
+    let app = axum::Router::new().route(
+        "/hook",
+        axum::routing::post(move || {
+            let (f, c, o) = (f.clone(), c.clone(), o.clone());
+            async move {
+                c.fetch_add(1, Ordering::SeqCst);
+                if f.load(Ordering::SeqCst) {
+                    http::StatusCode::INTERNAL_SERVER_ERROR
+                } else {
+                    o.fetch_add(1, Ordering::SeqCst);
+                    http::StatusCode::OK
+                }
+            }
+        }),
+    );
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    tokio::spawn(async move {
+        let _ = axum::serve(l, app).await;
+    });
+    Receiver {
+        url: format!("http://{addr}/hook"),
+        fail,
+        calls,
+        ok,
+    }
+}
+
+fn callbacks(g: &GatewayHandle, state: &str) -> f64 {
+    metric(
+        &g.gateway().metrics.encode(),
+        &format!("levee_task_callbacks_total{{state=\"{state}\"}}"),
+    )
+}
+
+/// A callback the stopping replica was still retrying is taken over by another replica
+/// (here through the hand-back at shutdown: the visibility timeout is far beyond the test)
+/// and delivered, its attempts counted on from where the first replica left them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_callback_a_stopping_replica_was_retrying_is_delivered_by_another() {
+    if !redis_up(URL).await {
+        return skip("Redis on 127.0.0.1:6379 is unreachable");
+    }
+    std::env::set_var("LEVEE_TEST_FLEET_CALLBACK_SECRET", "fleet-s3cret");
+    let m = mock().await;
+    let rcv = receiver().await;
+    let prefix = unique_prefix("fleet-tasks-callback");
+    let mut cfg = fleet_task_config(&m.url(), URL, &prefix);
+    cfg.tasks.visibility_ms = 600_000;
+    cfg.tasks.callback_backoff_ms = 20;
+    cfg.tasks.callback_attempts = 1000;
+    cfg.server.shutdown_grace_ms = 100;
+    cfg.tenants[3].callback_secret_env = Some("LEVEE_TEST_FLEET_CALLBACK_SECRET".into());
+    let mut gws = vec![
+        start(cfg.clone()).await.unwrap(),
+        start(cfg.clone()).await.unwrap(),
+    ];
+    let c = client();
+    let mut body = chat_body("called back");
+    body["callback_url"] = serde_json::json!(rcv.url);
+    let t: Value = c
+        .post(format!("{}/v1/tasks", gws[0].public_url()))
+        .bearer_auth("key-a")
+        .json(&body)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let id = t["id"].as_str().unwrap().to_string();
+    let calls = rcv.calls.clone();
+    wait_until("two failed callback attempts", || {
+        calls.load(Ordering::SeqCst) >= 2
+    })
+    .await;
+    let first = (0..2)
+        .find(|i| callbacks(&gws[*i], "failed") > 0.0)
+        .expect("one replica is delivering");
+    let stopping = gws.remove(first);
+    stopping.shutdown().await;
+    let other = &gws[0];
+    // The other replica takes the delivery over and tries too (the receiver still fails).
+    let mut took_over = false;
+    for _ in 0..1000 {
+        if callbacks(other, "failed") > 0.0 {
+            took_over = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(took_over, "the other replica never tried the callback");
+    rcv.fail.store(false, Ordering::SeqCst);
+    let ok = rcv.ok.clone();
+    wait_until("the callback is delivered", || {
+        ok.load(Ordering::SeqCst) >= 1
+    })
+    .await;
+    let mut last = Value::Null;
+    for _ in 0..400 {
+        last = get(&c, &other.public_url(), "a", &id)
+            .await
+            .json()
+            .await
+            .unwrap();
+        if last["callback"]["delivered"] == true {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    assert_eq!(last["callback"]["delivered"], true, "{last}");
+    assert!(
+        last["callback"]["attempts"].as_u64().unwrap() >= 3,
+        "{last}"
+    );
+    assert_eq!(callbacks(other, "delivered"), 1.0);
+    // Nothing left to deliver.
+    let mut conn = redis_conn().await;
+    let mut pending = 1;
+    for _ in 0..400 {
+        pending = redis::cmd("ZCARD")
+            .arg(format!("{prefix}tasks:v1:callbacks"))
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        if pending == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    assert_eq!(pending, 0);
+    for g in gws {
+        g.shutdown().await;
+    }
+    clear(URL, &prefix).await;
+}
+
 /// With a visibility timeout far beyond the test, only the clean shutdown's hand-back lets
 /// another replica take the task the stopping one was running.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
