@@ -20,6 +20,9 @@
 //!   listing; pruned as records expire) and `<prefix>tasks:v1:open:<tenant>` (unfinished
 //!   tasks, checked and counted by the submit script: the quota is fleet-wide).
 //!   `<prefix>tasks:v1:seq` numbers submissions fleet-wide, so ids sort in submission order.
+//! * **Callbacks**: `<prefix>tasks:v1:callbacks` holds the deliveries in progress, each
+//!   under a lease (`visibility_ms`) its replica renews every tick; the final write gives
+//!   the first lease to its writer, and a lapsed or handed-back lease is taken over.
 
 use crate::task_store::{
     decode, encode, Change, Claimed, Held, Inserted, Status, StoreError, StoreFuture, Task,
