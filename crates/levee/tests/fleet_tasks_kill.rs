@@ -438,8 +438,8 @@ async fn kill_9_one_of_three_replicas_with_tasks_queued_and_running() {
 
 /// The kill lands at an arbitrary moment of a steady stream of completions (tasks finishing,
 /// being claimed and renewed all the time), so a final write, a claim and the death may
-/// race: still every task succeeds with exactly one final write and at most one callback,
-/// and only what the dead replica held is claimed again.
+/// race: still every task succeeds with exactly one final write and is called back, and
+/// only what the dead replica held is claimed again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill_9_amid_a_stream_of_completions() {
     const MANY: usize = 60;
@@ -544,25 +544,26 @@ async fn kill_9_amid_a_stream_of_completions() {
             .unwrap();
         assert_eq!(finals, 1, "task {id}");
     }
-    // Callbacks: never two for a task (one the dead replica was about to send may be lost).
-    for _ in 0..400 {
-        if callbacks.lock().unwrap().len() >= MANY - WIDTH {
+    // Callbacks: every task is called back, those the dead replica was delivering by a
+    // survivor after their lease lapsed (at-least-once across a death: a POST the dead
+    // replica made just before dying may have arrived too).
+    let unique = |got: &[String]| got.iter().collect::<BTreeSet<&String>>().len();
+    for _ in 0..800 {
+        if unique(&callbacks.lock().unwrap()) >= MANY {
             break;
         }
         tokio::time::sleep(Duration::from_millis(25)).await;
     }
     let got = callbacks.lock().unwrap().clone();
-    let unique: BTreeSet<&String> = got.iter().collect();
-    assert_eq!(unique.len(), got.len(), "a task was called back twice");
-    assert!(got.len() >= MANY - WIDTH, "{} callbacks", got.len());
+    assert_eq!(unique(&got), MANY, "every task called back");
+    let twice = got.len() - unique(&got);
     eprintln!(
         "fleet kill -9 amid completions: {MANY} tasks (40 ms each upstream) on {REPLICAS} \
          replicas, one killed after {} had reached the backend; re-claims {reclaims}, \
          re-runs {reruns}; all finished {:.2} s after the kill; final writes 1 per task; \
-         callbacks {} (no task twice)",
+         every task called back ({twice} twice)",
         MANY / 3,
         all_done.as_secs_f64(),
-        got.len()
     );
     drop(replicas);
     clear(&mut conn, &prefix).await;
