@@ -355,7 +355,8 @@ impl Default for TenantConfig {
 pub struct TasksConfig {
     /// Serve `/v1/tasks` (off: the routes answer 404).
     pub enabled: bool,
-    /// The embedded store (redb file); created if missing, reopened after a restart.
+    /// The embedded store (redb file); created if missing, reopened after a restart. With
+    /// `[state] backend = "redis"` tasks live in that Redis instead, and this is unused.
     pub store_path: std::path::PathBuf,
     /// The tier tasks are admitted in (must be one of `[tiers]`).
     pub tier: String,
@@ -375,6 +376,11 @@ pub struct TasksConfig {
     pub callback_backoff_ms: u64,
     /// Deadline of one callback POST.
     pub callback_timeout_ms: u64,
+    /// With `[state] backend = "redis"` (tasks shared by the fleet): a task held by a
+    /// replica that stops renewing it for this long (it died, or hung) is claimed by
+    /// another replica and run again there (milliseconds). A live replica renews what it
+    /// holds every quarter of this, at most every 200 ms. Unused with the local store.
+    pub visibility_ms: u64,
 }
 
 impl Default for TasksConfig {
@@ -391,6 +397,7 @@ impl Default for TasksConfig {
             callback_attempts: 6,
             callback_backoff_ms: 500,
             callback_timeout_ms: 5_000,
+            visibility_ms: 30_000,
         }
     }
 }
@@ -1186,12 +1193,13 @@ impl Config {
                 ("max_queue_ms", tk.max_queue_ms),
                 ("poll_interval_ms", tk.poll_interval_ms),
                 ("callback_timeout_ms", tk.callback_timeout_ms),
+                ("visibility_ms", tk.visibility_ms),
             ] {
                 if v == 0 {
                     errs.push(format!("tasks.{field}: must be > 0"));
                 }
             }
-            if tk.store_path.as_os_str().is_empty() {
+            if self.state.backend == StateBackend::Memory && tk.store_path.as_os_str().is_empty() {
                 errs.push("tasks.store_path: must name a file".to_string());
             }
         }

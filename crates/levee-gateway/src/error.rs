@@ -406,6 +406,19 @@ impl GatewayError {
         .with_retry_after(retry_after)
     }
 
+    /// 503 `task_store_unavailable`: the task store failed (`why` says how); nothing was
+    /// changed.
+    pub fn task_store_unavailable(why: &str) -> Self {
+        Self::new(
+            Origin::Gateway,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "service_unavailable",
+            "task_store_unavailable",
+            format!("{why}; the task was not stored or changed, retry shortly"),
+        )
+        .with_retry_after(Duration::from_secs(1))
+    }
+
     /// 503 while draining or shutting down.
     pub fn draining(retry_after: Duration) -> Self {
         Self::new(

@@ -367,10 +367,15 @@ impl Gateway {
                 &metrics,
             )?)),
         };
-        let tasks = if rt.cfg.tasks.enabled {
-            Some(Arc::new(crate::tasks::Tasks::open(&rt.cfg.tasks)?))
-        } else {
-            None
+        let tasks = match (&shared, rt.cfg.tasks.enabled) {
+            (_, false) => None,
+            (None, true) => Some(Arc::new(crate::tasks::Tasks::open(&rt.cfg.tasks)?)),
+            (Some(s), true) => Some(Arc::new(crate::tasks::Tasks::open_shared(
+                &rt.cfg.tasks,
+                &rt.cfg.state,
+                s.redacted_url(),
+                s.replica(),
+            )?)),
         };
         let gw = Arc::new(Gateway {
             runtime: RwLock::new(Arc::new(rt)),
@@ -587,10 +592,14 @@ impl Gateway {
         }
     }
 
-    /// Leaves the fleet's live set at once (a clean shutdown shortens nobody's share).
+    /// Leaves the fleet's live set at once (a clean shutdown shortens nobody's share) and
+    /// hands the async tasks this replica holds back to the fleet's queue.
     pub async fn leave_fleet(&self) {
         if let Some(s) = &self.shared {
             s.leave().await;
+        }
+        if let Some(t) = &self.tasks {
+            t.leave().await;
         }
     }
 

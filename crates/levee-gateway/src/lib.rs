@@ -33,6 +33,7 @@ pub mod routes;
 pub mod server;
 pub mod shared;
 pub mod task_store;
+pub mod task_store_redis;
 pub mod tasks;
 mod tokenize;
 pub mod upstream;

@@ -231,6 +231,9 @@ pub struct Metrics {
     pub task_band: Family<StateLabel, Gauge>,
     /// `levee_task_callbacks_total{state}`: callback POSTs, `delivered` or `failed`.
     pub task_callbacks: Family<StateLabel, Counter>,
+    /// `levee_tasks_reclaimed_total`: tasks this replica claimed from the shared queue after
+    /// another replica held them past `tasks.visibility_ms` or handed them back at shutdown.
+    pub tasks_reclaimed: Counter,
     /// Tenants with their own series in the per-tenant histograms.
     tenant_series: RwLock<HashSet<String>>,
     /// Per backend: breaker trips and the time of the last look, to turn breaker stats into
@@ -426,6 +429,12 @@ impl Metrics {
             "Task callback POSTs, delivered or failed",
             task_callbacks.clone(),
         );
+        let tasks_reclaimed = Counter::default();
+        registry.register(
+            "tasks_reclaimed",
+            "Async tasks claimed after another replica held them past the visibility timeout",
+            tasks_reclaimed.clone(),
+        );
         let tenant_abandoned = Family::<AbandonLabels, Counter>::default();
         registry.register(
             "tenant_abandoned",
@@ -540,6 +549,7 @@ impl Metrics {
             tasks_finished,
             task_band,
             task_callbacks,
+            tasks_reclaimed,
             estimate_ratio,
             backend_load,
             backend_kv,

@@ -100,7 +100,7 @@ pub async fn start(config: Config) -> anyhow::Result<GatewayHandle> {
     let gateway = Gateway::new(config)?;
     gateway.spawn_background();
     if let Some(t) = gateway.tasks() {
-        t.clone().start(&gateway)?;
+        t.clone().start(&gateway).await?;
     }
     let stop_accepting = CancellationToken::new();
     let public_router = routes::router(gateway.clone());

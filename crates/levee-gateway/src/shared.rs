@@ -223,6 +223,16 @@ impl Shared {
         })
     }
 
+    /// This replica's name among its peers.
+    pub fn replica(&self) -> &str {
+        &self.replica
+    }
+
+    /// The server's URL, password hidden.
+    pub fn redacted_url(&self) -> &str {
+        &self.url
+    }
+
     /// Whether decisions go to Redis now.
     pub fn is_shared(&self) -> bool {
         self.shared.load(Ordering::Acquire)

@@ -12,10 +12,14 @@
 //!   the batch tier's low priority this keeps long jobs on idle capacity: interactive
 //!   requests are always served first from the queue, and never find more than
 //!   `max_running` backend slots taken by tasks.
-//! * **Durability.** Every state change is one redb transaction ([`TaskStore::update`]), so
-//!   after a crash queued tasks come back in submission order and running ones are queued
-//!   again (sent upstream at least once); the compare-and-set on the stored state gives each
-//!   task exactly one final state.
+//! * **Durability.** Every state change is one atomic write ([`TaskStore::update`]): a redb
+//!   transaction on one replica's own store, after whose crash queued tasks come back in
+//!   submission order and running ones are queued again (sent upstream at least once); or,
+//!   with `[state] backend = "redis"`, a compare-and-set script in Redis, the work in a
+//!   stream every replica reads through one consumer group (`crate::task_store_redis`):
+//!   a replica takes tasks when its band has room, renews them every tick, and claims those
+//!   a dead replica held past `tasks.visibility_ms`. Either way a final state is only
+//!   written over an unfinished one, so each task gets exactly one final state.
 //! * **Position and ETA.** A task in a fair queue reports its place in that queue's real
 //!   serving order ([`levee_policy::FairQueue::position_of`]); one waiting for the band
 //!   reports the tasks the band's turn order puts ahead of it ([`Band::ahead_of`]). The ETA divides the starts it waits for by the
@@ -28,7 +32,9 @@ use crate::error::GatewayError;
 use crate::gateway::{Gateway, Tenant};
 use crate::lane::QueueSpot;
 use crate::routes::{self, Seat};
-use crate::task_store::{CallbackState, RedbStore, Status, StoreError, Task, TaskStore};
+use crate::task_store::{
+    CallbackState, Held, Inserted, RedbStore, Status, StoreError, Task, TaskStore,
+};
 use axum::extract::{ConnectInfo, Path, Query, Request, State};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
@@ -38,7 +44,6 @@ use parking_lot::Mutex;
 use serde_json::{json, Value};
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::Notify;
@@ -49,14 +54,21 @@ use tokio::time::Instant;
 const MAX_RESULT_BYTES: usize = 16 << 20;
 /// Completions the band's drain rate looks back over.
 const RATE_WINDOW: usize = 32;
+/// Callback deliveries one replica runs at once that it took over from others.
+const CALLBACKS_AT_ONCE: usize = 64;
 
 /// The async task service of one gateway.
 pub struct Tasks {
     store: Box<dyn TaskStore>,
     cfg: TasksConfig,
-    seq: AtomicU64,
     band: Mutex<Band>,
     wake: Notify,
+    /// Wakes the shared queue's reader (a band place freed, a task was submitted here).
+    pull: Notify,
+    /// This replica handed its tasks back (clean shutdown): it renews and claims no more.
+    released: std::sync::atomic::AtomicBool,
+    /// Tasks whose callbacks this replica is delivering.
+    delivering: Mutex<std::collections::HashSet<String>>,
 }
 
 impl std::fmt::Debug for Tasks {
@@ -76,8 +88,6 @@ struct Band {
     turns: HashMap<Arc<str>, u64>,
     /// Tasks holding a place (in a fair queue or at a backend).
     live: HashMap<String, Live>,
-    /// Unfinished tasks per tenant (the submit quota).
-    open: HashMap<String, u32>,
     /// When recent tasks were dispatched and finished (Unix ms), for the band's drain rate.
     finished: VecDeque<(u64, u64)>,
     /// Mean run time (dispatch to result) of recent tasks, seconds (EWMA).
@@ -174,7 +184,7 @@ fn unix_ms() -> u64 {
 
 fn store_failed(e: StoreError) -> GatewayError {
     tracing::error!("{e}");
-    GatewayError::internal(format!("{e}; the task was not changed, retry shortly"))
+    GatewayError::task_store_unavailable(&e.to_string())
 }
 
 fn err_object(code: &str, message: &str) -> Value {
@@ -182,57 +192,58 @@ fn err_object(code: &str, message: &str) -> Value {
 }
 
 impl Tasks {
-    /// Opens the store at `cfg.store_path`.
-    pub fn open(cfg: &TasksConfig) -> anyhow::Result<Tasks> {
-        let store = RedbStore::open(&cfg.store_path)?;
-        Ok(Tasks {
-            store: Box::new(store),
+    /// Tasks on `store`.
+    fn with_store(cfg: &TasksConfig, store: Box<dyn TaskStore>) -> Tasks {
+        Tasks {
+            store,
             cfg: cfg.clone(),
-            seq: AtomicU64::new(0),
             band: Mutex::new(Band::default()),
             wake: Notify::new(),
-        })
+            pull: Notify::new(),
+            released: std::sync::atomic::AtomicBool::new(false),
+            delivering: Mutex::new(std::collections::HashSet::new()),
+        }
     }
 
-    /// Runs a store call on tokio's blocking pool: a durable commit waits for the disk
-    /// (fsync), and a worker thread stalled on it would stall every request it serves.
-    async fn db<R: Send + 'static>(
-        self: &Arc<Self>,
-        f: impl FnOnce(&dyn TaskStore) -> Result<R, StoreError> + Send + 'static,
-    ) -> Result<R, StoreError> {
-        let me = self.clone();
-        tokio::task::spawn_blocking(move || f(me.store.as_ref()))
-            .await
-            .unwrap_or_else(|e| Err(StoreError::Db(format!("a store call did not finish: {e}"))))
+    /// Opens this replica's own store at `cfg.store_path`.
+    pub fn open(cfg: &TasksConfig) -> anyhow::Result<Tasks> {
+        let store = RedbStore::open(&cfg.store_path)?;
+        Ok(Tasks::with_store(cfg, Box::new(store)))
     }
 
-    /// Re-queues what a previous run left queued or running (in submission order), resumes
-    /// undelivered callbacks, and starts the band's feeder and the expiry sweep.
-    pub fn start(self: Arc<Self>, gw: &Arc<Gateway>) -> anyhow::Result<()> {
-        let all = self.store.all()?;
-        let next = all.iter().map(|t| t.seq + 1).max().unwrap_or(0);
-        self.seq.store(next, Ordering::SeqCst);
-        let mut requeued = 0;
-        for t in all {
+    /// Tasks shared by the fleet on the Redis of `[state]`, this replica reading the queue
+    /// as `replica`.
+    pub fn open_shared(
+        cfg: &TasksConfig,
+        state: &crate::config::StateConfig,
+        redacted_url: &str,
+        replica: &str,
+    ) -> anyhow::Result<Tasks> {
+        let store = crate::task_store_redis::RedisTaskStore::new(
+            &state.url,
+            redacted_url,
+            &state.key_prefix,
+            replica,
+            Duration::from_millis(cfg.visibility_ms.max(1)),
+            Duration::from_millis(cfg.result_retention_ms),
+            Duration::from_millis(cfg.max_queue_ms),
+        )?;
+        Ok(Tasks::with_store(cfg, Box::new(store)))
+    }
+
+    /// Re-queues what a previous run left queued or running (in submission order; a local
+    /// store only), resumes undelivered callbacks, and starts the band's feeder, the
+    /// expiry sweep and, on a shared queue, its reader.
+    pub async fn start(self: Arc<Self>, gw: &Arc<Gateway>) -> anyhow::Result<()> {
+        let recovered = self.store.recover().await?;
+        for t in recovered {
             if t.status.is_final() {
                 if t.callback.as_ref().is_some_and(|c| !c.done) {
                     self.clone().spawn_callback(gw, t);
                 }
                 continue;
             }
-            if t.status == Status::Running {
-                self.store.update(&t.id, &mut |s| {
-                    if s.status != Status::Running {
-                        return false;
-                    }
-                    s.status = Status::Queued;
-                    true
-                })?;
-                requeued += 1;
-            }
-            let mut band = self.band.lock();
-            *band.open.entry(t.tenant.clone()).or_default() += 1;
-            band.enqueue(
+            self.band.lock().enqueue(
                 t.seq,
                 Waiting {
                     id: t.id,
@@ -241,9 +252,6 @@ impl Tasks {
                 },
             );
         }
-        if requeued > 0 {
-            tracing::warn!("{requeued} tasks were running when the gateway stopped; queued again");
-        }
         crate::lane::spawn_pump(
             self.clone(),
             |t| &t.wake,
@@ -251,6 +259,9 @@ impl Tasks {
             gw.stopped_token(),
             |t, g| t.clone().feed(g),
         );
+        if self.store.shared() {
+            self.clone().spawn_reader(gw);
+        }
         let stop = gw.stopped_token();
         let weak = Arc::downgrade(gw);
         let me = self;
@@ -267,6 +278,168 @@ impl Tasks {
                 }
             }
         });
+        Ok(())
+    }
+
+    /// How often a replica on a shared queue renews what it holds, looks for cancels made
+    /// on other replicas and reads new work: a quarter of the visibility timeout, at most
+    /// 200 ms, at least 20 ms.
+    fn tick(&self) -> Duration {
+        Duration::from_millis((self.cfg.visibility_ms / 4).clamp(20, 200))
+    }
+
+    /// The shared queue's reader: every tick (and when a band place frees or a task is
+    /// submitted here) it renews the tasks this replica holds — dropping those finished or
+    /// claimed elsewhere — and, when the band has room, claims that many tasks.
+    fn spawn_reader(self: Arc<Self>, gw: &Arc<Gateway>) {
+        let stop = gw.stopped_token();
+        let weak = Arc::downgrade(gw);
+        tokio::spawn(async move {
+            let mut failing = false;
+            loop {
+                let Some(gw) = weak.upgrade() else { break };
+                match self.read_once(&gw).await {
+                    Ok(()) if failing => {
+                        failing = false;
+                        tracing::info!("the shared task queue answers again");
+                    }
+                    Ok(()) => {}
+                    Err(e) if !failing => {
+                        failing = true;
+                        tracing::warn!(
+                            "shared task queue: {e}; this replica takes no new tasks until it \
+                             answers"
+                        );
+                    }
+                    Err(_) => {}
+                }
+                drop(gw);
+                tokio::select! {
+                    _ = stop.cancelled() => break,
+                    _ = tokio::time::sleep(self.tick()) => {}
+                    _ = self.pull.notified() => {}
+                }
+            }
+        });
+    }
+
+    /// The tasks this replica holds: waiting for its band or placed.
+    fn held(&self) -> Vec<String> {
+        let band = self.band.lock();
+        band.waiting
+            .values()
+            .map(|w| w.id.clone())
+            .chain(band.live.keys().cloned())
+            .collect()
+    }
+
+    /// Clean shutdown on a shared queue: hands the tasks this replica still holds back, so
+    /// other replicas claim them at once rather than after `tasks.visibility_ms`.
+    pub async fn leave(&self) {
+        if !self.store.shared() {
+            return;
+        }
+        self.released
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        let delivering: Vec<String> = self.delivering.lock().iter().cloned().collect();
+        if let Err(e) = self.store.release_callbacks(&delivering).await {
+            tracing::warn!(
+                "could not hand {} callback deliveries back ({e}); other replicas take them \
+                 over after tasks.visibility_ms",
+                delivering.len()
+            );
+        }
+        let held = self.held();
+        if held.is_empty() {
+            return;
+        }
+        match self.store.release(&held).await {
+            Ok(()) => tracing::info!(
+                "handed {} unfinished tasks back to the shared queue",
+                held.len()
+            ),
+            Err(e) => tracing::warn!(
+                "could not hand {} tasks back to the shared queue ({e}); other replicas \
+                 claim them after tasks.visibility_ms",
+                held.len()
+            ),
+        }
+    }
+
+    /// One round of the shared queue's reader.
+    async fn read_once(self: &Arc<Self>, gw: &Arc<Gateway>) -> Result<(), StoreError> {
+        if self.released.load(std::sync::atomic::Ordering::SeqCst) {
+            return Ok(());
+        }
+        let held = self.held();
+        let kept = self.store.renew(&held).await?;
+        for (id, h) in held.iter().zip(kept) {
+            match h {
+                Held::Kept => {}
+                Held::Lost => {
+                    tracing::warn!(
+                        "task {id}: another replica claimed it (this one was silent past \
+                         tasks.visibility_ms); letting it go"
+                    );
+                    self.withdraw(id);
+                }
+                Held::Finished => self.withdraw(id),
+            }
+        }
+        // Callback deliveries: keep this replica's, take over those a stopped replica left.
+        let delivering: Vec<String> = self.delivering.lock().iter().cloned().collect();
+        let take = if gw.is_draining() {
+            0
+        } else {
+            CALLBACKS_AT_ONCE.saturating_sub(delivering.len())
+        };
+        for t in self.store.callbacks(&delivering, take).await? {
+            if t.status.is_final() && t.callback.as_ref().is_some_and(|c| !c.done) {
+                tracing::info!("task {}: taking over its callback delivery", t.id);
+                self.clone().spawn_callback(gw, t);
+            } else {
+                self.store.callback_done(&t.id).await?;
+            }
+        }
+        if gw.is_draining() {
+            return Ok(());
+        }
+        let free = {
+            let band = self.band.lock();
+            let width = usize::try_from(self.cfg.max_running).unwrap_or(usize::MAX);
+            width.saturating_sub(band.live.len() + band.waiting.len())
+        };
+        if free == 0 {
+            return Ok(());
+        }
+        let claimed = self.store.claim(free).await?;
+        if claimed.reclaimed > 0 {
+            tracing::warn!(
+                "claimed {} tasks another replica held past tasks.visibility_ms (it stopped \
+                 renewing them); running them here",
+                claimed.reclaimed
+            );
+            gw.metrics
+                .tasks_reclaimed
+                .inc_by(u64::try_from(claimed.reclaimed).unwrap_or(u64::MAX));
+        }
+        if claimed.tasks.is_empty() {
+            return Ok(());
+        }
+        {
+            let mut band = self.band.lock();
+            for t in claimed.tasks {
+                band.enqueue(
+                    t.seq,
+                    Waiting {
+                        id: t.id,
+                        tenant: Arc::from(t.tenant.as_str()),
+                        not_before: None,
+                    },
+                );
+            }
+        }
+        self.wake.notify_one();
         Ok(())
     }
 
@@ -338,6 +511,7 @@ impl Tasks {
                 }
                 drop(band);
                 self.0.wake.notify_one();
+                self.0.pull.notify_one();
             }
         }
         let place = Place(&self, &id);
@@ -348,19 +522,22 @@ impl Tasks {
                 self.finish(&gw, &id, status, result, error).await;
             }
             Attempt::Retry(after) => {
-                let key = id.clone();
-                let back = self
-                    .db(move |st| {
-                        st.update(&key, &mut |t| {
-                            if t.status != Status::Running {
-                                return false;
-                            }
-                            t.status = Status::Queued;
-                            true
-                        })?;
-                        st.get(&key)
-                    })
-                    .await;
+                let back = async {
+                    self.store
+                        .update(
+                            &id,
+                            Box::new(|t| {
+                                if t.status != Status::Running {
+                                    return false;
+                                }
+                                t.status = Status::Queued;
+                                true
+                            }),
+                        )
+                        .await?;
+                    self.store.get(&id).await
+                }
+                .await;
                 drop(place);
                 let still_open = match back {
                     Ok(Some(t)) => !t.status.is_final(),
@@ -382,13 +559,19 @@ impl Tasks {
                     self.wake.notify_one();
                 }
             }
-            Attempt::Leave => drop(place),
+            Attempt::Leave => {
+                drop(place);
+                // On a shared queue a task left unfinished (this replica is draining) goes
+                // back to the queue at once, for another replica to take.
+                if let Err(e) = self.store.release(std::slice::from_ref(&id)).await {
+                    tracing::warn!("task {id}: could not hand it back to the shared queue: {e}");
+                }
+            }
         }
     }
 
     async fn attempt(self: &Arc<Self>, gw: &Arc<Gateway>, id: &str, spot: &QueueSpot) -> Attempt {
-        let key = id.to_string();
-        let task = match self.db(move |st| st.get(&key)).await {
+        let task = match self.store.get(id).await {
             Ok(Some(t)) if !t.status.is_final() => t,
             Ok(_) => return Attempt::Leave,
             Err(e) => {
@@ -495,10 +678,11 @@ impl Tasks {
             }
         }
         let now = unix_ms();
-        let key = id.to_string();
         let r = self
-            .db(move |st| {
-                st.update(&key, &mut |t| {
+            .store
+            .update(
+                id,
+                Box::new(move |t| {
                     if t.status != Status::Queued {
                         return false;
                     }
@@ -506,8 +690,8 @@ impl Tasks {
                     t.started_ms = Some(now);
                     t.attempts += 1;
                     true
-                })
-            })
+                }),
+            )
             .await;
         if let Err(e) = r {
             tracing::error!("task {id}: {e}");
@@ -525,24 +709,24 @@ impl Tasks {
         error: Option<Value>,
     ) -> Option<Task> {
         let now = unix_ms();
-        let key = id.to_string();
-        let (mut result, mut error) = (result, error);
         let done = self
-            .db(move |st| {
-                st.update(&key, &mut |t| {
+            .store
+            .update(
+                id,
+                Box::new(move |t| {
                     if t.status.is_final() {
                         return false;
                     }
                     t.status = status;
                     t.finished_ms = Some(now);
-                    t.result = result.take();
-                    t.error = error.take();
+                    t.result.clone_from(&result);
+                    t.error.clone_from(&error);
                     if t.callback_url.is_some() {
                         t.callback = Some(CallbackState::default());
                     }
                     true
-                })
-            })
+                }),
+            )
             .await;
         let done = match done {
             Ok(d) => d?,
@@ -559,9 +743,6 @@ impl Tasks {
             .inc();
         {
             let mut band = self.band.lock();
-            if let Some(n) = band.open.get_mut(&done.tenant) {
-                *n = n.saturating_sub(1);
-            }
             if status == Status::Succeeded {
                 if let (Some(s), Some(f)) = (done.started_ms, done.finished_ms) {
                     band.finished.push_back((s, f));
@@ -585,51 +766,62 @@ impl Tasks {
     /// Expires tasks queued too long, removes finished ones past retention.
     async fn sweep(self: &Arc<Self>, gw: &Arc<Gateway>) -> Result<(), StoreError> {
         let now = unix_ms();
-        for t in self.db(|st| st.all()).await? {
-            if t.status == Status::Queued
-                && now.saturating_sub(t.created_ms) >= self.cfg.max_queue_ms
+        let before = now.saturating_sub(self.cfg.max_queue_ms);
+        for t in self.store.queued_before(before).await? {
+            let e = err_object(
+                "task_expired",
+                &format!(
+                    "the task was still queued {} ms after submission (tasks.max_queue_ms)",
+                    self.cfg.max_queue_ms
+                ),
+            );
+            if self
+                .finish(gw, &t.id, Status::Expired, None, Some(e))
+                .await
+                .is_some()
             {
-                let e = err_object(
-                    "task_expired",
-                    &format!(
-                        "the task was still queued {} ms after submission (tasks.max_queue_ms)",
-                        self.cfg.max_queue_ms
-                    ),
-                );
-                if self
-                    .finish(gw, &t.id, Status::Expired, None, Some(e))
-                    .await
-                    .is_some()
-                {
-                    self.withdraw(&t.id, t.seq);
-                }
-            } else if t.status.is_final()
-                && t.callback.as_ref().is_none_or(|c| c.done)
-                && t.finished_ms
-                    .is_some_and(|f| now.saturating_sub(f) >= self.cfg.result_retention_ms)
-            {
-                let id = t.id.clone();
-                self.db(move |st| st.remove(&id)).await?;
+                self.withdraw(&t.id);
             }
         }
+        self.store
+            .purge(now.saturating_sub(self.cfg.result_retention_ms))
+            .await?;
         Ok(())
     }
 
     /// Takes a task out of the band (its worker is aborted: a request upstream is cut).
-    fn withdraw(&self, id: &str, seq: u64) {
+    fn withdraw(&self, id: &str) {
         let mut band = self.band.lock();
-        band.waiting.remove(&seq);
+        let seq = band
+            .waiting
+            .iter()
+            .find(|(_, w)| w.id == id)
+            .map(|(s, _)| *s);
+        if let Some(seq) = seq {
+            band.waiting.remove(&seq);
+        }
         if let Some(l) = band.live.remove(id) {
             if let Some(a) = l.abort {
                 a.abort();
             }
         }
+        if band.entering.as_deref() == Some(id) {
+            band.entering = None;
+        }
         drop(band);
         self.wake.notify_one();
+        self.pull.notify_one();
     }
 
-    /// Place in line (1 = next) and ETA (seconds) of an unfinished task.
-    fn place(&self, gw: &Gateway, t: &Task) -> (Option<usize>, Option<f64>) {
+    /// Place in line (1 = next) and ETA (seconds) of an unfinished task. `fleet_ahead`: on
+    /// a shared queue, the unfinished tasks ahead of it in the queue (for a task this
+    /// replica does not hold).
+    fn place(
+        &self,
+        gw: &Gateway,
+        t: &Task,
+        fleet_ahead: Option<usize>,
+    ) -> (Option<usize>, Option<f64>) {
         let band = self.band.lock();
         let service = band.service_s;
         let width = f64::from(self.cfg.max_running.max(1));
@@ -655,7 +847,26 @@ impl Tasks {
             return (Some(p), eta);
         }
         if !band.waiting.contains_key(&t.seq) {
-            return (Some(1), service);
+            if !self.store.shared() {
+                return (Some(1), service);
+            }
+            // Held by another replica, or not read from the queue yet: its place among
+            // the fleet's unfinished tasks; they take the fleet's band places in turn.
+            let Some(ahead) = fleet_ahead else {
+                return (None, None);
+            };
+            let replicas = gw.shared.as_ref().map_or(1, |s| s.live_replicas());
+            let places = usize::try_from(self.cfg.max_running)
+                .unwrap_or(usize::MAX)
+                .saturating_mul(usize::try_from(replicas).unwrap_or(1));
+            let starts = (ahead + 1).saturating_sub(places) as f64;
+            let fleet_width = width * f64::from(replicas);
+            let eta = match (service, drain_rate(&band.finished)) {
+                (Some(s), Some(r)) => Some(starts / (r * f64::from(replicas)) + s),
+                (Some(s), None) => Some((starts / fleet_width).ceil() * s + s),
+                _ => None,
+            };
+            return (Some(ahead + 1), eta);
         }
         let ahead_waiting = band.ahead_of(t.seq, &Arc::from(t.tenant.as_str()));
         let in_queue = band.live.values().filter(|l| l.started.is_none()).count();
@@ -673,8 +884,34 @@ impl Tasks {
         (Some(p), eta)
     }
 
+    /// On a shared queue, for an unfinished task this replica does not hold: the
+    /// unfinished tasks ahead of it in the queue (`None` when unknown or not needed).
+    async fn fleet_ahead(&self, t: &Task) -> Option<usize> {
+        if !self.store.shared() || t.status.is_final() {
+            return None;
+        }
+        {
+            let band = self.band.lock();
+            if band.live.contains_key(&t.id) || band.waiting.contains_key(&t.seq) {
+                return None;
+            }
+        }
+        match self.store.ahead(&t.id).await {
+            Ok(a) => a,
+            Err(e) => {
+                tracing::warn!("task {}: its place in the queue: {e}", t.id);
+                None
+            }
+        }
+    }
+
     /// The JSON a client sees for `t`.
     fn view(&self, gw: &Gateway, t: &Task) -> Value {
+        self.view_at(gw, t, None)
+    }
+
+    /// [`Tasks::view`], with the task's place in the shared queue when known.
+    fn view_at(&self, gw: &Gateway, t: &Task, fleet_ahead: Option<usize>) -> Value {
         let secs = |ms: Option<u64>| ms.map(|m| m / 1000);
         let mut v = json!({
             "id": t.id,
@@ -688,7 +925,7 @@ impl Tasks {
             "attempts": t.attempts,
         });
         if !t.status.is_final() {
-            let (position, eta) = self.place(gw, t);
+            let (position, eta) = self.place(gw, t, fleet_ahead);
             v["position"] = json!(position);
             v["eta_seconds"] = json!(eta.map(|e| (e * 10.0).round() / 10.0));
             v["poll_after_ms"] = json!(self.cfg.poll_interval_ms);
@@ -709,17 +946,32 @@ impl Tasks {
         v
     }
 
+    /// Delivers the task's callback on a tokio task of its own (unless this replica is
+    /// delivering it already).
     fn spawn_callback(self: Arc<Self>, gw: &Arc<Gateway>, task: Task) {
+        if !self.delivering.lock().insert(task.id.clone()) {
+            return;
+        }
         let gw = gw.clone();
-        tokio::spawn(async move { self.deliver(&gw, task).await });
+        tokio::spawn(async move {
+            let id = task.id.clone();
+            let done = self.deliver(&gw, task).await;
+            self.delivering.lock().remove(&id);
+            if done {
+                if let Err(e) = self.store.callback_done(&id).await {
+                    tracing::warn!("task {id}: {e}");
+                }
+            }
+        });
     }
 
     /// POSTs the final state to the task's `callback_url`, signed, retried with full-jitter
-    /// exponential backoff; the outcome is stored with the task.
-    async fn deliver(self: &Arc<Self>, gw: &Gateway, task: Task) {
+    /// exponential backoff; the outcome is stored with the task. Returns whether it is
+    /// over (delivered, or no attempt left); `false` when the gateway stopped first.
+    async fn deliver(self: &Arc<Self>, gw: &Gateway, task: Task) -> bool {
         use hmac::Mac;
         let Some(url) = task.callback_url.clone() else {
-            return;
+            return true;
         };
         let secret = gw
             .runtime()
@@ -746,7 +998,7 @@ impl Tasks {
                             Ok(m) => m,
                             Err(e) => {
                                 tracing::error!("task {}: callback key: {e}", task.id);
-                                return;
+                                return true;
                             }
                         };
                     mac.update(format!("{ts}.").as_bytes());
@@ -765,24 +1017,25 @@ impl Tasks {
                 .inc();
             let last = outcome.err();
             let give_up = ok || attempts >= self.cfg.callback_attempts || secret.is_none();
-            let key = task.id.clone();
             let r = self
-                .db(move |st| {
-                    st.update(&key, &mut |t| {
+                .store
+                .update(
+                    &task.id,
+                    Box::new(move |t| {
                         let c = t.callback.get_or_insert_with(CallbackState::default);
                         c.attempts = attempts;
                         c.delivered = ok;
                         c.done = give_up;
-                        c.last_error = last.clone();
+                        c.last_error.clone_from(&last);
                         true
-                    })
-                })
+                    }),
+                )
                 .await;
             if let Err(e) = r {
                 tracing::error!("task {}: {e}", task.id);
             }
             if give_up {
-                return;
+                return true;
             }
             let cap = self
                 .cfg
@@ -791,10 +1044,11 @@ impl Tasks {
                 .min(60_000);
             let wait = Duration::from_millis(rand::random::<u64>() % (cap + 1));
             tokio::select! {
-                _ = stop.cancelled() => return,
+                _ = stop.cancelled() => return false,
                 _ = tokio::time::sleep(wait) => {}
             }
         }
+        true
     }
 }
 
@@ -869,12 +1123,7 @@ fn tasks_of(gw: &Gateway) -> Result<&Arc<Tasks>, GatewayError> {
 }
 
 async fn owned(tasks: &Arc<Tasks>, tenant: &Tenant, id: &str) -> Result<Task, GatewayError> {
-    let key = id.to_string();
-    match tasks
-        .db(move |st| st.get(&key))
-        .await
-        .map_err(store_failed)?
-    {
+    match tasks.store.get(id).await.map_err(store_failed)? {
         Some(t) if *t.tenant == *tenant.name => Ok(t),
         _ => Err(GatewayError::task_not_found(id)),
     }
@@ -960,11 +1209,34 @@ async fn submit_inner(
     if !rt.models.contains_key(&model) {
         return Err(GatewayError::unknown_model(&model));
     }
+    let seq = tasks.store.next_seq().await.map_err(store_failed)?;
+    let id = format!("task_{seq:016x}{:08x}", rand::random::<u32>());
+    let task = Task {
+        id: id.clone(),
+        seq,
+        tenant: tenant.name.to_string(),
+        endpoint: endpoint.into(),
+        model,
+        body: v.to_string(),
+        callback_url,
+        status: Status::Queued,
+        created_ms: unix_ms(),
+        started_ms: None,
+        finished_ms: None,
+        attempts: 0,
+        result: None,
+        error: None,
+        callback: None,
+    };
+    let max_open = tasks.cfg.max_queued_per_tenant;
+    match tasks
+        .store
+        .insert(&task, max_open)
+        .await
+        .map_err(store_failed)?
     {
-        let band = tasks.band.lock();
-        let open = band.open.get(&*tenant.name).copied().unwrap_or(0);
-        if open >= tasks.cfg.max_queued_per_tenant {
-            drop(band);
+        Inserted::Stored => {}
+        Inserted::Full { open } => {
             // When one of them is likely to finish.
             let wait = tasks
                 .band
@@ -984,34 +1256,19 @@ async fn submit_inner(
             ));
         }
     }
-    let seq = tasks.seq.fetch_add(1, Ordering::SeqCst);
-    let id = format!("task_{seq:016x}{:08x}", rand::random::<u32>());
-    let task = Task {
-        id: id.clone(),
-        seq,
-        tenant: tenant.name.to_string(),
-        endpoint: endpoint.into(),
-        model,
-        body: v.to_string(),
-        callback_url,
-        status: Status::Queued,
-        created_ms: unix_ms(),
-        started_ms: None,
-        finished_ms: None,
-        attempts: 0,
-        result: None,
-        error: None,
-        callback: None,
-    };
-    let stored = task.clone();
-    tasks
-        .db(move |st| st.insert(&stored))
-        .await
-        .map_err(store_failed)?;
-    {
-        let mut band = tasks.band.lock();
-        *band.open.entry(task.tenant.clone()).or_default() += 1;
-        band.enqueue(
+    let view = if tasks.store.shared() {
+        // Any replica with room may take it: wake this one's reader at once.
+        tasks.pull.notify_one();
+        let ahead = match tasks.store.ahead(&id).await {
+            Ok(a) => a,
+            Err(e) => {
+                tracing::warn!("task {id}: its place in the queue: {e}");
+                None
+            }
+        };
+        tasks.view_at(gw, &task, ahead)
+    } else {
+        tasks.band.lock().enqueue(
             seq,
             Waiting {
                 id: id.clone(),
@@ -1019,8 +1276,8 @@ async fn submit_inner(
                 not_before: None,
             },
         );
-    }
-    let view = tasks.view(gw, &task);
+        tasks.view(gw, &task)
+    };
     tasks.wake.notify_one();
     let mut resp = (StatusCode::ACCEPTED, axum::Json(view)).into_response();
     let h = resp.headers_mut();
@@ -1047,13 +1304,15 @@ pub(crate) async fn show(
         let tasks = tasks_of(&gw)?;
         let tenant = caller(&gw, peer, &headers)?;
         let t = owned(tasks, &tenant, &id).await?;
-        Ok::<_, GatewayError>(axum::Json(tasks.view(&gw, &t)).into_response())
+        let ahead = tasks.fleet_ahead(&t).await;
+        Ok::<_, GatewayError>(axum::Json(tasks.view_at(&gw, &t, ahead)).into_response())
     };
     r.await.unwrap_or_else(IntoResponse::into_response)
 }
 
 /// `DELETE /v1/tasks/{id}`: cancels a queued or running task (a running one is cut
-/// upstream); a finished task is answered as it is.
+/// upstream: at once when this replica runs it, at the running replica's next renewal tick
+/// on a shared queue); a finished task is answered as it is.
 pub(crate) async fn cancel(
     State(gw): State<Arc<Gateway>>,
     ConnectInfo(peer): ConnectInfo<SocketAddr>,
@@ -1063,14 +1322,15 @@ pub(crate) async fn cancel(
     let r = async {
         let tasks = tasks_of(&gw)?;
         let tenant = caller(&gw, peer, &headers)?;
-        let t = owned(tasks, &tenant, &id).await?;
+        // Only the owner may cancel.
+        owned(tasks, &tenant, &id).await?;
         let e = err_object("task_cancelled", "the task was cancelled by its tenant");
         let t = match tasks
             .finish(&gw, &id, Status::Cancelled, None, Some(e))
             .await
         {
             Some(done) => {
-                tasks.withdraw(&id, t.seq);
+                tasks.withdraw(&id);
                 done
             }
             None => owned(tasks, &tenant, &id).await?,
@@ -1098,9 +1358,9 @@ pub(crate) async fn list(
         let tasks = tasks_of(&gw)?;
         let tenant = caller(&gw, peer, &headers)?;
         let limit = q.limit.unwrap_or(20).clamp(1, 100);
-        let (owner, after) = (tenant.name.to_string(), q.after.clone());
         let mut page = tasks
-            .db(move |st| st.list(&owner, after.as_deref(), limit + 1))
+            .store
+            .list(&tenant.name, q.after.as_deref(), limit + 1)
             .await
             .map_err(store_failed)?;
         let has_more = page.len() > limit;
