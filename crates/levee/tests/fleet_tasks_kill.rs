@@ -533,8 +533,13 @@ async fn kill_9_amid_a_stream_of_completions() {
         reruns as f64 <= reclaims,
         "{reruns} re-runs, {reclaims} re-claims"
     );
+    // At least once upstream, and only what was re-claimed twice: a task the killed replica
+    // had sent but not yet marked running counts no attempt, so `reruns` may miss it.
     let seen = be.seen.lock().unwrap().len();
-    assert_eq!(seen as u64, MANY as u64 + reruns, "upstream requests");
+    assert!(
+        seen >= MANY && seen as f64 <= MANY as f64 + reclaims,
+        "{seen} upstream requests for {MANY} tasks, {reclaims} re-claims, {reruns} re-runs"
+    );
     for id in &ids {
         let finals: u32 = redis::cmd("HGET")
             .arg(format!("{prefix}task:v1:{id}"))
