@@ -10,6 +10,10 @@
 # sequences at once add little throughput (the calibration sweep: 0.79 req/s alone, 0.92 at
 # four, no more past four; BENCHMARKS.md, "A real engine") and more slots would only
 # stretch every answer; four still take a new prompt in at once while others decode.
+# --no-repack: llama.cpp built for the machine's own CPU moves weights into AMX tile buffers
+# when the CPU advertises AMX, and on virtual machines whose kernel does not grant AMX to
+# processes (seen here: Sapphire Rapids guests) the first matrix product dies with SIGILL
+# (`tilezero`). Without repacking, the plain AVX2/AVX-512 kernels run on every machine.
 
 LLAMA_PIDS=()
 LLAMA_URLS=()
@@ -37,7 +41,7 @@ start_llama_servers() {
   for ((i = 0; i < n; i++)); do
     port=$(free_port)
     "$binary" --model "$model" --host 127.0.0.1 --port "$port" \
-      --parallel 4 --ctx-size 8192 --threads 1 --metrics --alias gemma-3-270m \
+      --parallel 4 --ctx-size 8192 --threads 1 --metrics --no-repack --alias gemma-3-270m \
       >"$logdir/llama-server-$i.log" 2>&1 &
     LLAMA_PIDS+=($!)
     LLAMA_URLS+=("http://127.0.0.1:$port")

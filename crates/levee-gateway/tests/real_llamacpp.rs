@@ -67,6 +67,8 @@ impl LlamaServer {
             .arg(model)
             .args(["--host", "127.0.0.1", "--port", &port.to_string()])
             .args(["--parallel", "4", "--ctx-size", "4096", "--metrics"])
+            // No AMX tile buffers: on VMs that advertise AMX but do not grant it, they SIGILL.
+            .arg("--no-repack")
             .args(["--alias", "gemma-3-270m"])
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::null())
