@@ -178,6 +178,8 @@ pub(crate) struct Recorder {
     errors: BTreeMap<String, u64>,
     seconds: Vec<SecondAcc>,
     per_tenant: Vec<GroupAcc>,
+    /// Per tenant: when each logical request was first sent (ns since the start).
+    first_sends: Vec<Vec<u64>>,
     per_class: Vec<GroupAcc>,
     /// Tier names, sorted, and the tier index of each tenant (no string work per record).
     tiers: Vec<String>,
@@ -222,6 +224,7 @@ impl Recorder {
                 .iter()
                 .map(|_| GroupAcc::default())
                 .collect(),
+            first_sends: scenario.tenants.iter().map(|_| Vec::new()).collect(),
             per_class: scenario
                 .classes
                 .iter()
@@ -283,6 +286,9 @@ impl Recorder {
         t.retries += u64::from(r.attempts.saturating_sub(1));
         second(&mut self.seconds, r.intended_ns).s.offered += 1;
         if let Some(sent) = r.first_sent_ns {
+            if let Some(sends) = self.first_sends.get_mut(usize::from(r.tenant)) {
+                sends.push(sent);
+            }
             self.totals.sent += 1;
             let lag = sent.saturating_sub(r.intended_ns);
             let _ = self.lag.record(us(lag).max(1));
@@ -427,6 +433,17 @@ impl Recorder {
                 .collect::<BTreeMap<_, _>>()
         };
         let tenant_names: Vec<String> = self.tenants.iter().map(|(n, _)| n.clone()).collect();
+        let first_sends_ms = tenant_names
+            .iter()
+            .zip(self.first_sends)
+            .map(|(n, mut sends)| {
+                sends.sort_unstable();
+                (
+                    n.clone(),
+                    sends.into_iter().map(|ns| ns / 1_000_000).collect(),
+                )
+            })
+            .collect();
         Report {
             schema: SCHEMA.into(),
             scenario: header.scenario,
@@ -470,6 +487,7 @@ impl Recorder {
             per_tier: named(&self.per_tier, &self.tiers),
             per_group: named(&self.per_group, &self.groups),
             per_tenant: named(&self.per_tenant, &tenant_names),
+            first_sends_ms,
             per_class: named(&self.per_class, &self.classes),
             tasks: self.tasks.map(|acc| {
                 let p = |h: &Option<Histogram<u64>>| {

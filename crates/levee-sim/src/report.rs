@@ -53,6 +53,11 @@ pub struct Report {
     pub per_group: BTreeMap<String, Group>,
     /// Breakdown by tenant name.
     pub per_tenant: BTreeMap<String, Group>,
+    /// Per tenant: when each logical request (every session turn) was first sent, in ms
+    /// since the start, in order; retries are not included. What the client sent, for quota
+    /// checks made independently of the gateway that answered.
+    #[serde(default)]
+    pub first_sends_ms: BTreeMap<String, Vec<u64>>,
     /// Breakdown by request class.
     pub per_class: BTreeMap<String, Group>,
     /// One entry per second of the run (and of the drain).

@@ -710,17 +710,18 @@ fn calm_flooders(base: &Scenario) -> Scenario {
     s
 }
 
-/// Premium requests of the schedule (first turns) that a client-side rate check with each
-/// premium tenant's configured quota finds over it: the independent bound on how many
-/// premium refusals may be excused as over quota.
-fn premium_over_quota(scenario: &Scenario, cfg: &levee_gateway::Config) -> anyhow::Result<u64> {
+/// Premium requests that a client-side rate check with each premium tenant's configured
+/// quota finds over it, given `sends` (per tenant name: when each request was first sent, in
+/// ms, in order — from the client's own record of a run, every session turn included): the
+/// independent bound on how many premium refusals may be excused as over quota.
+fn premium_over_quota(
+    sends: &std::collections::BTreeMap<String, Vec<u64>>,
+    scenario: &Scenario,
+    cfg: &levee_gateway::Config,
+) -> u64 {
     use levee_policy::{Gcra, Quota, Timestamp};
-    let schedule = levee_sim::arrivals::build(scenario)?;
     let mut over = 0;
-    for (i, tenant) in scenario.tenants.iter().enumerate() {
-        if tenant.tier != "premium" {
-            continue;
-        }
+    for tenant in scenario.tenants.iter().filter(|t| t.tier == "premium") {
         let hash = levee_gateway::hash_key(&tenant.api_key);
         let Some(conf) = cfg.tenants.iter().find(|t| t.key_sha256.contains(&hash)) else {
             continue;
@@ -736,17 +737,13 @@ fn premium_over_quota(scenario: &Scenario, cfg: &levee_gateway::Config) -> anyho
         let mut gcra = Gcra::new(
             Quota::per_minute(u64::from(conf.requests_per_minute)).with_burst(u64::from(burst)),
         );
-        for a in schedule
-            .arrivals
-            .iter()
-            .filter(|a| usize::from(a.tenant) == i)
-        {
-            if gcra.check(Timestamp::from_nanos(a.at_ns)).is_err() {
+        for &ms in sends.get(&tenant.name).into_iter().flatten() {
+            if gcra.check(Timestamp::from_nanos(ms * 1_000_000)).is_err() {
                 over += 1;
             }
         }
     }
-    Ok(over)
+    over
 }
 
 /// A row of the verdict table: a target and each contender's check.
@@ -902,7 +899,8 @@ pub async fn run_cli(args: DrillArgs) -> anyhow::Result<()> {
         timing.flood_warm_s,
         &down,
     );
-    let over_quota = premium_over_quota(&scenario, &cfg_check)?;
+    let over_quota =
+        |o: &Outcome| premium_over_quota(&o.report.first_sends_ms, &scenario, &cfg_check);
     let quiet_groups = quiet_groups(&scenario);
     let mut rows: Vec<VerdictRow> = Vec::new();
     let per = |f: &dyn Fn(&Outcome) -> Option<Check>| -> Option<Vec<Check>> {
@@ -939,7 +937,7 @@ pub async fn run_cli(args: DrillArgs) -> anyhow::Result<()> {
             checks,
         });
     }
-    if let Some(checks) = per(&|o| verdicts::premium(&o.report, over_quota)) {
+    if let Some(checks) = per(&|o| verdicts::premium(&o.report, over_quota(o))) {
         rows.push(VerdictRow {
             target: format!(
                 "premium ≥ {:.1}% of its in-quota requests",
@@ -1070,7 +1068,6 @@ pub async fn run_cli(args: DrillArgs) -> anyhow::Result<()> {
             })).collect::<Vec<_>>(),
         },
         "flood_window_s": window,
-        "premium_over_quota_estimate": over_quota,
         "runs": outcomes.iter().chain(calm.iter()).map(|(who, o)| serde_json::json!({
             "contender": who.label(),
             "scenario": o.report.scenario,
@@ -1078,6 +1075,7 @@ pub async fn run_cli(args: DrillArgs) -> anyhow::Result<()> {
             "injected_crashes": o.fleet.injected_crashes,
             "sent_to_down_engine": o.fleet.sent_to_down,
             "sent_to_down_engine_after_first_failure": o.fleet.sent_after_failure,
+            "premium_over_quota_estimate": over_quota(o),
             "goodput_rps": o.report.rates.goodput_rps,
             "flood_goodput_rps": verdicts::window_goodput(&o.report, &window),
             "success_rate": o.report.rates.success_rate,
@@ -1471,11 +1469,23 @@ mod tests {
         let mut s = levee_sim::scenarios::builtin("flash-crowd").unwrap();
         s.capacity_rps = 30.0;
         let cfg = gateway_config(SHIPPED_GATEWAY_CONFIG, &s, &urls(2)).unwrap();
+        // What a client sends on the schedule: first turns at their arrival times.
+        let sends = |s: &Scenario| {
+            let schedule = levee_sim::arrivals::build(s).unwrap();
+            let mut out = std::collections::BTreeMap::<String, Vec<u64>>::new();
+            for a in &schedule.arrivals {
+                let name = &s.tenants[usize::from(a.tenant)].name;
+                out.entry(name.clone())
+                    .or_default()
+                    .push(a.at_ns / 1_000_000);
+            }
+            out
+        };
         // Each premium tenant peaks at 0.3x = 9 req/s, under its 15 req/s quota.
-        assert_eq!(premium_over_quota(&s, &cfg).unwrap(), 0);
+        assert_eq!(premium_over_quota(&sends(&s), &s, &cfg), 0);
         // At 10x the capacity, most of their traffic is over quota.
         s.capacity_rps = 300.0;
-        let over = premium_over_quota(&s, &cfg).unwrap();
+        let over = premium_over_quota(&sends(&s), &s, &cfg);
         assert!(over > 1000, "{over}");
     }
 
