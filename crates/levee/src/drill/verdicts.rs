@@ -227,6 +227,7 @@ mod tests {
             per_tier: Default::default(),
             per_group: Default::default(),
             per_tenant: Default::default(),
+            first_sends_ms: Default::default(),
             per_class: Default::default(),
             timeseries: seconds,
             metrics: Vec::new(),
