@@ -90,11 +90,14 @@ struct Band {
 struct Waiting {
     id: String,
     tenant: Arc<str>,
+    /// Its model's lane.
+    model: Arc<str>,
     /// Not before this (a task refused for capacity waits its Retry-After).
     not_before: Option<Instant>,
 }
 
 struct Live {
+    model: Arc<str>,
     spot: Arc<QueueSpot>,
     abort: Option<AbortHandle>,
     started: Option<Instant>,
@@ -118,12 +121,12 @@ impl Band {
         self.waiting.insert(seq, w);
     }
 
-    /// The next due waiting task: the tenant with the fewest band places given, its oldest
-    /// task (the oldest overall on a tie).
-    fn next_due(&self, now: Instant) -> Option<u64> {
+    /// The next due waiting task whose lane may take one (`open`): the tenant with the
+    /// fewest band places given, its oldest task (the oldest overall on a tie).
+    fn next_due(&self, now: Instant, open: impl Fn(&str) -> bool) -> Option<u64> {
         self.waiting
             .iter()
-            .filter(|(_, w)| w.not_before.is_none_or(|t| t <= now))
+            .filter(|(_, w)| w.not_before.is_none_or(|t| t <= now) && open(&w.model))
             .min_by_key(|(seq, w)| (self.turns.get(&w.tenant).copied().unwrap_or(0), **seq))
             .map(|(seq, _)| *seq)
     }
@@ -237,6 +240,7 @@ impl Tasks {
                 Waiting {
                     id: t.id,
                     tenant: Arc::from(t.tenant.as_str()),
+                    model: Arc::from(t.model.as_str()),
                     not_before: None,
                 },
             );
@@ -271,35 +275,56 @@ impl Tasks {
     }
 
     /// Gives free band places to due waiting tasks, fairly across tenants
-    /// ([`Band::next_due`]). Returns when a waiting task becomes due.
+    /// ([`Band::next_due`]), one lane's prefill at a time ([`Tasks::lane_shut`]). Returns
+    /// when a waiting task becomes due or a lane's fence ends.
     fn feed(self: Arc<Self>, gw: &Arc<Gateway>) -> Option<Instant> {
         let now = Instant::now();
         let mut band = self.band.lock();
         let width = usize::try_from(self.cfg.max_running).unwrap_or(usize::MAX);
         let mut next_due = None;
+        let mut shut_until: Option<Instant> = None;
         while band.live.len() < width && band.entering.is_none() {
-            let Some(seq) = band.next_due(now) else { break };
+            let mut shut = HashMap::new();
+            for w in band.waiting.values() {
+                if !shut.contains_key(&w.model) {
+                    let s = self.lane_shut(gw, &band, &w.model);
+                    if let Some(Some(t)) = s {
+                        shut_until = Some(shut_until.map_or(t, |n: Instant| n.min(t)));
+                    }
+                    shut.insert(w.model.clone(), s.is_some());
+                }
+            }
+            let open = |m: &str| !shut.get(m).copied().unwrap_or(false);
+            let Some(seq) = band.next_due(now, open) else {
+                break;
+            };
             let Some(w) = band.waiting.remove(&seq) else {
                 break;
             };
             *band.turns.entry(w.tenant.clone()).or_default() += 1;
             let spot = Arc::new(QueueSpot::default());
+            spot.batch.store(true, Ordering::Relaxed);
             let handle = tokio::spawn(self.clone().work(
                 gw.clone(),
                 w.id.clone(),
                 seq,
                 w.tenant.clone(),
+                w.model.clone(),
                 spot.clone(),
             ));
             band.entering = Some(w.id.clone());
             band.live.insert(
                 w.id,
                 Live {
+                    model: w.model,
                     spot,
                     abort: Some(handle.abort_handle()),
                     started: None,
                 },
             );
+        }
+        if let Some(t) = shut_until {
+            next_due = Some(t);
         }
         let state = |s: &str| crate::metrics::StateLabel { state: s.into() };
         let count = |n: usize| i64::try_from(n).unwrap_or(i64::MAX);
@@ -318,6 +343,28 @@ impl Tasks {
         next_due
     }
 
+    /// Whether the lane of `model` may not take a task now, and until when if known: while
+    /// a task of that lane has a band place but no backend yet (it enters admission or waits
+    /// in the fair queue), or while a backend of the lane is fenced by a task's prefill
+    /// (`Some(end)`). So the band puts one long prompt at a time on a lane's backends, and a
+    /// lane with two or more always has one free of batch prefill for interactive requests.
+    fn lane_shut(&self, gw: &Gateway, band: &Band, model: &Arc<str>) -> Option<Option<Instant>> {
+        if band
+            .live
+            .values()
+            .any(|l| l.model == *model && !l.spot.dispatched())
+        {
+            return Some(None);
+        }
+        let now = gw.clock.now();
+        let until = gw
+            .admission
+            .lock()
+            .lane(model)
+            .and_then(|l| l.fenced_until(now))?;
+        Some(Some(gw.clock.instant_at(until)))
+    }
+
     /// Runs one task once and files the outcome. Its band place frees when this ends,
     /// aborted or not.
     async fn work(
@@ -326,6 +373,7 @@ impl Tasks {
         id: String,
         seq: u64,
         tenant: Arc<str>,
+        model: Arc<str>,
         spot: Arc<QueueSpot>,
     ) {
         struct Place<'a>(&'a Tasks, &'a str);
@@ -376,6 +424,7 @@ impl Tasks {
                         Waiting {
                             id: id.clone(),
                             tenant: tenant.clone(),
+                            model: model.clone(),
                             not_before: Some(Instant::now() + after),
                         },
                     );
@@ -427,6 +476,8 @@ impl Tasks {
                 _ = spot.changed() => {
                     self.entered(id);
                     if spot.dispatched() {
+                        // Its lane may take the next task (after its fence).
+                        self.wake.notify_one();
                         self.mark_running(id).await;
                     }
                 }
@@ -1016,6 +1067,7 @@ async fn submit_inner(
             Waiting {
                 id: id.clone(),
                 tenant: tenant.name.clone(),
+                model: Arc::from(task.model.as_str()),
                 not_before: None,
             },
         );
@@ -1149,6 +1201,7 @@ mod tests {
                 let w = Waiting {
                     id: format!("t{seq}"),
                     tenant,
+                    model: Arc::from("m"),
                     not_before: None,
                 };
                 band.enqueue(seq, w);
@@ -1160,7 +1213,7 @@ mod tests {
                 .collect();
             let now = Instant::now();
             let mut order = Vec::new();
-            while let Some(seq) = band.next_due(now) {
+            while let Some(seq) = band.next_due(now, |_| true) {
                 let w = band.waiting.remove(&seq).unwrap();
                 *band.turns.entry(w.tenant).or_default() += 1;
                 order.push(seq);
