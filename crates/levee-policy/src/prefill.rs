@@ -12,6 +12,11 @@
 //! in progress when it arrives, one decode step). A prompt of `n` tokens is predicted to have
 //! its first token `a + b·n` after dispatch — the time its prefill holds the engine, plus the
 //! mean wait of an arrival, which errs on the long side.
+//!
+//! Before [`PrefillFit::MIN_SAMPLES`] samples the line is not trusted; the prediction is
+//! then `n × min(ttft / tokens)` over the samples: since every time to first token includes
+//! its prompt's whole prefill, each ratio bounds the per-token time from above, and the
+//! smallest is the tightest such bound (long on small prompts, never short).
 
 use std::collections::VecDeque;
 use std::time::Duration;
@@ -58,12 +63,20 @@ impl PrefillFit {
 
     /// The predicted time from dispatch to the first token of a prompt of `prompt_tokens`:
     /// `a + b·tokens` on the fitted line. With no spread in the prompts measured, or a slope
-    /// that is not positive (prefill too cheap to show), the mean time to first token. `None`
-    /// with fewer than [`PrefillFit::MIN_SAMPLES`] samples. At most [`PrefillFit::MAX`].
+    /// that is not positive (prefill too cheap to show), the mean time to first token. With
+    /// fewer than [`PrefillFit::MIN_SAMPLES`] samples, the upper bound `tokens × min(ttft /
+    /// tokens)`; `None` with none. At most [`PrefillFit::MAX`].
     pub fn predict(&self, prompt_tokens: u64) -> Option<Duration> {
         let n = self.samples.len();
         if n < Self::MIN_SAMPLES {
-            return None;
+            let per_token = self
+                .samples
+                .iter()
+                .filter(|(x, _)| *x > 0.0)
+                .map(|(x, y)| y / x)
+                .min_by(f64::total_cmp)?;
+            let secs = (per_token * prompt_tokens as f64).clamp(0.0, Self::MAX.as_secs_f64());
+            return Some(Duration::from_secs_f64(secs));
         }
         let nf = n as f64;
         let mx = self.samples.iter().map(|(x, _)| x).sum::<f64>() / nf;
@@ -144,14 +157,19 @@ mod tests {
     }
 
     #[test]
-    fn nothing_is_predicted_before_enough_samples() {
+    fn before_enough_samples_the_tightest_per_token_bound() {
         let mut f = PrefillFit::new();
-        for i in 0..PrefillFit::MIN_SAMPLES - 1 {
-            f.note(100 + i as u64, Duration::from_millis(50));
-            assert_eq!(f.predict(1000), None);
-        }
-        f.note(500, Duration::from_millis(90));
-        assert!(f.predict(1000).is_some());
+        assert_eq!(f.predict(1000), None);
+        // 150 µs a token plus waits of 20-50 ms: the largest prompt bounds it best.
+        let line = |p: u64, wait: u64| Duration::from_micros(150 * p + 1000 * wait);
+        f.note(100, line(100, 50));
+        let first = ms(f.predict(1500).unwrap());
+        assert!((first - 1500.0 * 0.65).abs() < 0.01, "{first}");
+        f.note(800, line(800, 20));
+        let second = ms(f.predict(1500).unwrap());
+        assert!((second - 1500.0 * 0.175).abs() < 0.01, "{second}");
+        // Never below the true prefill of 225 ms.
+        assert!(second >= 225.0);
     }
 
     #[test]
