@@ -12,6 +12,12 @@
 //!   the batch tier's low priority this keeps long jobs on idle capacity: interactive
 //!   requests are always served first from the queue, and never find more than
 //!   `max_running` backend slots taken by tasks.
+//! * **Prefill isolation.** A task's long prompt stalls its engine for its whole prefill
+//!   (no chunked prefill), so a dispatched task fences its backend until its first token
+//!   is predicted ([`levee_policy::PrefillFit`], fitted from the lane's streamed responses):
+//!   other requests go to the lane's other backends meanwhile. The band starts a lane's
+//!   next task only once no backend of the lane is fenced and no task of the lane waits for
+//!   a backend ([`Tasks::lane_shut`]): one task prefill per lane at a time.
 //! * **Durability.** Every state change is one redb transaction ([`TaskStore::update`]), so
 //!   after a crash queued tasks come back in submission order and running ones are queued
 //!   again (sent upstream at least once); the compare-and-set on the stored state gives each
