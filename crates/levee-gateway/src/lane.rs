@@ -20,8 +20,8 @@ use crate::gateway::{Adm, Gateway};
 use crate::metrics::{ModelLabel, TierLabel};
 use crate::upstream::Backend;
 use levee_policy::{
-    AdmissionRequest, Admit, Clock, Completion, Expired, Grant, LoadSignals, Outcome,
-    PrefillFit, Refusal, RefusalReason, Ticket, Timestamp, Unservable,
+    AdmissionRequest, Admit, Clock, Completion, Expired, Grant, LoadSignals, Outcome, PrefillFit,
+    Refusal, RefusalReason, Ticket, Timestamp, Unservable,
 };
 use parking_lot::{Mutex, RwLock};
 use std::collections::VecDeque;

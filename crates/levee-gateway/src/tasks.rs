@@ -1183,6 +1183,31 @@ mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
 
+    /// A lane that may not take a task (one of its tasks prefills) holds only its own
+    /// tasks: the next due task of another lane goes, in the usual turn order.
+    #[test]
+    fn a_shut_lane_holds_only_its_own_tasks() {
+        let mut band = Band::default();
+        for (seq, (tenant, model)) in [("a", "m1"), ("a", "m2"), ("b", "m1"), ("b", "m2")]
+            .iter()
+            .enumerate()
+        {
+            let w = Waiting {
+                id: format!("t{seq}"),
+                tenant: Arc::from(*tenant),
+                model: Arc::from(*model),
+                not_before: None,
+            };
+            band.enqueue(seq as u64, w);
+        }
+        let now = Instant::now();
+        assert_eq!(band.next_due(now, |_| true), Some(0));
+        assert_eq!(band.next_due(now, |m| m != "m1"), Some(1));
+        *band.turns.entry(Arc::from("a")).or_default() += 1;
+        assert_eq!(band.next_due(now, |m| m != "m1"), Some(3));
+        assert_eq!(band.next_due(now, |m| m != "m1" && m != "m2"), None);
+    }
+
     /// `ahead_of` is the band's real order: feeding everything by `next_due` hands each task
     /// out exactly after the tasks `ahead_of` counted.
     #[test]

@@ -939,24 +939,47 @@ async fn a_task_prefill_fences_its_backend_and_holds_the_next_task() {
         json!({"model": "m", "max_tokens": 4,
             "messages": [{"role": "user", "content": format!("{tag} {long}")}]})
     };
-    let t1: Value = submit(&c, &base, "a", task("t1")).await.json().await.unwrap();
+    let t1: Value = submit(&c, &base, "a", task("t1"))
+        .await
+        .json()
+        .await
+        .unwrap();
     wait_until(|| total() == 2, "the first task reached a backend").await;
     let on = |m: &Mock, tag: &str| {
-        m.received()
-            .iter()
-            .any(|v| v["messages"][0]["content"].as_str().unwrap_or("").starts_with(tag))
+        m.received().iter().any(|v| {
+            v["messages"][0]["content"]
+                .as_str()
+                .unwrap_or("")
+                .starts_with(tag)
+        })
     };
-    let (fenced, other) = if on(&m1, "t1") { (&m1, &m2) } else { (&m2, &m1) };
-    let t2: Value = submit(&c, &base, "a", task("t2")).await.json().await.unwrap();
+    let (fenced, other) = if on(&m1, "t1") {
+        (&m1, &m2)
+    } else {
+        (&m2, &m1)
+    };
+    let t2: Value = submit(&c, &base, "a", task("t2"))
+        .await
+        .json()
+        .await
+        .unwrap();
     // Interactive requests while the first task's prompt is prefilled: all to the other
     // backend, although by fill alone they would alternate.
     let before = fenced.count();
     let mut chats = Vec::new();
     for i in 0..4 {
         chats.push(spawn_chat(&c, &base, "s", &format!("i{i}")));
-        wait_until(|| total() == 3 + i, "an interactive request reached a backend").await;
+        wait_until(
+            || total() == 3 + i,
+            "an interactive request reached a backend",
+        )
+        .await;
     }
-    assert_eq!(fenced.count(), before, "no interactive request on the fenced backend");
+    assert_eq!(
+        fenced.count(),
+        before,
+        "no interactive request on the fenced backend"
+    );
     assert_eq!(other.count(), 6 - before);
     // The second task waits for the fence: it is still queued, sent nowhere.
     let v: Value = get(&c, &base, "a", t2["id"].as_str().unwrap())

@@ -1183,12 +1183,12 @@ impl<K: Hash + Eq> LaneView<'_, K> {
     /// The backend with room for `kv_cost` and the lowest fill, skipping `except`; one
     /// fenced by a batch prefill ([`Lane::fence_backend`]) only when no other has room.
     fn pick(&self, kv_cost: u64, now: Timestamp, except: Option<&str>) -> Option<usize> {
-        let mut best: Option<(usize, (bool, f64))> = None;
+        let mut best: Option<(usize, (u8, f64))> = None;
         for (i, b) in self.backends.iter().enumerate() {
             if except == Some(&*b.id) || !b.has_room(kv_cost, now, self.cfg) {
                 continue;
             }
-            let key = (b.fenced(now), b.fill(now, self.cfg));
+            let key = (u8::from(b.fenced(now)), b.fill(now, self.cfg));
             if best.is_none_or(|(_, bk)| key.0 < bk.0 || (key.0 == bk.0 && key.1 < bk.1)) {
                 best = Some((i, key));
             }

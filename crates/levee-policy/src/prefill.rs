@@ -81,12 +81,9 @@ impl PrefillFit {
         let nf = n as f64;
         let mx = self.samples.iter().map(|(x, _)| x).sum::<f64>() / nf;
         let my = self.samples.iter().map(|(_, y)| y).sum::<f64>() / nf;
-        let (sxy, sxx) = self
-            .samples
-            .iter()
-            .fold((0.0, 0.0), |(sxy, sxx), (x, y)| {
-                (sxy + (x - mx) * (y - my), sxx + (x - mx) * (x - mx))
-            });
+        let (sxy, sxx) = self.samples.iter().fold((0.0, 0.0), |(sxy, sxx), (x, y)| {
+            (sxy + (x - mx) * (y - my), sxx + (x - mx) * (x - mx))
+        });
         let slope = if sxx > 0.0 { sxy / sxx } else { 0.0 };
         let secs = if slope > 0.0 {
             my + slope * (prompt_tokens as f64 - mx)
