@@ -20,8 +20,8 @@ use crate::gateway::{Adm, Gateway};
 use crate::metrics::{ModelLabel, TierLabel};
 use crate::upstream::Backend;
 use levee_policy::{
-    AdmissionRequest, Admit, Clock, Completion, Expired, Grant, Key, LoadSignals, Outcome, Refusal,
-    RefusalReason, Ticket, Timestamp, Unservable,
+    AdmissionRequest, Admit, Clock, Completion, Expired, Grant, Key, LoadSignals, Outcome,
+    PrefillFit, Refusal, RefusalReason, Ticket, Timestamp, Unservable,
 };
 use parking_lot::{Mutex, RwLock};
 use std::collections::VecDeque;
@@ -49,6 +49,9 @@ pub struct QueueSpot {
     changed: Notify,
     /// The watcher wants position comments (set once the request is classified).
     pub updates: AtomicBool,
+    /// A task of the batch band: its dispatch fences its backend for its predicted
+    /// prefill ([`Lane::fence_for_batch`]).
+    pub batch: AtomicBool,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -102,6 +105,8 @@ pub struct Lane {
     retired: AtomicBool,
     /// Recent TTFTs (seconds) and capacity refusals, for the degradation signals.
     recent: Mutex<Recent>,
+    /// Time to first token over prompt tokens of the last streamed responses.
+    prefill: Mutex<PrefillFit>,
 }
 
 #[derive(Debug, Default)]
@@ -145,6 +150,7 @@ impl Lane {
             wake: Notify::new(),
             retired: AtomicBool::new(false),
             recent: Mutex::new(Recent::default()),
+            prefill: Mutex::new(PrefillFit::new()),
         })
     }
 
@@ -269,6 +275,28 @@ impl Lane {
         let mut r = self.recent.lock();
         r.ttft.push_back((now, ttft.as_secs_f64()));
         r.trim(now);
+    }
+
+    /// Records a streamed response's prompt (levee's estimate) and its time to first token,
+    /// for the prefill fit.
+    pub fn note_prefill(&self, prompt_tokens: u64, ttft: Duration) {
+        self.prefill.lock().note(prompt_tokens, ttft);
+    }
+
+    /// The predicted time from dispatch to the first token of a prompt of `prompt_tokens`
+    /// (see [`PrefillFit::predict`]); `None` until enough streamed responses were measured.
+    pub fn predict_prefill(&self, prompt_tokens: u64) -> Option<Duration> {
+        self.prefill.lock().predict(prompt_tokens)
+    }
+
+    /// A batch task of `prompt_tokens` was just placed on backend `key`: fences that
+    /// backend until its prompt is predicted prefilled, so interactive requests go to
+    /// another backend meanwhile. Nothing without a prediction.
+    fn fence_for_batch(&self, gw: &Gateway, key: &str, prompt_tokens: u64) {
+        if let Some(p) = self.predict_prefill(prompt_tokens) {
+            let until = gw.clock.now() + p;
+            gw.admission.lock().fence_backend(&self.model, key, until);
+        }
     }
 
     /// Records whether a request of this lane was refused for capacity.
@@ -600,10 +628,11 @@ pub async fn admit(
     match decided {
         Admit::Dispatch(d) => {
             lane.note_outcome(now, false);
+            let a = Admitted::new(gw, lane, d.grant, Duration::ZERO);
             if let Some(s) = spot {
-                s.set(Spot::Dispatched);
+                dispatched(gw, lane, s, &a, req.prompt_tokens);
             }
-            Ok(Admitted::new(gw, lane, d.grant, Duration::ZERO))
+            Ok(a)
         }
         Admit::Queued {
             ticket, position, ..
@@ -636,7 +665,7 @@ pub async fn admit(
                 Ok(Ok(a)) => {
                     lane.note_outcome(now, false);
                     if let Some(s) = spot {
-                        s.set(Spot::Dispatched);
+                        dispatched(gw, lane, s, &a, req.prompt_tokens);
                     }
                     Ok(a)
                 }
@@ -652,6 +681,16 @@ pub async fn admit(
         }
         Admit::Refused(_) => Err(GatewayError::internal("unreachable refusal")),
     }
+}
+
+/// Marks a watched request dispatched; a batch task first fences its backend.
+fn dispatched(gw: &Gateway, lane: &Lane, spot: &QueueSpot, a: &Admitted, prompt_tokens: u64) {
+    if spot.batch.load(Ordering::Relaxed) {
+        if let Some(key) = a.grant.as_ref().and_then(|g| g.backend()) {
+            lane.fence_for_batch(gw, key, prompt_tokens);
+        }
+    }
+    spot.set(Spot::Dispatched);
 }
 
 /// The HTTP error of a refusal, with the tenant's rate-limit figures.

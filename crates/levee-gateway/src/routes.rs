@@ -755,6 +755,7 @@ async fn proxy_phase(
         model: c.target.name.clone(),
         lane: c.lane.clone(),
         prompt_estimate: c.prompt_tokens,
+        streamed: c.parsed.stream,
         outlier: rt.cfg.outlier.clone(),
         judged,
         request: c.request.clone(),
@@ -954,6 +955,8 @@ struct RequestSettle {
     model: Key,
     lane: Arc<Lane>,
     prompt_estimate: u64,
+    /// Streamed: its time to first token is the end of its prefill (the prefill fit).
+    streamed: bool,
     outlier: crate::config::OutlierConfig,
     /// The outcome already went to outlier ejection (see `proxy_phase`).
     judged: bool,
@@ -1021,6 +1024,9 @@ impl Settle for RequestSettle {
                 .metrics
                 .ttft_for(&self.tenant.metrics, &self.tenant.tier, t.as_secs_f64());
             self.lane.note_ttft(now, t);
+            if self.streamed && (200..300).contains(&outcome.status) {
+                self.lane.note_prefill(self.prompt_estimate, t);
+            }
         }
         let label = if let Some(code) = outcome.stream_cut {
             code

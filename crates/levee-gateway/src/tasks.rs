@@ -12,6 +12,12 @@
 //!   the batch tier's low priority this keeps long jobs on idle capacity: interactive
 //!   requests are always served first from the queue, and never find more than
 //!   `max_running` backend slots taken by tasks.
+//! * **Prefill isolation.** A task's long prompt stalls its engine for its whole prefill
+//!   (no chunked prefill), so a dispatched task fences its backend until its first token
+//!   is predicted ([`levee_policy::PrefillFit`], fitted from the lane's streamed responses):
+//!   other requests go to the lane's other backends meanwhile. The band starts a lane's
+//!   next task only once no backend of the lane is fenced and no task of the lane waits for
+//!   a backend ([`Tasks::lane_shut`]): one task prefill per lane at a time.
 //! * **Durability.** Every state change is one atomic write ([`TaskStore::update`]): a redb
 //!   transaction on one replica's own store, after whose crash queued tasks come back in
 //!   submission order and running ones are queued again (sent upstream at least once); or,
@@ -39,11 +45,12 @@ use axum::extract::{ConnectInfo, Path, Query, Request, State};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, StatusCode};
-use levee_policy::Clock;
+use levee_policy::{Clock, Key};
 use parking_lot::Mutex;
 use serde_json::{json, Value};
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::net::SocketAddr;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::Notify;
@@ -100,11 +107,14 @@ struct Band {
 struct Waiting {
     id: String,
     tenant: Arc<str>,
+    /// Its model's lane.
+    model: Arc<str>,
     /// Not before this (a task refused for capacity waits its Retry-After).
     not_before: Option<Instant>,
 }
 
 struct Live {
+    model: Arc<str>,
     spot: Arc<QueueSpot>,
     abort: Option<AbortHandle>,
     started: Option<Instant>,
@@ -128,12 +138,12 @@ impl Band {
         self.waiting.insert(seq, w);
     }
 
-    /// The next due waiting task: the tenant with the fewest band places given, its oldest
-    /// task (the oldest overall on a tie).
-    fn next_due(&self, now: Instant) -> Option<u64> {
+    /// The next due waiting task whose lane may take one (`open`): the tenant with the
+    /// fewest band places given, its oldest task (the oldest overall on a tie).
+    fn next_due(&self, now: Instant, open: impl Fn(&str) -> bool) -> Option<u64> {
         self.waiting
             .iter()
-            .filter(|(_, w)| w.not_before.is_none_or(|t| t <= now))
+            .filter(|(_, w)| w.not_before.is_none_or(|t| t <= now) && open(&w.model))
             .min_by_key(|(seq, w)| (self.turns.get(&w.tenant).copied().unwrap_or(0), **seq))
             .map(|(seq, _)| *seq)
     }
@@ -248,6 +258,7 @@ impl Tasks {
                 Waiting {
                     id: t.id,
                     tenant: Arc::from(t.tenant.as_str()),
+                    model: Arc::from(t.model.as_str()),
                     not_before: None,
                 },
             );
@@ -434,6 +445,7 @@ impl Tasks {
                     Waiting {
                         id: t.id,
                         tenant: Arc::from(t.tenant.as_str()),
+                        model: Arc::from(t.model.as_str()),
                         not_before: None,
                     },
                 );
@@ -444,35 +456,56 @@ impl Tasks {
     }
 
     /// Gives free band places to due waiting tasks, fairly across tenants
-    /// ([`Band::next_due`]). Returns when a waiting task becomes due.
+    /// ([`Band::next_due`]), one lane's prefill at a time ([`Tasks::lane_shut`]). Returns
+    /// when a waiting task becomes due or a lane's fence ends.
     fn feed(self: Arc<Self>, gw: &Arc<Gateway>) -> Option<Instant> {
         let now = Instant::now();
         let mut band = self.band.lock();
         let width = usize::try_from(self.cfg.max_running).unwrap_or(usize::MAX);
         let mut next_due = None;
+        let mut shut_until: Option<Instant> = None;
         while band.live.len() < width && band.entering.is_none() {
-            let Some(seq) = band.next_due(now) else { break };
+            let mut shut = HashMap::new();
+            for w in band.waiting.values() {
+                if !shut.contains_key(&w.model) {
+                    let s = self.lane_shut(gw, &band, &w.model);
+                    if let Some(Some(t)) = s {
+                        shut_until = Some(shut_until.map_or(t, |n: Instant| n.min(t)));
+                    }
+                    shut.insert(w.model.clone(), s.is_some());
+                }
+            }
+            let open = |m: &str| !shut.get(m).copied().unwrap_or(false);
+            let Some(seq) = band.next_due(now, open) else {
+                break;
+            };
             let Some(w) = band.waiting.remove(&seq) else {
                 break;
             };
             *band.turns.entry(w.tenant.clone()).or_default() += 1;
             let spot = Arc::new(QueueSpot::default());
+            spot.batch.store(true, Ordering::Relaxed);
             let handle = tokio::spawn(self.clone().work(
                 gw.clone(),
                 w.id.clone(),
                 seq,
                 w.tenant.clone(),
+                w.model.clone(),
                 spot.clone(),
             ));
             band.entering = Some(w.id.clone());
             band.live.insert(
                 w.id,
                 Live {
+                    model: w.model,
                     spot,
                     abort: Some(handle.abort_handle()),
                     started: None,
                 },
             );
+        }
+        if let Some(t) = shut_until {
+            next_due = Some(t);
         }
         let state = |s: &str| crate::metrics::StateLabel { state: s.into() };
         let count = |n: usize| i64::try_from(n).unwrap_or(i64::MAX);
@@ -491,6 +524,28 @@ impl Tasks {
         next_due
     }
 
+    /// Whether the lane of `model` may not take a task now, and until when if known: while
+    /// a task of that lane has a band place but no backend yet (it enters admission or waits
+    /// in the fair queue), or while a backend of the lane is fenced by a task's prefill
+    /// (`Some(end)`). So the band puts one long prompt at a time on a lane's backends, and a
+    /// lane with two or more always has one free of batch prefill for interactive requests.
+    fn lane_shut(&self, gw: &Gateway, band: &Band, model: &Arc<str>) -> Option<Option<Instant>> {
+        if band
+            .live
+            .values()
+            .any(|l| l.model == *model && !l.spot.dispatched())
+        {
+            return Some(None);
+        }
+        let now = gw.clock.now();
+        let until = gw
+            .admission
+            .lock()
+            .lane(&Key::new(model))
+            .and_then(|l| l.fenced_until(now))?;
+        Some(Some(gw.clock.instant_at(until)))
+    }
+
     /// Runs one task once and files the outcome. Its band place frees when this ends,
     /// aborted or not.
     async fn work(
@@ -499,6 +554,7 @@ impl Tasks {
         id: String,
         seq: u64,
         tenant: Arc<str>,
+        model: Arc<str>,
         spot: Arc<QueueSpot>,
     ) {
         struct Place<'a>(&'a Tasks, &'a str);
@@ -553,6 +609,7 @@ impl Tasks {
                         Waiting {
                             id: id.clone(),
                             tenant: tenant.clone(),
+                            model: model.clone(),
                             not_before: Some(Instant::now() + after),
                         },
                     );
@@ -610,6 +667,8 @@ impl Tasks {
                 _ = spot.changed() => {
                     self.entered(id);
                     if spot.dispatched() {
+                        // Its lane may take the next task (after its fence).
+                        self.wake.notify_one();
                         self.mark_running(id).await;
                     }
                 }
@@ -1273,6 +1332,7 @@ async fn submit_inner(
             Waiting {
                 id: id.clone(),
                 tenant: Arc::from(&*tenant.name),
+                model: Arc::from(task.model.as_str()),
                 not_before: None,
             },
         );
@@ -1385,6 +1445,31 @@ mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
 
+    /// A lane that may not take a task (one of its tasks prefills) holds only its own
+    /// tasks: the next due task of another lane goes, in the usual turn order.
+    #[test]
+    fn a_shut_lane_holds_only_its_own_tasks() {
+        let mut band = Band::default();
+        for (seq, (tenant, model)) in [("a", "m1"), ("a", "m2"), ("b", "m1"), ("b", "m2")]
+            .iter()
+            .enumerate()
+        {
+            let w = Waiting {
+                id: format!("t{seq}"),
+                tenant: Arc::from(*tenant),
+                model: Arc::from(*model),
+                not_before: None,
+            };
+            band.enqueue(seq as u64, w);
+        }
+        let now = Instant::now();
+        assert_eq!(band.next_due(now, |_| true), Some(0));
+        assert_eq!(band.next_due(now, |m| m != "m1"), Some(1));
+        *band.turns.entry(Arc::from("a")).or_default() += 1;
+        assert_eq!(band.next_due(now, |m| m != "m1"), Some(3));
+        assert_eq!(band.next_due(now, |m| m != "m1" && m != "m2"), None);
+    }
+
     /// `ahead_of` is the band's real order: feeding everything by `next_due` hands each task
     /// out exactly after the tasks `ahead_of` counted.
     #[test]
@@ -1409,6 +1494,7 @@ mod tests {
                 let w = Waiting {
                     id: format!("t{seq}"),
                     tenant,
+                    model: Arc::from("m"),
                     not_before: None,
                 };
                 band.enqueue(seq, w);
@@ -1420,7 +1506,7 @@ mod tests {
                 .collect();
             let now = Instant::now();
             let mut order = Vec::new();
-            while let Some(seq) = band.next_due(now) {
+            while let Some(seq) = band.next_due(now, |_| true) {
                 let w = band.waiting.remove(&seq).unwrap();
                 *band.turns.entry(w.tenant).or_default() += 1;
                 order.push(seq);

@@ -897,3 +897,105 @@ async fn eta_on_a_steady_load_is_within_30_percent_of_the_actual_time() {
     );
     gw.shutdown().await;
 }
+
+/// The band puts one long prompt at a time on a lane: a task's backend is fenced for the
+/// prefill predicted from the lane's streamed responses, interactive requests go to the
+/// other backend meanwhile, and a second task waits for the fence to end.
+#[tokio::test]
+async fn a_task_prefill_fences_its_backend_and_holds_the_next_task() {
+    let (m1, m2) = (mock().await, mock().await);
+    m1.hold(true);
+    m2.hold(true);
+    let gw = levee_gateway::start(task_config(&[m1.url(), m2.url()], 8, "fence", 2))
+        .await
+        .unwrap();
+    let base = gw.public_url();
+    let c = client();
+    let total = || m1.count() + m2.count();
+    // One streamed response measured: its first token came ≥ 150 ms after a 4-token
+    // prompt, so a prompt of 100 tokens is predicted to take ≥ 3.75 s to prefill.
+    let primer = {
+        let (c, base) = (c.clone(), base.clone());
+        tokio::spawn(async move {
+            let body = json!({"model": "m", "max_tokens": 4, "stream": true,
+                "messages": [{"role": "user", "content": "warm"}]});
+            let r = c
+                .post(format!("{base}/v1/chat/completions"))
+                .bearer_auth("key-s")
+                .json(&body)
+                .send()
+                .await
+                .unwrap();
+            r.text().await.unwrap()
+        })
+    };
+    wait_until(|| total() == 1, "the primer reached a backend").await;
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let first = if m1.count() == 1 { &m1 } else { &m2 };
+    first.release(1);
+    assert!(primer.await.unwrap().contains("[DONE]"));
+    let long = "abcd".repeat(100);
+    let task = |tag: &str| {
+        json!({"model": "m", "max_tokens": 4,
+            "messages": [{"role": "user", "content": format!("{tag} {long}")}]})
+    };
+    let t1: Value = submit(&c, &base, "a", task("t1"))
+        .await
+        .json()
+        .await
+        .unwrap();
+    wait_until(|| total() == 2, "the first task reached a backend").await;
+    let on = |m: &Mock, tag: &str| {
+        m.received().iter().any(|v| {
+            v["messages"][0]["content"]
+                .as_str()
+                .unwrap_or("")
+                .starts_with(tag)
+        })
+    };
+    let (fenced, other) = if on(&m1, "t1") {
+        (&m1, &m2)
+    } else {
+        (&m2, &m1)
+    };
+    let t2: Value = submit(&c, &base, "a", task("t2"))
+        .await
+        .json()
+        .await
+        .unwrap();
+    // Interactive requests while the first task's prompt is prefilled: all to the other
+    // backend, although by fill alone they would alternate.
+    let before = fenced.count();
+    let mut chats = Vec::new();
+    for i in 0..4 {
+        chats.push(spawn_chat(&c, &base, "s", &format!("i{i}")));
+        wait_until(
+            || total() == 3 + i,
+            "an interactive request reached a backend",
+        )
+        .await;
+    }
+    assert_eq!(
+        fenced.count(),
+        before,
+        "no interactive request on the fenced backend"
+    );
+    assert_eq!(other.count(), 6 - before);
+    // The second task waits for the fence: it is still queued, sent nowhere.
+    let v: Value = get(&c, &base, "a", t2["id"].as_str().unwrap())
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(v["status"], "queued", "{v}");
+    assert!(!on(&m1, "t2") && !on(&m2, "t2"));
+    m1.release(100);
+    m2.release(100);
+    for ch in chats {
+        assert_eq!(ch.await.unwrap().status(), 200);
+    }
+    for t in [&t1, &t2] {
+        wait_status(&c, &base, "a", t["id"].as_str().unwrap(), "succeeded").await;
+    }
+    gw.shutdown().await;
+}

@@ -723,6 +723,14 @@ impl<T, K: Hash + Eq + Ord + Clone> Admission<T, K> {
         }
     }
 
+    /// Fences a backend while a batch task's prompt is prefilled there (see
+    /// [`Lane::fence_backend`]).
+    pub fn fence_backend(&mut self, model: &K, backend: &str, until: Timestamp) {
+        if let Some(m) = self.models.get_mut(model) {
+            m.lane.fence_backend(backend, until);
+        }
+    }
+
     /// Ejects a backend until `until` (see [`Lane::eject`]).
     pub fn eject(&mut self, model: &K, backend: &str, until: Timestamp, now: Timestamp) {
         if let Some(m) = self.models.get_mut(model) {

@@ -101,6 +101,9 @@ struct Backend {
     report: Option<(BackendReport, Timestamp)>,
     /// Out of routing by outlier ejection until then (its breaker is held open as well).
     ejected_until: Option<Timestamp>,
+    /// Prefilling a batch task's prompt until then (predicted): other requests go elsewhere
+    /// while another backend has room.
+    fenced_until: Option<Timestamp>,
 }
 
 impl Backend {
@@ -143,6 +146,11 @@ impl Backend {
             _ => 0,
         };
         self.tokens.max(reported)
+    }
+
+    /// Whether a batch task's prompt is being prefilled here now.
+    fn fenced(&self, now: Timestamp) -> bool {
+        self.fenced_until.is_some_and(|u| u > now)
     }
 
     /// Whether it can take a request of `kv_cost` tokens now.
@@ -458,6 +466,7 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
                     tokens: 0,
                     report: None,
                     ejected_until: None,
+                    fenced_until: None,
                 },
             };
             self.backends.push(b);
@@ -495,6 +504,30 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
                 b.ejected_until = Some(b.ejected_until.map_or(until, |u| u.max(until)));
             }
         }
+    }
+
+    /// Fences backend `id` until `until`: a batch task's long prompt is being prefilled
+    /// there, and an engine without chunked prefill makes every request that arrives
+    /// meanwhile wait for it. Until then requests go to the other backends that have room;
+    /// to this one only when none has. `false` if there is no such backend.
+    pub fn fence_backend(&mut self, id: &str, until: Timestamp) -> bool {
+        match self.backend_mut(id) {
+            Some(b) => {
+                b.fenced_until = Some(b.fenced_until.map_or(until, |u| u.max(until)));
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// When the last open fence ends, if a backend is fenced now (see
+    /// [`Lane::fence_backend`]).
+    pub fn fenced_until(&self, now: Timestamp) -> Option<Timestamp> {
+        self.backends
+            .iter()
+            .filter(|b| b.fenced(now))
+            .filter_map(|b| b.fenced_until)
+            .max()
     }
 
     /// Records what a backend reported about its own load at `now`.
@@ -1233,16 +1266,17 @@ impl<K: Hash + Eq> LaneView<'_, K> {
         (requests, tokens.unwrap_or(u64::MAX))
     }
 
-    /// The backend with room for `kv_cost` and the lowest fill, skipping `except`.
+    /// The backend with room for `kv_cost` and the lowest fill, skipping `except`; one
+    /// fenced by a batch prefill ([`Lane::fence_backend`]) only when no other has room.
     fn pick(&self, kv_cost: u64, now: Timestamp, except: Option<&str>) -> Option<usize> {
-        let mut best: Option<(usize, f64)> = None;
+        let mut best: Option<(usize, (u8, f64))> = None;
         for (i, b) in self.backends.iter().enumerate() {
             if except == Some(&*b.id) || !b.has_room(kv_cost, now, self.cfg) {
                 continue;
             }
-            let f = b.fill(now, self.cfg);
-            if best.is_none_or(|(_, bf)| f < bf) {
-                best = Some((i, f));
+            let key = (u8::from(b.fenced(now)), b.fill(now, self.cfg));
+            if best.is_none_or(|(_, bk)| key.0 < bk.0 || (key.0 == bk.0 && key.1 < bk.1)) {
+                best = Some((i, key));
             }
         }
         best.map(|(i, _)| i)
@@ -1276,6 +1310,55 @@ mod tests {
     }
 
     proptest! {
+        /// While a backend is fenced by a batch prefill, a request goes to a backend that
+        /// is not whenever one has room (the least filled of them); to a fenced one only
+        /// when no other has room; and once the fence ends, by fill alone again.
+        #[test]
+        fn a_fenced_backend_takes_a_request_only_when_no_other_has_room(
+            loads in proptest::collection::vec(0usize..=4, 2..5),
+            fenced in proptest::collection::vec(any::<bool>(), 4),
+            fence_ms in 1u64..500,
+        ) {
+            let mut lane: Lane<u32, u8> =
+                Lane::new(LaneConfig::new(Watermarks { safe: 100, soft: 200, hard: 300 }), 1);
+            let limits = BackendLimits { max_in_flight: 4, kv_tokens: None };
+            let ids: Vec<Arc<str>> = (0..loads.len()).map(|i| Arc::from(format!("b{i}"))).collect();
+            lane.set_backends(ids.iter().map(|id| (id.clone(), limits)).collect());
+            let now = Timestamp::from_nanos(1_000_000);
+            let mut held = Vec::new();
+            for (i, n) in loads.iter().enumerate() {
+                for _ in 0..*n {
+                    held.push(lane.place(i, &0u8, 1, now).unwrap());
+                }
+            }
+            let until = now + Duration::from_millis(fence_ms);
+            for (i, id) in ids.iter().enumerate() {
+                if fenced[i] {
+                    prop_assert!(lane.fence_backend(id, until));
+                }
+            }
+            let room = |i: usize| loads[i] < 4;
+            let least = |pool: &[usize]| {
+                pool.iter().copied().min_by_key(|i| (loads[*i], *i))
+            };
+            let open: Vec<usize> = (0..loads.len()).filter(|i| room(*i) && !fenced[*i]).collect();
+            let shut: Vec<usize> = (0..loads.len()).filter(|i| room(*i) && fenced[*i]).collect();
+            let want = least(&open).or_else(|| least(&shut));
+            let got = lane.can_dispatch(&0u8, 1, now, None);
+            prop_assert_eq!(got.map(|i| loads[i]), want.map(|i| loads[i]));
+            prop_assert_eq!(got.map(|i| fenced[i]), want.map(|i| fenced[i]));
+            let any_fence = (0..loads.len()).any(|i| fenced[i]);
+            prop_assert_eq!(lane.fenced_until(now), any_fence.then_some(until));
+            // After the fence: the least filled backend, fenced before or not.
+            let all: Vec<usize> = (0..loads.len()).filter(|i| room(*i)).collect();
+            let later = lane.can_dispatch(&0u8, 1, until, None);
+            prop_assert_eq!(later.map(|i| loads[i]), least(&all).map(|i| loads[i]));
+            prop_assert_eq!(lane.fenced_until(until), None);
+            for p in held {
+                lane.release(&0u8, p, Outcome::Success, now);
+            }
+        }
+
         /// The sums kept in step as tenants change are the sums a fresh pass over the
         /// tenants gives, whatever happened and however much time passed.
         #[test]

@@ -22,6 +22,7 @@ mod gcra;
 mod key;
 mod keyed;
 mod lane;
+mod prefill;
 mod queue;
 mod retry;
 mod tokens;
@@ -51,6 +52,7 @@ pub use key::Key;
 pub use lane::{
     BackendLimits, BackendReport, BackendStats, Lane, LaneConfig, Placement, Unservable,
 };
+pub use prefill::PrefillFit;
 pub use queue::{
     Entry, FairQueue, Pick, PushRefusal, QueueLimits, QueueStats, Rejected, TenantBacklog, Ticket,
     Tier, TierStats, VIRTUAL_SCALE,
