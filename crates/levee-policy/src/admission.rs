@@ -878,7 +878,7 @@ impl<T, K: Hash + Eq + Ord + Clone> Admission<T, K> {
             let (pos, raw) = lane.predict_wait(req.tier, &req.tenant, now);
             position = pos;
             raw_wait = raw;
-            let predicted = raw.map(|w| lane.calibrated_wait(req.tier, w));
+            let predicted = raw.map(|w| lane.calibrated_wait(&req.tenant, w));
             let refusal = if budget.is_zero() {
                 Some((
                     RefusalReason::Watermark(decision.zone),
@@ -1023,7 +1023,7 @@ impl<T, K: Hash + Eq + Ord + Clone> Admission<T, K> {
                     let waited = now.saturating_duration_since(e.enqueued_at);
                     if let Some(predicted) = predicted {
                         let budget = e.deadline.saturating_duration_since(e.enqueued_at);
-                        lane.note_wait(e.tier, predicted, waited, budget, false);
+                        lane.note_wait(&e.tenant, predicted, waited, budget, false);
                     }
                     return Some(Dispatched {
                         item,
@@ -1065,11 +1065,11 @@ impl<T, K: Hash + Eq + Ord + Clone> Admission<T, K> {
         let mut entries = Vec::new();
         m.lane.expire_into(now, &mut entries);
         entries.append(&mut m.expired);
-        // A wait that ran out of budget teaches the tier's calibration the most.
+        // A wait that ran out of budget teaches its tenant's calibration the most.
         for e in &entries {
             if let Some(predicted) = e.item.predicted {
                 let budget = e.deadline.saturating_duration_since(e.enqueued_at);
-                m.lane.note_wait(e.tier, predicted, budget, budget, true);
+                m.lane.note_wait(&e.tenant, predicted, budget, budget, true);
             }
         }
         let displaced = std::mem::take(&mut m.displaced);

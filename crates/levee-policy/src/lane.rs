@@ -192,6 +192,8 @@ struct TenantUse {
     queued: usize,
     queued_tokens: u64,
     last_seen: Timestamp,
+    /// How far this tenant's waits ran past their predictions.
+    calibration: WaitCalibration,
 }
 
 impl TenantUse {
@@ -204,6 +206,7 @@ impl TenantUse {
             queued: 0,
             queued_tokens: 0,
             last_seen: now,
+            calibration: WaitCalibration::default(),
         }
     }
 
@@ -291,11 +294,9 @@ pub struct Lane<P, K> {
     admitted: Vec<DrainRate>,
     /// Mean time a request holds a backend (EWMA, seconds), from completions.
     service_secs: Option<f64>,
-    /// Per tier: how far actual waits ran past their predictions.
-    calibration: Vec<WaitCalibration>,
 }
 
-/// The 95th percentile of `actual wait ÷ predicted wait` over a tier's recent queued
+/// The 95th percentile of `actual wait ÷ predicted wait` over a tenant's recent queued
 /// requests, tracked in log space by stochastic quantile steps (up `0.95·η` when a wait ran
 /// past `q` × its prediction, down `0.05·η` otherwise, so that 95% of waits end within `q` ×
 /// their prediction). Predictions are multiplied by it: what the model of the queue misses —
@@ -371,7 +372,6 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
                 .map(|_| DrainRate::new(Duration::from_secs(5)))
                 .collect(),
             service_secs: None,
-            calibration: vec![WaitCalibration::default(); usize::from(tiers.max(1))],
         }
     }
 
@@ -394,8 +394,6 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
         self.admitted.resize_with(usize::from(tiers.max(1)), || {
             DrainRate::new(Duration::from_secs(5))
         });
-        self.calibration
-            .resize(usize::from(tiers.max(1)), WaitCalibration::default());
         if cfg.breaker != self.cfg.breaker {
             for b in &mut self.backends {
                 b.breaker = Breaker::new(cfg.breaker);
@@ -899,28 +897,30 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
         (position, wait)
     }
 
-    /// `predicted` corrected by what `tier`'s waits have actually been: multiplied by the
-    /// 95th percentile of actual ÷ predicted over its recent queued requests.
-    pub fn calibrated_wait(&self, tier: Tier, predicted: Duration) -> Duration {
+    /// `predicted` corrected by what `tenant`'s waits have actually been: multiplied by the
+    /// 95th percentile of actual ÷ predicted over its recent queued requests. Per tenant, so
+    /// that a flooder whose backlog waits past its predictions does not lengthen its
+    /// neighbours' predictions (and refuse them).
+    pub fn calibrated_wait(&self, tenant: &K, predicted: Duration) -> Duration {
         let f = self
-            .calibration
-            .get(usize::from(tier.0))
-            .map_or(1.0, WaitCalibration::factor);
+            .tenants
+            .get(tenant)
+            .map_or(1.0, |u| u.calibration.factor());
         Duration::from_secs_f64((predicted.as_secs_f64() * f).min(1e6))
     }
 
-    /// Records how a queued request's wait ended, for the calibration of `tier`'s
+    /// Records how a queued request of `tenant` ended its wait, for the calibration of its
     /// predictions.
     pub(crate) fn note_wait(
         &mut self,
-        tier: Tier,
+        tenant: &K,
         predicted: Duration,
         actual: Duration,
         budget: Duration,
         timed_out: bool,
     ) {
-        if let Some(c) = self.calibration.get_mut(usize::from(tier.0)) {
-            c.note(predicted, actual, budget, timed_out);
+        if let Some(u) = self.tenants.get_mut(tenant) {
+            u.calibration.note(predicted, actual, budget, timed_out);
         }
     }
 

@@ -498,6 +498,8 @@ fn waits_that_run_past_their_prediction_make_later_predictions_longer() {
     assert!(timeouts >= 1);
     let wait = refusal.retry_after.unwrap().as_duration();
     assert!(wait > Duration::from_secs(3), "{wait:?}");
+    // The correction is the tenant's own: a neighbour in the same place is still queued.
+    queued(a.admit(&req("c", 0, 10), 3, clock.now()));
 }
 
 #[test]
