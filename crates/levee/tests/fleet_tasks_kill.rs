@@ -228,6 +228,44 @@ async fn redis() -> Option<redis::aio::MultiplexedConnection> {
     (pong == "PONG").then_some(conn)
 }
 
+/// Starts the replicas on one key prefix (their configs in a fresh `dir`) and waits until
+/// each answers: the processes, their public URLs and their admin URLs.
+async fn start_fleet(
+    c: &reqwest::Client,
+    dir: &std::path::Path,
+    backend: &str,
+    prefix: &str,
+) -> (Vec<Option<Replica>>, Vec<String>, Vec<String>) {
+    let _ = std::fs::remove_dir_all(dir);
+    std::fs::create_dir_all(dir).unwrap();
+    let replicas: Vec<Option<Replica>> = (0..REPLICAS)
+        .map(|i| Some(spawn(dir, i, backend, prefix)))
+        .collect();
+    for r in replicas.iter().flatten() {
+        ready(c, &r.base).await;
+    }
+    let bases = replicas.iter().flatten().map(|r| r.base.clone()).collect();
+    let admins = replicas.iter().flatten().map(|r| r.admin.clone()).collect();
+    (replicas, bases, admins)
+}
+
+/// Submits task `t{i}` (with the callback) through `base`: its id.
+async fn submit(c: &reqwest::Client, base: &str, i: usize, cb_url: &str) -> String {
+    let r = c
+        .post(format!("{base}/v1/tasks"))
+        .bearer_auth("key-a")
+        .json(&json!({"model": "m", "max_tokens": 4, "callback_url": cb_url,
+            "messages": [{"role": "user", "content": format!("t{i}")}]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 202);
+    r.json::<Value>().await.unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_string()
+}
+
 async fn clear(conn: &mut redis::aio::MultiplexedConnection, prefix: &str) {
     let keys: Vec<String> = redis::cmd("KEYS")
         .arg(format!("{prefix}*"))
@@ -258,38 +296,13 @@ async fn kill_9_one_of_three_replicas_with_tasks_queued_and_running() {
     be.hold.store(true, Ordering::SeqCst);
     let (cb_url, callbacks) = receiver().await;
     let dir = std::env::temp_dir().join(format!("levee-fleet-kill-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
     let c = reqwest::Client::new();
-    let mut replicas: Vec<Option<Replica>> = (0..REPLICAS)
-        .map(|i| Some(spawn(&dir, i, &url, &prefix)))
-        .collect();
-    for r in replicas.iter().flatten() {
-        ready(&c, &r.base).await;
-    }
-    let bases: Vec<String> = replicas.iter().flatten().map(|r| r.base.clone()).collect();
-    let admins: Vec<String> = replicas.iter().flatten().map(|r| r.admin.clone()).collect();
+    let (mut replicas, bases, admins) = start_fleet(&c, &dir, &url, &prefix).await;
 
     // Tasks submitted through every replica.
     let mut ids = Vec::new();
     for i in 0..TASKS {
-        let r = c
-            .post(format!("{}/v1/tasks", bases[i % REPLICAS]))
-            .bearer_auth("key-a")
-            .json(
-                &json!({"model": "m", "max_tokens": 4, "callback_url": cb_url,
-                "messages": [{"role": "user", "content": format!("t{i}")}]}),
-            )
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(r.status(), 202);
-        ids.push(
-            r.json::<Value>().await.unwrap()["id"]
-                .as_str()
-                .unwrap()
-                .to_string(),
-        );
+        ids.push(submit(&c, &bases[i % REPLICAS], i, &cb_url).await);
     }
     // Every replica fills its band: REPLICAS × WIDTH running (held upstream), the rest
     // queued in the stream.
@@ -460,36 +473,11 @@ async fn kill_9_amid_a_stream_of_completions() {
     be.delay_ms.store(40, Ordering::SeqCst);
     let (cb_url, callbacks) = receiver().await;
     let dir = std::env::temp_dir().join(format!("levee-fleet-kill-mid-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
     let c = reqwest::Client::new();
-    let mut replicas: Vec<Option<Replica>> = (0..REPLICAS)
-        .map(|i| Some(spawn(&dir, i, &url, &prefix)))
-        .collect();
-    for r in replicas.iter().flatten() {
-        ready(&c, &r.base).await;
-    }
-    let bases: Vec<String> = replicas.iter().flatten().map(|r| r.base.clone()).collect();
-    let admins: Vec<String> = replicas.iter().flatten().map(|r| r.admin.clone()).collect();
+    let (mut replicas, bases, admins) = start_fleet(&c, &dir, &url, &prefix).await;
     let mut ids = Vec::new();
     for i in 0..MANY {
-        let r = c
-            .post(format!("{}/v1/tasks", bases[i % REPLICAS]))
-            .bearer_auth("key-a")
-            .json(
-                &json!({"model": "m", "max_tokens": 4, "callback_url": cb_url,
-                "messages": [{"role": "user", "content": format!("t{i}")}]}),
-            )
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(r.status(), 202);
-        ids.push(
-            r.json::<Value>().await.unwrap()["id"]
-                .as_str()
-                .unwrap()
-                .to_string(),
-        );
+        ids.push(submit(&c, &bases[i % REPLICAS], i, &cb_url).await);
     }
     for _ in 0..800 {
         if be.seen.lock().unwrap().len() >= MANY / 3 {
