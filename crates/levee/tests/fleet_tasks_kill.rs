@@ -254,8 +254,10 @@ async fn submit(c: &reqwest::Client, base: &str, i: usize, cb_url: &str) -> Stri
     let r = c
         .post(format!("{base}/v1/tasks"))
         .bearer_auth("key-a")
-        .json(&json!({"model": "m", "max_tokens": 4, "callback_url": cb_url,
-            "messages": [{"role": "user", "content": format!("t{i}")}]}))
+        .json(
+            &json!({"model": "m", "max_tokens": 4, "callback_url": cb_url,
+            "messages": [{"role": "user", "content": format!("t{i}")}]}),
+        )
         .send()
         .await
         .unwrap();
