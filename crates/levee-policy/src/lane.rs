@@ -304,7 +304,7 @@ pub struct Lane<P, K> {
 /// order, a slower engine — is learned from how waits actually ended, and a request whose
 /// corrected wait is past its budget is refused at arrival instead of timing out in the queue.
 /// A queue timeout counts as a wait past any `q` (its real wait is unknown, but longer than
-/// the budget). Waits that are short next to their budget (both under a tenth of it) count as
+/// the budget). Waits that are short next to their budget (both under half of it) count as
 /// on time, so small absolute errors on short waits do not inflate long predictions.
 #[derive(Debug, Clone, Copy)]
 struct WaitCalibration {
@@ -334,7 +334,7 @@ impl WaitCalibration {
     /// Learns from one wait that ended: `predicted` at arrival, `actual` when it left (for a
     /// timeout, its budget), against the request's wait `budget`.
     fn note(&mut self, predicted: Duration, actual: Duration, budget: Duration, timed_out: bool) {
-        let floor = budget.as_secs_f64() / 10.0;
+        let floor = budget.as_secs_f64() / 2.0;
         let ratio = actual.as_secs_f64().max(floor) / predicted.as_secs_f64().max(floor);
         let late = timed_out || ratio.ln() > self.log_q;
         self.log_q += if late {
