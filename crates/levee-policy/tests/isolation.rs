@@ -9,12 +9,13 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod common;
+
+use common::Running;
 use levee_policy::*;
 use rand::rngs::SmallRng;
 use rand::SeedableRng;
 use rand_distr::{Distribution, Exp};
-use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -71,9 +72,7 @@ type Adm = Admission<(&'static str, Timestamp), &'static str>;
 
 /// The fleet: requests hold a slot until their end; each grant is settled then.
 struct Fleet {
-    running: BinaryHeap<Reverse<(Timestamp, u64)>>,
-    grants: HashMap<u64, Grant<&'static str>>,
-    next_id: u64,
+    running: Running,
     quiet: Quiet,
 }
 
@@ -89,25 +88,11 @@ impl Fleet {
                 .ttft
                 .push(now.saturating_duration_since(arrived) + PREFILL);
         }
-        self.next_id += 1;
-        self.running.push(Reverse((now + SERVICE, self.next_id)));
-        self.grants.insert(self.next_id, grant);
+        self.running.start(grant, now + SERVICE);
     }
 
     fn finish_until(&mut self, adm: &mut Adm, now: Timestamp) {
-        while let Some(Reverse((end, id))) = self.running.peek().copied() {
-            if end > now {
-                break;
-            }
-            self.running.pop();
-            if let Some(g) = self.grants.remove(&id) {
-                let done = Completion {
-                    outcome: Outcome::Success,
-                    actual_tokens: None,
-                };
-                adm.complete(g, done, now);
-            }
-        }
+        self.running.finish_until(adm, now);
     }
 }
 
@@ -166,9 +151,7 @@ fn simulate(mix: Mix, with_flooder: bool) -> Quiet {
     let mut arriving = arriving.into_iter().peekable();
 
     let mut fleet = Fleet {
-        running: BinaryHeap::new(),
-        grants: HashMap::new(),
-        next_id: 0,
+        running: Running::default(),
         quiet: Quiet::default(),
     };
     let start = clock.now();

@@ -9,12 +9,13 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod common;
+
+use common::Running;
 use levee_policy::*;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use rand_distr::{Distribution, Exp, LogNormal};
-use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -108,9 +109,7 @@ fn simulate(seed: u64, overload: f64) -> Counts {
         rng,
         service,
         prompt: LogNormal::new(PROMPT_MEDIAN.ln(), PROMPT_SIGMA).unwrap(),
-        running: BinaryHeap::new(),
-        grants: HashMap::new(),
-        next_id: 0,
+        running: Running::default(),
         counts: Counts::default(),
     };
     let start = clock.now();
@@ -151,9 +150,7 @@ struct Fleet {
     rng: SmallRng,
     service: LogNormal<f64>,
     prompt: LogNormal<f64>,
-    running: BinaryHeap<Reverse<(Timestamp, u64)>>,
-    grants: HashMap<u64, Grant<&'static str>>,
-    next_id: u64,
+    running: Running,
     counts: Counts,
 }
 
@@ -161,27 +158,12 @@ impl Fleet {
     fn start(&mut self, grant: Grant<&'static str>, now: Timestamp) {
         let s = self.service.sample(&mut self.rng).min(30.0);
         self.counts.busy_token_secs += s * grant.tokens() as f64;
-        self.next_id += 1;
-        self.running
-            .push(Reverse((now + Duration::from_secs_f64(s), self.next_id)));
-        self.grants.insert(self.next_id, grant);
+        self.running.start(grant, now + Duration::from_secs_f64(s));
         self.counts.served += 1;
     }
 
     fn finish_until(&mut self, adm: &mut Adm, now: Timestamp) {
-        while let Some(Reverse((end, id))) = self.running.peek().copied() {
-            if end > now {
-                break;
-            }
-            self.running.pop();
-            if let Some(g) = self.grants.remove(&id) {
-                let done = Completion {
-                    outcome: Outcome::Success,
-                    actual_tokens: None,
-                };
-                adm.complete(g, done, now);
-            }
-        }
+        self.running.finish_until(adm, now);
     }
 }
 
