@@ -297,6 +297,15 @@ impl Runtime {
         lane.kv_headroom = self.cfg.kv.headroom;
         lane.report_max_age = Duration::from_millis(self.cfg.kv.report_max_age_ms);
         lane.breaker = self.cfg.breaker.to_policy();
+        // The batch band's tasks run at their tier; its requests keep off a backend that may
+        // still have an interactive prompt waiting for a prefill step.
+        lane.isolated_tier = self
+            .cfg
+            .tasks
+            .enabled
+            .then(|| self.cfg.tiers.get(&self.cfg.tasks.tier))
+            .flatten()
+            .map(|t| levee_policy::Tier(t.priority));
         lane
     }
 }

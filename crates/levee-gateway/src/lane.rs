@@ -181,7 +181,7 @@ impl Lane {
             while let Some(d) = adm.dequeue(&self.model, now) {
                 ready.push(d);
             }
-            let next = adm.next_deadline(&self.model);
+            let next = adm.next_deadline(&self.model, now);
             if let Some(l) = adm.lane(&self.model) {
                 gw.metrics
                     .lane_load
@@ -287,6 +287,16 @@ impl Lane {
     /// (see [`PrefillFit::predict`]); `None` until enough streamed responses were measured.
     pub fn predict_prefill(&self, prompt_tokens: u64) -> Option<Duration> {
         self.prefill.lock().predict(prompt_tokens)
+    }
+
+    /// Sets the lane's prefill window from its streamed responses: the 90th percentile of
+    /// their times to first token (a request dispatched longer ago than that has most likely
+    /// had its prefill step). Nothing before any was measured.
+    pub fn update_prefill_window(&self, gw: &Gateway) {
+        let window = self.prefill.lock().ttft_quantile(0.9);
+        if let Some(w) = window {
+            gw.admission.lock().set_prefill_window(&self.model, w);
+        }
     }
 
     /// A batch task of `prompt_tokens` was just placed on backend `key`: fences that
@@ -593,6 +603,9 @@ pub async fn admit(
     spot: Option<&QueueSpot>,
 ) -> Result<Admitted, GatewayError> {
     let now = gw.clock.now();
+    if spot.is_some_and(|s| s.batch.load(Ordering::Relaxed)) {
+        lane.update_prefill_window(gw);
+    }
     let (tx, rx) = oneshot::channel();
     let tier: Arc<str> = Arc::from(tier);
     let waiter = Waiter {

@@ -723,6 +723,13 @@ impl<T, K: Hash + Eq + Ord + Clone> Admission<T, K> {
         }
     }
 
+    /// Sets `model`'s prefill window (see [`Lane::set_prefill_window`]).
+    pub fn set_prefill_window(&mut self, model: &K, window: Duration) {
+        if let Some(m) = self.models.get_mut(model) {
+            m.lane.set_prefill_window(window);
+        }
+    }
+
     /// Fences a backend while a batch task's prompt is prefilled there (see
     /// [`Lane::fence_backend`]).
     pub fn fence_backend(&mut self, model: &K, backend: &str, until: Timestamp) {
@@ -868,14 +875,24 @@ impl<T, K: Hash + Eq + Ord + Clone> Admission<T, K> {
             None => budget,
         };
         let target = if lane.queued_at_or_above(req.tier) == 0 {
-            lane.can_dispatch(&req.tenant, est, now, None)
+            lane.can_dispatch(req.tier, &req.tenant, est, now, None)
         } else {
             None
         };
         let mut position = 0;
         let mut raw_wait = None;
         if target.is_none() {
-            let (pos, raw) = lane.predict_wait(req.tier, &req.tenant, now);
+            // A background request held back only until a backend is quiet waits that long,
+            // whatever the queue model says.
+            let quiet = if lane.queued_at_or_above(req.tier) == 0 {
+                lane.quiet_wait(req.tier, &req.tenant, est, now)
+            } else {
+                None
+            };
+            let (pos, raw) = match quiet {
+                Some(w) => (1, Some(w)),
+                None => lane.predict_wait(req.tier, &req.tenant, now),
+            };
             position = pos;
             raw_wait = raw;
             let predicted = raw.map(|w| lane.calibrated_wait(&req.tenant, w));
@@ -951,7 +968,7 @@ impl<T, K: Hash + Eq + Ord + Clone> Admission<T, K> {
                 model.displaced.push(e);
             }
         }
-        lane.note_admitted(req.tier, now);
+        lane.note_admitted(req.tier, est, now);
         if let Some(i) = target {
             if let Some(p) = lane.place(i, &req.tenant, est, now) {
                 lane.charge(req.tier, &req.tenant, est);
@@ -1148,14 +1165,16 @@ impl<T, K: Hash + Eq + Ord + Clone> Admission<T, K> {
             .is_some_and(|m| !m.displaced.is_empty())
     }
 
-    /// The earliest queued deadline of `model`, to schedule the next [`Admission::expire`].
-    pub fn next_deadline(&self, model: &K) -> Option<Timestamp> {
+    /// When `model`'s queue next changes by time alone after `now` (the earliest queued
+    /// deadline, or a backend's prefill window ending while a request of the isolated tier
+    /// waits), to schedule the next [`Admission::expire`] and [`Admission::dequeue`].
+    pub fn next_deadline(&self, model: &K, now: Timestamp) -> Option<Timestamp> {
         let m = self.models.get(model)?;
         // Displaced entries are due at once; expired ones were due at their deadline.
         match (m.displaced.first(), m.expired.first()) {
             (Some(e), _) => Some(e.enqueued_at),
             (None, Some(e)) => Some(e.deadline),
-            (None, None) => m.lane.next_deadline(),
+            (None, None) => m.lane.next_deadline(now),
         }
     }
 
@@ -1187,9 +1206,9 @@ impl<T, K: Hash + Eq + Ord + Clone> Admission<T, K> {
         };
         let failed = p.backend.clone();
         m.lane.release(&grant.tenant, p, outcome, now);
-        let Some(i) = m
-            .lane
-            .can_dispatch(&grant.tenant, grant.tokens, now, Some(&failed))
+        let Some(i) =
+            m.lane
+                .can_dispatch(grant.tier, &grant.tenant, grant.tokens, now, Some(&failed))
         else {
             return false;
         };

@@ -20,6 +20,11 @@
 //! could claim. A quiet tenant so finds room at once when its traffic rises or it comes back,
 //! while a busy one uses everything else: the headroom grows with the square root of the
 //! others' demand, not with their sum, so the lane stays nearly work-conserving.
+//!
+//! Across tiers, higher tiers' queued requests go first, and a lower tier leaves free what
+//! the tiers above it are expected to bring in before the next request leaves (see
+//! `LaneView::reserve_for`): a burst of premium requests finds slots at once instead of
+//! waiting for lower tiers' long-running requests to end one by one.
 
 use crate::breaker::{Breaker, BreakerConfig, BreakerState, BreakerStats, BreakerTicket, Outcome};
 use crate::clock::Timestamp;
@@ -51,6 +56,11 @@ pub struct LaneConfig {
     pub fair_share_window: Duration,
     /// The breaker of each backend.
     pub breaker: BreakerConfig,
+    /// The tier of long background requests (the batch band's async tasks), if any: its
+    /// requests go only to a backend where nothing was dispatched within the lane's prefill
+    /// window ([`Lane::set_prefill_window`]), so that no interactive request that may still
+    /// be waiting for a prefill step shares it with their long prompt.
+    pub isolated_tier: Option<Tier>,
 }
 
 impl LaneConfig {
@@ -65,6 +75,7 @@ impl LaneConfig {
             report_max_age: Duration::from_secs(3),
             fair_share_window: Duration::from_secs(60),
             breaker: BreakerConfig::default(),
+            isolated_tier: None,
         }
     }
 }
@@ -104,6 +115,10 @@ struct Backend {
     /// Prefilling a batch task's prompt until then (predicted): other requests go elsewhere
     /// while another backend has room.
     fenced_until: Option<Timestamp>,
+    /// When the last request was placed here.
+    last_dispatch: Option<Timestamp>,
+    /// Requests placed here per second (recent).
+    dispatches: DrainRate,
 }
 
 impl Backend {
@@ -153,9 +168,31 @@ impl Backend {
         self.fenced_until.is_some_and(|u| u > now)
     }
 
+    /// Until when a request placed here may still be waiting for its prefill step: `window`
+    /// after the last dispatch — but no longer than the mean gap between dispatches here,
+    /// so that on a busy backend, where a quiet spell as long as the window seldom comes,
+    /// a background request waits for a gap longer than usual (about (e − 1) mean gaps)
+    /// rather than for ever.
+    fn prefilling_until(&self, window: Duration) -> Option<Timestamp> {
+        let last = self.last_dispatch?;
+        // The rate as of the last dispatch: the end stays put until the next one.
+        let rate = self.dispatches.per_second(last);
+        let gap = if rate > 0.0 {
+            window.min(Duration::from_secs_f64((1.0 / rate).min(3600.0)))
+        } else {
+            window
+        };
+        Some(last + gap)
+    }
+
     /// Whether it can take a request of `kv_cost` tokens now.
     fn has_room(&self, kv_cost: u64, now: Timestamp, cfg: &LaneConfig) -> bool {
-        if !self.routable || self.in_flight >= self.request_cap(now, cfg) {
+        self.has_room_under(self.request_cap(now, cfg), kv_cost, now, cfg)
+    }
+
+    /// Whether it can take a request of `kv_cost` tokens now with `cap` requests at most.
+    fn has_room_under(&self, cap: usize, kv_cost: u64, now: Timestamp, cfg: &LaneConfig) -> bool {
+        if !self.routable || self.in_flight >= cap {
             return false;
         }
         if let Some(usable) = self.usable_tokens(cfg.kv_headroom) {
@@ -289,11 +326,31 @@ pub struct Lane<P, K> {
     shares: RefCell<Option<ShareTable>>,
     in_flight: usize,
     drain: DrainRate,
-    /// Requests taken in (dispatched or queued) per tier: what higher tiers add ahead of a
-    /// waiting request while it waits.
-    admitted: Vec<DrainRate>,
+    /// Requests and their KV tokens taken in (dispatched or queued) per tier: what higher
+    /// tiers add ahead of a waiting request while it waits, and what they keep free from
+    /// lower tiers ([`LaneView::reserve_for`]).
+    admitted: Vec<Intake>,
     /// Mean time a request holds a backend (EWMA, seconds), from completions.
     service_secs: Option<f64>,
+    /// How long after its dispatch an interactive request may still wait for its prefill
+    /// step (see [`LaneConfig::isolated_tier`]).
+    prefill_window: Duration,
+}
+
+/// What one tier takes into a lane, as rates: requests and their KV tokens per second.
+#[derive(Debug, Clone)]
+struct Intake {
+    requests: DrainRate,
+    tokens: DrainRate,
+}
+
+impl Intake {
+    fn new() -> Self {
+        Intake {
+            requests: DrainRate::new(Duration::from_secs(5)),
+            tokens: DrainRate::new(Duration::from_secs(5)),
+        }
+    }
 }
 
 /// The 95th percentile of `actual wait ÷ predicted wait` over a tenant's recent queued
@@ -368,10 +425,9 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
             shares: RefCell::new(None),
             in_flight: 0,
             drain: DrainRate::new(Duration::from_secs(5)),
-            admitted: (0..tiers.max(1))
-                .map(|_| DrainRate::new(Duration::from_secs(5)))
-                .collect(),
+            admitted: (0..tiers.max(1)).map(|_| Intake::new()).collect(),
             service_secs: None,
+            prefill_window: Duration::ZERO,
         }
     }
 
@@ -391,9 +447,8 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
         if self.queue.limits() != limits && self.queue.is_empty() {
             self.queue = FairQueue::new(limits);
         }
-        self.admitted.resize_with(usize::from(tiers.max(1)), || {
-            DrainRate::new(Duration::from_secs(5))
-        });
+        self.admitted
+            .resize_with(usize::from(tiers.max(1)), Intake::new);
         if cfg.breaker != self.cfg.breaker {
             for b in &mut self.backends {
                 b.breaker = Breaker::new(cfg.breaker);
@@ -465,6 +520,8 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
                     report: None,
                     ejected_until: None,
                     fenced_until: None,
+                    last_dispatch: None,
+                    dispatches: DrainRate::new(Duration::from_secs(5)),
                 },
             };
             self.backends.push(b);
@@ -516,6 +573,14 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
             }
             None => false,
         }
+    }
+
+    /// Sets how long after its dispatch a request may still wait for its prefill step (the
+    /// caller measures it: a high percentile of the lane's times to first token). Requests
+    /// of [`LaneConfig::isolated_tier`] go only to a backend where nothing was placed within
+    /// it.
+    pub fn set_prefill_window(&mut self, window: Duration) {
+        self.prefill_window = window;
     }
 
     /// When the last open fence ends, if a backend is fenced now (see
@@ -579,23 +644,60 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
             cfg: &self.cfg,
             shares: &self.shares,
             free: std::cell::OnceCell::new(),
+            admitted: &self.admitted,
+            release_gap: self.release_gap(),
+            prefill_window: self.prefill_window,
         }
     }
 
-    /// The backend `tenant`'s request of `kv_cost` would go to now, if it may go at all.
-    /// `except` skips one backend (a resend after it failed).
+    /// The mean time between two requests leaving the lane's backends now (mean service
+    /// time ÷ requests in flight, counting the one judged); `None` before a service time
+    /// was measured.
+    fn release_gap(&self) -> Option<f64> {
+        self.service_secs.map(|s| s / (self.in_flight + 1) as f64)
+    }
+
+    /// The backend `tenant`'s request of `tier` and `kv_cost` would go to now, if it may go
+    /// at all. `except` skips one backend (a resend after it failed).
     pub(crate) fn can_dispatch(
         &self,
+        tier: Tier,
         tenant: &K,
         kv_cost: u64,
         now: Timestamp,
         except: Option<&str>,
     ) -> Option<usize> {
         let v = self.view();
-        if !v.within_share(tenant, kv_cost, now) {
+        if !v.within_share(tenant, kv_cost, now) || !v.clear_of_reserve(tier, kv_cost, now) {
             return None;
         }
-        v.pick(kv_cost, now, except)
+        v.pick(tier, kv_cost, now, except)
+    }
+
+    /// For a request of the isolated tier that no backend takes now only because each one
+    /// with room took a request within its prefill window ([`LaneConfig::isolated_tier`]):
+    /// how long until one is quiet. `None` for another tier, or when something else holds it
+    /// back.
+    pub(crate) fn quiet_wait(
+        &self,
+        tier: Tier,
+        tenant: &K,
+        kv_cost: u64,
+        now: Timestamp,
+    ) -> Option<Duration> {
+        if self.cfg.isolated_tier != Some(tier) {
+            return None;
+        }
+        let v = self.view();
+        if !v.within_share(tenant, kv_cost, now) || !v.clear_of_reserve(tier, kv_cost, now) {
+            return None;
+        }
+        self.backends
+            .iter()
+            .filter(|b| b.has_room(kv_cost, now, &self.cfg) && !b.fenced(now))
+            .filter_map(|b| b.prefilling_until(self.prefill_window))
+            .map(|t| t.saturating_duration_since(now))
+            .min()
     }
 
     /// Takes backend `i` for `tenant`'s request of `kv_cost`. `None` if its breaker refused
@@ -611,6 +713,8 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
         let ticket = b.breaker.try_acquire(now).ok()?;
         b.in_flight += 1;
         b.tokens += kv_cost;
+        b.last_dispatch = Some(now);
+        b.dispatches.record(1, now);
         let id = b.id.clone();
         self.in_flight += 1;
         self.drain.record(1, now);
@@ -694,12 +798,15 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
     ) -> Option<(Entry<P, K>, usize)> {
         let mut target = None;
         // `pop_where` needs the queue mutably while the judge reads the rest of the lane.
+        let release_gap = self.release_gap();
+        let prefill_window = self.prefill_window;
         let Lane {
             queue,
             backends,
             tenants,
             cfg,
             shares,
+            admitted,
             ..
         } = self;
         let view = LaneView {
@@ -708,13 +815,20 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
             cfg,
             shares,
             free: std::cell::OnceCell::new(),
+            admitted,
+            release_gap,
+            prefill_window,
         };
-        let entry = queue.pop_where(|tenant, cost| {
+        let entry = queue.pop_where(|tier, tenant, cost| {
             let kv = kv_of(tenant, cost);
             if !view.within_share(tenant, kv, now) {
                 return Pick::SkipTenant;
             }
-            match view.pick(kv, now, None) {
+            // Held back for a higher tier's reserve: so is everything below it.
+            if !view.clear_of_reserve(tier, kv, now) {
+                return Pick::Stop;
+            }
+            match view.pick(tier, kv, now, None) {
                 Some(i) => {
                     target = Some(i);
                     Pick::Take
@@ -778,9 +892,30 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
         }
     }
 
-    /// The earliest queued deadline.
-    pub fn next_deadline(&self) -> Option<Timestamp> {
-        self.queue.next_deadline()
+    /// The next time the queue changes by time alone after `now`: the earliest queued
+    /// deadline, or the end of a backend's prefill window while a request of the isolated
+    /// tier waits ([`LaneConfig::isolated_tier`]).
+    pub fn next_deadline(&self, now: Timestamp) -> Option<Timestamp> {
+        let deadline = self.queue.next_deadline();
+        let isolated_waiting = self.cfg.isolated_tier.is_some_and(|t| {
+            let above =
+                t.0.checked_sub(1)
+                    .map_or(0, |u| self.queue.len_at_or_above(Tier(u)));
+            self.queue.len_at_or_above(t) > above
+        });
+        if !isolated_waiting || self.prefill_window.is_zero() {
+            return deadline;
+        }
+        let quiet = self
+            .backends
+            .iter()
+            .filter_map(|b| b.prefilling_until(self.prefill_window))
+            .filter(|t| *t > now)
+            .min();
+        match (deadline, quiet) {
+            (Some(d), Some(q)) => Some(d.min(q)),
+            (d, q) => d.or(q),
+        }
     }
 
     /// The watermark load a request of `tier` sees: everything in flight plus what is
@@ -843,10 +978,12 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
         self.service_secs.map(Duration::from_secs_f64)
     }
 
-    /// Records a request of `tier` taken into the lane (dispatched or queued).
-    pub(crate) fn note_admitted(&mut self, tier: Tier, now: Timestamp) {
+    /// Records a request of `tier` and `kv_cost` tokens taken into the lane (dispatched or
+    /// queued).
+    pub(crate) fn note_admitted(&mut self, tier: Tier, kv_cost: u64, now: Timestamp) {
         if let Some(r) = self.admitted.get_mut(usize::from(tier.0)) {
-            r.record(1, now);
+            r.requests.record(1, now);
+            r.tokens.record(kv_cost, now);
         }
     }
 
@@ -872,7 +1009,7 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
             .admitted
             .iter()
             .take(usize::from(tier.0))
-            .map(|r| r.per_second(now))
+            .map(|r| r.requests.per_second(now))
             .sum();
         let wait = self.service_secs.map(|s| {
             let erlang_p95 = |n: usize, rate: f64| {
@@ -1015,6 +1152,12 @@ struct LaneView<'a, K> {
     shares: &'a RefCell<Option<ShareTable>>,
     /// Free slots and tokens, read once per view (nothing is placed while it lives).
     free: std::cell::OnceCell<(u64, u64)>,
+    /// What each tier takes in.
+    admitted: &'a [Intake],
+    /// See [`Lane::release_gap`].
+    release_gap: Option<f64>,
+    /// See [`Lane::set_prefill_window`].
+    prefill_window: Duration,
 }
 
 /// What fair shares are cut from, summed over the tenants active in the fair-share window:
@@ -1266,12 +1409,69 @@ impl<K: Hash + Eq> LaneView<'_, K> {
         (requests, tokens.unwrap_or(u64::MAX))
     }
 
-    /// The backend with room for `kv_cost` and the lowest fill, skipping `except`; one
-    /// fenced by a batch prefill ([`Lane::fence_backend`]) only when no other has room.
-    fn pick(&self, kv_cost: u64, now: Timestamp, except: Option<&str>) -> Option<usize> {
+    /// Slots and KV tokens kept free for the tiers above `tier`: what they are expected to
+    /// bring in before the next request leaves the backends (their measured intake rate ×
+    /// the mean gap between releases), plus one standard deviation of it (Poisson-like
+    /// arrivals), rounded up; in tokens, that many of their average request. A higher-tier
+    /// request so finds a slot at once when it comes in a burst, and those beyond the reserve
+    /// queue ahead of every lower tier and take the next releases. Nothing is kept while the
+    /// tiers above bring nothing, or before a service time was measured.
+    fn reserve_for(&self, tier: Tier, now: Timestamp) -> (u64, u64) {
+        let Some(gap) = self.release_gap else {
+            return (0, 0);
+        };
+        let (mut requests, mut tokens) = (0.0, 0.0);
+        for t in self.admitted.iter().take(usize::from(tier.0)) {
+            requests += t.requests.per_second(now);
+            tokens += t.tokens.per_second(now);
+        }
+        let expected = requests * gap;
+        if expected < 1e-3 {
+            return (0, 0);
+        }
+        let slots = (expected + expected.sqrt()).ceil();
+        (slots as u64, (slots * tokens / requests).ceil() as u64)
+    }
+
+    /// Whether a request of `tier` and `kv_cost` leaves the higher tiers' reserve free
+    /// ([`LaneView::reserve_for`]).
+    fn clear_of_reserve(&self, tier: Tier, kv_cost: u64, now: Timestamp) -> bool {
+        if tier.0 == 0 {
+            return true;
+        }
+        let (slots, tokens) = self.reserve_for(tier, now);
+        if slots == 0 {
+            return true;
+        }
+        let (free_requests, free_tokens) = self.free(now);
+        free_requests.saturating_sub(1) >= slots
+            && (free_tokens == u64::MAX || free_tokens.saturating_sub(kv_cost) >= tokens)
+    }
+
+    /// The backend with room for a request of `tier` and `kv_cost` with the lowest fill,
+    /// skipping `except`; one fenced by a batch prefill ([`Lane::fence_backend`]) only when
+    /// no other has room — not even past the cap a queue it reported imposes (that queue
+    /// waits for the engine's next step; the fenced engine's, for a whole long prefill). A
+    /// request of the isolated tier goes only to a backend neither fenced nor within its
+    /// prefill window ([`LaneConfig::isolated_tier`]).
+    fn pick(
+        &self,
+        tier: Tier,
+        kv_cost: u64,
+        now: Timestamp,
+        except: Option<&str>,
+    ) -> Option<usize> {
+        let isolated = self.cfg.isolated_tier == Some(tier);
         let mut best: Option<(usize, (u8, f64))> = None;
         for (i, b) in self.backends.iter().enumerate() {
             if except == Some(&*b.id) || !b.has_room(kv_cost, now, self.cfg) {
+                continue;
+            }
+            if isolated
+                && (b.fenced(now)
+                    || b.prefilling_until(self.prefill_window)
+                        .is_some_and(|t| t > now))
+            {
                 continue;
             }
             let key = (u8::from(b.fenced(now)), b.fill(now, self.cfg));
@@ -1279,7 +1479,27 @@ impl<K: Hash + Eq> LaneView<'_, K> {
                 best = Some((i, key));
             }
         }
-        best.map(|(i, _)| i)
+        match best {
+            Some((i, (1, _))) => Some(self.past_report_unfenced(kv_cost, now, except).unwrap_or(i)),
+            other => other.map(|(i, _)| i),
+        }
+    }
+
+    /// The least filled backend, not fenced, that has room for `kv_cost` only past the cap
+    /// its reported queue imposes (within its own `max_in_flight`).
+    fn past_report_unfenced(
+        &self,
+        kv_cost: u64,
+        now: Timestamp,
+        except: Option<&str>,
+    ) -> Option<usize> {
+        self.backends
+            .iter()
+            .enumerate()
+            .filter(|(_, b)| except != Some(&*b.id) && !b.fenced(now))
+            .filter(|(_, b)| b.has_room_under(b.limits.max_in_flight, kv_cost, now, self.cfg))
+            .min_by(|(_, a), (_, b)| a.fill(now, self.cfg).total_cmp(&b.fill(now, self.cfg)))
+            .map(|(i, _)| i)
     }
 }
 
@@ -1344,14 +1564,14 @@ mod tests {
             let open: Vec<usize> = (0..loads.len()).filter(|i| room(*i) && !fenced[*i]).collect();
             let shut: Vec<usize> = (0..loads.len()).filter(|i| room(*i) && fenced[*i]).collect();
             let want = least(&open).or_else(|| least(&shut));
-            let got = lane.can_dispatch(&0u8, 1, now, None);
+            let got = lane.can_dispatch(Tier(0), &0u8, 1, now, None);
             prop_assert_eq!(got.map(|i| loads[i]), want.map(|i| loads[i]));
             prop_assert_eq!(got.map(|i| fenced[i]), want.map(|i| fenced[i]));
             let any_fence = (0..loads.len()).any(|i| fenced[i]);
             prop_assert_eq!(lane.fenced_until(now), any_fence.then_some(until));
             // After the fence: the least filled backend, fenced before or not.
             let all: Vec<usize> = (0..loads.len()).filter(|i| room(*i)).collect();
-            let later = lane.can_dispatch(&0u8, 1, until, None);
+            let later = lane.can_dispatch(Tier(0), &0u8, 1, until, None);
             prop_assert_eq!(later.map(|i| loads[i]), least(&all).map(|i| loads[i]));
             prop_assert_eq!(lane.fenced_until(until), None);
             for p in held {

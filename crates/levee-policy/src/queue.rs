@@ -429,15 +429,18 @@ impl<T, K: Hash + Eq + Ord + Clone> FairQueue<T, K> {
     /// the smallest virtual counter, from it the oldest entry. Deadlines are not checked;
     /// call [`FairQueue::expire`] first.
     pub fn pop(&mut self) -> Option<Entry<T, K>> {
-        self.pop_where(|_, _| Pick::Take)
+        self.pop_where(|_, _, _| Pick::Take)
     }
 
     /// Like [`FairQueue::pop`], but asks `judge` about each candidate in the fair order (the
-    /// head entry of each backlogged tenant: its tenant and cost). [`Pick::Take`] pops it;
+    /// head entry of each backlogged tenant: its tier, tenant and cost). [`Pick::Take`] pops it;
     /// [`Pick::SkipTenant`] passes over that tenant (it is held back, e.g. over its fair
     /// share), so later tenants and lower tiers may go; [`Pick::Stop`] takes nothing (the
     /// candidate must go first but cannot go yet, e.g. no backend has room for it).
-    pub fn pop_where(&mut self, mut judge: impl FnMut(&K, u64) -> Pick) -> Option<Entry<T, K>> {
+    pub fn pop_where(
+        &mut self,
+        mut judge: impl FnMut(Tier, &K, u64) -> Pick,
+    ) -> Option<Entry<T, K>> {
         let mut chosen = None;
         'tiers: for ti in 0..self.tiers.len() {
             if self.tiers[ti].len == 0 {
@@ -450,7 +453,7 @@ impl<T, K: Hash + Eq + Ord + Clone> FairQueue<T, K> {
                     .iter()
                     .find_map(|t| self.peek_slot(*t));
                 let Some(slot) = head else { continue };
-                match judge(&slot.key, slot.cost) {
+                match judge(Tier(ti as u8), &slot.key, slot.cost) {
                     Pick::Take => {
                         chosen = Some((ti, counter, id));
                         break 'tiers;

@@ -421,6 +421,150 @@ fn a_full_queue_gives_a_higher_tier_the_place_of_the_lowest_one_waiting() {
 }
 
 #[test]
+fn lower_tiers_keep_slots_free_for_a_higher_tier_that_is_sending() {
+    let clock = ManualClock::new();
+    let mut a = admission(8, None, lane(100, 200, 300));
+    // A service time of 4 s.
+    let d = dispatched(a.admit(&req("x", 1, 10), 0, clock.now()));
+    clock.advance(Duration::from_secs(4));
+    a.complete(d.grant, ok(), clock.now());
+    // No higher tier sends: tier 1 may take every slot.
+    let all: Vec<_> = (0..8)
+        .map(|i| dispatched(a.admit(&req("a", 1, 10), i, clock.now())))
+        .collect();
+    clock.advance(Duration::from_secs(4));
+    for d in all {
+        a.complete(d.grant, ok(), clock.now());
+    }
+    // Premium sends about one request a second and holds its slots.
+    let mut premium = Vec::new();
+    for i in 0..4 {
+        premium.push(dispatched(a.admit(&req("p", 0, 10), 100 + i, clock.now())));
+        clock.advance(MS(1000));
+    }
+    // Tier 1 now stops short of the last free slot: what premium is expected to bring in
+    // before the next release (0.5/s measured × 4 s ÷ 8 in flight, plus a standard
+    // deviation: one slot; two while fewer are in flight and releases come slower).
+    let mut taken = Vec::new();
+    let mut waiting = 0;
+    for i in 0..4 {
+        match a.admit(&req("a", 1, 10), 10 + i, clock.now()) {
+            Admit::Dispatch(d) => taken.push(d),
+            Admit::Queued { .. } => waiting += 1,
+            Admit::Refused(r) => panic!("refused: {r:?}"),
+        }
+    }
+    assert_eq!(
+        (taken.len(), waiting),
+        (3, 1),
+        "tier 1 leaves one of 4 free slots"
+    );
+    // The next premium request finds it at once; the one after waits ahead of tier 1.
+    premium.push(dispatched(a.admit(&req("p", 0, 10), 200, clock.now())));
+    queued(a.admit(&req("p", 0, 10), 201, clock.now()));
+    // Premium falls silent: its intake decays and tier 1 may take every slot again.
+    clock.advance(Duration::from_secs(60));
+    for d in premium.into_iter().chain(taken) {
+        a.complete(d.grant, ok(), clock.now());
+    }
+    assert_eq!(a.expire(&"m", clock.now()).len(), 2);
+    for i in 0..8 {
+        dispatched(a.admit(&req("a", 1, 10), 20 + i, clock.now()));
+    }
+}
+
+#[test]
+fn a_background_request_goes_only_to_a_backend_with_no_recent_dispatch() {
+    let clock = ManualClock::new();
+    let mut cfg = lane(100, 200, 300);
+    cfg.isolated_tier = Some(Tier(2));
+    let mut a = admission(8, None, cfg);
+    a.set_backends(&"m", vec![backend("b0", 8, None), backend("b1", 8, None)]);
+    a.set_prefill_window(&"m", MS(200));
+    // A chat request on each backend: both may still be waiting for a prefill step.
+    let c0 = dispatched(a.admit(&req("chat", 1, 10), 1, clock.now()));
+    let c1 = dispatched(a.admit(&req("chat", 1, 10), 2, clock.now()));
+    assert_ne!(c0.grant.backend(), c1.grant.backend());
+    clock.advance(MS(50));
+    queued(a.admit(&req("batch", 2, 1000), 3, clock.now()));
+    // It waits out the prefill window, with the dispatcher told when that ends.
+    assert_eq!(
+        a.next_deadline(&"m", clock.now()),
+        Some(Timestamp::ZERO + MS(200))
+    );
+    clock.advance(MS(100));
+    assert!(a.dequeue(&"m", clock.now()).is_none());
+    clock.advance(MS(50));
+    let task = a.dequeue(&"m", clock.now()).expect("window over");
+    // A chat request now goes to one backend; the next background request to the other.
+    clock.advance(MS(500));
+    let c2 = dispatched(a.admit(&req("chat", 1, 10), 4, clock.now()));
+    let t2 = dispatched(a.admit(&req("batch", 2, 1000), 5, clock.now()));
+    assert_ne!(c2.grant.backend(), t2.grant.backend());
+    // A tier that is not the isolated one is not held back.
+    dispatched(a.admit(&req("chat", 1, 10), 6, clock.now()));
+    drop((c0, c1, task));
+}
+
+#[test]
+fn on_a_busy_backend_a_background_request_waits_for_a_longer_gap_than_usual_not_the_window() {
+    let clock = ManualClock::new();
+    let mut cfg = lane(1000, 2000, 3000);
+    cfg.isolated_tier = Some(Tier(2));
+    let mut a = admission(1000, None, cfg);
+    // A window of 1 s, on a backend that takes a request every 50 ms: a quiet second would
+    // almost never come.
+    a.set_prefill_window(&"m", Duration::from_secs(1));
+    // Requests hold the backend 10 s: by the queue model, the higher tier's arrivals (20/s)
+    // take every release (100 in flight ÷ 10 s), and a queued request would wait for ever.
+    let first = dispatched(a.admit(&req("chat", 1, 10), 0, clock.now()));
+    clock.advance(Duration::from_secs(10));
+    a.complete(first.grant, ok(), clock.now());
+    let mut held = Vec::new();
+    for i in 0..100 {
+        held.push(dispatched(a.admit(&req("chat", 1, 10), i, clock.now())));
+        clock.advance(MS(50));
+    }
+    // The background request is not refused for that: it waits only for a quiet moment.
+    queued(a.admit(&req("batch", 2, 1000), 1000, clock.now()));
+    // It waits until the backend has been quiet for longer than its mean gap between
+    // dispatches (under 100 ms at this rate), not for a whole second.
+    let next = a.next_deadline(&"m", clock.now()).expect("a wake-up");
+    let wait = next.saturating_duration_since(clock.now());
+    assert!(wait > Duration::ZERO && wait < MS(100), "{wait:?}");
+    assert!(a.dequeue(&"m", clock.now()).is_none());
+    clock.advance(wait);
+    assert!(a.dequeue(&"m", clock.now()).is_some());
+    drop(held);
+}
+
+#[test]
+fn a_fenced_backend_is_passed_over_for_one_capped_only_by_its_reported_queue() {
+    let clock = ManualClock::new();
+    let mut a = admission(8, None, lane(100, 200, 300));
+    a.set_backends(&"m", vec![backend("b0", 8, None), backend("b1", 8, None)]);
+    let r0 = dispatched(a.admit(&req("x", 0, 10), 1, clock.now()));
+    let r1 = dispatched(a.admit(&req("x", 0, 10), 2, clock.now()));
+    let (fenced, queued_at) = (r0.grant.backend().unwrap(), r1.grant.backend().unwrap());
+    // One engine reports a queue (capped at what it runs, which levee already sends); the
+    // other is prefilling a long batch prompt.
+    let queue = BackendReport {
+        running: 1.0,
+        waiting: 1.0,
+        kv_usage: None,
+    };
+    a.report(&"m", queued_at, queue, clock.now());
+    a.fence_backend(&"m", fenced, clock.now() + MS(300));
+    // The queued engine takes the next step; the fenced one would hold it for the prefill.
+    let d = dispatched(a.admit(&req("x", 0, 10), 3, clock.now()));
+    assert_eq!(d.grant.backend(), Some(queued_at));
+    // Without a fence the reported queue's cap holds again.
+    clock.advance(MS(400));
+    let e = dispatched(a.admit(&req("x", 0, 10), 4, clock.now()));
+    assert_eq!(e.grant.backend(), Some(fenced));
+}
+
+#[test]
 fn a_request_that_would_wait_past_its_budget_is_refused_at_once() {
     let clock = ManualClock::new();
     let mut a = admission(2, None, lane(100, 200, 300));
