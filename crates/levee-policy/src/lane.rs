@@ -1412,7 +1412,8 @@ impl<K: Hash + Eq> LaneView<'_, K> {
     /// Slots and KV tokens kept free for the tiers above `tier`: what they are expected to
     /// bring in before the next request leaves the backends (their measured intake rate ×
     /// the mean gap between releases), plus one standard deviation of it (Poisson-like
-    /// arrivals), rounded up; in tokens, that many of their average request. A higher-tier
+    /// arrivals), rounded, and at most half the lane's slots less one; in tokens, that many
+    /// of their average request. A higher-tier
     /// request so finds a slot at once when it comes in a burst, and those beyond the reserve
     /// queue ahead of every lower tier and take the next releases. Nothing is kept while the
     /// tiers above bring nothing, or before a service time was measured.
@@ -1429,8 +1430,17 @@ impl<K: Hash + Eq> LaneView<'_, K> {
         if expected < 1e-3 {
             return (0, 0);
         }
-        let slots = (expected + expected.sqrt()).ceil();
-        (slots as u64, (slots * tokens / requests).ceil() as u64)
+        // Never more than half the lane's slots (less one): lower tiers keep the rest, and a
+        // lane of one or two slots keeps nothing back.
+        let most = self
+            .sums(tier, now)
+            .map_or(0, |(slots, _, _)| slots.saturating_sub(1) / 2);
+        let slots = ((expected + expected.sqrt()).round() as u64).min(most);
+        if slots == 0 {
+            return (0, 0);
+        }
+        let per_request = tokens / requests;
+        (slots, (slots as f64 * per_request).ceil() as u64)
     }
 
     /// Whether a request of `tier` and `kv_cost` leaves the higher tiers' reserve free
