@@ -328,11 +328,10 @@ impl Lane {
         let mut r = self.recent.lock();
         r.trim(now);
         let ttft_ratio = match slo {
-            Some(slo) if !r.ttft.is_empty() && !slo.is_zero() => {
+            Some(slo) if !slo.is_zero() => {
                 let mut v: Vec<f64> = r.ttft.iter().map(|(_, s)| *s).collect();
-                v.sort_by(f64::total_cmp);
-                let i = ((v.len() as f64 * 0.95).ceil() as usize).clamp(1, v.len()) - 1;
-                v[i] / (1.5 * slo.as_secs_f64())
+                levee_policy::nearest_rank(&mut v, 0.95)
+                    .map_or(0.0, |p95| p95 / (1.5 * slo.as_secs_f64()))
             }
             _ => 0.0,
         };

@@ -185,6 +185,11 @@ impl Backend {
         Some(last + gap)
     }
 
+    /// Whether no request placed here may still be waiting for its prefill step now.
+    fn quiet(&self, window: Duration, now: Timestamp) -> bool {
+        self.prefilling_until(window).is_none_or(|t| t <= now)
+    }
+
     /// Whether it can take a request of `kv_cost` tokens now.
     fn has_room(&self, kv_cost: u64, now: Timestamp, cfg: &LaneConfig) -> bool {
         self.has_room_under(self.request_cap(now, cfg), kv_cost, now, cfg)
@@ -1477,11 +1482,7 @@ impl<K: Hash + Eq> LaneView<'_, K> {
             if except == Some(&*b.id) || !b.has_room(kv_cost, now, self.cfg) {
                 continue;
             }
-            if isolated
-                && (b.fenced(now)
-                    || b.prefilling_until(self.prefill_window)
-                        .is_some_and(|t| t > now))
-            {
+            if isolated && (b.fenced(now) || !b.quiet(self.prefill_window, now)) {
                 continue;
             }
             let key = (u8::from(b.fenced(now)), b.fill(now, self.cfg));

@@ -23,6 +23,7 @@ mod key;
 mod keyed;
 mod lane;
 mod prefill;
+mod quantile;
 mod queue;
 mod retry;
 mod tokens;
@@ -53,6 +54,7 @@ pub use lane::{
     BackendLimits, BackendReport, BackendStats, Lane, LaneConfig, Placement, Unservable,
 };
 pub use prefill::PrefillFit;
+pub use quantile::nearest_rank;
 pub use queue::{
     Entry, FairQueue, Pick, PushRefusal, QueueLimits, QueueStats, Rejected, TenantBacklog, Ticket,
     Tier, TierStats, VIRTUAL_SCALE,

@@ -64,13 +64,9 @@ impl PrefillFit {
     /// The `q` quantile (0..=1) of the times to first token held; `None` with none.
     pub fn ttft_quantile(&self, q: f64) -> Option<Duration> {
         let mut v: Vec<f64> = self.samples.iter().map(|(_, y)| *y).collect();
-        if v.is_empty() {
-            return None;
-        }
-        v.sort_by(f64::total_cmp);
-        let i = ((v.len() as f64 * q.clamp(0.0, 1.0)).ceil() as usize).clamp(1, v.len()) - 1;
+        let secs = crate::nearest_rank(&mut v, q)?;
         Some(Duration::from_secs_f64(
-            v[i].clamp(0.0, Self::MAX.as_secs_f64()),
+            secs.clamp(0.0, Self::MAX.as_secs_f64()),
         ))
     }
 

@@ -97,6 +97,25 @@ fn queued<T: std::fmt::Debug, K: std::fmt::Debug>(a: Admit<T, K>) -> Ticket {
     }
 }
 
+/// Serves `n` requests of `tenant` in `tier` at once, each held `held`: the lane measures
+/// that service time.
+fn serve(
+    a: &mut Admission<u32, &'static str>,
+    clock: &ManualClock,
+    tenant: &'static str,
+    tier: u8,
+    n: u32,
+    held: Duration,
+) {
+    let running: Vec<_> = (0..n)
+        .map(|i| dispatched(a.admit(&req(tenant, tier, 10), i, clock.now())))
+        .collect();
+    clock.advance(held);
+    for d in running {
+        a.complete(d.grant, ok(), clock.now());
+    }
+}
+
 #[test]
 fn dispatch_then_queue_then_refuse_at_hard() {
     let clock = ManualClock::new();
@@ -425,17 +444,9 @@ fn lower_tiers_keep_slots_free_for_a_higher_tier_that_is_sending() {
     let clock = ManualClock::new();
     let mut a = admission(8, None, lane(100, 200, 300));
     // A service time of 4 s.
-    let d = dispatched(a.admit(&req("x", 1, 10), 0, clock.now()));
-    clock.advance(Duration::from_secs(4));
-    a.complete(d.grant, ok(), clock.now());
+    serve(&mut a, &clock, "x", 1, 1, Duration::from_secs(4));
     // No higher tier sends: tier 1 may take every slot.
-    let all: Vec<_> = (0..8)
-        .map(|i| dispatched(a.admit(&req("a", 1, 10), i, clock.now())))
-        .collect();
-    clock.advance(Duration::from_secs(4));
-    for d in all {
-        a.complete(d.grant, ok(), clock.now());
-    }
+    serve(&mut a, &clock, "a", 1, 8, Duration::from_secs(4));
     // Premium sends about one request a second and holds its slots.
     let mut premium = Vec::new();
     for i in 0..4 {
@@ -517,9 +528,7 @@ fn on_a_busy_backend_a_background_request_waits_for_a_longer_gap_than_usual_not_
     a.set_prefill_window(&"m", Duration::from_secs(1));
     // Requests hold the backend 10 s: by the queue model, the higher tier's arrivals (20/s)
     // take every release (100 in flight ÷ 10 s), and a queued request would wait for ever.
-    let first = dispatched(a.admit(&req("chat", 1, 10), 0, clock.now()));
-    clock.advance(Duration::from_secs(10));
-    a.complete(first.grant, ok(), clock.now());
+    serve(&mut a, &clock, "chat", 1, 1, Duration::from_secs(10));
     let mut held = Vec::new();
     for i in 0..100 {
         held.push(dispatched(a.admit(&req("chat", 1, 10), i, clock.now())));
@@ -569,14 +578,8 @@ fn a_request_that_would_wait_past_its_budget_is_refused_at_once() {
     let clock = ManualClock::new();
     let mut a = admission(2, None, lane(100, 200, 300));
     // Measure a service time of 1 s.
+    serve(&mut a, &clock, "a", 1, 2, Duration::from_secs(1));
     let mut held = Vec::new();
-    for i in 0..2 {
-        held.push(dispatched(a.admit(&req("a", 1, 10), i, clock.now())));
-    }
-    clock.advance(Duration::from_secs(1));
-    for d in held.drain(..) {
-        a.complete(d.grant, ok(), clock.now());
-    }
     for i in 0..2 {
         held.push(dispatched(a.admit(&req("a", 1, 10), i, clock.now())));
     }
@@ -616,9 +619,7 @@ fn waits_that_run_past_their_prediction_make_later_predictions_longer() {
     a.set_backends(&"m", vec![backend("b0", 1, None)]);
     // Measure a service time of 1 s; then a request holds the one slot far longer than
     // that (an engine stuck on a long answer: nothing the queue model knows of).
-    let d = dispatched(a.admit(&req("a", 0, 10), 0, clock.now()));
-    clock.advance(Duration::from_secs(1));
-    a.complete(d.grant, ok(), clock.now());
+    serve(&mut a, &clock, "a", 0, 1, Duration::from_secs(1));
     let _stuck = dispatched(a.admit(&req("a", 0, 10), 1, clock.now()));
     // The first place is predicted at (1 + 1.65) s, inside the 3 s budget: queued. Each
     // such request waits out its budget; the tier's predictions learn from it, and within
@@ -651,13 +652,8 @@ fn a_tenant_held_to_its_share_is_predicted_at_its_own_pace() {
     let clock = ManualClock::new();
     let mut a = admission(10, None, lane(1_000, 2_000, 3_000));
     // Measure a service time of 1 s on all 10 slots.
-    let mut held: Vec<_> = (0..10)
-        .map(|i| dispatched(a.admit(&req("f", 1, 10), i, clock.now())))
-        .collect();
-    clock.advance(Duration::from_secs(1));
-    for d in held.drain(..) {
-        a.complete(d.grant, ok(), clock.now());
-    }
+    serve(&mut a, &clock, "f", 1, 10, Duration::from_secs(1));
+    let mut held = Vec::new();
     // A quiet peer holds 5; the flooder gets the other 5 and then queues.
     for i in 0..5 {
         held.push(dispatched(a.admit(&req("q", 1, 10), 100 + i, clock.now())));
@@ -687,13 +683,7 @@ fn a_lower_tier_is_refused_at_once_while_higher_tiers_take_the_lane() {
     let clock = ManualClock::new();
     let mut a = admission(2, None, lane(100, 200, 300));
     // Measure a service time of 1 s on both slots: the lane serves 2 requests/s.
-    let held: Vec<_> = (0..2)
-        .map(|i| dispatched(a.admit(&req("p", 0, 10), i, clock.now())))
-        .collect();
-    clock.advance(Duration::from_secs(1));
-    for d in held {
-        a.complete(d.grant, ok(), clock.now());
-    }
+    serve(&mut a, &clock, "p", 0, 2, Duration::from_secs(1));
     let _running: Vec<_> = (0..2)
         .map(|i| dispatched(a.admit(&req("p", 0, 10), 10 + i, clock.now())))
         .collect();
