@@ -101,10 +101,11 @@ warm_pool = 0
   assert.equal((await fetch(`${admin}/admin/state`)).status, 401, "the token is required");
 
   // Load: 12 clients in closed loops against a backend capped at 4 in flight, so requests
-  // queue; bounded by a stop flag and by the test's timeout.
-  let stop = false, sent = 0;
-  const client = async () => {
-    while (!stop) {
+  // queue; client i runs while i < active (the test lowers it to see the page follow), all
+  // bounded by the test's timeout.
+  let active = 12, sent = 0;
+  const client = async (_, i) => {
+    while (i < active) {
       sent++;
       await fetch(`http://127.0.0.1:${publicPort}/v1/chat/completions`, {
         method: "POST",
@@ -134,8 +135,11 @@ warm_pool = 0
     await waitFor("an admitted rate", async () => Number(await page.textContent('[data-series="rates/admitted"]')) > 0);
     // The limit store in use and its health (this gateway runs on in-memory state).
     assert.equal(await page.textContent("#store"), "in memory");
-    const before = await page.textContent("#load");
-    await waitFor("the load figure to change", async () => (await page.textContent("#load")) !== before);
+    // Load is queued + in flight: with 12 clients on 4 slots it goes past 4; with 3 clients
+    // left it cannot exceed 3. Both figures come from the gateway as the page polls it.
+    await waitFor("a load above the backend's 4 slots", async () => Number(await page.textContent("#load")) > 4);
+    active = 3;
+    await waitFor("the load figure to follow the clients down", async () => Number(await page.textContent("#load")) <= 3);
     await waitFor("a replica recommendation", async () => (await page.locator("#autoscale td").count()) > 0);
 
     // Force level 2 from the page; the gateway follows.
@@ -158,7 +162,7 @@ warm_pool = 0
     assert.deepEqual(external, [], "the page loads nothing from elsewhere");
     assert.ok(sent > 0);
   } finally {
-    stop = true;
+    active = 0;
     await Promise.all(load);
   }
 });
