@@ -4,8 +4,10 @@
 #  2. starts one llama-server as bench/real-backend.sh starts each of its (4 slots, one
 #     thread; see bench/llama-servers.sh);
 #  3. `levee sim calibrate` measures it (closed loop at concurrency 1, 2, 4, 8, 16 with
-#     unique prompts, and TTFT against prompt length) and writes the profile (default: the
-#     shipped profiles/llamacpp-gemma3-270m-2core.toml) and the sweep (target/calibrate/);
+#     unique prompts, TTFT against prompt length, and whether a second prompt sent during
+#     a first one's prefill delays the first one's first token) and writes the profile
+#     (default: the shipped profiles/llamacpp-gemma3-270m-2core.toml) and the sweep
+#     (target/calibrate/, copied beside the profile as PROFILE.sweep.json);
 #  4. stops it, starts `levee engine --profile-file` with that profile, runs the same sweep
 #     against it with `--compare`: req/s and p50 TTFT side by side, each within 20% or the
 #     script fails.
@@ -31,13 +33,14 @@ trap cleanup EXIT
 
 mapfile -t LLAMA < <(bench/install-llama.sh)
 cargo build --release -q -p levee
-LEVEE=target/release/levee
+LEVEE=${CARGO_TARGET_DIR:-target}/release/levee
 
 echo "== real: llama-server (gemma-3-270m, 4 slots, 1 thread)"
 start_llama_servers 1 "${LLAMA[0]}" "${LLAMA[1]}" "$OUT"
 "$LEVEE" sim calibrate --target "${LLAMA_URLS[0]}" --name llamacpp-gemma3-270m-2core \
   --sweep-json "$OUT/real.json" --out "$PROFILE"
 stop_llama_servers
+cp "$OUT/real.json" "${PROFILE%.toml}.sweep.json"
 sed -i "1i # Produced by bench/calibrate-llama.sh (one llama-server: --parallel 4 --ctx-size 8192 --threads 1)." "$PROFILE"
 
 echo "== fitted: levee engine --profile-file $PROFILE"

@@ -32,7 +32,7 @@ for url in "${LLAMA_URLS[@]}"; do
   BACKENDS+=(--backend "$url")
 done
 # A bound on the whole run: the drill stops by itself, this only guards against a hang.
-timeout 1800 target/release/levee drill \
+timeout 1800 "${CARGO_TARGET_DIR:-target}/release/levee" drill \
   --scenario bench/real-backend-flood.toml \
   --gateway-config bench/real-backend-gateway.toml \
   --backend-profile profiles/llamacpp-gemma3-270m-2core.toml \

@@ -50,10 +50,18 @@ pub struct GpuParams {
     /// decode_per_seq_ms × batch`. For engines whose step cost is not a line in the batch,
     /// such as llama.cpp on a CPU (`levee sim calibrate` fills it).
     pub decode_ms_by_batch: Vec<f64>,
-    /// Fixed extra cost of a step that prefills any prompt, in simulated milliseconds: what
-    /// a new request costs beyond its tokens (llama.cpp on a CPU: the chat template,
-    /// tokenizing, a prompt batch's setup). Default 0.
+    /// Fixed extra cost of each prompt a step prefills, in simulated milliseconds: what a
+    /// new request costs beyond its tokens (llama.cpp on a CPU: the chat template's tokens,
+    /// tokenizing). Two prompts taken in by one step cost it twice. Default 0.
     pub prefill_base_ms: f64,
+    /// A prompt's first token comes at the end of the step *after* the one that prefills it,
+    /// not at the end of that step. llama.cpp with context checkpoints (models with
+    /// sliding-window attention, such as Gemma 3) prefills a prompt's last few tokens in a
+    /// step of their own, and a prompt that arrived meanwhile is prefilled in that same
+    /// step: two prompts arriving close together both wait for both. `levee sim calibrate`
+    /// sets it when a second request sent during the first one's prefill delays the first
+    /// one's first token. Default false.
+    pub first_token_next_step: bool,
     /// What happens when KV demand passes capacity.
     pub overload: OverloadMode,
     /// How long a crashed engine stays down, in simulated seconds.
@@ -133,6 +141,7 @@ impl EngineConfig {
                 decode_per_seq_ms: 0.5,
                 decode_ms_by_batch: Vec::new(),
                 prefill_base_ms: 0.0,
+                first_token_next_step: false,
                 overload: OverloadMode::Preempt,
                 restart_secs: 30.0,
             },
@@ -158,6 +167,7 @@ impl EngineConfig {
                 decode_per_seq_ms: 0.1,
                 decode_ms_by_batch: Vec::new(),
                 prefill_base_ms: 0.0,
+                first_token_next_step: false,
                 overload: OverloadMode::Preempt,
                 restart_secs: 60.0,
             },
@@ -183,6 +193,7 @@ impl EngineConfig {
                 decode_per_seq_ms: 1.0,
                 decode_ms_by_batch: Vec::new(),
                 prefill_base_ms: 0.0,
+                first_token_next_step: false,
                 overload: OverloadMode::Preempt,
                 restart_secs: 5.0,
             },
@@ -209,6 +220,7 @@ impl EngineConfig {
                 decode_per_seq_ms: 0.0,
                 decode_ms_by_batch: Vec::new(),
                 prefill_base_ms: 0.0,
+                first_token_next_step: false,
                 overload: OverloadMode::Preempt,
                 restart_secs: 0.0,
             },

@@ -16,7 +16,7 @@
 //!    flood overflow the cache later. No admission happens in a step that preempted.
 //! 3. The step lasts `prefill_us_per_token * prefilled_tokens + decode_base_ms +
 //!    decode_per_seq_ms * batch` of simulated time (or the measured cost of that batch,
-//!    `decode_ms_by_batch`, plus `prefill_base_ms` when the step prefills a prompt:
+//!    `decode_ms_by_batch`, plus `prefill_base_ms` for each prompt the step prefills:
 //!    [`GpuModel::begin_step`]); at its end
 //!    ([`GpuModel::end_step`]) every sequence still running emits one token, and those that
 //!    reached their length finish and free their KV.
@@ -122,6 +122,9 @@ struct Seq {
     arrived: Duration,
     first_token: Option<Duration>,
     admitted_before: bool,
+    /// Prefilled in the step running now; emits nothing at its end
+    /// ([`GpuParams::first_token_next_step`]).
+    prefilling: bool,
 }
 
 /// Whether the engine serves or is down after a crash.
@@ -294,6 +297,7 @@ impl GpuModel {
                 arrived,
                 first_token: None,
                 admitted_before: false,
+                prefilling: false,
             },
         );
         self.waiting.push_back(id);
@@ -362,6 +366,7 @@ impl GpuModel {
         // 2. Admit, unless this step had to preempt (vLLM does the same: no new prefill
         // while the running batch does not fit).
         let mut prefill_tokens: u64 = 0;
+        let mut prompts: u32 = 0;
         if !preempted_now {
             while let Some(&id) = self.waiting.front() {
                 if self.running.len() >= self.params.max_running_seqs as usize {
@@ -382,9 +387,14 @@ impl GpuModel {
                     break;
                 }
                 self.waiting.pop_front();
-                seq.kv = prefill + 1;
-                self.kv_used += need;
+                // The first token's KV slot is held from admission, unless that token comes
+                // a step later: then the next step's growth adds it.
+                let tail = self.params.first_token_next_step;
+                seq.prefilling = tail;
+                seq.kv = if tail { prefill } else { prefill + 1 };
+                self.kv_used += u64::from(seq.kv);
                 prefill_tokens += u64::from(prefill);
+                prompts += 1;
                 let first = !seq.admitted_before;
                 seq.admitted_before = true;
                 self.running.push(id);
@@ -398,14 +408,13 @@ impl GpuModel {
         if self.running.is_empty() {
             return None;
         }
-        // 3. Duration: prefill of the admitted tokens plus one decode over the batch.
-        let prefill_base_ms = if prefill_tokens > 0 {
-            self.params.prefill_base_ms
-        } else {
-            0.0
-        };
+        // 3. Duration: prefill of the admitted prompts (their tokens, and each prompt's own
+        // fixed cost: two prompts taken in together cost a real CPU engine twice one) plus
+        // one decode over the batch.
         let secs = prefill_tokens as f64 * self.params.prefill_us_per_token * 1e-6
-            + (prefill_base_ms + self.params.decode_ms(self.running.len())) * 1e-3;
+            + (f64::from(prompts) * self.params.prefill_base_ms
+                + self.params.decode_ms(self.running.len()))
+                * 1e-3;
         let duration = Duration::from_secs_f64(secs.max(0.0));
         self.in_step = true;
         self.steps += 1;
@@ -427,6 +436,10 @@ impl GpuModel {
             let Some(seq) = seqs.get_mut(id) else {
                 return false;
             };
+            if seq.prefilling {
+                seq.prefilling = false;
+                return true;
+            }
             let index = seq.generated;
             seq.generated += 1;
             let ttft = if seq.first_token.is_none() {
@@ -502,6 +515,7 @@ mod tests {
             decode_per_seq_ms: 1.0,
             decode_ms_by_batch: Vec::new(),
             prefill_base_ms: 0.0,
+            first_token_next_step: false,
             overload: OverloadMode::Preempt,
             restart_secs: 5.0,
         }
@@ -613,7 +627,8 @@ mod tests {
     #[test]
     fn a_measured_step_table_and_prefill_base_replace_the_line() {
         // A CPU engine: batch 1 costs 25 ms, 2 costs 55, 3 costs 70; past the table each
-        // sequence adds decode_per_seq_ms (1 ms); a step that prefills costs 20 ms more.
+        // sequence adds decode_per_seq_ms (1 ms); each prompt a step prefills costs 20 ms
+        // more.
         let mut p = params();
         p.decode_ms_by_batch = vec![25.0, 55.0, 70.0];
         p.prefill_base_ms = 20.0;
@@ -631,6 +646,46 @@ mod tests {
         // Batch 2 with a prefill: 10 + 20 + 55 ms.
         assert_eq!(d.step(), Some(Duration::from_millis(85)));
         assert_eq!(d.step(), Some(Duration::from_millis(55)));
+        // Two prompts taken in by one step pay the base twice: 2 × (10 + 20) + batch 4
+        // (71 ms).
+        d.model.submit(3, 100, 3, d.now).unwrap();
+        d.model.submit(4, 100, 3, d.now).unwrap();
+        assert_eq!(d.step(), Some(Duration::from_millis(131)));
+    }
+
+    #[test]
+    fn with_first_token_next_step_a_prompt_arriving_during_a_prefill_delays_the_first() {
+        let mut p = params();
+        p.first_token_next_step = true;
+        let mut d = Driver::new(p);
+        // A: prefill 100 tokens (10 ms) + batch 1 (11 ms); no token at its end.
+        d.model.submit(1, 100, 3, Duration::ZERO).unwrap();
+        assert_eq!(d.step(), Some(Duration::from_millis(21)));
+        assert!(!d.events.iter().any(|e| matches!(e, Event::Token { .. })));
+        // B arrived during A's prefill: its prefill shares the step in which A's first token
+        // comes out, so A waits for B's prefill (10 + 12 ms) as well as its own.
+        d.model.submit(2, 100, 3, d.now).unwrap();
+        assert_eq!(d.step(), Some(Duration::from_millis(22)));
+        assert_eq!(d.ttft(1), Duration::from_millis(43));
+        // B's first token comes one step later (a decode of 2: 12 ms): 22 + 12 ms after it
+        // arrived. Each still gets all its tokens.
+        d.step();
+        assert_eq!(d.ttft(2), Duration::from_millis(34));
+        d.run_until_idle();
+        let tokens = |id| {
+            d.events
+                .iter()
+                .filter(|e| matches!(e, Event::Token { id: i, .. } if *i == id))
+                .count()
+        };
+        assert_eq!((tokens(1), tokens(2)), (3, 3));
+        // Without the rule A's first token comes out of its own prefill step.
+        let mut d = Driver::new(params());
+        d.model.submit(1, 100, 3, Duration::ZERO).unwrap();
+        d.step();
+        d.model.submit(2, 100, 3, d.now).unwrap();
+        d.step();
+        assert_eq!(d.ttft(1), Duration::from_millis(21));
     }
 
     #[test]
@@ -867,8 +922,10 @@ mod tests {
             capacity in 200u32..600,
             max_seqs in 1u32..12,
             crash_mode in proptest::bool::ANY,
+            first_token_next_step in proptest::bool::ANY,
         ) {
             let mut p = params();
+            p.first_token_next_step = first_token_next_step;
             p.kv_capacity_tokens = capacity;
             p.max_model_len = 200;
             p.max_running_seqs = max_seqs;

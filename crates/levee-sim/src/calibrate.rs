@@ -9,8 +9,8 @@
 //! prompt length: the prefill cost.
 //!
 //! The fit maps the measurements onto the simulated engine's step model (a step costs
-//! `prefill_base_ms` if it prefills any prompt, `prefill_us_per_token × prefilled`, and the
-//! decode cost of its batch):
+//! `prefill_base_ms` for each prompt it prefills, `prefill_us_per_token × prefilled`, and
+//! the decode cost of its batch):
 //! - `decode_ms_by_batch`: the median inter-token gap measured at each level that fits in
 //!   the batch is the decode cost of that batch size, with straight lines between levels.
 //!   A step's cost is not one line over all batch sizes on every engine: llama.cpp on a CPU
@@ -125,6 +125,9 @@ pub struct LevelResult {
     pub completed: u32,
     /// Requests that failed (any status but 2xx, a cut stream, a timeout).
     pub failed: u32,
+    /// The failed requests by how they failed (`connect`, `5xx:503`, `broken_stream`, …).
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub failures: std::collections::BTreeMap<String, u32>,
     /// Completed requests per second of the level's wall time.
     pub rps: f64,
     /// Output tokens per second.
@@ -146,6 +149,30 @@ pub struct PrefillPoint {
     pub ttft_p50_ms: f64,
 }
 
+/// Whether a prompt's first token waits for a prompt that arrives during its prefill: the
+/// sweep's prompt alone, then the same with a second one sent a quarter of that TTFT later.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PairProbe {
+    /// Median TTFT of the prompt alone, ms.
+    pub alone_ttft_p50_ms: f64,
+    /// How long after the first the second request was sent, ms.
+    pub stagger_ms: f64,
+    /// Median TTFT of the first of the pair, ms.
+    pub first_of_pair_ttft_p50_ms: f64,
+}
+
+impl PairProbe {
+    /// The first of a pair waits for the second's prefill when its TTFT grows by more than
+    /// half: an engine that emits a prompt's first token from its own prefill step leaves it
+    /// about where it was alone (the second waits for that step), one that emits it a step
+    /// later (llama.cpp with context checkpoints) prefills the second in that step and about
+    /// doubles it.
+    pub fn first_token_waits_for_next_step(&self) -> bool {
+        self.alone_ttft_p50_ms > 0.0
+            && self.first_of_pair_ttft_p50_ms > 1.5 * self.alone_ttft_p50_ms
+    }
+}
+
 /// Everything one calibration run measured.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Sweep {
@@ -163,6 +190,9 @@ pub struct Sweep {
     pub levels: Vec<LevelResult>,
     /// The prefill series.
     pub prefill: Vec<PrefillPoint>,
+    /// The staggered pair (absent with `--no-prefill`, and in sweeps written before it).
+    #[serde(default)]
+    pub pair: Option<PairProbe>,
 }
 
 /// Runs `levee sim calibrate`.
@@ -274,6 +304,11 @@ pub async fn measure(args: &CalibrateArgs) -> anyhow::Result<Sweep> {
             });
         }
     }
+    let pair = if args.no_prefill {
+        None
+    } else {
+        Some(pair_probe(&client, &base, &model, &prompts, args).await?)
+    };
     // Each level runs in `rounds` slices, the levels taking turns, so that a change in the
     // machine's load (other work on the same cores) spreads over every level instead of
     // bending the curve at one.
@@ -308,6 +343,49 @@ pub async fn measure(args: &CalibrateArgs) -> anyhow::Result<Sweep> {
         server,
         levels,
         prefill,
+        pair,
+    })
+}
+
+/// Measures [`PairProbe`]: the sweep's prompt alone, then the same prompt with a second one
+/// sent a quarter of its TTFT alone later (during its prefill), `prefill_repeats` times each.
+async fn pair_probe(
+    client: &HttpClient,
+    base: &str,
+    model: &str,
+    prompts: &PromptMaker,
+    args: &CalibrateArgs,
+) -> anyhow::Result<PairProbe> {
+    let repeats = args.prefill_repeats.max(1);
+    let mut alone = Vec::new();
+    for _ in 0..repeats {
+        let one = one_request(client, base, prompts.body(model, args.prompt_tokens, 2)).await;
+        alone.extend(one.ttft_ms);
+    }
+    anyhow::ensure!(
+        !alone.is_empty(),
+        "calibrate: every request of the pair probe's first series to {base} failed"
+    );
+    let alone_ttft_p50_ms = quantile(&mut alone, 0.5);
+    let stagger = Duration::from_secs_f64(alone_ttft_p50_ms / 4.0 / 1000.0);
+    let mut first = Vec::new();
+    for _ in 0..repeats {
+        let a = one_request(client, base, prompts.body(model, args.prompt_tokens, 2));
+        let b = async {
+            tokio::time::sleep(stagger).await;
+            one_request(client, base, prompts.body(model, args.prompt_tokens, 2)).await
+        };
+        let (a, _) = tokio::join!(a, b);
+        first.extend(a.ttft_ms);
+    }
+    anyhow::ensure!(
+        !first.is_empty(),
+        "calibrate: every request of the pair probe's pairs to {base} failed"
+    );
+    Ok(PairProbe {
+        alone_ttft_p50_ms,
+        stagger_ms: stagger.as_secs_f64() * 1000.0,
+        first_of_pair_ttft_p50_ms: quantile(&mut first, 0.5),
     })
 }
 
@@ -322,6 +400,8 @@ struct Slice {
 #[derive(Debug, Clone)]
 struct Timed {
     ok: bool,
+    /// How it failed (a `Report::errors` key), when it did.
+    failure: Option<String>,
     ttft_ms: Option<f64>,
     itl_ms: Vec<f64>,
     tokens: u32,
@@ -331,28 +411,46 @@ struct Timed {
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(120);
 
 async fn one_request(client: &HttpClient, base: &str, body: String) -> Timed {
-    let failed = Timed {
+    let failed = |why: &str| Timed {
         ok: false,
+        failure: Some(why.to_string()),
         ttft_ms: None,
         itl_ms: Vec::new(),
         tokens: 0,
     };
-    let request = match http::Request::post(format!("{base}/v1/chat/completions"))
-        .header(http::header::CONTENT_TYPE, "application/json")
-        .body(Full::new(Bytes::from(body)))
-    {
-        Ok(r) => r,
-        Err(_) => return failed,
-    };
+    let body = Bytes::from(body);
     let start = Instant::now();
-    let admitted = AtomicBool::new(false);
-    let Ok(result) =
-        tokio::time::timeout(REQUEST_TIMEOUT, attempt(client, request, start, &admitted)).await
-    else {
-        return failed;
+    let deadline = start + REQUEST_TIMEOUT;
+    // One more try when no answer came at all: llama-server closes a keep-alive connection
+    // after a few requests, and the pooled connection the request went out on may be one it
+    // has just closed (levee's gateway does the same). Timed from the first try.
+    let mut tries_left = 2;
+    let result = loop {
+        tries_left -= 1;
+        let Ok(request) = http::Request::post(format!("{base}/v1/chat/completions"))
+            .header(http::header::CONTENT_TYPE, "application/json")
+            .body(Full::new(body.clone()))
+        else {
+            return failed("bad_request");
+        };
+        let admitted = AtomicBool::new(false);
+        let Ok(result) =
+            tokio::time::timeout_at(deadline, attempt(client, request, start, &admitted)).await
+        else {
+            return failed("timeout");
+        };
+        if result.kind != Kind::Connect || tries_left == 0 {
+            break result;
+        }
+    };
+    let failure = match result.kind.error_key() {
+        Some(key) => Some(key),
+        None if result.first_token_ns.is_none() => Some("no_token".to_string()),
+        None => None,
     };
     Timed {
-        ok: result.kind == Kind::Ok && result.first_token_ns.is_some(),
+        ok: failure.is_none(),
+        failure,
         ttft_ms: result.first_token_ns.map(|ns| ns as f64 / 1e6),
         itl_ms: result
             .itl_us
@@ -422,6 +520,13 @@ fn summarize(concurrency: u32, all: &[Timed], wall_secs: f64) -> LevelResult {
         concurrency,
         completed,
         failed: u32::try_from(all.len() - ok.len()).unwrap_or(u32::MAX),
+        failures: all.iter().filter_map(|t| t.failure.clone()).fold(
+            std::collections::BTreeMap::new(),
+            |mut m, k| {
+                *m.entry(k).or_insert(0) += 1;
+                m
+            },
+        ),
         rps: f64::from(completed) / wall_secs,
         tokens_per_s: tokens as f64 / wall_secs,
         ttft_p50_ms: quantile(&mut ttfts, 0.5),
@@ -661,9 +766,16 @@ pub fn fit(sweep: &Sweep, name: &str) -> anyhow::Result<EngineConfig> {
             prefill_at_zero_ms + prefill_us_per_token * f64::from(sweep.prompt_tokens) / 1000.0,
             |l| l.ttft_p50_ms,
         );
-    let prefill_base_ms =
-        (alone_ms - prefill_us_per_token * f64::from(sweep.prompt_tokens) / 1000.0 - one_step_ms)
-            .max(0.0);
+    // With the first token a step after the prefill, TTFT alone holds two steps.
+    let first_token_next_step = sweep
+        .pair
+        .as_ref()
+        .is_some_and(PairProbe::first_token_waits_for_next_step);
+    let steps_in_ttft = if first_token_next_step { 2.0 } else { 1.0 };
+    let prefill_base_ms = (alone_ms
+        - prefill_us_per_token * f64::from(sweep.prompt_tokens) / 1000.0
+        - steps_in_ttft * one_step_ms)
+        .max(0.0);
     let max_model_len = sweep.server.max_model_len.unwrap_or(DEFAULT_MAX_MODEL_LEN);
     let kv = sweep
         .server
@@ -681,6 +793,7 @@ pub fn fit(sweep: &Sweep, name: &str) -> anyhow::Result<EngineConfig> {
     g.decode_per_seq_ms = round_to(decode_per_seq_ms, 2);
     g.decode_ms_by_batch = decode_ms_by_batch;
     g.prefill_base_ms = round_to(prefill_base_ms, 2);
+    g.first_token_next_step = first_token_next_step;
     g.max_running_seqs = slots;
     g.kv_capacity_tokens = kv_capacity_tokens;
     g.max_model_len = max_model_len.min(kv_capacity_tokens);
@@ -752,6 +865,19 @@ pub fn sweep_table(sweep: &Sweep) -> String {
         }
         out.push('\n');
     }
+    if let Some(p) = &sweep.pair {
+        out.push_str(&format!(
+            "pair: TTFT alone {:.1} ms; first of two sent {:.0} ms apart {:.1} ms ({})\n",
+            p.alone_ttft_p50_ms,
+            p.stagger_ms,
+            p.first_of_pair_ttft_p50_ms,
+            if p.first_token_waits_for_next_step() {
+                "waits for the second's prefill: first token a step after the prefill"
+            } else {
+                "unaffected: first token from its own prefill step"
+            }
+        ));
+    }
     out.push_str(&format!(
         "{:>5} {:>6} {:>6} {:>8} {:>9} {:>10} {:>10} {:>9}\n",
         "conc", "ok", "failed", "req/s", "tok/s", "TTFT p50", "TTFT p90", "ITL p50"
@@ -767,6 +893,18 @@ pub fn sweep_table(sweep: &Sweep) -> String {
             l.ttft_p50_ms,
             l.ttft_p90_ms,
             l.itl_p50_ms
+        ));
+    }
+    for l in sweep.levels.iter().filter(|l| !l.failures.is_empty()) {
+        let how: Vec<String> = l
+            .failures
+            .iter()
+            .map(|(k, n)| format!("{k} ×{n}"))
+            .collect();
+        out.push_str(&format!(
+            "failed at concurrency {}: {}\n",
+            l.concurrency,
+            how.join(", ")
         ));
     }
     out
@@ -864,6 +1002,7 @@ mod tests {
             concurrency,
             completed: 10,
             failed: 0,
+            failures: Default::default(),
             rps,
             tokens_per_s: rps * 32.0,
             ttft_p50_ms: ttft,
@@ -890,6 +1029,7 @@ mod tests {
                     ttft_p50_ms: 20.0 + 500.0 * 0.3,
                 },
             ],
+            pair: None,
         }
     }
 
@@ -937,6 +1077,33 @@ mod tests {
         let c = fit(&sweep(levels, ServerInfo::default()), "t").unwrap();
         assert_eq!(c.gpu.max_running_seqs, 4);
         assert_eq!(c.gpu.max_model_len, DEFAULT_MAX_MODEL_LEN);
+    }
+
+    #[test]
+    fn a_pair_whose_first_waits_for_the_second_sets_first_token_next_step() {
+        // TTFT alone 39.2 ms = 8 ms per prompt + 64 × 0.3 ms + one 12 ms step, as above.
+        let levels = vec![level(1, 2.0, 39.2, 12.0), level(2, 3.5, 60.0, 14.0)];
+        let server = ServerInfo {
+            slots: Some(2),
+            ..ServerInfo::default()
+        };
+        let mut s = sweep(levels, server);
+        let probe = |first| PairProbe {
+            alone_ttft_p50_ms: 39.2,
+            stagger_ms: 9.8,
+            first_of_pair_ttft_p50_ms: first,
+        };
+        // The first of the pair barely moved: its first token comes from its own step.
+        s.pair = Some(probe(45.0));
+        let c = fit(&s, "t").unwrap();
+        assert!(!c.gpu.first_token_next_step);
+        assert!((c.gpu.prefill_base_ms - 8.0).abs() < 1e-6, "{:?}", c.gpu);
+        // It about doubled: the first token comes a step later, and TTFT alone holds that
+        // second step, so the cost per prompt is one step less.
+        s.pair = Some(probe(75.0));
+        let c = fit(&s, "t").unwrap();
+        assert!(c.gpu.first_token_next_step);
+        assert!(c.gpu.prefill_base_ms.abs() < 1e-6, "{:?}", c.gpu);
     }
 
     #[test]
