@@ -1081,29 +1081,30 @@ mod tests {
 
     #[test]
     fn a_pair_whose_first_waits_for_the_second_sets_first_token_next_step() {
-        // TTFT alone 39.2 ms = 8 ms per prompt + 64 × 0.3 ms + one 12 ms step, as above.
-        let levels = vec![level(1, 2.0, 39.2, 12.0), level(2, 3.5, 60.0, 14.0)];
+        // TTFT alone 51.2 ms = 64 × 0.3 ms + 20 ms per prompt and one 12 ms step, or 8 ms
+        // per prompt and two steps.
+        let levels = vec![level(1, 2.0, 51.2, 12.0), level(2, 3.5, 90.0, 14.0)];
         let server = ServerInfo {
             slots: Some(2),
             ..ServerInfo::default()
         };
         let mut s = sweep(levels, server);
         let probe = |first| PairProbe {
-            alone_ttft_p50_ms: 39.2,
-            stagger_ms: 9.8,
+            alone_ttft_p50_ms: 51.2,
+            stagger_ms: 12.8,
             first_of_pair_ttft_p50_ms: first,
         };
         // The first of the pair barely moved: its first token comes from its own step.
-        s.pair = Some(probe(45.0));
+        s.pair = Some(probe(60.0));
         let c = fit(&s, "t").unwrap();
         assert!(!c.gpu.first_token_next_step);
-        assert!((c.gpu.prefill_base_ms - 8.0).abs() < 1e-6, "{:?}", c.gpu);
+        assert!((c.gpu.prefill_base_ms - 20.0).abs() < 1e-6, "{:?}", c.gpu);
         // It about doubled: the first token comes a step later, and TTFT alone holds that
         // second step, so the cost per prompt is one step less.
-        s.pair = Some(probe(75.0));
+        s.pair = Some(probe(95.0));
         let c = fit(&s, "t").unwrap();
         assert!(c.gpu.first_token_next_step);
-        assert!(c.gpu.prefill_base_ms.abs() < 1e-6, "{:?}", c.gpu);
+        assert!((c.gpu.prefill_base_ms - 8.0).abs() < 1e-6, "{:?}", c.gpu);
     }
 
     #[test]
