@@ -6,7 +6,8 @@
 //! then seeded random words), so no prefix cache makes the server look faster than it is.
 //! Per level it records requests per second, time to first token, inter-token latency and
 //! output tokens per second. A second, short series at concurrency 1 measures TTFT against
-//! prompt length: the prefill cost.
+//! prompt length: the prefill cost; a third, whether a prompt arriving during another's
+//! prefill delays the other's first token (the pair probe).
 //!
 //! The fit maps the measurements onto the simulated engine's step model (a step costs
 //! `prefill_base_ms` for each prompt it prefills, `prefill_us_per_token × prefilled`, and
@@ -18,10 +19,13 @@
 //! - `decode_base_ms`, `decode_per_seq_ms`: the least-squares line through those gaps, a
 //!   summary, and the cost of each sequence past the largest level measured;
 //! - `prefill_us_per_token`: slope of TTFT (concurrency 1) against prompt tokens;
-//! - `prefill_base_ms`: what a new request costs beyond its tokens (HTTP, the chat
-//!   template, tokenizing): the sweep's TTFT at concurrency 1 less its prompt's tokens at
-//!   that slope and one decode step of one sequence (without a level 1, the prefill line
-//!   at zero tokens less one step);
+//! - `first_token_next_step`: the pair probe (the sweep's prompt alone, then with a second
+//!   one sent a quarter of its TTFT later): set when the first of the pair takes more than
+//!   1.5× its TTFT alone, i.e. its first token waited for the second's prefill;
+//! - `prefill_base_ms`: what each new prompt costs beyond its tokens (the chat template's
+//!   tokens, tokenizing): the sweep's TTFT at concurrency 1 less its prompt's tokens at that
+//!   slope and one decode step of one sequence, two with `first_token_next_step` (without a
+//!   level 1, the prefill line at zero tokens less the steps);
 //! - `max_running_seqs`: the slots the server reports (llama.cpp's `/props`), else the
 //!   level at which throughput stops growing;
 //! - KV capacity and `max_model_len`: what the server reports (`/props` for llama.cpp,
