@@ -673,7 +673,7 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
         except: Option<&str>,
     ) -> Option<usize> {
         let v = self.view();
-        if !v.within_share(tenant, kv_cost, now) || !v.clear_of_reserve(tier, kv_cost, now) {
+        if !v.may_take(tier, tenant, kv_cost, now) {
             return None;
         }
         v.pick(tier, kv_cost, now, except)
@@ -694,7 +694,7 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
             return None;
         }
         let v = self.view();
-        if !v.within_share(tenant, kv_cost, now) || !v.clear_of_reserve(tier, kv_cost, now) {
+        if !v.may_take(tier, tenant, kv_cost, now) {
             return None;
         }
         self.backends
@@ -1446,6 +1446,13 @@ impl<K: Hash + Eq> LaneView<'_, K> {
         }
         let per_request = tokens / requests;
         (slots, (slots as f64 * per_request).ceil() as u64)
+    }
+
+    /// Whether `tenant`'s request of `tier` and `kv_cost` may take a slot now as far as the
+    /// lane as a whole goes: within its tenant's fair share and clear of the higher tiers'
+    /// reserve (which backend takes it is [`LaneView::pick`]'s question).
+    fn may_take(&self, tier: Tier, tenant: &K, kv_cost: u64, now: Timestamp) -> bool {
+        self.within_share(tenant, kv_cost, now) && self.clear_of_reserve(tier, kv_cost, now)
     }
 
     /// Whether a request of `tier` and `kv_cost` leaves the higher tiers' reserve free
