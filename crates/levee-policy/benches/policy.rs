@@ -1,7 +1,8 @@
 //! levee-policy benchmarks: our GCRA beside `governor`'s on the same quota, and the full
 //! admission decision as the gateway runs it (limits + watermark + fair share + KV budget +
-//! dispatch or enqueue + completion + dequeue) on one thread and under two threads
-//! contending for one `parking_lot::Mutex`.
+//! dispatch or enqueue + completion + dequeue) on one thread, on two threads for two models
+//! (each lane behind its own lock, the shared limits between them), and on two threads for
+//! one model (both contending for its lane's lock).
 //!
 //! Run: `cargo bench -p levee-policy --bench policy` (about a minute).
 
@@ -131,14 +132,18 @@ fn gcra(c: &mut Criterion) {
 
 /// The admission setup the benchmark drives — the composition the gateway runs, with every
 /// scope limited (global, model, tenant: requests/min, tokens/min, concurrency), the heavy
-/// rule on, 64 tenants in 3 tiers, and one model lane of 2 backends with request caps and
-/// KV budgets. 160 requests are kept outstanding against 128 backend slots, so about 32 wait
-/// in the fair queue: a decision admits one request (dispatched, or queued behind others),
+/// rule on, 64 tenants in 3 tiers, and a model lane of 2 backends with request caps and KV
+/// budgets. 160 requests are kept outstanding against 128 backend slots, so about 32 wait in
+/// the fair queue: a decision admits one request (dispatched, or queued behind others),
 /// completes the oldest in flight, and dispatches what that frees (fair share, KV fit).
+///
+/// As in the gateway, the lane is a [`LaneAdmission`] behind its own lock and the limits
+/// every lane shares are one [`SharedLimits`]; each tenant's limits are looked up once and
+/// kept. Two `Bench`es built on one `SharedLimits` are two models of one gateway.
 struct Bench<K> {
-    adm: Admission<u64, K>,
-    reqs: Vec<AdmissionRequest<K>>,
-    model: K,
+    shared: Arc<SharedLimits<K>>,
+    lane: Mutex<LaneAdmission<u64, K>>,
+    reqs: Vec<(AdmissionRequest<K>, Arc<TenantLimits>)>,
     in_flight: std::collections::VecDeque<Grant<K>>,
     now: u64,
     i: usize,
@@ -148,36 +153,47 @@ type KeyBench = Bench<Key>;
 
 const OUTSTANDING: usize = 160;
 
+fn big() -> LimitSpec {
+    LimitSpec {
+        requests_per_minute: Some(10_000_000_000),
+        request_burst: Some(1_000_000),
+        tokens_per_minute: Some(1_000_000_000_000),
+        token_burst: Some(1_000_000_000),
+        max_concurrent: Some(100_000),
+    }
+}
+
+fn bench_config() -> AdmissionConfig {
+    let mut cfg = AdmissionConfig::new();
+    cfg.global = big();
+    cfg.tenant_default = big();
+    cfg.heavy = Some(HeavyRule {
+        prompt_tokens_over: 8_000,
+        completion_tokens_over: 4_096,
+        per_tenant: big(),
+    });
+    cfg
+}
+
 impl<K: std::hash::Hash + Eq + Ord + Clone> Bench<K> {
-    fn new(key: fn(&str) -> K) -> Self {
-        let mut cfg = AdmissionConfig::new();
-        let big = LimitSpec {
-            requests_per_minute: Some(10_000_000_000),
-            request_burst: Some(1_000_000),
-            tokens_per_minute: Some(1_000_000_000_000),
-            token_burst: Some(1_000_000_000),
-            max_concurrent: Some(100_000),
-        };
-        cfg.global = big;
-        cfg.tenant_default = big;
-        cfg.heavy = Some(HeavyRule {
-            prompt_tokens_over: 8_000,
-            completion_tokens_over: 4_096,
-            per_tenant: big,
-        });
-        let mut adm = Admission::new(cfg);
-        let model = key("llama-3-8b");
-        let mut lane = LaneConfig::new(Watermarks {
+    /// Model `model` of a gateway whose shared limits are `shared`, with 64 tenants named
+    /// `{tenants}-NN` (two benches with the same prefix share their tenants).
+    fn new(key: fn(&str) -> K, shared: Arc<SharedLimits<K>>, model: &str, tenants: &str) -> Self {
+        let mut lane_cfg = LaneConfig::new(Watermarks {
             safe: 1_000,
             soft: 10_000,
             hard: 20_000,
         });
-        lane.queue_max_tokens = 100_000_000;
-        adm.set_model(model.clone(), ModelSpec { limits: big, lane });
+        lane_cfg.queue_max_tokens = 100_000_000;
+        let spec = ModelSpec {
+            limits: big(),
+            lane: lane_cfg,
+        };
+        let mut lane = LaneAdmission::new(spec, &bench_config());
         let backends = (0..2)
             .map(|i| {
                 (
-                    Arc::from(format!("llama-3-8b@http://10.0.0.{i}:8000").as_str()),
+                    Arc::from(format!("{model}@http://10.0.0.{i}:8000").as_str()),
                     BackendLimits {
                         max_in_flight: 64,
                         kv_tokens: Some(400_000),
@@ -185,34 +201,41 @@ impl<K: std::hash::Hash + Eq + Ord + Clone> Bench<K> {
                 )
             })
             .collect();
-        adm.set_backends(&model, backends);
+        lane.lane_mut().set_backends(backends);
+        let model = key(model);
         let mut reqs = Vec::new();
         for t in 0..64 {
-            let tenant = key(&format!("tenant-{t:02}"));
-            adm.set_tenant(
+            let tenant = key(&format!("{tenants}-{t:02}"));
+            let limits = shared.set_tenant(
                 tenant.clone(),
                 TenantSpec {
-                    limits: big,
+                    limits: big(),
                     weight: if t % 4 == 0 { 2 } else { 1 },
                 },
             );
-            reqs.push(AdmissionRequest {
+            let req = AdmissionRequest {
                 tenant,
                 model: model.clone(),
                 tier: Tier((t % 3) as u8),
                 prompt_tokens: 200 + (t as u64 * 37) % 800,
                 completion_tokens: 256,
                 max_wait: None,
-            });
+            };
+            reqs.push((req, limits));
         }
         Bench {
-            adm,
+            shared,
+            lane: Mutex::new(lane),
             reqs,
-            model,
             in_flight: std::collections::VecDeque::new(),
             now: 1_000_000,
             i: 0,
         }
+    }
+
+    fn alone(key: fn(&str) -> K) -> Self {
+        let shared = Arc::new(SharedLimits::from_config(&bench_config()));
+        Bench::new(key, shared, "llama-3-8b", "tenant")
     }
 
     fn done(g: &Grant<K>) -> Completion {
@@ -223,50 +246,89 @@ impl<K: std::hash::Hash + Eq + Ord + Clone> Bench<K> {
     }
 
     /// One full decision: admit (all limits, watermark, fair share, KV fit, dispatch or
-    /// enqueue), complete the oldest request in flight, dispatch what that frees.
+    /// enqueue), complete the oldest request in flight, dispatch what that frees — with the
+    /// lane's lock held, as the gateway holds it.
     #[inline]
     fn cycle(&mut self) {
         self.now += 1_000;
         self.i = (self.i + 1) % self.reqs.len();
         let now = Timestamp::from_nanos(self.now);
-        match self.adm.admit(&self.reqs[self.i], self.i as u64, now) {
+        let (req, tenant) = &self.reqs[self.i];
+        let mut lane = self.lane.lock();
+        match lane.admit_as(&self.shared, tenant, req, self.i as u64, now) {
             Admit::Dispatch(d) => self.in_flight.push_back(d.grant),
             other => {
                 black_box(&other);
             }
         }
-        if self.in_flight.len() + self.adm.lane(&self.model).map_or(0, |l| l.queued()) > OUTSTANDING
-        {
+        if self.in_flight.len() + lane.lane().queued() > OUTSTANDING {
             if let Some(g) = self.in_flight.pop_front() {
                 let done = Self::done(&g);
-                self.adm.complete(g, done, now);
+                lane.complete(&self.shared, g, done, now);
             }
         }
-        while let Some(d) = self.adm.dequeue(&self.model, now) {
+        while let Some(d) = lane.dequeue(&self.shared, now) {
             self.in_flight.push_back(d.grant);
         }
     }
+}
+
+/// Runs `iters` cycles on each bench, one thread each, at once; wall time per cycle.
+fn on_threads(benches: Vec<KeyBench>, iters: u64) -> Duration {
+    let start = Instant::now();
+    std::thread::scope(|sc| {
+        for mut b in benches {
+            sc.spawn(move || {
+                for _ in 0..iters {
+                    b.cycle();
+                }
+            });
+        }
+    });
+    start.elapsed()
 }
 
 fn admission(c: &mut Criterion) {
     let mut g = c.benchmark_group("admission");
     // The gateway's keys: `Key` tenant and model names (hash computed once, at config load).
     g.bench_function("full_decision/1_thread", |b| {
-        let mut s = KeyBench::new(Key::new);
+        let mut s = KeyBench::alone(Key::new);
         b.iter(|| s.cycle())
     });
-    // The same with plain `Arc<str>` names (a string hash and compare per lookup), which the
-    // gateway used before its names became `Key`s.
+    // The same with plain `Arc<str>` names (a string hash and compare per lookup).
     g.bench_function("full_decision/1_thread_arc_str_keys", |b| {
-        let mut s: Bench<Arc<str>> = Bench::new(|n| Arc::from(n));
+        let mut s: Bench<Arc<str>> = Bench::alone(|n| Arc::from(n));
         b.iter(|| s.cycle())
     });
-    // Two threads share one Admission behind a parking_lot::Mutex, as in the gateway: each
-    // decision takes the lock once. Reported time per iteration is wall time / iters, i.e.
-    // the latency of one decision as each thread sees it, waiting for the lock included.
-    g.bench_function("full_decision/2_threads_contended", |b| {
+    // Two threads deciding for two models of one gateway: each lane under its own lock, the
+    // global scope's rates and concurrency (limited here) shared. Reported time per
+    // iteration is wall time / iters: the latency of one decision as each thread sees it.
+    g.bench_function("full_decision/2_threads_2_models", |b| {
         b.iter_custom(|iters| {
-            let shared = Arc::new(Mutex::new(KeyBench::new(Key::new)));
+            let shared = Arc::new(SharedLimits::from_config(&bench_config()));
+            let benches = vec![
+                KeyBench::new(Key::new, shared.clone(), "llama-3-8b", "a"),
+                KeyBench::new(Key::new, shared, "mistral-7b", "b"),
+            ];
+            on_threads(benches, iters)
+        })
+    });
+    // The same with one set of tenants sending to both models: their limits are shared too.
+    g.bench_function("full_decision/2_threads_2_models_same_tenants", |b| {
+        b.iter_custom(|iters| {
+            let shared = Arc::new(SharedLimits::from_config(&bench_config()));
+            let benches = vec![
+                KeyBench::new(Key::new, shared.clone(), "llama-3-8b", "t"),
+                KeyBench::new(Key::new, shared, "mistral-7b", "t"),
+            ];
+            on_threads(benches, iters)
+        })
+    });
+    // Two threads deciding for one model: both contend for its lane's lock, as every
+    // decision did when the gateway had one lock for all models.
+    g.bench_function("full_decision/2_threads_1_model", |b| {
+        b.iter_custom(|iters| {
+            let shared = Arc::new(Mutex::new(KeyBench::alone(Key::new)));
             let start = Instant::now();
             std::thread::scope(|sc| {
                 for _ in 0..2 {

@@ -23,14 +23,17 @@
 
 use crate::breaker::Outcome;
 use crate::clock::Timestamp;
-use crate::concurrency::{ConcurrencyLimit, Permit};
+use crate::concurrency::Permit;
 use crate::fasthash::FastState;
-use crate::gcra::{Gcra, Quota, RateLimitInfo};
-use crate::keyed::{BoundedMap, Evictable};
+use crate::gcra::Quota;
 use crate::lane::{BackendLimits, BackendReport, Lane, LaneConfig, Placement, Unservable};
+use crate::limits::{
+    rate_retry, Charged, LimitRefusal, LimitsConfig, Peeked, RateLimitHeaders, ScopeLimits,
+    SharedLimits, TenantLimits,
+};
 use crate::queue::{Entry, PushRefusal, Ticket, Tier};
 use crate::retry::{RetryAfter, RetryBounds};
-use crate::tokens::{Refused, TokenBucket, TokenQuota};
+use crate::tokens::TokenQuota;
 use crate::watermark::{ConfigError, LoadZone, WaitBudget, WatermarkAction, WatermarkDecision};
 use std::collections::HashMap;
 use std::hash::Hash;
@@ -98,7 +101,7 @@ pub struct HeavyRule {
 }
 
 impl HeavyRule {
-    fn applies(&self, prompt: u64, completion: u64) -> bool {
+    pub(crate) fn applies(&self, prompt: u64, completion: u64) -> bool {
         prompt > self.prompt_tokens_over || completion > self.completion_tokens_over
     }
 }
@@ -155,6 +158,33 @@ impl AdmissionConfig {
             return Err(ConfigError("retry: min must be <= max".into()));
         }
         Ok(())
+    }
+}
+
+impl AdmissionConfig {
+    pub(crate) fn tier_count(&self) -> u8 {
+        self.tiers.len().clamp(1, 255) as u8
+    }
+
+    pub(crate) fn limits(&self) -> LimitsConfig {
+        LimitsConfig {
+            global: self.global,
+            tenant_default: self.tenant_default,
+            heavy: self.heavy,
+            max_tracked_keys: self.max_tracked_keys,
+        }
+    }
+}
+
+impl<K: Hash + Eq + Clone> SharedLimits<K> {
+    /// The shared limits of `cfg` (its global, default-tenant and heavy limits).
+    pub fn from_config(cfg: &AdmissionConfig) -> Self {
+        SharedLimits::new(cfg.limits())
+    }
+
+    /// Applies `cfg`'s limits, keeping limiter state (debt) and permits out.
+    pub fn reconfigure_from(&self, cfg: &AdmissionConfig) {
+        self.reconfigure(cfg.limits());
     }
 }
 
@@ -316,10 +346,12 @@ pub struct Grant<K> {
     model: K,
     tier: Tier,
     tokens: u64,
-    charged: [bool; 4],
-    rated: [bool; 4],
+    /// `(request rate, token rate)` charged at each scope (global, model, tenant, heavy).
+    charged: [Charged; 4],
     admitted_at: Timestamp,
     placement: Option<Placement>,
+    /// The tenant's limits, to settle with (and to keep its state while it is out).
+    limits: Arc<TenantLimits>,
     _permits: [Option<Permit>; 3],
 }
 
@@ -410,17 +442,6 @@ pub struct Completion {
     pub actual_tokens: Option<u64>,
 }
 
-/// Rate-limit figures for the `x-ratelimit-*` headers.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct RateLimitHeaders {
-    /// The `-requests` trio (tenant scope), if limited.
-    pub requests: Option<RateLimitInfo>,
-    /// The `-tokens` trio (tenant scope), if limited.
-    pub tokens: Option<RateLimitInfo>,
-    /// Outstanding requests and the limit, if limited.
-    pub concurrency: Option<(usize, usize)>,
-}
-
 /// A model's settings.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ModelSpec {
@@ -430,132 +451,6 @@ pub struct ModelSpec {
     pub lane: LaneConfig,
 }
 
-#[derive(Debug)]
-struct RateLimits {
-    rpm: Option<Gcra>,
-    tpm: Option<TokenBucket>,
-    concurrency: Option<ConcurrencyLimit>,
-}
-
-impl RateLimits {
-    fn new(spec: &LimitSpec) -> Self {
-        RateLimits {
-            rpm: spec.request_quota().map(Gcra::new),
-            tpm: spec.token_quota().map(TokenBucket::new),
-            concurrency: spec.max_concurrent.map(ConcurrencyLimit::new),
-        }
-    }
-
-    /// Changes the quotas in place, keeping debt.
-    fn update(&mut self, spec: &LimitSpec) {
-        match (spec.request_quota(), self.rpm.as_mut()) {
-            (Some(q), Some(g)) => g.set_quota(q),
-            (q, _) => self.rpm = q.map(Gcra::new),
-        }
-        match (spec.token_quota(), self.tpm.as_mut()) {
-            (Some(q), Some(b)) => b.set_quota(q),
-            (q, _) => self.tpm = q.map(TokenBucket::new),
-        }
-        match (spec.max_concurrent, self.concurrency.as_ref()) {
-            (Some(n), Some(c)) => c.set_limit(n),
-            (n, _) => self.concurrency = n.map(ConcurrencyLimit::new),
-        }
-    }
-
-    fn peek(&self, tokens: u64, now: Timestamp, scope: Scope) -> Result<Peeked, Refused2> {
-        let rpm = match &self.rpm {
-            None => None,
-            Some(g) => Some(
-                g.peek(now)
-                    .map_err(|e| (RefusalReason::RequestRate(scope), rate_retry(e.retry_after)))?,
-            ),
-        };
-        let tpm = match &self.tpm {
-            None => None,
-            Some(b) => Some(b.peek(tokens, now).map_err(|e| match e {
-                Refused::NotUntil { retry_after } => {
-                    (RefusalReason::TokenRate(scope), rate_retry(retry_after))
-                }
-                Refused::TooLarge { .. } => (RefusalReason::TooLarge(scope), None),
-            })?),
-        };
-        Ok(Peeked { rpm, tpm })
-    }
-
-    fn commit(&mut self, p: Peeked) -> (bool, bool) {
-        if let (Some(g), Some(t)) = (self.rpm.as_mut(), p.rpm) {
-            g.commit(t);
-        }
-        if let (Some(b), Some(t)) = (self.tpm.as_mut(), p.tpm) {
-            b.commit(t);
-        }
-        (p.rpm.is_some(), p.tpm.is_some())
-    }
-
-    fn settle(&mut self, rated: bool, charged: bool, reserved: u64, actual: u64, now: Timestamp) {
-        if charged && reserved != actual {
-            if let Some(b) = self.tpm.as_mut() {
-                b.reconcile(reserved, actual, now);
-            }
-        }
-        if rated {
-            if let Some(g) = self.rpm.as_mut() {
-                g.refund(now);
-            }
-        }
-    }
-
-    fn acquire(&self, scope: Scope, retry: Option<RetryAfter>) -> Result<Option<Permit>, Refused2> {
-        match self.concurrency.as_ref().map(|c| c.try_acquire()) {
-            None => Ok(None),
-            Some(Ok(p)) => Ok(Some(p)),
-            Some(Err(_)) => Err((RefusalReason::Concurrency(scope), retry)),
-        }
-    }
-}
-
-#[derive(Debug, Clone, Copy)]
-struct Peeked {
-    rpm: Option<u128>,
-    tpm: Option<u128>,
-}
-
-type Refused2 = (RefusalReason, Option<RetryAfter>);
-
-/// Everything kept per tenant, in one map entry so a decision hashes the tenant once.
-#[derive(Debug)]
-struct TenantState {
-    limits: RateLimits,
-    heavy: RateLimits,
-}
-
-impl Evictable for TenantState {
-    fn is_idle(&self, now: Timestamp) -> bool {
-        [&self.limits, &self.heavy].iter().all(|l| {
-            l.rpm.as_ref().is_none_or(|g| g.is_idle(now))
-                && l.tpm.as_ref().is_none_or(|b| b.is_idle(now))
-        })
-    }
-    fn debt(&self, now: Timestamp) -> u128 {
-        [&self.limits, &self.heavy]
-            .iter()
-            .map(|l| {
-                let a = l.rpm.as_ref().map_or(0, |g| g.debt(now));
-                let b = l.tpm.as_ref().map_or(0, |t| t.debt(now));
-                a.max(b)
-            })
-            .max()
-            .unwrap_or(0)
-    }
-    fn pinned(&self) -> bool {
-        // Live permits point at this limit; a fresh one would let the tenant exceed it.
-        self.limits
-            .concurrency
-            .as_ref()
-            .is_some_and(|c| c.in_use() > 0)
-    }
-}
-
 /// A queued request inside a lane: the caller's payload and its grant.
 #[derive(Debug)]
 pub struct Pending<T, K> {
@@ -563,17 +458,6 @@ pub struct Pending<T, K> {
     grant: Grant<K>,
     /// The wait predicted at arrival (before calibration), to learn from how it ended.
     predicted: Option<Duration>,
-}
-
-#[derive(Debug)]
-struct ModelState<T, K> {
-    spec: ModelSpec,
-    limits: RateLimits,
-    lane: Lane<Pending<T, K>, K>,
-    /// Entries `dequeue` found past their deadline, for `expire`.
-    expired: Vec<Entry<Pending<T, K>, K>>,
-    /// Entries a peer with less waiting displaced from a full lane, for `expire`.
-    displaced: Vec<Entry<Pending<T, K>, K>>,
 }
 
 /// A queued request that waited past its deadline, or was drained: answer it with `reason`.
@@ -591,24 +475,7 @@ pub struct Expired<T> {
     pub retry_after: RetryAfter,
 }
 
-/// The admission state of one gateway. `&mut self`: hold it behind one lock. Permits inside
-/// grants are atomics and may be dropped anywhere.
-#[derive(Debug)]
-pub struct Admission<T, K> {
-    cfg: AdmissionConfig,
-    global: RateLimits,
-    models: HashMap<K, ModelState<T, K>, FastState>,
-    tenant_specs: HashMap<K, TenantSpec, FastState>,
-    tenants: BoundedMap<K, TenantState, FastState>,
-}
-
-fn rate_retry(wait: Duration) -> Option<RetryAfter> {
-    Some(RetryAfter::from_duration(
-        wait.max(Duration::from_millis(1)),
-    ))
-}
-
-fn refused<T, K>(item: T, (reason, retry_after): Refused2) -> Admit<T, K> {
+fn refused<T, K>(item: T, (reason, retry_after): LimitRefusal) -> Admit<T, K> {
     Admit::Refused(Refusal {
         item,
         reason,
@@ -617,15 +484,672 @@ fn refused<T, K>(item: T, (reason, retry_after): Refused2) -> Admit<T, K> {
     })
 }
 
+/// One model's admission state: its lane (queue, backends, fair shares, breakers) and its
+/// model-wide limits. `&mut self`: hold it behind the lane's own lock; the limits it shares
+/// with other lanes ([`SharedLimits`]) synchronise themselves, so lanes decide in parallel.
+#[derive(Debug)]
+pub struct LaneAdmission<T, K> {
+    spec: ModelSpec,
+    tiers: Vec<WaitBudget>,
+    retry: RetryBounds,
+    limits: ScopeLimits,
+    lane: Lane<Pending<T, K>, K>,
+    /// Entries `dequeue` found past their deadline, for `expire`.
+    expired: Vec<Entry<Pending<T, K>, K>>,
+    /// Entries a peer with less waiting displaced from a full lane, for `expire`.
+    displaced: Vec<Entry<Pending<T, K>, K>>,
+}
+
+impl<T, K: Hash + Eq + Ord + Clone> LaneAdmission<T, K> {
+    /// A model's admission state under `cfg`'s tiers and retry bounds.
+    pub fn new(spec: ModelSpec, cfg: &AdmissionConfig) -> Self {
+        LaneAdmission {
+            limits: ScopeLimits::new(&spec.limits),
+            lane: Lane::new(spec.lane.clone(), cfg.tier_count()),
+            tiers: cfg.tiers.clone(),
+            retry: cfg.retry,
+            expired: Vec::new(),
+            displaced: Vec::new(),
+            spec,
+        }
+    }
+
+    /// Applies new tiers and retry bounds, keeping the queue and the backends.
+    pub fn reconfigure(&mut self, cfg: &AdmissionConfig) {
+        self.tiers = cfg.tiers.clone();
+        self.retry = cfg.retry;
+        self.lane.reconfigure(self.spec.lane.clone(), cfg.tier_count());
+    }
+
+    /// Applies a model's new settings, keeping limiter debt, the queue and the backends.
+    pub fn set_spec(&mut self, spec: ModelSpec) {
+        if self.spec.limits != spec.limits {
+            self.limits.update(&spec.limits);
+        }
+        self.lane
+            .reconfigure(spec.lane.clone(), self.tiers.len().clamp(1, 255) as u8);
+        self.spec = spec;
+    }
+
+    /// The lane, for figures and the backends' settings.
+    pub fn lane(&self) -> &Lane<Pending<T, K>, K> {
+        &self.lane
+    }
+
+    /// The lane, to change its backends (limits, health, reports, fences, ejections).
+    pub fn lane_mut(&mut self) -> &mut Lane<Pending<T, K>, K> {
+        &mut self.lane
+    }
+
+    /// Decides one request at `now`, looking its tenant up in `shared`. `item` is the
+    /// caller's payload (a response channel); it comes back in the decision.
+    pub fn admit(
+        &mut self,
+        shared: &SharedLimits<K>,
+        req: &AdmissionRequest<K>,
+        item: T,
+        now: Timestamp,
+    ) -> Admit<T, K> {
+        let tenant = shared.tenant(&req.tenant, now);
+        self.admit_as(shared, &tenant, req, item, now)
+    }
+
+    /// [`LaneAdmission::admit`] with the tenant's limits already in hand.
+    pub fn admit_as(
+        &mut self,
+        shared: &SharedLimits<K>,
+        tenant: &Arc<TenantLimits>,
+        req: &AdmissionRequest<K>,
+        item: T,
+        now: Timestamp,
+    ) -> Admit<T, K> {
+        let est = req.tokens();
+        let Some(&tier_budget) = self.tiers.get(req.tier.0 as usize) else {
+            return refused(
+                item,
+                (RefusalReason::QueueFull(PushRefusal::NoSuchTier), None),
+            );
+        };
+        if let Some(r) = self.unservable(est, now) {
+            return refused(item, r);
+        }
+        let heavy = shared.heavy_applies(req.prompt_tokens, req.completion_tokens);
+        // Concurrency first: permits roll back by drop on any later refusal. A permit frees
+        // when some request ends: about one mean service time.
+        let soon = capacity_retry(&self.lane, &self.retry, 1);
+        let permits = (|| {
+            Ok::<_, LimitRefusal>([
+                tenant.limits.acquire(Scope::Tenant, soon)?,
+                self.limits.acquire(Scope::Model, soon)?,
+                shared.global.acquire(Scope::Global, soon)?,
+            ])
+        })();
+        let permits = match permits {
+            Ok(p) => p,
+            Err(r) => return refused(item, r),
+        };
+        // Rates: a peek now (over quota is refused before any queue work); the charge is
+        // taken only once the request is certain to be taken.
+        let scopes = rate_scopes(shared, &self.limits, tenant, heavy);
+        if let Err(r) = peek_rates(&scopes, est, now) {
+            return refused(item, r);
+        }
+        let weight = tenant.weight();
+        let placed = match place_or_queue(&mut self.lane, self.retry, req, tier_budget, weight, now)
+        {
+            Ok(p) => p,
+            Err((reason, retry_after, position)) => {
+                return Admit::Refused(Refusal {
+                    item,
+                    reason,
+                    retry_after,
+                    position,
+                })
+            }
+        };
+        let charged = match take_rates(&scopes, est, now) {
+            Ok(c) => c,
+            Err(r) => return refused(item, r),
+        };
+        let grant = Grant {
+            tenant: req.tenant.clone(),
+            model: req.model.clone(),
+            tier: req.tier,
+            tokens: est,
+            charged,
+            admitted_at: now,
+            placement: None,
+            limits: tenant.clone(),
+            _permits: permits,
+        };
+        self.commit(shared, req, placed, grant, item, now)
+    }
+
+    /// Refuses what this lane cannot serve at all, or what is larger than any backend.
+    fn unservable(&self, est: u64, now: Timestamp) -> Option<LimitRefusal> {
+        if let Some((u, wait)) = self.lane.unservable(now) {
+            let wait = wait.unwrap_or(self.retry.min.max(Duration::from_secs(1)));
+            return Some((RefusalReason::Unservable(u), rate_retry(wait)));
+        }
+        if self.lane.largest_fit().is_some_and(|max| est > max) {
+            return Some((RefusalReason::ExceedsKvBudget, None));
+        }
+        None
+    }
+
+    /// Applies a decision whose charges were taken: the displacement, then the backend or
+    /// the queue.
+    fn commit(
+        &mut self,
+        shared: &SharedLimits<K>,
+        req: &AdmissionRequest<K>,
+        placed: Placed,
+        mut grant: Grant<K>,
+        item: T,
+        now: Timestamp,
+    ) -> Admit<T, K> {
+        let est = req.tokens();
+        let lane = &mut self.lane;
+        if let Some(ticket) = placed.displace {
+            if let Some(e) = lane.cancel(ticket) {
+                self.displaced.push(e);
+            }
+        }
+        lane.note_admitted(req.tier, est, now);
+        if let Some(i) = placed.target {
+            if let Some(p) = lane.place(i, &req.tenant, est, now) {
+                lane.charge(req.tier, &req.tenant, est);
+                grant.placement = Some(p);
+                return Admit::Dispatch(Dispatched {
+                    item,
+                    grant,
+                    waited: Duration::ZERO,
+                });
+            }
+        }
+        let deadline = now + placed.budget;
+        let pending = Pending {
+            item,
+            grant,
+            predicted: placed.raw_wait,
+        };
+        match lane.push(req.tier, &req.tenant, est, now, deadline, pending) {
+            Ok(ticket) => Admit::Queued {
+                ticket,
+                decision: placed.decision,
+                deadline,
+                position: placed.position.max(1),
+            },
+            Err(rej) => {
+                // Unreachable after can_push; undo the charge.
+                let reason = RefusalReason::QueueFull(rej.reason);
+                let Pending { item, grant, .. } = rej.item;
+                self.refund(shared, grant, now);
+                Admit::Refused(Refusal {
+                    item,
+                    reason,
+                    retry_after: None,
+                    position: None,
+                })
+            }
+        }
+    }
+
+    /// Takes the next queued request that may go now, placed on a backend. Call it after
+    /// anything that may free room (a completion, a cancel, a backend coming back, right
+    /// after `Admit::Queued`) in a loop until `None`. Entries past their deadline are left
+    /// for [`LaneAdmission::expire`].
+    pub fn dequeue(&mut self, shared: &SharedLimits<K>, now: Timestamp) -> Option<Dispatched<T, K>> {
+        loop {
+            let (e, i) = self.lane.next_ready(now, |_, cost| cost)?;
+            if e.deadline <= now {
+                // Expiry runs on its own timer; leave this one for it.
+                self.expired.push(e);
+                continue;
+            }
+            let Pending {
+                item,
+                mut grant,
+                predicted,
+            } = e.item;
+            match self.lane.place(i, &e.tenant, e.cost, now) {
+                Some(p) => {
+                    grant.placement = Some(p);
+                    let waited = now.saturating_duration_since(e.enqueued_at);
+                    if let Some(predicted) = predicted {
+                        let budget = e.deadline.saturating_duration_since(e.enqueued_at);
+                        self.lane
+                            .note_wait(&e.tenant, predicted, waited, budget, false);
+                    }
+                    return Some(Dispatched {
+                        item,
+                        grant,
+                        waited,
+                    });
+                }
+                None => {
+                    // The breaker refused between the check and the take (they read the
+                    // same state, so this does not happen): keep the request queued.
+                    let pending = Pending {
+                        item,
+                        grant,
+                        predicted,
+                    };
+                    let back = self.lane.push(
+                        e.tier,
+                        &e.tenant,
+                        e.cost,
+                        e.enqueued_at,
+                        e.deadline,
+                        pending,
+                    );
+                    if let Err(rej) = back {
+                        self.refund(shared, rej.item.grant, now);
+                    }
+                    return None;
+                }
+            }
+        }
+    }
+
+    /// Removes every queued request past its deadline, and every displaced one, refunded.
+    pub fn expire(&mut self, shared: &SharedLimits<K>, now: Timestamp) -> Vec<Expired<T>> {
+        let mut entries = Vec::new();
+        self.lane.expire_into(now, &mut entries);
+        entries.append(&mut self.expired);
+        // A wait that ran out of budget teaches its tenant's calibration the most.
+        for e in &entries {
+            if let Some(predicted) = e.item.predicted {
+                let budget = e.deadline.saturating_duration_since(e.enqueued_at);
+                self.lane
+                    .note_wait(&e.tenant, predicted, budget, budget, true);
+            }
+        }
+        let displaced = std::mem::take(&mut self.displaced);
+        if entries.is_empty() && displaced.is_empty() {
+            return Vec::new();
+        }
+        let retry = capacity_retry(&self.lane, &self.retry, 1)
+            .unwrap_or(RetryAfter::from_duration(self.retry.min));
+        let mut out = self.refund_all(shared, entries, RefusalReason::QueueTimeout, retry, now);
+        out.extend(self.refund_all(shared, displaced, RefusalReason::Displaced, retry, now));
+        out
+    }
+
+    /// When the lane cannot serve anything (no healthy backend, every breaker open), takes
+    /// every queued request out, refunded, to be answered at once rather than left to wait
+    /// out its budget. Empty otherwise.
+    pub fn fail_unservable(&mut self, shared: &SharedLimits<K>, now: Timestamp) -> Vec<Expired<T>> {
+        let Some((u, wait)) = self.lane.unservable(now) else {
+            return Vec::new();
+        };
+        let mut entries = Vec::new();
+        self.lane.drain_into(&mut entries);
+        let wait = wait.unwrap_or(self.retry.min.max(Duration::from_secs(1)));
+        let retry = RetryAfter::from_duration(wait);
+        self.refund_all(shared, entries, RefusalReason::Unservable(u), retry, now)
+    }
+
+    /// Refunds every entry taken out of a queue unserved, to be answered with `reason`.
+    fn refund_all(
+        &mut self,
+        shared: &SharedLimits<K>,
+        entries: Vec<Entry<Pending<T, K>, K>>,
+        reason: RefusalReason,
+        retry_after: RetryAfter,
+        now: Timestamp,
+    ) -> Vec<Expired<T>> {
+        let mut out = Vec::with_capacity(entries.len());
+        for e in entries {
+            let Pending { item, grant, .. } = e.item;
+            self.refund(shared, grant, now);
+            out.push(Expired {
+                item,
+                tier: e.tier,
+                waited: now.saturating_duration_since(e.enqueued_at),
+                reason,
+                retry_after,
+            });
+        }
+        out
+    }
+
+    /// Takes every queued request out, refunded (the gateway is draining).
+    pub fn drain(&mut self, shared: &SharedLimits<K>, now: Timestamp) -> Vec<T> {
+        let mut entries = std::mem::take(&mut self.expired);
+        entries.append(&mut self.displaced);
+        self.lane.drain_into(&mut entries);
+        let mut out = Vec::with_capacity(entries.len());
+        for e in entries {
+            let Pending { item, grant, .. } = e.item;
+            self.refund(shared, grant, now);
+            out.push(item);
+        }
+        out
+    }
+
+    /// Whether it holds requests displaced from its queue, to be answered by
+    /// [`LaneAdmission::expire`] at once.
+    pub fn has_displaced(&self) -> bool {
+        !self.displaced.is_empty()
+    }
+
+    /// When the queue next changes by time alone after `now` (the earliest queued deadline,
+    /// or a backend's prefill window ending while a request of the isolated tier waits), to
+    /// schedule the next [`LaneAdmission::expire`] and [`LaneAdmission::dequeue`].
+    pub fn next_deadline(&self, now: Timestamp) -> Option<Timestamp> {
+        // Displaced entries are due at once; expired ones were due at their deadline.
+        match (self.displaced.first(), self.expired.first()) {
+            (Some(e), _) => Some(e.enqueued_at),
+            (None, Some(e)) => Some(e.deadline),
+            (None, None) => self.lane.next_deadline(now),
+        }
+    }
+
+    /// The place of a queued request in the serving order now (1 = next); `None` once it
+    /// has left the queue.
+    pub fn position_of(&self, ticket: Ticket) -> Option<usize> {
+        self.lane.position_of(ticket)
+    }
+
+    /// Withdraws a queued request (the client went away) and refunds it. `None` if it already
+    /// left the queue.
+    pub fn cancel(&mut self, shared: &SharedLimits<K>, ticket: Ticket, now: Timestamp) -> Option<T> {
+        let e = self.lane.cancel(ticket)?;
+        let Pending { item, grant, .. } = e.item;
+        self.refund(shared, grant, now);
+        Some(item)
+    }
+
+    /// Moves a dispatched request whose backend failed before anything reached the client
+    /// to another backend with room (never the one that failed). `outcome` is reported to
+    /// the failed backend's breaker, which frees its slot. `false` if no other backend can
+    /// take it now: the grant then holds no placement, and its charges stand (the request
+    /// did reach a backend) until it is ended with [`LaneAdmission::complete`].
+    pub fn redispatch(&mut self, grant: &mut Grant<K>, outcome: Outcome, now: Timestamp) -> bool {
+        let Some(p) = grant.placement.take() else {
+            return false;
+        };
+        let failed = p.backend.clone();
+        self.lane.release(&grant.tenant, p, outcome, now);
+        let Some(i) =
+            self.lane
+                .can_dispatch(grant.tier, &grant.tenant, grant.tokens, now, Some(&failed))
+        else {
+            return false;
+        };
+        grant.placement = self.lane.place(i, &grant.tenant, grant.tokens, now);
+        grant.placement.is_some()
+    }
+
+    /// Ends a request that was never served (refused after admission, expired, cancelled,
+    /// or failed before reaching a backend): every token and request-rate charge comes back.
+    pub fn refund(&mut self, shared: &SharedLimits<K>, grant: Grant<K>, now: Timestamp) {
+        self.settle(shared, grant, Outcome::Cancelled, 0, true, now);
+    }
+
+    /// Ends a dispatched request: frees its backend, reports `outcome` to the breaker, and
+    /// reconciles its token estimate with the real usage (the difference is refunded, or
+    /// charged as debt of at most one bucket).
+    pub fn complete(
+        &mut self,
+        shared: &SharedLimits<K>,
+        grant: Grant<K>,
+        done: Completion,
+        now: Timestamp,
+    ) {
+        let actual = done.actual_tokens.unwrap_or(grant.tokens);
+        self.settle(shared, grant, done.outcome, actual, false, now);
+    }
+
+    fn settle(
+        &mut self,
+        shared: &SharedLimits<K>,
+        grant: Grant<K>,
+        outcome: Outcome,
+        actual: u64,
+        refund: bool,
+        now: Timestamp,
+    ) {
+        let Grant {
+            tenant,
+            tokens: reserved,
+            charged,
+            placement,
+            limits,
+            ..
+        } = grant;
+        if let Some(p) = placement {
+            self.lane.release(&tenant, p, outcome, now);
+        }
+        self.limits
+            .settle(charged[MODEL], refund, reserved, actual, now);
+        shared
+            .global
+            .settle(charged[GLOBAL], refund, reserved, actual, now);
+        limits
+            .limits
+            .settle(charged[TENANT], refund, reserved, actual, now);
+        limits
+            .heavy
+            .settle(charged[HEAVY], refund, reserved, actual, now);
+    }
+}
+
+/// The lane's decision, before anything is charged: the watermark, then a backend now
+/// or a place in the queue (with whom it displaces), or a refusal.
+fn place_or_queue<P, K: Hash + Eq + Ord + Clone>(
+lane: &mut Lane<P, K>,
+retry: RetryBounds,
+req: &AdmissionRequest<K>,
+    tier_budget: WaitBudget,
+    weight: u32,
+    now: Timestamp,
+) -> Result<Placed, (RefusalReason, Option<RetryAfter>, Option<usize>)> {
+    let est = req.tokens();
+    lane.note_arrival(&req.tenant, req.tier, weight, now);
+    let load = lane.load_for(req.tier);
+    let watermarks = lane.config().watermarks;
+    let mut decision = watermarks.decide(load, tier_budget, lane.drain(), &retry, now);
+    // A full lane gives a place to a peer with less waiting: the newest entry of the
+    // tier's longest backlog leaves (answered by `expire`) if that lets this one in.
+    let mut displace = None;
+    if decision.action == WatermarkAction::Refuse {
+        if let Some((ticket, _)) = lane.displaceable(req.tier, &req.tenant) {
+            let d = watermarks.decide(load - 1, tier_budget, lane.drain(), &retry, now);
+            if d.action != WatermarkAction::Refuse {
+                decision = d;
+                displace = Some(ticket);
+            }
+        }
+    }
+    let budget = match decision.action {
+        WatermarkAction::Refuse => {
+            let r = capacity_retry(lane, &retry, 1);
+            return Err((RefusalReason::Watermark(decision.zone), r, None));
+        }
+        WatermarkAction::DispatchNow => tier_budget.normal,
+        WatermarkAction::Wait { budget } => budget,
+    };
+    let budget = match req.max_wait {
+        Some(w) => budget.min(w),
+        None => budget,
+    };
+    let nobody_ahead = lane.queued_at_or_above(req.tier) == 0;
+    let target = if nobody_ahead {
+        lane.can_dispatch(req.tier, &req.tenant, est, now, None)
+    } else {
+        None
+    };
+    let mut placed = Placed {
+        target,
+        displace,
+        decision,
+        budget,
+        position: 0,
+        raw_wait: None,
+    };
+    if target.is_none() {
+        // A background request held back only until a backend is quiet waits that long,
+        // whatever the queue model says.
+        let quiet = nobody_ahead
+            .then(|| lane.quiet_wait(req.tier, &req.tenant, est, now))
+            .flatten();
+        let (pos, raw) = match quiet {
+            Some(w) => (1, Some(w)),
+            None => lane.predict_wait(req.tier, &req.tenant, now),
+        };
+        placed.position = pos;
+        placed.raw_wait = raw;
+        let predicted = raw.map(|w| lane.calibrated_wait(&req.tenant, w));
+        if let Some((reason, retry_after)) =
+            queue_refusal(lane, req, &retry, &mut placed, predicted)
+        {
+            return Err((reason, retry_after, Some(pos)));
+        }
+    }
+    Ok(placed)
+}
+
+/// What the lane decided before the charges were taken.
+#[derive(Debug, Clone, Copy)]
+struct Placed {
+    /// The backend to place it on now, if any.
+    target: Option<usize>,
+    /// The queued entry it displaces.
+    displace: Option<Ticket>,
+    decision: WatermarkDecision,
+    /// Its wait budget.
+    budget: Duration,
+    /// Its place in the queue (0: not queued).
+    position: usize,
+    /// Its predicted wait before calibration.
+    raw_wait: Option<Duration>,
+}
+
+/// Why a request that cannot go now may not queue either: no wait allowed in its zone, a
+/// predicted wait past its budget, or a full queue that no displacement frees.
+fn queue_refusal<P, K: Hash + Eq + Ord + Clone>(
+    lane: &Lane<P, K>,
+    req: &AdmissionRequest<K>,
+    retry: &RetryBounds,
+    placed: &mut Placed,
+    predicted: Option<Duration>,
+) -> Option<LimitRefusal> {
+    let est = req.tokens();
+    let pos = placed.position;
+    if placed.budget.is_zero() {
+        return Some((
+            RefusalReason::Watermark(placed.decision.zone),
+            capacity_retry(lane, retry, pos),
+        ));
+    }
+    if let Some(wait) = predicted.filter(|w| *w > placed.budget) {
+        let r = RetryAfter::from_duration(wait).clamp(retry.min, retry.max);
+        return Some((RefusalReason::PredictedWait, Some(r)));
+    }
+    let Err(p) = lane.can_push(req.tier, est) else {
+        return None;
+    };
+    // A displacement makes room for one entry, and for this one's tokens if the displaced
+    // entry had as many: first a peer's in this tier with a longer backlog, else the newest
+    // of the lowest tier below (a higher tier is never refused for a full queue while a lower
+    // one waits in it).
+    let fits = |&(_, cost): &(_, u64)| p == PushRefusal::QueueFull || cost >= est;
+    let freed = match (placed.displace, p) {
+        (Some(_), PushRefusal::QueueFull) => true,
+        (None, PushRefusal::QueueFull | PushRefusal::TokensFull) => {
+            match lane
+                .displaceable(req.tier, &req.tenant)
+                .filter(fits)
+                .or_else(|| lane.lower_displaceable(req.tier).filter(fits))
+            {
+                Some((ticket, _)) => {
+                    placed.displace = Some(ticket);
+                    true
+                }
+                None => false,
+            }
+        }
+        _ => false,
+    };
+    (!freed).then(|| {
+        (
+            RefusalReason::QueueFull(p),
+            capacity_retry(lane, retry, pos),
+        )
+    })
+}
+
+/// The four rate scopes of a request, in the one order their locks are taken: global,
+/// model, tenant, the tenant's heavy rule (only for a heavy request).
+fn rate_scopes<'a, K>(
+    shared: &'a SharedLimits<K>,
+    model: &'a ScopeLimits,
+    tenant: &'a TenantLimits,
+    heavy: bool,
+) -> [(Option<&'a ScopeLimits>, Scope); 4] {
+    [
+        (Some(&shared.global), Scope::Global),
+        (Some(model), Scope::Model),
+        (Some(&tenant.limits), Scope::Tenant),
+        (heavy.then_some(&tenant.heavy), Scope::TenantHeavy),
+    ]
+}
+
+fn peek_rates(
+    scopes: &[(Option<&ScopeLimits>, Scope); 4],
+    est: u64,
+    now: Timestamp,
+) -> Result<(), LimitRefusal> {
+    for (s, scope) in scopes {
+        if let Some(s) = s {
+            s.peek(est, now, *scope)?;
+        }
+    }
+    Ok(())
+}
+
+/// Peeks every scope again and commits all of them under their locks, held together (in
+/// the order of [`rate_scopes`]): all four are charged, or none.
+fn take_rates(
+    scopes: &[(Option<&ScopeLimits>, Scope); 4],
+    est: u64,
+    now: Timestamp,
+) -> Result<[Charged; 4], LimitRefusal> {
+    let mut guards = scopes.map(|(s, _)| s.and_then(ScopeLimits::rates));
+    let mut peeked = [Peeked::default(); 4];
+    for ((g, (_, scope)), p) in guards.iter().zip(scopes).zip(peeked.iter_mut()) {
+        if let Some(g) = g {
+            *p = g.peek(est, now, *scope)?;
+        }
+    }
+    let mut charged = [(false, false); 4];
+    for ((g, p), c) in guards.iter_mut().zip(peeked).zip(charged.iter_mut()) {
+        if let Some(g) = g {
+            *c = g.commit(p);
+        }
+    }
+    Ok(charged)
+}
+
+/// The admission state of one gateway in one value: the shared limits and every model's
+/// lane, each decision under `&mut self`. The gateway holds the same parts apart (each lane
+/// behind its own lock); tests and benchmarks use this.
+#[derive(Debug)]
+pub struct Admission<T, K> {
+    cfg: AdmissionConfig,
+    shared: SharedLimits<K>,
+    models: HashMap<K, LaneAdmission<T, K>, FastState>,
+}
+
 impl<T, K: Hash + Eq + Ord + Clone> Admission<T, K> {
     /// Builds the admission state. Call [`AdmissionConfig::validate`] first to report bad
     /// settings; here they are clamped.
     pub fn new(cfg: AdmissionConfig) -> Self {
         Admission {
-            global: RateLimits::new(&cfg.global),
+            shared: SharedLimits::from_config(&cfg),
             models: HashMap::default(),
-            tenant_specs: HashMap::default(),
-            tenants: BoundedMap::new(cfg.max_tracked_keys),
             cfg,
         }
     }
@@ -635,71 +1159,40 @@ impl<T, K: Hash + Eq + Ord + Clone> Admission<T, K> {
         &self.cfg
     }
 
-    fn tiers(&self) -> u8 {
-        self.cfg.tiers.len().clamp(1, 255) as u8
+    /// The limits every lane shares.
+    pub fn shared(&self) -> &SharedLimits<K> {
+        &self.shared
     }
 
     /// Applies new settings, keeping limiter state (debt) where the quotas did not change
     /// and the lanes' queues and backends.
     pub fn reconfigure(&mut self, cfg: AdmissionConfig) {
-        if cfg.global != self.cfg.global {
-            self.global.update(&cfg.global);
-        }
-        if cfg.heavy != self.cfg.heavy || cfg.tenant_default != self.cfg.tenant_default {
-            // Default-limit tenants and heavy limits are rebuilt on next use.
-            let specs = &self.tenant_specs;
-            let default = cfg.tenant_default;
-            let heavy = cfg
-                .heavy
-                .map(|h| h.per_tenant)
-                .unwrap_or(LimitSpec::UNLIMITED);
-            self.tenants.for_each_mut(|k, st| {
-                st.limits
-                    .update(specs.get(k).map_or(&default, |s| &s.limits));
-                st.heavy.update(&heavy);
-            });
+        self.shared.reconfigure_from(&cfg);
+        for m in self.models.values_mut() {
+            m.reconfigure(&cfg);
         }
         self.cfg = cfg;
-        let tiers = self.tiers();
-        for m in self.models.values_mut() {
-            let lane_cfg = m.spec.lane.clone();
-            m.lane.reconfigure(lane_cfg, tiers);
-        }
     }
 
-    /// Configures a tenant's limits and weight (replacing the default for it). Debt already
-    /// accrued is kept; a changed concurrency limit applies to new permits.
+    /// Configures a tenant's limits and weight (replacing the default for it).
     pub fn set_tenant(&mut self, tenant: K, spec: TenantSpec) {
-        if let Some(st) = self.tenants.get_mut(&tenant) {
-            st.limits.update(&spec.limits);
-        }
-        self.tenant_specs.insert(tenant, spec);
+        self.shared.set_tenant(tenant, spec);
     }
 
     /// Adds or reconfigures a model and its lane (queue, watermarks, breaker settings).
     pub fn set_model(&mut self, model: K, spec: ModelSpec) {
-        let tiers = self.tiers();
         match self.models.get_mut(&model) {
-            Some(m) => {
-                if m.spec.limits != spec.limits {
-                    m.limits.update(&spec.limits);
-                }
-                m.lane.reconfigure(spec.lane.clone(), tiers);
-                m.spec = spec;
-            }
+            Some(m) => m.set_spec(spec),
             None => {
-                self.models.insert(
-                    model,
-                    ModelState {
-                        limits: RateLimits::new(&spec.limits),
-                        lane: Lane::new(spec.lane.clone(), tiers),
-                        expired: Vec::new(),
-                        displaced: Vec::new(),
-                        spec,
-                    },
-                );
+                self.models
+                    .insert(model, LaneAdmission::new(spec, &self.cfg));
             }
         }
+    }
+
+    /// A model's admission state.
+    pub fn lane_admission(&mut self, model: &K) -> Option<&mut LaneAdmission<T, K>> {
+        self.models.get_mut(model)
     }
 
     /// Sets a model's backends by id, keeping the live state of those that stay.
@@ -762,589 +1255,108 @@ impl<T, K: Hash + Eq + Ord + Clone> Admission<T, K> {
         self.models.keys()
     }
 
-    /// Decides one request at `now`. `item` is the caller's payload (a response channel);
-    /// it comes back in the decision.
+    /// Decides one request at `now` (see [`LaneAdmission::admit`]).
     pub fn admit(&mut self, req: &AdmissionRequest<K>, item: T, now: Timestamp) -> Admit<T, K> {
-        let est = req.tokens();
-        let Some(&tier_budget) = self.cfg.tiers.get(req.tier.0 as usize) else {
-            return refused(
-                item,
-                (RefusalReason::QueueFull(PushRefusal::NoSuchTier), None),
-            );
-        };
-        let retry = self.cfg.retry;
-        let Some(model) = self.models.get_mut(&req.model) else {
-            return refused(item, (RefusalReason::UnknownModel, None));
-        };
-        if let Some((u, wait)) = model.lane.unservable(now) {
-            let wait = wait.unwrap_or(retry.min.max(Duration::from_secs(1)));
-            return refused(item, (RefusalReason::Unservable(u), rate_retry(wait)));
-        }
-        if model.lane.largest_fit().is_some_and(|max| est > max) {
-            return refused(item, (RefusalReason::ExceedsKvBudget, None));
-        }
-
-        // One lookup for all of the tenant's state.
-        let spec = self.tenant_specs.get(&req.tenant);
-        let weight = spec.map_or(1, |s| s.weight);
-        let tenant = match self.tenants.get_mut(&req.tenant) {
-            Some(t) => t,
-            None => {
-                let limits = spec.map_or(&self.cfg.tenant_default, |s| &s.limits);
-                let heavy = self
-                    .cfg
-                    .heavy
-                    .map(|h| h.per_tenant)
-                    .unwrap_or(LimitSpec::UNLIMITED);
-                let st = TenantState {
-                    limits: RateLimits::new(limits),
-                    heavy: RateLimits::new(&heavy),
-                };
-                self.tenants.insert_new(&req.tenant, now, st)
-            }
-        };
-        let heavy = self
-            .cfg
-            .heavy
-            .is_some_and(|h| h.applies(req.prompt_tokens, req.completion_tokens));
-
-        // Concurrency first: permits roll back by drop on any later refusal. A permit frees
-        // when some request ends: about one mean service time.
-        let soon = capacity_retry(&model.lane, &retry, 1);
-        let permits = (|| {
-            Ok::<_, Refused2>([
-                tenant.limits.acquire(Scope::Tenant, soon)?,
-                model.limits.acquire(Scope::Model, soon)?,
-                self.global.acquire(Scope::Global, soon)?,
-            ])
-        })();
-        let permits = match permits {
-            Ok(p) => p,
-            Err(r) => return refused(item, r),
-        };
-
-        // Rates: peek everything, commit only once the request is certain to be taken.
-        let peeked = (|| {
-            Ok::<_, Refused2>([
-                self.global.peek(est, now, Scope::Global)?,
-                model.limits.peek(est, now, Scope::Model)?,
-                tenant.limits.peek(est, now, Scope::Tenant)?,
-                if heavy {
-                    tenant.heavy.peek(est, now, Scope::TenantHeavy)?
-                } else {
-                    Peeked {
-                        rpm: None,
-                        tpm: None,
-                    }
-                },
-            ])
-        })();
-        let peeked = match peeked {
-            Ok(p) => p,
-            Err(r) => return refused(item, r),
-        };
-
-        // The lane: watermark, then dispatch now or queue.
-        let lane = &mut model.lane;
-        lane.note_arrival(&req.tenant, req.tier, weight, now);
-        let load = lane.load_for(req.tier);
-        let watermarks = lane.config().watermarks;
-        let mut decision = watermarks.decide(load, tier_budget, lane.drain(), &retry, now);
-        // A full lane gives a place to a peer with less waiting: the newest entry of the
-        // tier's longest backlog leaves (answered by `expire`) if that lets this one in.
-        let mut displace = None;
-        if decision.action == WatermarkAction::Refuse {
-            if let Some((ticket, _)) = lane.displaceable(req.tier, &req.tenant) {
-                let d = watermarks.decide(load - 1, tier_budget, lane.drain(), &retry, now);
-                if d.action != WatermarkAction::Refuse {
-                    decision = d;
-                    displace = Some(ticket);
-                }
-            }
-        }
-        let budget = match decision.action {
-            WatermarkAction::Refuse => {
-                let r = capacity_retry(lane, &retry, 1);
-                return refused(item, (RefusalReason::Watermark(decision.zone), r));
-            }
-            WatermarkAction::DispatchNow => tier_budget.normal,
-            WatermarkAction::Wait { budget } => budget,
-        };
-        let budget = match req.max_wait {
-            Some(w) => budget.min(w),
-            None => budget,
-        };
-        let target = if lane.queued_at_or_above(req.tier) == 0 {
-            lane.can_dispatch(req.tier, &req.tenant, est, now, None)
-        } else {
-            None
-        };
-        let mut position = 0;
-        let mut raw_wait = None;
-        if target.is_none() {
-            // A background request held back only until a backend is quiet waits that long,
-            // whatever the queue model says.
-            let quiet = if lane.queued_at_or_above(req.tier) == 0 {
-                lane.quiet_wait(req.tier, &req.tenant, est, now)
-            } else {
-                None
-            };
-            let (pos, raw) = match quiet {
-                Some(w) => (1, Some(w)),
-                None => lane.predict_wait(req.tier, &req.tenant, now),
-            };
-            position = pos;
-            raw_wait = raw;
-            let predicted = raw.map(|w| lane.calibrated_wait(&req.tenant, w));
-            let refusal = if budget.is_zero() {
-                Some((
-                    RefusalReason::Watermark(decision.zone),
-                    capacity_retry(lane, &retry, pos),
-                ))
-            } else if let Some(wait) = predicted.filter(|w| *w > budget) {
-                let r = RetryAfter::from_duration(wait).clamp(retry.min, retry.max);
-                Some((RefusalReason::PredictedWait, Some(r)))
-            } else if let Err(p) = lane.can_push(req.tier, est) {
-                // A displacement makes room for one entry, and for this one's tokens if the
-                // displaced entry had as many: first a peer's in this tier with a longer
-                // backlog, else the newest of the lowest tier below (a higher tier is never
-                // refused for a full queue while a lower one waits in it).
-                let fits = |&(_, cost): &(_, u64)| p == PushRefusal::QueueFull || cost >= est;
-                let freed = match (displace, p) {
-                    (Some(_), PushRefusal::QueueFull) => true,
-                    (None, PushRefusal::QueueFull | PushRefusal::TokensFull) => {
-                        match lane
-                            .displaceable(req.tier, &req.tenant)
-                            .filter(fits)
-                            .or_else(|| lane.lower_displaceable(req.tier).filter(fits))
-                        {
-                            Some((ticket, _)) => {
-                                displace = Some(ticket);
-                                true
-                            }
-                            None => false,
-                        }
-                    }
-                    _ => false,
-                };
-                (!freed).then(|| {
-                    (
-                        RefusalReason::QueueFull(p),
-                        capacity_retry(lane, &retry, pos),
-                    )
-                })
-            } else {
-                None
-            };
-            if let Some((reason, retry_after)) = refusal {
-                return Admit::Refused(Refusal {
-                    item,
-                    reason,
-                    retry_after,
-                    position: Some(pos),
-                });
-            }
-        }
-
-        // Commit.
-        let (g_r, g_t) = self.global.commit(peeked[GLOBAL]);
-        let (m_r, m_t) = model.limits.commit(peeked[MODEL]);
-        let (t_r, t_t) = tenant.limits.commit(peeked[TENANT]);
-        let (h_r, h_t) = tenant.heavy.commit(peeked[HEAVY]);
-        let mut grant = Grant {
-            tenant: req.tenant.clone(),
-            model: req.model.clone(),
-            tier: req.tier,
-            tokens: est,
-            charged: [g_t, m_t, t_t, h_t],
-            rated: [g_r, m_r, t_r, h_r],
-            admitted_at: now,
-            placement: None,
-            _permits: permits,
-        };
-        let lane = &mut model.lane;
-        if let Some(ticket) = displace {
-            if let Some(e) = lane.cancel(ticket) {
-                model.displaced.push(e);
-            }
-        }
-        lane.note_admitted(req.tier, est, now);
-        if let Some(i) = target {
-            if let Some(p) = lane.place(i, &req.tenant, est, now) {
-                lane.charge(req.tier, &req.tenant, est);
-                grant.placement = Some(p);
-                return Admit::Dispatch(Dispatched {
-                    item,
-                    grant,
-                    waited: Duration::ZERO,
-                });
-            }
-        }
-        let deadline = now + budget;
-        match lane.push(
-            req.tier,
-            &req.tenant,
-            est,
-            now,
-            deadline,
-            Pending {
-                item,
-                grant,
-                predicted: raw_wait,
-            },
-        ) {
-            Ok(ticket) => Admit::Queued {
-                ticket,
-                decision,
-                deadline,
-                position: position.max(1),
-            },
-            Err(rej) => {
-                // Unreachable after can_push; undo the charge.
-                let reason = RefusalReason::QueueFull(rej.reason);
-                let Pending { item, grant, .. } = rej.item;
-                self.refund(grant, now);
-                Admit::Refused(Refusal {
-                    item,
-                    reason,
-                    retry_after: None,
-                    position: None,
-                })
-            }
+        match self.models.get_mut(&req.model) {
+            Some(m) => m.admit(&self.shared, req, item, now),
+            None => refused(item, (RefusalReason::UnknownModel, None)),
         }
     }
 
-    /// Takes the next queued request of `model` that may go now, placed on a backend. Call
-    /// it after anything that may free room (a completion, a cancel, a backend coming back,
-    /// right after `Admit::Queued`) in a loop until `None`. Entries past their deadline are
-    /// left for [`Admission::expire`].
+    /// See [`LaneAdmission::dequeue`].
     pub fn dequeue(&mut self, model: &K, now: Timestamp) -> Option<Dispatched<T, K>> {
-        let m = self.models.get_mut(model)?;
-        let lane = &mut m.lane;
-        let expired = &mut m.expired;
-        loop {
-            let (e, i) = lane.next_ready(now, |_, cost| cost)?;
-            if e.deadline <= now {
-                // Expiry runs on its own timer; leave this one for it.
-                expired.push(e);
-                continue;
-            }
-            let Pending {
-                item,
-                mut grant,
-                predicted,
-            } = e.item;
-            match lane.place(i, &e.tenant, e.cost, now) {
-                Some(p) => {
-                    grant.placement = Some(p);
-                    let waited = now.saturating_duration_since(e.enqueued_at);
-                    if let Some(predicted) = predicted {
-                        let budget = e.deadline.saturating_duration_since(e.enqueued_at);
-                        lane.note_wait(&e.tenant, predicted, waited, budget, false);
-                    }
-                    return Some(Dispatched {
-                        item,
-                        grant,
-                        waited,
-                    });
-                }
-                None => {
-                    // The breaker refused between the check and the take (they read the
-                    // same state, so this does not happen): keep the request queued.
-                    let pending = Pending {
-                        item,
-                        grant,
-                        predicted,
-                    };
-                    let back = lane.push(
-                        e.tier,
-                        &e.tenant,
-                        e.cost,
-                        e.enqueued_at,
-                        e.deadline,
-                        pending,
-                    );
-                    if let Err(rej) = back {
-                        let Pending { grant, .. } = rej.item;
-                        self.refund(grant, now);
-                    }
-                    return None;
-                }
-            }
-        }
+        self.models.get_mut(model)?.dequeue(&self.shared, now)
     }
 
-    /// Removes every queued request of `model` past its deadline and refunds it.
+    /// See [`LaneAdmission::expire`].
     pub fn expire(&mut self, model: &K, now: Timestamp) -> Vec<Expired<T>> {
-        let Some(m) = self.models.get_mut(model) else {
-            return Vec::new();
-        };
-        let mut entries = Vec::new();
-        m.lane.expire_into(now, &mut entries);
-        entries.append(&mut m.expired);
-        // A wait that ran out of budget teaches its tenant's calibration the most.
-        for e in &entries {
-            if let Some(predicted) = e.item.predicted {
-                let budget = e.deadline.saturating_duration_since(e.enqueued_at);
-                m.lane.note_wait(&e.tenant, predicted, budget, budget, true);
-            }
+        match self.models.get_mut(model) {
+            Some(m) => m.expire(&self.shared, now),
+            None => Vec::new(),
         }
-        let displaced = std::mem::take(&mut m.displaced);
-        if entries.is_empty() && displaced.is_empty() {
-            return Vec::new();
-        }
-        let retry = capacity_retry(&m.lane, &self.cfg.retry, 1)
-            .unwrap_or(RetryAfter::from_duration(self.cfg.retry.min));
-        let mut out = self.refund_all(entries, RefusalReason::QueueTimeout, retry, now);
-        out.extend(self.refund_all(displaced, RefusalReason::Displaced, retry, now));
-        out
     }
 
-    /// When `model`'s lane cannot serve anything (no healthy backend, every breaker open),
-    /// takes every queued request out, refunded, to be answered at once rather than left to
-    /// wait out its budget. Empty otherwise.
+    /// See [`LaneAdmission::fail_unservable`].
     pub fn fail_unservable(&mut self, model: &K, now: Timestamp) -> Vec<Expired<T>> {
-        let Some(m) = self.models.get_mut(model) else {
-            return Vec::new();
-        };
-        let Some((u, wait)) = m.lane.unservable(now) else {
-            return Vec::new();
-        };
-        let mut entries = Vec::new();
-        m.lane.drain_into(&mut entries);
-        let wait = wait.unwrap_or(self.cfg.retry.min.max(Duration::from_secs(1)));
-        let retry = RetryAfter::from_duration(wait);
-        self.refund_all(entries, RefusalReason::Unservable(u), retry, now)
-    }
-
-    /// Refunds every entry taken out of a queue unserved, to be answered with `reason`.
-    fn refund_all(
-        &mut self,
-        entries: Vec<Entry<Pending<T, K>, K>>,
-        reason: RefusalReason,
-        retry_after: RetryAfter,
-        now: Timestamp,
-    ) -> Vec<Expired<T>> {
-        let mut out = Vec::with_capacity(entries.len());
-        for e in entries {
-            let Pending { item, grant, .. } = e.item;
-            self.refund(grant, now);
-            out.push(Expired {
-                item,
-                tier: e.tier,
-                waited: now.saturating_duration_since(e.enqueued_at),
-                reason,
-                retry_after,
-            });
+        match self.models.get_mut(model) {
+            Some(m) => m.fail_unservable(&self.shared, now),
+            None => Vec::new(),
         }
-        out
     }
 
-    /// Takes every queued request of `model` out, refunded (the gateway is draining).
+    /// See [`LaneAdmission::drain`].
     pub fn drain(&mut self, model: &K, now: Timestamp) -> Vec<T> {
-        let Some(m) = self.models.get_mut(model) else {
-            return Vec::new();
-        };
-        let mut entries = std::mem::take(&mut m.expired);
-        entries.append(&mut m.displaced);
-        m.lane.drain_into(&mut entries);
-        let mut out = Vec::with_capacity(entries.len());
-        for e in entries {
-            let Pending { item, grant, .. } = e.item;
-            self.refund(grant, now);
-            out.push(item);
+        match self.models.get_mut(model) {
+            Some(m) => m.drain(&self.shared, now),
+            None => Vec::new(),
         }
-        out
     }
 
-    /// Whether `model` holds requests displaced from its queue, to be answered by
-    /// [`Admission::expire`] at once.
+    /// See [`LaneAdmission::has_displaced`].
     pub fn has_displaced(&self, model: &K) -> bool {
-        self.models
-            .get(model)
-            .is_some_and(|m| !m.displaced.is_empty())
+        self.models.get(model).is_some_and(|m| m.has_displaced())
     }
 
-    /// When `model`'s queue next changes by time alone after `now` (the earliest queued
-    /// deadline, or a backend's prefill window ending while a request of the isolated tier
-    /// waits), to schedule the next [`Admission::expire`] and [`Admission::dequeue`].
+    /// See [`LaneAdmission::next_deadline`].
     pub fn next_deadline(&self, model: &K, now: Timestamp) -> Option<Timestamp> {
-        let m = self.models.get(model)?;
-        // Displaced entries are due at once; expired ones were due at their deadline.
-        match (m.displaced.first(), m.expired.first()) {
-            (Some(e), _) => Some(e.enqueued_at),
-            (None, Some(e)) => Some(e.deadline),
-            (None, None) => m.lane.next_deadline(now),
-        }
+        self.models.get(model)?.next_deadline(now)
     }
 
-    /// The place of a queued request in its lane's serving order now (1 = next); `None` once
-    /// it has left the queue.
+    /// See [`LaneAdmission::position_of`].
     pub fn position_of(&self, model: &K, ticket: Ticket) -> Option<usize> {
-        self.models.get(model)?.lane.position_of(ticket)
+        self.models.get(model)?.position_of(ticket)
     }
 
-    /// Withdraws a queued request (the client went away) and refunds it. `None` if it already
-    /// left the queue.
+    /// See [`LaneAdmission::cancel`].
     pub fn cancel(&mut self, model: &K, ticket: Ticket, now: Timestamp) -> Option<T> {
-        let e = self.models.get_mut(model)?.lane.cancel(ticket)?;
-        let Pending { item, grant, .. } = e.item;
-        self.refund(grant, now);
-        Some(item)
+        self.models
+            .get_mut(model)?
+            .cancel(&self.shared, ticket, now)
     }
 
-    /// Moves a dispatched request whose backend failed before anything reached the client
-    /// to another backend with room (never the one that failed). `outcome` is reported to the
-    /// failed backend's breaker. `false` if no other backend can take it now; the grant then
-    /// holds no placement and should be refunded.
+    /// See [`LaneAdmission::redispatch`].
     pub fn redispatch(&mut self, grant: &mut Grant<K>, outcome: Outcome, now: Timestamp) -> bool {
-        let Some(m) = self.models.get_mut(&grant.model) else {
-            return false;
-        };
-        let Some(p) = grant.placement.take() else {
-            return false;
-        };
-        let failed = p.backend.clone();
-        m.lane.release(&grant.tenant, p, outcome, now);
-        let Some(i) =
-            m.lane
-                .can_dispatch(grant.tier, &grant.tenant, grant.tokens, now, Some(&failed))
-        else {
-            return false;
-        };
-        grant.placement = m.lane.place(i, &grant.tenant, grant.tokens, now);
-        grant.placement.is_some()
-    }
-
-    /// Ends a request that was never served (refused after admission, expired, cancelled, or
-    /// failed before reaching a backend): every token and request-rate charge comes back.
-    pub fn refund(&mut self, grant: Grant<K>, now: Timestamp) {
-        self.settle(grant, Outcome::Cancelled, 0, true, now);
-    }
-
-    /// Ends a dispatched request: frees its backend, reports `outcome` to the breaker, and
-    /// reconciles its token estimate with the real usage (the difference is refunded, or
-    /// charged as debt of at most one bucket).
-    pub fn complete(&mut self, grant: Grant<K>, done: Completion, now: Timestamp) {
-        let actual = done.actual_tokens.unwrap_or(grant.tokens);
-        self.settle(grant, done.outcome, actual, false, now);
-    }
-
-    fn settle(
-        &mut self,
-        grant: Grant<K>,
-        outcome: Outcome,
-        actual: u64,
-        refund: bool,
-        now: Timestamp,
-    ) {
-        let Grant {
-            tenant,
-            model,
-            tokens,
-            charged,
-            rated,
-            placement,
-            ..
-        } = grant;
-        let reserved = tokens;
-        if let Some(m) = self.models.get_mut(&model) {
-            if let Some(p) = placement {
-                m.lane.release(&tenant, p, outcome, now);
-            }
-            m.limits.settle(
-                refund && rated[MODEL],
-                charged[MODEL],
-                reserved,
-                actual,
-                now,
-            );
+        match self.models.get_mut(&grant.model) {
+            Some(m) => m.redispatch(grant, outcome, now),
+            None => false,
         }
-        self.global.settle(
-            refund && rated[GLOBAL],
-            charged[GLOBAL],
-            reserved,
-            actual,
-            now,
-        );
-        // If the tenant's state was evicted meanwhile, its fresh bucket is full: a refund has
-        // nothing to add and a charge is forgiven.
-        if let Some(t) = self.tenants.get_mut(&tenant) {
-            t.limits.settle(
-                refund && rated[TENANT],
-                charged[TENANT],
-                reserved,
-                actual,
-                now,
-            );
-            t.heavy.settle(
-                refund && rated[HEAVY],
-                charged[HEAVY],
-                reserved,
-                actual,
-                now,
-            );
+    }
+
+    /// See [`LaneAdmission::refund`].
+    pub fn refund(&mut self, grant: Grant<K>, now: Timestamp) {
+        if let Some(m) = self.models.get_mut(&grant.model) {
+            m.refund(&self.shared, grant, now);
+        }
+    }
+
+    /// See [`LaneAdmission::complete`].
+    pub fn complete(&mut self, grant: Grant<K>, done: Completion, now: Timestamp) {
+        if let Some(m) = self.models.get_mut(&grant.model) {
+            m.complete(&self.shared, grant, done, now);
         }
     }
 
     /// The tenant's `x-ratelimit-*` figures at `now`.
     pub fn rate_limit_headers(&self, tenant: &K, now: Timestamp) -> RateLimitHeaders {
-        match self.tenants.get(tenant) {
-            Some(t) => RateLimitHeaders {
-                requests: t.limits.rpm.as_ref().map(|g| g.info(now)),
-                tokens: t.limits.tpm.as_ref().map(|b| b.info(now)),
-                concurrency: t
-                    .limits
-                    .concurrency
-                    .as_ref()
-                    .map(|c| (c.in_use(), c.limit())),
-            },
-            None => {
-                let spec = self
-                    .tenant_specs
-                    .get(tenant)
-                    .map_or(&self.cfg.tenant_default, |s| &s.limits);
-                RateLimitHeaders {
-                    requests: spec.request_quota().map(|q| Gcra::new(q).info(now)),
-                    tokens: spec.token_quota().map(|q| TokenBucket::new(q).info(now)),
-                    concurrency: spec.max_concurrent.map(|n| (0, n)),
-                }
-            }
-        }
+        self.shared.rate_limit_headers(tenant, now)
     }
 
     /// Global figures (`requests`, `tokens`, `concurrency`) for admin state.
     pub fn global_headers(&self, now: Timestamp) -> RateLimitHeaders {
-        RateLimitHeaders {
-            requests: self.global.rpm.as_ref().map(|g| g.info(now)),
-            tokens: self.global.tpm.as_ref().map(|b| b.info(now)),
-            concurrency: self
-                .global
-                .concurrency
-                .as_ref()
-                .map(|c| (c.in_use(), c.limit())),
-        }
+        self.shared.global_headers(now)
     }
 
     /// Tenants with limiter state.
     pub fn tracked_tenants(&self) -> usize {
-        self.tenants.len()
+        self.shared.tracked_tenants()
     }
 
     /// Drops limiter state of idle tenants (optional housekeeping; the cap holds anyway).
     pub fn evict_idle(&mut self, now: Timestamp) -> usize {
-        self.tenants.evict_idle(now)
-    }
-
-    #[doc(hidden)]
-    pub fn for_each_tenant_bucket(&mut self, mut f: impl FnMut(&mut TokenBucket)) {
-        for t in self.tenants.values_mut() {
-            if let Some(b) = t.limits.tpm.as_mut() {
-                f(b);
-            }
-        }
+        self.shared.evict_idle(now)
     }
 }
+
 
 /// Retry-After for a capacity refusal: the time for `items` requests to drain at the lane's
 /// measured service rate, within the bounds.

@@ -67,15 +67,8 @@ impl<K: Hash + Eq + Clone, V: Evictable, S: BuildHasher + Default> BoundedMap<K,
         self.map.remove(key)
     }
 
-    pub(crate) fn for_each_mut(&mut self, mut f: impl FnMut(&K, &mut V)) {
-        for (k, v) in self.map.iter_mut() {
-            f(k, v);
-        }
-    }
 
-    pub(crate) fn values_mut(&mut self) -> impl Iterator<Item = &mut V> {
-        self.map.values_mut()
-    }
+
 
     /// Inserts a new entry for an absent `key` (sweeping first if at the cap). Callers look
     /// the key up with `get_mut` first and call this only on a miss.

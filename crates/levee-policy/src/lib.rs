@@ -22,6 +22,7 @@ mod gcra;
 mod key;
 mod keyed;
 mod lane;
+mod limits;
 mod prefill;
 mod quantile;
 mod queue;
@@ -33,9 +34,10 @@ mod watermark;
 pub use adaptive::{AdaptiveConfig, AdaptiveLimit};
 pub use admission::{
     Admission, AdmissionConfig, AdmissionRequest, Admit, Completion, Dispatched, Expired, Grant,
-    HeavyRule, LimitSpec, ModelSpec, Pending, RateLimitHeaders, Refusal, RefusalReason, Scope,
+    HeavyRule, LaneAdmission, LimitSpec, ModelSpec, Pending, Refusal, RefusalReason, Scope,
     TenantSpec,
 };
+pub use limits::{RateLimitHeaders, SharedLimits, TenantLimits};
 pub use autoscale::{
     erlang_c, mean_wait, replicas_needed, AutoscaleConfig, Autoscaler, Bound, Demand, Need,
     Recommendation,

@@ -1,0 +1,457 @@
+//! The limits every lane shares: the gateway-wide scope and each tenant's (requests per
+//! minute, tokens per minute, requests outstanding, and the tenant's heavy-request rates).
+//!
+//! Lanes decide in parallel, each under its own lock, so this state synchronises itself, in
+//! pieces small enough that two lanes rarely wait for each other: a scope's rates sit behind
+//! a mutex held only for a peek or a take (tens of nanoseconds), its concurrency is an
+//! atomic count, and a scope with no rate configured takes no lock at all. A configured
+//! tenant's state is created once and handed out as an [`Arc`] the caller may keep (the
+//! gateway keeps it with the tenant, so a decision does not even look the tenant up);
+//! tenants without a configuration share a bounded map.
+//!
+//! Rates are checked twice: a *peek* before the lane's work (a request over quota is refused
+//! before it costs a queue decision) and a *take* once the lane has decided to take it,
+//! which peeks again and commits under the same locks (global, then tenant: one order
+//! everywhere), so two lanes can never both spend the last of a quota.
+
+use crate::admission::{LimitSpec, RefusalReason, Scope};
+use crate::clock::Timestamp;
+use crate::concurrency::{ConcurrencyLimit, Permit};
+use crate::fasthash::FastState;
+use crate::gcra::{Gcra, RateLimitInfo};
+use crate::keyed::{BoundedMap, Evictable};
+use crate::retry::RetryAfter;
+use crate::tokens::{Refused, TokenBucket};
+use parking_lot::{Mutex, MutexGuard, RwLock};
+use std::collections::HashMap;
+use std::hash::Hash;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// A refusal by a limit: why, and when a retry may pass (`None`: never as sent).
+pub(crate) type LimitRefusal = (RefusalReason, Option<RetryAfter>);
+
+/// The request and token rates of one scope.
+#[derive(Debug, Default)]
+pub(crate) struct Rates {
+    rpm: Option<Gcra>,
+    tpm: Option<TokenBucket>,
+}
+
+/// What a peek found room for: the new states to commit (`None`: not limited).
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Peeked {
+    rpm: Option<u128>,
+    tpm: Option<u128>,
+}
+
+/// What a take charged: `(request rate, token rate)`.
+pub(crate) type Charged = (bool, bool);
+
+pub(crate) fn rate_retry(wait: Duration) -> Option<RetryAfter> {
+    Some(RetryAfter::from_duration(
+        wait.max(Duration::from_millis(1)),
+    ))
+}
+
+impl Rates {
+    fn new(spec: &LimitSpec) -> Self {
+        Rates {
+            rpm: spec.request_quota().map(Gcra::new),
+            tpm: spec.token_quota().map(TokenBucket::new),
+        }
+    }
+
+    fn is_limited(&self) -> bool {
+        self.rpm.is_some() || self.tpm.is_some()
+    }
+
+    /// Changes the quotas in place, keeping debt.
+    fn update(&mut self, spec: &LimitSpec) {
+        match (spec.request_quota(), self.rpm.as_mut()) {
+            (Some(q), Some(g)) => g.set_quota(q),
+            (q, _) => self.rpm = q.map(Gcra::new),
+        }
+        match (spec.token_quota(), self.tpm.as_mut()) {
+            (Some(q), Some(b)) => b.set_quota(q),
+            (q, _) => self.tpm = q.map(TokenBucket::new),
+        }
+    }
+
+    pub(crate) fn peek(
+        &self,
+        tokens: u64,
+        now: Timestamp,
+        scope: Scope,
+    ) -> Result<Peeked, LimitRefusal> {
+        let rpm = match &self.rpm {
+            None => None,
+            Some(g) => Some(
+                g.peek(now)
+                    .map_err(|e| (RefusalReason::RequestRate(scope), rate_retry(e.retry_after)))?,
+            ),
+        };
+        let tpm = match &self.tpm {
+            None => None,
+            Some(b) => Some(b.peek(tokens, now).map_err(|e| match e {
+                Refused::NotUntil { retry_after } => {
+                    (RefusalReason::TokenRate(scope), rate_retry(retry_after))
+                }
+                Refused::TooLarge { .. } => (RefusalReason::TooLarge(scope), None),
+            })?),
+        };
+        Ok(Peeked { rpm, tpm })
+    }
+
+    pub(crate) fn commit(&mut self, p: Peeked) -> Charged {
+        if let (Some(g), Some(t)) = (self.rpm.as_mut(), p.rpm) {
+            g.commit(t);
+        }
+        if let (Some(b), Some(t)) = (self.tpm.as_mut(), p.tpm) {
+            b.commit(t);
+        }
+        (p.rpm.is_some(), p.tpm.is_some())
+    }
+
+    /// Settles one request's charges: a refund of its request (`refund_request`), and its
+    /// token reservation reconciled to `actual`.
+    pub(crate) fn settle(
+        &mut self,
+        (rated, charged): Charged,
+        refund_request: bool,
+        reserved: u64,
+        actual: u64,
+        now: Timestamp,
+    ) {
+        if charged && reserved != actual {
+            if let Some(b) = self.tpm.as_mut() {
+                b.reconcile(reserved, actual, now);
+            }
+        }
+        if rated && refund_request {
+            if let Some(g) = self.rpm.as_mut() {
+                g.refund(now);
+            }
+        }
+    }
+
+    fn info(&self, now: Timestamp) -> (Option<RateLimitInfo>, Option<RateLimitInfo>) {
+        (
+            self.rpm.as_ref().map(|g| g.info(now)),
+            self.tpm.as_ref().map(|b| b.info(now)),
+        )
+    }
+
+    fn is_idle(&self, now: Timestamp) -> bool {
+        self.rpm.as_ref().is_none_or(|g| g.is_idle(now))
+            && self.tpm.as_ref().is_none_or(|b| b.is_idle(now))
+    }
+
+    fn debt(&self, now: Timestamp) -> u128 {
+        let a = self.rpm.as_ref().map_or(0, |g| g.debt(now));
+        let b = self.tpm.as_ref().map_or(0, |t| t.debt(now));
+        a.max(b)
+    }
+}
+
+/// The limits of one scope, shared by every lane: its rates behind a mutex that only a
+/// limited scope takes, and its concurrency as an atomic count.
+#[derive(Debug)]
+pub(crate) struct ScopeLimits {
+    rates: Mutex<Rates>,
+    rated: AtomicBool,
+    concurrency: ConcurrencyLimit,
+    bounded: AtomicBool,
+}
+
+impl ScopeLimits {
+    pub(crate) fn new(spec: &LimitSpec) -> Self {
+        let rates = Rates::new(spec);
+        ScopeLimits {
+            rated: AtomicBool::new(rates.is_limited()),
+            rates: Mutex::new(rates),
+            concurrency: ConcurrencyLimit::new(spec.max_concurrent.unwrap_or(usize::MAX)),
+            bounded: AtomicBool::new(spec.max_concurrent.is_some()),
+        }
+    }
+
+    /// Changes the limits in place, keeping debt and the permits out.
+    pub(crate) fn update(&self, spec: &LimitSpec) {
+        let mut r = self.rates.lock();
+        r.update(spec);
+        self.rated.store(r.is_limited(), Ordering::Release);
+        self.concurrency
+            .set_limit(spec.max_concurrent.unwrap_or(usize::MAX));
+        self.bounded
+            .store(spec.max_concurrent.is_some(), Ordering::Release);
+    }
+
+    /// The scope's rates, locked; `None` when it has none (no lock taken).
+    pub(crate) fn rates(&self) -> Option<MutexGuard<'_, Rates>> {
+        self.rated
+            .load(Ordering::Acquire)
+            .then(|| self.rates.lock())
+    }
+
+    /// Checks the rates without charging.
+    pub(crate) fn peek(&self, tokens: u64, now: Timestamp, scope: Scope) -> Result<(), LimitRefusal> {
+        match self.rates() {
+            Some(r) => r.peek(tokens, now, scope).map(|_| ()),
+            None => Ok(()),
+        }
+    }
+
+    /// A permit for one outstanding request; `None` when the scope does not bound them.
+    pub(crate) fn acquire(
+        &self,
+        scope: Scope,
+        retry: Option<RetryAfter>,
+    ) -> Result<Option<Permit>, LimitRefusal> {
+        if !self.bounded.load(Ordering::Acquire) {
+            return Ok(None);
+        }
+        self.concurrency
+            .try_acquire()
+            .map(Some)
+            .map_err(|_| (RefusalReason::Concurrency(scope), retry))
+    }
+
+    /// Settles one request's charges (see [`Rates::settle`]).
+    pub(crate) fn settle(
+        &self,
+        charged: Charged,
+        refund_request: bool,
+        reserved: u64,
+        actual: u64,
+        now: Timestamp,
+    ) {
+        if charged != (false, false) {
+            self.rates
+                .lock()
+                .settle(charged, refund_request, reserved, actual, now);
+        }
+    }
+
+    fn figures(&self, now: Timestamp) -> (Option<RateLimitInfo>, Option<RateLimitInfo>) {
+        self.rates.lock().info(now)
+    }
+
+    fn concurrency_figures(&self) -> Option<(usize, usize)> {
+        self.bounded
+            .load(Ordering::Acquire)
+            .then(|| (self.concurrency.in_use(), self.concurrency.limit()))
+    }
+
+    fn is_idle(&self, now: Timestamp) -> bool {
+        self.rates.lock().is_idle(now)
+    }
+
+    fn debt(&self, now: Timestamp) -> u128 {
+        self.rates.lock().debt(now)
+    }
+}
+
+/// One tenant's limits and fairness weight, shared by every lane. Keep the `Arc` from
+/// [`SharedLimits::tenant`] to decide without looking the tenant up again.
+#[derive(Debug)]
+pub struct TenantLimits {
+    pub(crate) limits: ScopeLimits,
+    pub(crate) heavy: ScopeLimits,
+    weight: AtomicU32,
+}
+
+impl TenantLimits {
+    fn new(limits: &LimitSpec, heavy: &LimitSpec, weight: u32) -> Self {
+        TenantLimits {
+            limits: ScopeLimits::new(limits),
+            heavy: ScopeLimits::new(heavy),
+            weight: AtomicU32::new(weight.max(1)),
+        }
+    }
+
+    /// Its weight in the fair queue and the lanes' fair shares.
+    pub fn weight(&self) -> u32 {
+        self.weight.load(Ordering::Relaxed)
+    }
+}
+
+impl Evictable for Arc<TenantLimits> {
+    fn is_idle(&self, now: Timestamp) -> bool {
+        self.limits.is_idle(now) && self.heavy.is_idle(now)
+    }
+    fn debt(&self, now: Timestamp) -> u128 {
+        self.limits.debt(now).max(self.heavy.debt(now))
+    }
+    fn pinned(&self) -> bool {
+        // Live grants point at this state; a fresh one would let the tenant exceed it.
+        Arc::strong_count(self) > 1
+    }
+}
+
+/// The settings of the shared limits.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct LimitsConfig {
+    pub global: LimitSpec,
+    pub tenant_default: LimitSpec,
+    pub heavy: Option<crate::admission::HeavyRule>,
+    pub max_tracked_keys: usize,
+}
+
+impl LimitsConfig {
+    fn heavy_spec(&self) -> LimitSpec {
+        self.heavy
+            .map(|h| h.per_tenant)
+            .unwrap_or(LimitSpec::UNLIMITED)
+    }
+}
+
+#[derive(Debug)]
+struct Tenants<K> {
+    /// Tenants given limits with [`SharedLimits::set_tenant`]: kept for good.
+    configured: HashMap<K, (crate::admission::TenantSpec, Arc<TenantLimits>), FastState>,
+    /// Every other tenant, on the default limits, in a bounded map.
+    others: BoundedMap<K, Arc<TenantLimits>, FastState>,
+}
+
+/// The limits shared by every lane of one gateway: global and per tenant.
+#[derive(Debug)]
+pub struct SharedLimits<K> {
+    cfg: RwLock<LimitsConfig>,
+    pub(crate) global: ScopeLimits,
+    tenants: RwLock<Tenants<K>>,
+}
+
+impl<K: Hash + Eq + Clone> SharedLimits<K> {
+    pub(crate) fn new(cfg: LimitsConfig) -> Self {
+        SharedLimits {
+            global: ScopeLimits::new(&cfg.global),
+            tenants: RwLock::new(Tenants {
+                configured: HashMap::default(),
+                others: BoundedMap::new(cfg.max_tracked_keys),
+            }),
+            cfg: RwLock::new(cfg),
+        }
+    }
+
+    /// Applies new settings, keeping limiter state (debt) and permits out.
+    pub(crate) fn reconfigure(&self, cfg: LimitsConfig) {
+        let old = self.cfg.read().clone();
+        if cfg.global != old.global {
+            self.global.update(&cfg.global);
+        }
+        if cfg.heavy != old.heavy || cfg.tenant_default != old.tenant_default {
+            let heavy = cfg.heavy_spec();
+            let t = self.tenants.read();
+            for (_, st) in t.configured.values() {
+                st.heavy.update(&heavy);
+            }
+            // Default-limit tenants start over on the new limits.
+            drop(t);
+            let mut t = self.tenants.write();
+            t.others = BoundedMap::new(cfg.max_tracked_keys);
+        }
+        *self.cfg.write() = cfg;
+    }
+
+    /// Configures a tenant's limits and weight. Debt already accrued is kept; a changed
+    /// concurrency limit applies to new permits.
+    pub fn set_tenant(&self, tenant: K, spec: crate::admission::TenantSpec) -> Arc<TenantLimits> {
+        let heavy = self.cfg.read().heavy_spec();
+        let mut t = self.tenants.write();
+        if let Some((old, st)) = t.configured.get_mut(&tenant) {
+            st.limits.update(&spec.limits);
+            st.weight.store(spec.weight.max(1), Ordering::Relaxed);
+            *old = spec;
+            return st.clone();
+        }
+        let st = match t.others.remove(&tenant) {
+            Some(st) => {
+                st.limits.update(&spec.limits);
+                st.weight.store(spec.weight.max(1), Ordering::Relaxed);
+                st
+            }
+            None => Arc::new(TenantLimits::new(&spec.limits, &heavy, spec.weight)),
+        };
+        t.configured.insert(tenant, (spec, st.clone()));
+        st
+    }
+
+    /// The tenant's limits: its configured ones, or (created on first use) the default.
+    pub fn tenant(&self, tenant: &K, now: Timestamp) -> Arc<TenantLimits> {
+        {
+            let t = self.tenants.read();
+            if let Some((_, st)) = t.configured.get(tenant) {
+                return st.clone();
+            }
+            if let Some(st) = t.others.get(tenant) {
+                return st.clone();
+            }
+        }
+        let cfg = self.cfg.read().clone();
+        let mut t = self.tenants.write();
+        let fresh = Arc::new(TenantLimits::new(&cfg.tenant_default, &cfg.heavy_spec(), 1));
+        t.others.insert_new(tenant, now, fresh).clone()
+    }
+
+    /// The tenant's `x-ratelimit-*` figures at `now` (its configured or default limits when
+    /// it has no state yet).
+    pub fn rate_limit_headers(&self, tenant: &K, now: Timestamp) -> RateLimitHeaders {
+        let st = {
+            let t = self.tenants.read();
+            t.configured
+                .get(tenant)
+                .map(|(_, st)| st.clone())
+                .or_else(|| t.others.get(tenant).cloned())
+        };
+        match st {
+            Some(st) => scope_headers(&st.limits, now),
+            None => scope_headers(&ScopeLimits::new(&self.cfg.read().tenant_default), now),
+        }
+    }
+
+    /// Global figures (`requests`, `tokens`, `concurrency`).
+    pub fn global_headers(&self, now: Timestamp) -> RateLimitHeaders {
+        scope_headers(&self.global, now)
+    }
+
+    /// Tenants with limiter state (configured ones included).
+    pub fn tracked_tenants(&self) -> usize {
+        let t = self.tenants.read();
+        t.configured.len() + t.others.len()
+    }
+
+    /// Drops the state of idle tenants without a configuration (optional housekeeping; the
+    /// cap holds anyway).
+    pub fn evict_idle(&self, now: Timestamp) -> usize {
+        self.tenants.write().others.evict_idle(now)
+    }
+
+    /// The heavy-request rule.
+    pub(crate) fn heavy_applies(&self, prompt: u64, completion: u64) -> bool {
+        self.cfg
+            .read()
+            .heavy
+            .is_some_and(|h| h.applies(prompt, completion))
+    }
+}
+
+fn scope_headers(s: &ScopeLimits, now: Timestamp) -> RateLimitHeaders {
+    let (requests, tokens) = s.figures(now);
+    RateLimitHeaders {
+        requests,
+        tokens,
+        concurrency: s.concurrency_figures(),
+    }
+}
+
+/// Rate-limit figures for the `x-ratelimit-*` headers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct RateLimitHeaders {
+    /// The `-requests` trio (tenant scope), if limited.
+    pub requests: Option<RateLimitInfo>,
+    /// The `-tokens` trio (tenant scope), if limited.
+    pub tokens: Option<RateLimitInfo>,
+    /// Outstanding requests and the limit, if limited.
+    pub concurrency: Option<(usize, usize)>,
+}
