@@ -25,95 +25,19 @@ use crate::breaker::Outcome;
 use crate::clock::Timestamp;
 use crate::concurrency::Permit;
 use crate::fasthash::FastState;
-use crate::gcra::Quota;
-use crate::lane::{BackendLimits, BackendReport, Lane, LaneConfig, Placement, Unservable};
+use crate::lane::{BackendLimits, BackendReport, Lane, LaneConfig, Placement};
 use crate::limits::{
-    rate_retry, Charged, LimitRefusal, LimitsConfig, Peeked, RateLimitHeaders, ScopeLimits,
-    SharedLimits, TenantLimits,
+    rate_retry, Charged, HeavyRule, LimitRefusal, LimitSpec, LimitsConfig, Peeked,
+    RateLimitHeaders, ScopeLimits, SharedLimits, TenantLimits, TenantSpec,
 };
 use crate::queue::{Entry, PushRefusal, Ticket, Tier};
+use crate::refusal::{RefusalReason, Scope};
 use crate::retry::{RetryAfter, RetryBounds};
-use crate::tokens::TokenQuota;
-use crate::watermark::{ConfigError, LoadZone, WaitBudget, WatermarkAction, WatermarkDecision};
+use crate::watermark::{ConfigError, WaitBudget, WatermarkAction, WatermarkDecision};
 use std::collections::HashMap;
 use std::hash::Hash;
 use std::sync::Arc;
 use std::time::Duration;
-
-/// Limits at one scope. `None` fields are unlimited.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct LimitSpec {
-    /// Requests per minute.
-    pub requests_per_minute: Option<u64>,
-    /// Requests allowed at once (default: `requests_per_minute`).
-    pub request_burst: Option<u64>,
-    /// LLM tokens per minute (prompt estimate + max_tokens, reconciled to actual).
-    pub tokens_per_minute: Option<u64>,
-    /// Token bucket capacity (default: `tokens_per_minute`); also the largest request.
-    pub token_burst: Option<u64>,
-    /// Outstanding requests (queued + in flight).
-    pub max_concurrent: Option<usize>,
-}
-
-impl LimitSpec {
-    /// No limits.
-    pub const UNLIMITED: LimitSpec = LimitSpec {
-        requests_per_minute: None,
-        request_burst: None,
-        tokens_per_minute: None,
-        token_burst: None,
-        max_concurrent: None,
-    };
-
-    /// The request quota, if any.
-    pub fn request_quota(&self) -> Option<Quota> {
-        self.requests_per_minute.map(|n| {
-            let q = Quota::per_minute(n);
-            match self.request_burst {
-                Some(b) => q.with_burst(b),
-                None => q,
-            }
-        })
-    }
-
-    /// The token quota, if any.
-    pub fn token_quota(&self) -> Option<TokenQuota> {
-        self.tokens_per_minute.map(|n| {
-            let q = TokenQuota::per_minute(n);
-            match self.token_burst {
-                Some(b) => q.with_capacity(b),
-                None => q,
-            }
-        })
-    }
-}
-
-/// The heavy-request rule: a request whose prompt or completion budget passes a threshold
-/// also passes its tenant's heavy limits (rates only).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct HeavyRule {
-    /// Prompt tokens above which a request is heavy (`u64::MAX`: never).
-    pub prompt_tokens_over: u64,
-    /// Completion tokens (effective `max_tokens` × choices) above which it is heavy.
-    pub completion_tokens_over: u64,
-    /// Each tenant's limits for its heavy requests.
-    pub per_tenant: LimitSpec,
-}
-
-impl HeavyRule {
-    pub(crate) fn applies(&self, prompt: u64, completion: u64) -> bool {
-        prompt > self.prompt_tokens_over || completion > self.completion_tokens_over
-    }
-}
-
-/// A tenant's limits and fairness weight.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct TenantSpec {
-    /// Limits.
-    pub limits: LimitSpec,
-    /// Weight in the fair queue and in the lanes' fair shares (≥ 1).
-    pub weight: u32,
-}
 
 /// Settings for [`Admission`].
 #[derive(Debug, Clone, PartialEq)]
@@ -191,124 +115,6 @@ impl<K: Hash + Eq + Clone> SharedLimits<K> {
 impl Default for AdmissionConfig {
     fn default() -> Self {
         Self::new()
-    }
-}
-
-/// The scope a limit belongs to.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Scope {
-    /// All traffic.
-    Global,
-    /// One model.
-    Model,
-    /// One tenant.
-    Tenant,
-    /// One tenant's heavy requests.
-    TenantHeavy,
-}
-
-impl Scope {
-    /// `global`, `model`, `tenant`, `tenant_heavy`.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Scope::Global => "global",
-            Scope::Model => "model",
-            Scope::Tenant => "tenant",
-            Scope::TenantHeavy => "tenant_heavy",
-        }
-    }
-}
-
-/// Why a request was refused.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum RefusalReason {
-    /// Requests-per-minute limit.
-    RequestRate(Scope),
-    /// Tokens-per-minute limit.
-    TokenRate(Scope),
-    /// The estimate exceeds a token bucket's capacity: it can never pass as sent.
-    TooLarge(Scope),
-    /// Outstanding-request limit.
-    Concurrency(Scope),
-    /// Larger than any backend's KV budget: it can never be served as sent.
-    ExceedsKvBudget,
-    /// Load watermark: at `hard`, or in a zone where the tier may not wait.
-    Watermark(LoadZone),
-    /// The queue is full.
-    QueueFull(PushRefusal),
-    /// The wait predicted from its place in the queue exceeds its budget.
-    PredictedWait,
-    /// It waited its whole budget in the queue.
-    QueueTimeout,
-    /// The lane cannot serve anything now (no healthy backend, every breaker open).
-    Unservable(Unservable),
-    /// The model has no lane.
-    UnknownModel,
-    /// It was queued, and a peer of its tier with less waiting took its place when the lane
-    /// was full (longest-queue drop).
-    Displaced,
-}
-
-impl RefusalReason {
-    /// The OpenAI-shaped error code.
-    pub fn code(&self) -> &'static str {
-        match self {
-            RefusalReason::RequestRate(_)
-            | RefusalReason::TokenRate(_)
-            | RefusalReason::TooLarge(_)
-            | RefusalReason::Concurrency(Scope::Tenant | Scope::TenantHeavy) => {
-                "rate_limit_exceeded"
-            }
-            RefusalReason::Concurrency(_)
-            | RefusalReason::Watermark(_)
-            | RefusalReason::QueueFull(_)
-            | RefusalReason::Displaced
-            | RefusalReason::PredictedWait => "capacity_overload",
-            RefusalReason::ExceedsKvBudget => "context_length_exceeded",
-            RefusalReason::QueueTimeout => "queue_timeout",
-            RefusalReason::Unservable(Unservable::NoHealthyBackend) => "no_healthy_backend",
-            RefusalReason::Unservable(Unservable::CircuitOpen) => "circuit_open",
-            RefusalReason::UnknownModel => "model_not_found",
-        }
-    }
-
-    /// A short stable label for metrics and logs.
-    pub fn label(&self) -> &'static str {
-        match self {
-            RefusalReason::RequestRate(Scope::Global) => "global_requests",
-            RefusalReason::RequestRate(Scope::Model) => "model_requests",
-            RefusalReason::RequestRate(Scope::Tenant) => "tenant_requests",
-            RefusalReason::RequestRate(Scope::TenantHeavy) => "heavy_requests",
-            RefusalReason::TokenRate(Scope::Global) => "global_tokens",
-            RefusalReason::TokenRate(Scope::Model) => "model_tokens",
-            RefusalReason::TokenRate(Scope::Tenant) => "tenant_tokens",
-            RefusalReason::TokenRate(Scope::TenantHeavy) => "heavy_tokens",
-            RefusalReason::TooLarge(_) => "too_large",
-            RefusalReason::Concurrency(Scope::Global) => "global_concurrency",
-            RefusalReason::Concurrency(Scope::Model) => "model_concurrency",
-            RefusalReason::Concurrency(Scope::Tenant) => "tenant_concurrency",
-            RefusalReason::Concurrency(Scope::TenantHeavy) => "heavy_concurrency",
-            RefusalReason::ExceedsKvBudget => "exceeds_kv_budget",
-            RefusalReason::Watermark(LoadZone::AtHard) => "hard_watermark",
-            RefusalReason::Watermark(_) => "soft_watermark",
-            RefusalReason::QueueFull(p) => p.as_str(),
-            RefusalReason::PredictedWait => "predicted_wait",
-            RefusalReason::QueueTimeout => "queue_timeout",
-            RefusalReason::Unservable(Unservable::NoHealthyBackend) => "no_healthy_backend",
-            RefusalReason::Unservable(Unservable::CircuitOpen) => "circuit_open",
-            RefusalReason::UnknownModel => "unknown_model",
-            RefusalReason::Displaced => "displaced",
-        }
-    }
-
-    /// False when retrying the same request cannot help.
-    pub fn is_retryable(&self) -> bool {
-        !matches!(
-            self,
-            RefusalReason::TooLarge(_)
-                | RefusalReason::ExceedsKvBudget
-                | RefusalReason::UnknownModel
-        )
     }
 }
 
@@ -518,7 +324,8 @@ impl<T, K: Hash + Eq + Ord + Clone> LaneAdmission<T, K> {
     pub fn reconfigure(&mut self, cfg: &AdmissionConfig) {
         self.tiers = cfg.tiers.clone();
         self.retry = cfg.retry;
-        self.lane.reconfigure(self.spec.lane.clone(), cfg.tier_count());
+        self.lane
+            .reconfigure(self.spec.lane.clone(), cfg.tier_count());
     }
 
     /// Applies a model's new settings, keeping limiter debt, the queue and the backends.
@@ -699,7 +506,11 @@ impl<T, K: Hash + Eq + Ord + Clone> LaneAdmission<T, K> {
     /// anything that may free room (a completion, a cancel, a backend coming back, right
     /// after `Admit::Queued`) in a loop until `None`. Entries past their deadline are left
     /// for [`LaneAdmission::expire`].
-    pub fn dequeue(&mut self, shared: &SharedLimits<K>, now: Timestamp) -> Option<Dispatched<T, K>> {
+    pub fn dequeue(
+        &mut self,
+        shared: &SharedLimits<K>,
+        now: Timestamp,
+    ) -> Option<Dispatched<T, K>> {
         loop {
             let (e, i) = self.lane.next_ready(now, |_, cost| cost)?;
             if e.deadline <= now {
@@ -854,7 +665,12 @@ impl<T, K: Hash + Eq + Ord + Clone> LaneAdmission<T, K> {
 
     /// Withdraws a queued request (the client went away) and refunds it. `None` if it already
     /// left the queue.
-    pub fn cancel(&mut self, shared: &SharedLimits<K>, ticket: Ticket, now: Timestamp) -> Option<T> {
+    pub fn cancel(
+        &mut self,
+        shared: &SharedLimits<K>,
+        ticket: Ticket,
+        now: Timestamp,
+    ) -> Option<T> {
         let e = self.lane.cancel(ticket)?;
         let Pending { item, grant, .. } = e.item;
         self.refund(shared, grant, now);
@@ -939,9 +755,9 @@ impl<T, K: Hash + Eq + Ord + Clone> LaneAdmission<T, K> {
 /// The lane's decision, before anything is charged: the watermark, then a backend now
 /// or a place in the queue (with whom it displaces), or a refusal.
 fn place_or_queue<P, K: Hash + Eq + Ord + Clone>(
-lane: &mut Lane<P, K>,
-retry: RetryBounds,
-req: &AdmissionRequest<K>,
+    lane: &mut Lane<P, K>,
+    retry: RetryBounds,
+    req: &AdmissionRequest<K>,
     tier_budget: WaitBudget,
     weight: u32,
     now: Timestamp,
@@ -1356,7 +1172,6 @@ impl<T, K: Hash + Eq + Ord + Clone> Admission<T, K> {
         self.shared.evict_idle(now)
     }
 }
-
 
 /// Retry-After for a capacity refusal: the time for `items` requests to drain at the lane's
 /// measured service rate, within the bounds.

@@ -67,9 +67,6 @@ impl<K: Hash + Eq + Clone, V: Evictable, S: BuildHasher + Default> BoundedMap<K,
         self.map.remove(key)
     }
 
-
-
-
     /// Inserts a new entry for an absent `key` (sweeping first if at the cap). Callers look
     /// the key up with `get_mut` first and call this only on a miss.
     pub(crate) fn insert_new(&mut self, key: &K, now: Timestamp, value: V) -> &mut V {

@@ -26,6 +26,7 @@ mod limits;
 mod prefill;
 mod quantile;
 mod queue;
+mod refusal;
 mod retry;
 mod tokens;
 mod units;
@@ -34,10 +35,8 @@ mod watermark;
 pub use adaptive::{AdaptiveConfig, AdaptiveLimit};
 pub use admission::{
     Admission, AdmissionConfig, AdmissionRequest, Admit, Completion, Dispatched, Expired, Grant,
-    HeavyRule, LaneAdmission, LimitSpec, ModelSpec, Pending, Refusal, RefusalReason, Scope,
-    TenantSpec,
+    LaneAdmission, ModelSpec, Pending, Refusal,
 };
-pub use limits::{RateLimitHeaders, SharedLimits, TenantLimits};
 pub use autoscale::{
     erlang_c, mean_wait, replicas_needed, AutoscaleConfig, Autoscaler, Bound, Demand, Need,
     Recommendation,
@@ -55,12 +54,14 @@ pub use key::Key;
 pub use lane::{
     BackendLimits, BackendReport, BackendStats, Lane, LaneConfig, Placement, Unservable,
 };
+pub use limits::{HeavyRule, LimitSpec, RateLimitHeaders, SharedLimits, TenantLimits, TenantSpec};
 pub use prefill::PrefillFit;
 pub use quantile::nearest_rank;
 pub use queue::{
     Entry, FairQueue, Pick, PushRefusal, QueueLimits, QueueStats, Rejected, TenantBacklog, Ticket,
     Tier, TierStats, VIRTUAL_SCALE,
 };
+pub use refusal::{RefusalReason, Scope};
 pub use retry::{DrainRate, RetryAfter, RetryBounds};
 pub use tokens::{Refused, Reservation, TokenBucket, TokenLimiter, TokenQuota};
 pub use watermark::{

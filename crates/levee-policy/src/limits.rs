@@ -14,20 +14,95 @@
 //! which peeks again and commits under the same locks (global, then tenant: one order
 //! everywhere), so two lanes can never both spend the last of a quota.
 
-use crate::admission::{LimitSpec, RefusalReason, Scope};
 use crate::clock::Timestamp;
 use crate::concurrency::{ConcurrencyLimit, Permit};
 use crate::fasthash::FastState;
-use crate::gcra::{Gcra, RateLimitInfo};
+use crate::gcra::{Gcra, Quota, RateLimitInfo};
 use crate::keyed::{BoundedMap, Evictable};
+use crate::refusal::{RefusalReason, Scope};
 use crate::retry::RetryAfter;
-use crate::tokens::{Refused, TokenBucket};
+use crate::tokens::{Refused, TokenBucket, TokenQuota};
 use parking_lot::{Mutex, MutexGuard, RwLock};
 use std::collections::HashMap;
 use std::hash::Hash;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
+
+/// Limits at one scope. `None` fields are unlimited.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct LimitSpec {
+    /// Requests per minute.
+    pub requests_per_minute: Option<u64>,
+    /// Requests allowed at once (default: `requests_per_minute`).
+    pub request_burst: Option<u64>,
+    /// LLM tokens per minute (prompt estimate + max_tokens, reconciled to actual).
+    pub tokens_per_minute: Option<u64>,
+    /// Token bucket capacity (default: `tokens_per_minute`); also the largest request.
+    pub token_burst: Option<u64>,
+    /// Outstanding requests (queued + in flight).
+    pub max_concurrent: Option<usize>,
+}
+
+impl LimitSpec {
+    /// No limits.
+    pub const UNLIMITED: LimitSpec = LimitSpec {
+        requests_per_minute: None,
+        request_burst: None,
+        tokens_per_minute: None,
+        token_burst: None,
+        max_concurrent: None,
+    };
+
+    /// The request quota, if any.
+    pub fn request_quota(&self) -> Option<Quota> {
+        self.requests_per_minute.map(|n| {
+            let q = Quota::per_minute(n);
+            match self.request_burst {
+                Some(b) => q.with_burst(b),
+                None => q,
+            }
+        })
+    }
+
+    /// The token quota, if any.
+    pub fn token_quota(&self) -> Option<TokenQuota> {
+        self.tokens_per_minute.map(|n| {
+            let q = TokenQuota::per_minute(n);
+            match self.token_burst {
+                Some(b) => q.with_capacity(b),
+                None => q,
+            }
+        })
+    }
+}
+
+/// The heavy-request rule: a request whose prompt or completion budget passes a threshold
+/// also passes its tenant's heavy limits (rates only).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HeavyRule {
+    /// Prompt tokens above which a request is heavy (`u64::MAX`: never).
+    pub prompt_tokens_over: u64,
+    /// Completion tokens (effective `max_tokens` × choices) above which it is heavy.
+    pub completion_tokens_over: u64,
+    /// Each tenant's limits for its heavy requests.
+    pub per_tenant: LimitSpec,
+}
+
+impl HeavyRule {
+    pub(crate) fn applies(&self, prompt: u64, completion: u64) -> bool {
+        prompt > self.prompt_tokens_over || completion > self.completion_tokens_over
+    }
+}
+
+/// A tenant's limits and fairness weight.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TenantSpec {
+    /// Limits.
+    pub limits: LimitSpec,
+    /// Weight in the fair queue and in the lanes' fair shares (≥ 1).
+    pub weight: u32,
+}
 
 /// A refusal by a limit: why, and when a retry may pass (`None`: never as sent).
 pub(crate) type LimitRefusal = (RefusalReason, Option<RetryAfter>);
@@ -195,7 +270,12 @@ impl ScopeLimits {
     }
 
     /// Checks the rates without charging.
-    pub(crate) fn peek(&self, tokens: u64, now: Timestamp, scope: Scope) -> Result<(), LimitRefusal> {
+    pub(crate) fn peek(
+        &self,
+        tokens: u64,
+        now: Timestamp,
+        scope: Scope,
+    ) -> Result<(), LimitRefusal> {
         match self.rates() {
             Some(r) => r.peek(tokens, now, scope).map(|_| ()),
             None => Ok(()),
@@ -294,7 +374,7 @@ impl Evictable for Arc<TenantLimits> {
 pub(crate) struct LimitsConfig {
     pub global: LimitSpec,
     pub tenant_default: LimitSpec,
-    pub heavy: Option<crate::admission::HeavyRule>,
+    pub heavy: Option<HeavyRule>,
     pub max_tracked_keys: usize,
 }
 
@@ -309,7 +389,7 @@ impl LimitsConfig {
 #[derive(Debug)]
 struct Tenants<K> {
     /// Tenants given limits with [`SharedLimits::set_tenant`]: kept for good.
-    configured: HashMap<K, (crate::admission::TenantSpec, Arc<TenantLimits>), FastState>,
+    configured: HashMap<K, (TenantSpec, Arc<TenantLimits>), FastState>,
     /// Every other tenant, on the default limits, in a bounded map.
     others: BoundedMap<K, Arc<TenantLimits>, FastState>,
 }
@@ -356,7 +436,7 @@ impl<K: Hash + Eq + Clone> SharedLimits<K> {
 
     /// Configures a tenant's limits and weight. Debt already accrued is kept; a changed
     /// concurrency limit applies to new permits.
-    pub fn set_tenant(&self, tenant: K, spec: crate::admission::TenantSpec) -> Arc<TenantLimits> {
+    pub fn set_tenant(&self, tenant: K, spec: TenantSpec) -> Arc<TenantLimits> {
         let heavy = self.cfg.read().heavy_spec();
         let mut t = self.tenants.write();
         if let Some((old, st)) = t.configured.get_mut(&tenant) {
