@@ -95,7 +95,8 @@ async fn guard(
         .unwrap_or_else(|| "unknown".into());
     let how = match access.token(&gw) {
         Some(want) => {
-            let Some(given) = crate::routes::bearer(req.headers()).filter(|t| !t.is_empty()) else {
+            let Some(given) = crate::pipeline::bearer(req.headers()).filter(|t| !t.is_empty())
+            else {
                 return GatewayError::admin_unauthorized(true).into_response();
             };
             let given: [u8; 32] = Sha256::digest(given.as_bytes()).into();
@@ -128,7 +129,7 @@ pub fn router(gw: Arc<Gateway>, access: AdminAccess) -> Router {
             GatewayError::not_found(req.uri().path()).into_response()
         })
         .layer(guarded)
-        .layer(CatchPanicLayer::custom(crate::routes::panic_response))
+        .layer(CatchPanicLayer::custom(crate::error::panic_response))
         .with_state(gw)
 }
 
@@ -143,7 +144,7 @@ async fn metrics(State(gw): State<Arc<Gateway>>) -> Response {
             http::header::CONTENT_TYPE,
             "application/openmetrics-text; version=1.0.0; charset=utf-8",
         )],
-        gw.metrics.encode(),
+        gw.metrics().encode(),
     )
         .into_response()
 }
@@ -177,19 +178,16 @@ async fn degrade(
             .into_response()
         }
     };
-    {
-        let mut d = gw.degrader.lock();
-        if let Some(l) = level {
-            if l > d.max_level() {
-                return GatewayError::bad_request(format!(
-                    "level {l} is above the highest configured level {}",
-                    d.max_level()
-                ))
-                .into_response();
-            }
+    if let Some(l) = level {
+        let max = gw.max_degradation();
+        if l > max {
+            return GatewayError::bad_request(format!(
+                "level {l} is above the highest configured level {max}"
+            ))
+            .into_response();
         }
-        d.force(level);
     }
+    gw.force_degradation(level);
     gw.update_degrade();
     match level {
         Some(l) => {
@@ -199,11 +197,11 @@ async fn degrade(
             tracing::info!(who = %who.0, action = "degrade", level = "auto", "admin: degradation back to automatic")
         }
     }
-    Json(gw.degrader.lock().state_json()).into_response()
+    Json(gw.degradation_json()).into_response()
 }
 
 async fn degrade_get(State(gw): State<Arc<Gateway>>) -> Json<serde_json::Value> {
-    Json(gw.degrader.lock().state_json())
+    Json(gw.degradation_json())
 }
 
 async fn drain(
@@ -212,7 +210,5 @@ async fn drain(
 ) -> Json<serde_json::Value> {
     tracing::info!(who = %who.0, action = "drain", "admin: drain started");
     gw.drain();
-    Json(
-        serde_json::json!({"draining": true, "in_flight": gw.in_flight.load(std::sync::atomic::Ordering::Relaxed)}),
-    )
+    Json(serde_json::json!({"draining": true, "in_flight": gw.in_flight()}))
 }

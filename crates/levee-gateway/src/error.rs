@@ -1,9 +1,11 @@
 //! One error type for every refusal and failure the gateway answers with.
 //!
-//! Each error knows where it came from ([`Origin`]: the client, the gateway itself, or an
-//! upstream backend), which HTTP status and OpenAI `code` it maps to, and — for refusals
-//! that a retry can cure — when to come back. [`GatewayError::into_response`] renders the
-//! OpenAI error JSON and the `Retry-After` / `x-ratelimit-*` headers every refusal carries.
+//! An error is one of the [`ErrorCode`]s; each maps, in one place ([`ErrorCode::spec`]), to
+//! where it came from ([`Origin`]: the client, the gateway itself, or an upstream backend),
+//! its HTTP status and its OpenAI `type` and `code`. Callers branch on the code, never on a
+//! string. A refusal that a retry can cure carries when to come back;
+//! [`GatewayError::into_response`] renders the OpenAI error JSON and the `Retry-After` /
+//! `x-ratelimit-*` headers every refusal carries.
 
 use axum::response::{IntoResponse, Response};
 use http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
@@ -96,41 +98,246 @@ pub fn openai_duration(d: Duration) -> String {
     }
 }
 
-/// Every way a request can fail at or behind the gateway.
+/// What went wrong: the OpenAI `error.code` levee answers with, one variant each.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ErrorCode {
+    /// 400: the request is malformed or asks for something impossible.
+    InvalidRequest,
+    /// 400: prompt + completion do not fit the model's context or any backend's KV budget.
+    ContextLengthExceeded,
+    /// 405: the route exists, the method does not.
+    MethodNotAllowed,
+    /// 413: the body is larger than `server.max_body_bytes`.
+    RequestTooLarge,
+    /// 404: no such model.
+    ModelNotFound,
+    /// 404: no such route.
+    NotFound,
+    /// 404: no such task for this key.
+    TaskNotFound,
+    /// 401: no API key, or an unknown one.
+    InvalidApiKey,
+    /// 401: the admin token is missing or wrong.
+    InvalidAdminToken,
+    /// 403: admin actions are off on this listener.
+    AdminActionsDisabled,
+    /// 429: a tenant's (or the per-IP) quota.
+    RateLimitExceeded,
+    /// 429: the gateway refuses to protect capacity (watermark, full queue, predicted wait).
+    CapacityOverload,
+    /// 429: the request waited its whole budget in the queue.
+    QueueTimeout,
+    /// 503: every backend of the model is failing.
+    CircuitOpen,
+    /// 503: no backend of the model is healthy.
+    NoHealthyBackend,
+    /// 503: the shared limit store is down and the gateway fails closed.
+    SharedStateUnavailable,
+    /// 503: the task store could not be read or written.
+    TaskStoreUnavailable,
+    /// 503: this gateway is draining.
+    Draining,
+    /// 502: the backend answered with something levee cannot pass on.
+    UpstreamError,
+    /// 502: the backend could not be reached (the request never got there).
+    UpstreamUnreachable,
+    /// 504: the backend did not answer in time.
+    UpstreamTimeout,
+    /// The backend's stream broke off mid-answer.
+    StreamBroken,
+    /// The backend sent nothing for too long mid-stream.
+    StreamIdleTimeout,
+    /// A stream ran past `server.stream_timeout_ms`.
+    StreamTimeout,
+    /// 500: a bug in the gateway.
+    Internal,
+}
+
+impl ErrorCode {
+    /// Where it comes from, its HTTP status, and its OpenAI `type` and `code`: the one place
+    /// an error kind is mapped.
+    pub fn spec(self) -> (Origin, StatusCode, &'static str, &'static str) {
+        use ErrorCode::*;
+        use Origin::{Client, Gateway, Upstream};
+        const INVALID: &str = "invalid_request_error";
+        const AUTH: &str = "authentication_error";
+        const RATE: &str = "rate_limit_error";
+        const UNAVAILABLE: &str = "service_unavailable";
+        const SERVER: &str = "server_error";
+        match self {
+            InvalidRequest => (Client, StatusCode::BAD_REQUEST, INVALID, "invalid_request"),
+            ContextLengthExceeded => (
+                Client,
+                StatusCode::BAD_REQUEST,
+                INVALID,
+                "context_length_exceeded",
+            ),
+            MethodNotAllowed => (
+                Client,
+                StatusCode::METHOD_NOT_ALLOWED,
+                INVALID,
+                "method_not_allowed",
+            ),
+            RequestTooLarge => (
+                Client,
+                StatusCode::PAYLOAD_TOO_LARGE,
+                INVALID,
+                "request_too_large",
+            ),
+            ModelNotFound => (Client, StatusCode::NOT_FOUND, INVALID, "model_not_found"),
+            NotFound => (Client, StatusCode::NOT_FOUND, INVALID, "not_found"),
+            TaskNotFound => (Client, StatusCode::NOT_FOUND, INVALID, "task_not_found"),
+            InvalidApiKey => (Client, StatusCode::UNAUTHORIZED, AUTH, "invalid_api_key"),
+            InvalidAdminToken => (
+                Client,
+                StatusCode::UNAUTHORIZED,
+                AUTH,
+                "invalid_admin_token",
+            ),
+            AdminActionsDisabled => (
+                Client,
+                StatusCode::FORBIDDEN,
+                "permission_error",
+                "admin_actions_disabled",
+            ),
+            RateLimitExceeded => (
+                Client,
+                StatusCode::TOO_MANY_REQUESTS,
+                RATE,
+                "rate_limit_exceeded",
+            ),
+            CapacityOverload => (
+                Gateway,
+                StatusCode::TOO_MANY_REQUESTS,
+                RATE,
+                "capacity_overload",
+            ),
+            QueueTimeout => (
+                Gateway,
+                StatusCode::TOO_MANY_REQUESTS,
+                RATE,
+                "queue_timeout",
+            ),
+            CircuitOpen => (
+                Upstream,
+                StatusCode::SERVICE_UNAVAILABLE,
+                UNAVAILABLE,
+                "circuit_open",
+            ),
+            NoHealthyBackend => (
+                Upstream,
+                StatusCode::SERVICE_UNAVAILABLE,
+                UNAVAILABLE,
+                "no_healthy_backend",
+            ),
+            SharedStateUnavailable => (
+                Gateway,
+                StatusCode::SERVICE_UNAVAILABLE,
+                UNAVAILABLE,
+                "shared_state_unavailable",
+            ),
+            TaskStoreUnavailable => (
+                Gateway,
+                StatusCode::SERVICE_UNAVAILABLE,
+                UNAVAILABLE,
+                "task_store_unavailable",
+            ),
+            Draining => (
+                Gateway,
+                StatusCode::SERVICE_UNAVAILABLE,
+                UNAVAILABLE,
+                "draining",
+            ),
+            UpstreamError => (Upstream, StatusCode::BAD_GATEWAY, SERVER, "upstream_error"),
+            UpstreamUnreachable => (
+                Upstream,
+                StatusCode::BAD_GATEWAY,
+                SERVER,
+                "upstream_unreachable",
+            ),
+            UpstreamTimeout => (
+                Upstream,
+                StatusCode::GATEWAY_TIMEOUT,
+                SERVER,
+                "upstream_timeout",
+            ),
+            StreamBroken => (Upstream, StatusCode::BAD_GATEWAY, SERVER, "stream_broken"),
+            StreamIdleTimeout => (
+                Upstream,
+                StatusCode::GATEWAY_TIMEOUT,
+                SERVER,
+                "stream_idle_timeout",
+            ),
+            StreamTimeout => (
+                Gateway,
+                StatusCode::GATEWAY_TIMEOUT,
+                SERVER,
+                "stream_timeout",
+            ),
+            Internal => (
+                Gateway,
+                StatusCode::INTERNAL_SERVER_ERROR,
+                SERVER,
+                "internal_error",
+            ),
+        }
+    }
+
+    /// The OpenAI `error.code`.
+    pub fn as_str(self) -> &'static str {
+        self.spec().3
+    }
+
+    /// The HTTP status.
+    pub fn status(self) -> StatusCode {
+        self.spec().1
+    }
+
+    /// Where it comes from.
+    pub fn origin(self) -> Origin {
+        self.spec().0
+    }
+
+    /// Whether the gateway refused to protect capacity (what degradation counts).
+    pub fn is_capacity_refusal(self) -> bool {
+        matches!(self, ErrorCode::CapacityOverload | ErrorCode::QueueTimeout)
+    }
+
+    /// Whether sending the same request again, later, may succeed.
+    pub fn retryable(self) -> bool {
+        let s = self.status();
+        s == StatusCode::TOO_MANY_REQUESTS || s.is_server_error()
+    }
+}
+
+/// Every way a request can fail at or behind the gateway: a code and what the client should
+/// know about this occurrence (message, field, when to come back, quota figures).
 #[derive(Debug, Clone)]
 pub struct GatewayError {
-    /// Where it came from.
-    pub origin: Origin,
-    /// HTTP status.
-    pub status: StatusCode,
-    /// OpenAI `error.type`.
-    pub kind: &'static str,
-    /// OpenAI `error.code` (ours: `rate_limit_exceeded`, `capacity_overload`, ...).
-    pub code: &'static str,
-    /// Human-readable message: what failed and what to do.
-    pub message: String,
+    code: ErrorCode,
+    /// What failed and what to do.
+    message: String,
     /// OpenAI `error.param`: the request field at fault, if any.
-    pub param: Option<&'static str>,
+    param: Option<&'static str>,
     /// When a retry may succeed (sets `Retry-After` and `retry-after-ms`).
-    pub retry_after: Option<Duration>,
+    retry_after: Option<Duration>,
     /// Rate-limit figures for the `x-ratelimit-*` headers (boxed: most errors have none,
     /// and a small error keeps every `Result` on the request path small).
-    pub rate: Option<Box<RateInfo>>,
-    /// The admission decision behind a refusal (typed: callers branch on it, not on
-    /// `code`).
-    pub refusal: Option<levee_policy::RefusalReason>,
+    rate: Option<Box<RateInfo>>,
+    /// The admission decision behind a refusal.
+    refusal: Option<levee_policy::RefusalReason>,
     /// The place in the queue the request had or would have had (`x-levee-queue-position`).
-    pub position: Option<u32>,
+    position: Option<u32>,
 }
 
 impl std::fmt::Display for GatewayError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (origin, status, _, code) = self.code.spec();
         write!(
             f,
-            "{} error {} ({}): {}",
-            self.origin.as_str(),
-            self.status.as_u16(),
-            self.code,
+            "{} error {} ({code}): {}",
+            origin.as_str(),
+            status.as_u16(),
             self.message
         )
     }
@@ -139,17 +346,9 @@ impl std::fmt::Display for GatewayError {
 impl std::error::Error for GatewayError {}
 
 impl GatewayError {
-    fn new(
-        origin: Origin,
-        status: StatusCode,
-        kind: &'static str,
-        code: &'static str,
-        message: impl Into<String>,
-    ) -> Self {
+    /// An error of `code` saying `message`.
+    pub fn new(code: ErrorCode, message: impl Into<String>) -> Self {
         GatewayError {
-            origin,
-            status,
-            kind,
             code,
             message: message.into(),
             param: None,
@@ -160,128 +359,147 @@ impl GatewayError {
         }
     }
 
-    /// Records the admission decision behind this error.
+    /// What went wrong.
+    pub fn code(&self) -> ErrorCode {
+        self.code
+    }
+
+    /// The HTTP status.
+    pub fn status(&self) -> StatusCode {
+        self.code.status()
+    }
+
+    /// Where it came from.
+    pub fn origin(&self) -> Origin {
+        self.code.origin()
+    }
+
+    /// The request field at fault, if any.
+    pub fn param(&self) -> Option<&'static str> {
+        self.param
+    }
+
+    /// The message.
+    pub fn message(&self) -> &str {
+        &self.message
+    }
+
+    /// When a retry may succeed.
+    pub fn retry_after(&self) -> Option<Duration> {
+        self.retry_after
+    }
+
+    /// The admission decision behind a refusal.
+    pub fn refusal(&self) -> Option<levee_policy::RefusalReason> {
+        self.refusal
+    }
+
+    /// The place in the queue the request had or would have had.
+    pub fn position(&self) -> Option<u32> {
+        self.position
+    }
+
+    /// Whether sending the same request again, later, may succeed.
+    pub fn retryable(&self) -> bool {
+        self.code.retryable()
+    }
+
+    /// Records the admission decision behind a refusal.
     pub fn with_refusal(mut self, r: levee_policy::RefusalReason) -> Self {
         self.refusal = Some(r);
         self
     }
 
-    /// Records the request's place in the queue.
+    /// Records the place in the queue.
     pub fn with_position(mut self, p: u32) -> Self {
         self.position = Some(p);
         self
     }
 
-    /// 400 `context_length_exceeded`: prompt + completion budget longer than the model's
-    /// context (or than any backend's KV cache).
-    pub fn context_length_exceeded(message: impl Into<String>) -> Self {
-        Self::new(
-            Origin::Client,
-            StatusCode::BAD_REQUEST,
-            "invalid_request_error",
-            "context_length_exceeded",
-            message,
-        )
-        .with_param("messages")
-    }
-
-    /// Whether the same request may succeed later without change.
-    pub fn retryable(&self) -> bool {
-        self.status == StatusCode::TOO_MANY_REQUESTS || self.status.is_server_error()
-    }
-
-    /// Sets `error.param`.
+    /// Names the request field at fault.
     pub fn with_param(mut self, p: &'static str) -> Self {
         self.param = Some(p);
         self
     }
 
-    /// Sets the Retry-After hint.
+    /// Says when to come back.
     pub fn with_retry_after(mut self, d: Duration) -> Self {
         self.retry_after = Some(d);
         self
     }
 
-    /// Sets the rate-limit headers.
+    /// Adds the tenant's quota figures.
     pub fn with_rate(mut self, r: RateInfo) -> Self {
         self.rate = Some(Box::new(r));
         self
     }
 
-    /// 400: the body is not the JSON we need.
+    /// Adds a sentence of advice to the message.
+    pub fn with_advice(mut self, advice: &str) -> Self {
+        self.message.push_str("; ");
+        self.message.push_str(advice);
+        self
+    }
+
+    /// 400 `context_length_exceeded`.
+    pub fn context_length_exceeded(message: impl Into<String>) -> Self {
+        Self::new(ErrorCode::ContextLengthExceeded, message).with_param("messages")
+    }
+
+    /// 400 `invalid_request`.
     pub fn bad_request(message: impl Into<String>) -> Self {
+        Self::new(ErrorCode::InvalidRequest, message)
+    }
+
+    /// 405 `method_not_allowed`.
+    pub fn method_not_allowed(method: &http::Method, path: &str) -> Self {
         Self::new(
-            Origin::Client,
-            StatusCode::BAD_REQUEST,
-            "invalid_request_error",
-            "invalid_request",
-            message,
+            ErrorCode::MethodNotAllowed,
+            format!("method {method} is not allowed on {path}"),
         )
     }
 
-    /// 413: body over `server.max_body_bytes`.
+    /// 413 `request_too_large`.
     pub fn body_too_large(limit: usize) -> Self {
         Self::new(
-            Origin::Client,
-            StatusCode::PAYLOAD_TOO_LARGE,
-            "invalid_request_error",
-            "request_too_large",
+            ErrorCode::RequestTooLarge,
             format!("request body is larger than {limit} bytes; send a smaller request"),
         )
     }
 
-    /// 404: the model is not configured.
+    /// 404 `model_not_found`.
     pub fn unknown_model(model: &str) -> Self {
         Self::new(
-            Origin::Client,
-            StatusCode::NOT_FOUND,
-            "invalid_request_error",
-            "model_not_found",
+            ErrorCode::ModelNotFound,
             format!("the model {model:?} does not exist; GET /v1/models lists the models"),
         )
         .with_param("model")
     }
 
-    /// 404 for a path the gateway does not serve.
+    /// 404 `not_found`.
     pub fn not_found(path: &str) -> Self {
-        Self::new(
-            Origin::Client,
-            StatusCode::NOT_FOUND,
-            "invalid_request_error",
-            "not_found",
-            format!("no route for {path}"),
-        )
+        Self::new(ErrorCode::NotFound, format!("no route for {path}"))
     }
 
-    /// 404 `task_not_found`: no task with this id belongs to the caller (another tenant's
-    /// task is answered the same way, so ids reveal nothing).
+    /// 404 `task_not_found`.
     pub fn task_not_found(id: &str) -> Self {
         Self::new(
-            Origin::Client,
-            StatusCode::NOT_FOUND,
-            "invalid_request_error",
-            "task_not_found",
+            ErrorCode::TaskNotFound,
             format!("no task {id:?} for this API key (finished tasks are removed after the retention period)"),
         )
     }
 
-    /// 401: no key, or a key no tenant owns.
+    /// 401 `invalid_api_key`.
     pub fn unauthorized(missing: bool) -> Self {
         let msg = if missing {
             "missing API key: send `Authorization: Bearer <key>`"
         } else {
             "invalid API key"
         };
-        Self::new(
-            Origin::Client,
-            StatusCode::UNAUTHORIZED,
-            "authentication_error",
-            "invalid_api_key",
-            msg,
-        )
+        Self::new(ErrorCode::InvalidApiKey, msg)
     }
 
-    /// 401 on the admin listener: no admin token, or a wrong one.
+    /// 401 `invalid_admin_token`.
     pub fn admin_unauthorized(missing: bool) -> Self {
         let msg = if missing {
             "admin routes need the admin token: send `Authorization: Bearer <token>` \
@@ -289,22 +507,13 @@ impl GatewayError {
         } else {
             "wrong admin token: send the value of LEVEE_ADMIN_TOKEN as `Authorization: Bearer <token>`"
         };
-        Self::new(
-            Origin::Client,
-            StatusCode::UNAUTHORIZED,
-            "authentication_error",
-            "invalid_admin_token",
-            msg,
-        )
+        Self::new(ErrorCode::InvalidAdminToken, msg)
     }
 
-    /// 403: an admin action on a non-loopback admin listener that has no token.
+    /// 403 `admin_actions_disabled`.
     pub fn admin_actions_disabled(bound: std::net::SocketAddr) -> Self {
         Self::new(
-            Origin::Client,
-            StatusCode::FORBIDDEN,
-            "permission_error",
-            "admin_actions_disabled",
+            ErrorCode::AdminActionsDisabled,
             format!(
                 "admin actions are refused: the admin listener is bound to {bound}, not \
                  loopback, and no admin token is set; set LEVEE_ADMIN_TOKEN (or \
@@ -313,13 +522,10 @@ impl GatewayError {
         )
     }
 
-    /// 429 `rate_limit_exceeded`: a quota (tenant, model, global, heavy or per-IP).
+    /// 429 `rate_limit_exceeded`: `scope` names the quota.
     pub fn rate_limited(scope: &str, retry_after: Duration, rate: RateInfo) -> Self {
         Self::new(
-            Origin::Client,
-            StatusCode::TOO_MANY_REQUESTS,
-            "rate_limit_error",
-            "rate_limit_exceeded",
+            ErrorCode::RateLimitExceeded,
             format!(
                 "rate limit exceeded ({scope}); retry after {} ms",
                 retry_after.as_millis()
@@ -329,20 +535,16 @@ impl GatewayError {
         .with_rate(rate)
     }
 
-    /// 429 `capacity_overload`: the queue is at its hard watermark, or the tier is shed.
+    /// 429 `capacity_overload`: `why` says which protection refused.
     pub fn capacity_overload(why: &str, retry_after: Duration) -> Self {
         Self::new(
-            Origin::Gateway,
-            StatusCode::TOO_MANY_REQUESTS,
-            "rate_limit_error",
-            "capacity_overload",
+            ErrorCode::CapacityOverload,
             format!("the service is over capacity ({why}); retry later"),
         )
         .with_retry_after(retry_after)
     }
 
-    /// 429 `capacity_overload`: it was queued, and when the queue was full a tenant of its
-    /// tier with fewer requests waiting took its place.
+    /// 429 `capacity_overload`: a peer with less waiting took this request's place.
     pub fn displaced(retry_after: Duration) -> Self {
         Self::capacity_overload(
             "the queue was full, and a tenant with fewer requests waiting took this one's place",
@@ -350,13 +552,10 @@ impl GatewayError {
         )
     }
 
-    /// 429 `queue_timeout`: waited past the tier's budget or the request deadline.
+    /// 429 `queue_timeout`.
     pub fn queue_timeout(waited: Duration, retry_after: Duration) -> Self {
         Self::new(
-            Origin::Gateway,
-            StatusCode::TOO_MANY_REQUESTS,
-            "rate_limit_error",
-            "queue_timeout",
+            ErrorCode::QueueTimeout,
             format!(
                 "waited {} ms in the queue without a free backend; retry later",
                 waited.as_millis()
@@ -365,38 +564,28 @@ impl GatewayError {
         .with_retry_after(retry_after)
     }
 
-    /// 503 `circuit_open`: every backend of the model has its breaker open.
+    /// 503 `circuit_open`.
     pub fn circuit_open(model: &str, retry_after: Duration) -> Self {
         Self::new(
-            Origin::Upstream,
-            StatusCode::SERVICE_UNAVAILABLE,
-            "service_unavailable",
-            "circuit_open",
+            ErrorCode::CircuitOpen,
             format!("every backend for {model:?} is failing (circuit open); retry later"),
         )
         .with_retry_after(retry_after)
     }
 
-    /// 503 `no_healthy_backend`: no backend of the model is reachable.
+    /// 503 `no_healthy_backend`.
     pub fn no_healthy_backend(model: &str, retry_after: Duration) -> Self {
         Self::new(
-            Origin::Upstream,
-            StatusCode::SERVICE_UNAVAILABLE,
-            "service_unavailable",
-            "no_healthy_backend",
+            ErrorCode::NoHealthyBackend,
             format!("no healthy backend for {model:?}; retry later"),
         )
         .with_retry_after(retry_after)
     }
 
-    /// 503 `shared_state_unavailable`: the shared limit store did not answer and the
-    /// gateway is configured `fail_closed`.
+    /// 503 `shared_state_unavailable`.
     pub fn shared_state_unavailable(why: &str, retry_after: Duration) -> Self {
         Self::new(
-            Origin::Gateway,
-            StatusCode::SERVICE_UNAVAILABLE,
-            "service_unavailable",
-            "shared_state_unavailable",
+            ErrorCode::SharedStateUnavailable,
             format!(
                 "the shared limit store is unavailable ({why}) and this gateway is configured \
                  to refuse rather than decide limits alone ([state] on_failure = \"fail_closed\"); \
@@ -406,61 +595,39 @@ impl GatewayError {
         .with_retry_after(retry_after)
     }
 
-    /// 503 `task_store_unavailable`: the task store failed (`why` says how); nothing was
-    /// changed.
+    /// 503 `task_store_unavailable`.
     pub fn task_store_unavailable(why: &str) -> Self {
         Self::new(
-            Origin::Gateway,
-            StatusCode::SERVICE_UNAVAILABLE,
-            "service_unavailable",
-            "task_store_unavailable",
+            ErrorCode::TaskStoreUnavailable,
             format!("{why}; the task was not stored or changed, retry shortly"),
         )
         .with_retry_after(Duration::from_secs(1))
     }
 
-    /// 503 while draining or shutting down.
+    /// 503 `draining`.
     pub fn draining(retry_after: Duration) -> Self {
         Self::new(
-            Origin::Gateway,
-            StatusCode::SERVICE_UNAVAILABLE,
-            "service_unavailable",
-            "draining",
+            ErrorCode::Draining,
             "this gateway is draining; retry (another replica will answer)",
         )
         .with_retry_after(retry_after)
     }
 
-    /// 502: the backend failed mid-request (connection error, bad response).
+    /// 502 `upstream_error`.
     pub fn upstream(message: impl Into<String>) -> Self {
-        Self::new(
-            Origin::Upstream,
-            StatusCode::BAD_GATEWAY,
-            "server_error",
-            "upstream_error",
-            message,
-        )
+        Self::new(ErrorCode::UpstreamError, message)
     }
 
     /// 502 `upstream_unreachable`: the connection to the backend could not be made, so the
     /// request never reached it (safe to send elsewhere).
     pub fn upstream_unreachable(message: impl Into<String>) -> Self {
-        Self::new(
-            Origin::Upstream,
-            StatusCode::BAD_GATEWAY,
-            "server_error",
-            "upstream_unreachable",
-            message,
-        )
+        Self::new(ErrorCode::UpstreamUnreachable, message)
     }
 
-    /// 504: the request passed its deadline waiting for the backend.
+    /// 504 `upstream_timeout`: the request passed its deadline waiting for the backend.
     pub fn upstream_timeout(after: Duration) -> Self {
         Self::new(
-            Origin::Upstream,
-            StatusCode::GATEWAY_TIMEOUT,
-            "server_error",
-            "upstream_timeout",
+            ErrorCode::UpstreamTimeout,
             format!("the backend did not answer within {} ms", after.as_millis()),
         )
     }
@@ -469,22 +636,13 @@ impl GatewayError {
     /// malformed body). Sent to the client as an SSE error event, since the response head
     /// already went out; the status applies only where a head has not.
     pub fn stream_broken(message: impl Into<String>) -> Self {
-        Self::new(
-            Origin::Upstream,
-            StatusCode::BAD_GATEWAY,
-            "server_error",
-            "stream_broken",
-            message,
-        )
+        Self::new(ErrorCode::StreamBroken, message)
     }
 
     /// `stream_idle_timeout`: the backend sent nothing for `idle` in the middle of a stream.
     pub fn stream_idle_timeout(idle: Duration) -> Self {
         Self::new(
-            Origin::Upstream,
-            StatusCode::GATEWAY_TIMEOUT,
-            "server_error",
-            "stream_idle_timeout",
+            ErrorCode::StreamIdleTimeout,
             format!(
                 "the backend sent nothing for {} ms mid-stream; the answer is incomplete, retry the request",
                 idle.as_millis()
@@ -495,10 +653,7 @@ impl GatewayError {
     /// `stream_timeout`: a stream ran past `server.stream_timeout_ms` from dispatch.
     pub fn stream_timeout(limit: Duration) -> Self {
         Self::new(
-            Origin::Gateway,
-            StatusCode::GATEWAY_TIMEOUT,
-            "server_error",
-            "stream_timeout",
+            ErrorCode::StreamTimeout,
             format!(
                 "the stream ran past its {} ms limit and was cut; the answer is incomplete, \
                  ask for fewer tokens or retry",
@@ -507,24 +662,19 @@ impl GatewayError {
         )
     }
 
-    /// 500: a bug in the gateway (a caught panic).
+    /// 500 `internal_error`: a bug in the gateway (a caught panic).
     pub fn internal(message: impl Into<String>) -> Self {
-        Self::new(
-            Origin::Gateway,
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "server_error",
-            "internal_error",
-            message,
-        )
+        Self::new(ErrorCode::Internal, message)
     }
 
     /// The OpenAI error body.
     pub fn body_json(&self) -> serde_json::Value {
+        let (_, _, kind, code) = self.code.spec();
         serde_json::json!({
             "error": {
                 "message": self.message,
-                "type": self.kind,
-                "code": self.code,
+                "type": kind,
+                "code": code,
                 "param": self.param,
             }
         })
@@ -541,6 +691,12 @@ impl GatewayError {
     }
 }
 
+/// A panic in a handler becomes an OpenAI-shaped 500 instead of a dropped connection.
+pub(crate) fn panic_response(_err: Box<dyn std::any::Any + Send + 'static>) -> Response {
+    tracing::error!("handler panicked; answered 500");
+    GatewayError::internal("internal error in the gateway").into_response()
+}
+
 /// Whole seconds, rounded up, never 0 for a non-zero wait (clients read 0 as "now").
 pub fn retry_after_secs(d: Duration) -> u64 {
     let s = d.as_secs() + u64::from(d.subsec_nanos() > 0);
@@ -550,7 +706,8 @@ pub fn retry_after_secs(d: Duration) -> u64 {
 impl IntoResponse for GatewayError {
     fn into_response(self) -> Response {
         let body = self.body_json().to_string();
-        let mut resp = (self.status, body).into_response();
+        let (origin, status, _, _) = self.code.spec();
+        let mut resp = (status, body).into_response();
         let h = resp.headers_mut();
         h.insert(
             http::header::CONTENT_TYPE,
@@ -576,10 +733,10 @@ impl IntoResponse for GatewayError {
                 HeaderValue::from(p),
             );
         }
-        if self.origin != Origin::Upstream || self.status == StatusCode::SERVICE_UNAVAILABLE {
+        if origin != Origin::Upstream || status == StatusCode::SERVICE_UNAVAILABLE {
             h.insert(
                 HeaderName::from_static("x-levee-error-origin"),
-                HeaderValue::from_static(self.origin.as_str()),
+                HeaderValue::from_static(origin.as_str()),
             );
         }
         resp
@@ -628,5 +785,55 @@ mod tests {
         let b = e.body_json();
         assert_eq!(b["error"]["code"], "rate_limit_exceeded");
         assert!(b["error"]["param"].is_null());
+    }
+
+    #[test]
+    fn every_code_maps_to_a_distinct_openai_code_of_its_status_class() {
+        use ErrorCode::*;
+        let all = [
+            InvalidRequest,
+            ContextLengthExceeded,
+            MethodNotAllowed,
+            RequestTooLarge,
+            ModelNotFound,
+            NotFound,
+            TaskNotFound,
+            InvalidApiKey,
+            InvalidAdminToken,
+            AdminActionsDisabled,
+            RateLimitExceeded,
+            CapacityOverload,
+            QueueTimeout,
+            CircuitOpen,
+            NoHealthyBackend,
+            SharedStateUnavailable,
+            TaskStoreUnavailable,
+            Draining,
+            UpstreamError,
+            UpstreamUnreachable,
+            UpstreamTimeout,
+            StreamBroken,
+            StreamIdleTimeout,
+            StreamTimeout,
+            Internal,
+        ];
+        let codes: std::collections::HashSet<_> = all.iter().map(|c| c.as_str()).collect();
+        assert_eq!(codes.len(), all.len(), "two kinds share an OpenAI code");
+        for c in all {
+            let (origin, status, _, _) = c.spec();
+            assert_eq!(
+                c.retryable(),
+                status == StatusCode::TOO_MANY_REQUESTS || status.is_server_error(),
+                "{c:?}"
+            );
+            if status.is_client_error() && status != StatusCode::TOO_MANY_REQUESTS {
+                assert_eq!(origin, Origin::Client, "{c:?}");
+            }
+        }
+        assert!(CapacityOverload.is_capacity_refusal() && QueueTimeout.is_capacity_refusal());
+        assert!(
+            !RateLimitExceeded.is_capacity_refusal()
+                && !ContextLengthExceeded.is_capacity_refusal()
+        );
     }
 }

@@ -1,95 +1,63 @@
-//! A model's lane, the I/O side: its backends (URLs, scrapes, learned sizes), its dispatcher
-//! task, and the glue that carries a request through levee-policy's admission state.
+//! A model's lane, the I/O side: its admission state behind its own lock, its backends
+//! (URLs, scrapes, learned sizes), its dispatcher task, and the figures degradation and the
+//! admin page read. The request-side glue (waiting for a place, the admission a request
+//! holds) is in [`crate::admitted`].
 //!
-//! Every decision is the policy's ([`crate::gateway::Adm`], one lock): this module only
-//! delivers them. A request that must wait holds a oneshot receiver; the lane's dispatcher
-//! task wakes whenever room may have freed (a request ended, a queued one left, a scrape
-//! changed a backend) or a queued deadline passes, asks the policy what goes next, and hands
-//! each waiter its [`Admitted`] — never while holding the lock, so a waiter that has gone
-//! away (its receiver dropped) gives its grant back through [`Admitted`]'s drop, which takes
+//! Every decision is levee-policy's [`LaneAdmission`]: this module only delivers it. Lanes
+//! decide in parallel; what they share (global and tenant limits, gateway-wide counts,
+//! metrics, the clock) is one [`LaneContext`]. A request that must wait holds a oneshot
+//! receiver; the dispatcher task wakes whenever room may have freed (a request ended, a
+//! queued one left, a scrape changed a backend) or a queued deadline passes, asks the policy
+//! what goes next, and hands each waiter its [`Admitted`] — never while holding the lock, so
+//! a waiter that has gone away gives its grant back through [`Admitted`]'s drop, which takes
 //! the lock itself.
-//!
-//! * A waiter whose client disconnects is dropped by hyper; its [`QueueGuard`] cancels the
-//!   ticket at once (refunding its charges), so a gone client never reaches a backend.
-//! * An [`Admitted`] request ends exactly once: [`Admitted::complete`] with the backend's
-//!   outcome and usage, or, when dropped before that, as cancelled (refunded if nothing was
-//!   sent upstream yet).
 
+use crate::admitted::{expired_error, Admitted, Waiter};
+use crate::clock::TokioClock;
 use crate::error::GatewayError;
-use crate::gateway::{Adm, Gateway};
-use crate::metrics::{ModelLabel, TierLabel};
+use crate::metrics::{Metrics, ModelLabel, TierLabel};
 use crate::upstream::Backend;
 use levee_policy::{
-    AdmissionRequest, Admit, Clock, Completion, Expired, Grant, Key, LoadSignals, Outcome,
-    PrefillFit, Refusal, RefusalReason, Ticket, Timestamp, Unservable,
+    AdmissionConfig, BackendLimits, Clock, Key, LaneAdmission, LoadSignals, ModelSpec, Pending,
+    PrefillFit, SharedLimits, Timestamp,
 };
-use parking_lot::{Mutex, RwLock};
+use parking_lot::{Mutex, MutexGuard, RwLock};
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Weak};
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
-use tokio::sync::{oneshot, Notify};
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
 
-/// What a queued request receives: its admission, or why it will not get one.
-type WaiterResult = Result<Admitted, GatewayError>;
+/// The policy's view of one lane, as figures read it.
+pub(crate) type PolicyLane = levee_policy::Lane<Pending<Waiter, Key>, Key>;
 
-/// A queued request's channel.
-#[derive(Debug)]
-pub struct Waiter {
-    tx: oneshot::Sender<WaiterResult>,
-    tier: Arc<str>,
+/// What every lane of one gateway shares.
+pub(crate) struct LaneContext {
+    /// Global and per-tenant limits.
+    pub limits: SharedLimits<Key>,
+    pub metrics: Arc<Metrics>,
+    pub clock: TokioClock,
+    /// Requests queued, all lanes.
+    pub queued: AtomicI64,
+    /// Requests admitted and not yet finished past the queue, all lanes.
+    pub in_flight: AtomicI64,
+    /// Cancelled when the gateway stops: dispatchers end.
+    pub stopped: CancellationToken,
 }
 
-/// Where one request stands in its lane, for whoever watches it wait: an async task's
-/// status, or the SSE comments of a streaming request that opted in.
-#[derive(Debug, Default)]
-pub struct QueueSpot {
-    state: Mutex<Spot>,
-    /// Fires when the request is queued and when it is dispatched.
-    changed: Notify,
-    /// The watcher wants position comments (set once the request is classified).
-    pub updates: AtomicBool,
-    /// A task of the batch band: its dispatch fences its backend for its predicted
-    /// prefill ([`Lane::fence_for_batch`]).
-    pub batch: AtomicBool,
+impl std::fmt::Debug for LaneContext {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LaneContext").finish_non_exhaustive()
+    }
 }
 
-#[derive(Debug, Clone, Default)]
-enum Spot {
-    #[default]
-    Before,
-    Queued {
-        model: Key,
-        ticket: Ticket,
-    },
-    Dispatched,
-}
-
-impl QueueSpot {
-    fn set(&self, s: Spot) {
-        *self.state.lock() = s;
-        self.changed.notify_one();
-    }
-
-    /// Waits until the request is queued or dispatched (returns at once if a change came
-    /// since the last call).
-    pub async fn changed(&self) {
-        self.changed.notified().await;
-    }
-
-    /// Whether the request left the queue for a backend.
-    pub fn dispatched(&self) -> bool {
-        matches!(*self.state.lock(), Spot::Dispatched)
-    }
-
-    /// Its place in the lane's serving order now (1 = next), while it is queued.
-    pub fn position(&self, gw: &Gateway) -> Option<(Key, usize)> {
-        let (model, ticket) = match &*self.state.lock() {
-            Spot::Queued { model, ticket } => (model.clone(), *ticket),
-            _ => return None,
-        };
-        let p = gw.admission.lock().position_of(&model, ticket)?;
-        Some((model, p))
+impl LaneContext {
+    /// Requests queued + in flight, all lanes.
+    pub fn load(&self) -> u64 {
+        let q = self.queued.load(Ordering::Relaxed).max(0);
+        let f = self.in_flight.load(Ordering::Relaxed).max(0);
+        u64::try_from(q + f).unwrap_or(0)
     }
 }
 
@@ -97,9 +65,11 @@ impl QueueSpot {
 const WINDOW: Duration = Duration::from_secs(10);
 
 /// One model's lane.
-pub struct Lane {
-    /// The model (its key in the admission state).
+pub(crate) struct Lane {
+    /// The model (its key in metrics and the policy).
     pub model: Key,
+    pub(crate) ctx: Arc<LaneContext>,
+    adm: Mutex<LaneAdmission<Waiter, Key>>,
     backends: RwLock<Vec<Arc<Backend>>>,
     wake: Notify,
     retired: AtomicBool,
@@ -142,16 +112,43 @@ impl std::fmt::Debug for Lane {
 }
 
 impl Lane {
-    /// A lane with no backends yet.
-    pub fn new(model: Key) -> Arc<Lane> {
-        Arc::new(Lane {
+    /// A lane with no backends yet; its dispatcher runs until the gateway stops.
+    pub fn start(
+        model: Key,
+        ctx: Arc<LaneContext>,
+        spec: ModelSpec,
+        cfg: &AdmissionConfig,
+    ) -> Arc<Lane> {
+        let lane = Arc::new(Lane {
             model,
+            adm: Mutex::new(LaneAdmission::new(spec, cfg)),
+            ctx,
             backends: RwLock::new(Vec::new()),
             wake: Notify::new(),
             retired: AtomicBool::new(false),
             recent: Mutex::new(Recent::default()),
             prefill: Mutex::new(PrefillFit::new()),
-        })
+        });
+        let stop = lane.ctx.stopped.clone();
+        spawn_pump(lane.clone(), |l| &l.wake, stop, |l| l.pump());
+        lane
+    }
+
+    /// The lane's admission state, locked (briefly: never across an await).
+    pub(crate) fn admission(&self) -> MutexGuard<'_, LaneAdmission<Waiter, Key>> {
+        self.adm.lock()
+    }
+
+    /// Reads the policy's lane under the lock.
+    pub fn view<R>(&self, f: impl FnOnce(&PolicyLane) -> R) -> R {
+        f(self.adm.lock().lane())
+    }
+
+    /// Changes the policy's lane under the lock, then wakes the dispatcher.
+    fn change<R>(&self, f: impl FnOnce(&mut PolicyLane) -> R) -> R {
+        let r = f(self.adm.lock().lane_mut());
+        self.wake();
+        r
     }
 
     /// Wakes the dispatcher: room may have freed, or the lane's state changed.
@@ -159,65 +156,68 @@ impl Lane {
         self.wake.notify_one();
     }
 
-    /// Spawns the dispatcher task: it runs [`Lane::pump`] whenever woken, and at the
-    /// earliest queued deadline.
-    pub fn spawn_dispatcher(self: &Arc<Self>, gw: Weak<Gateway>) {
-        let Some(stop) = gw.upgrade().map(|g| g.stopped_token()) else {
-            return;
-        };
-        spawn_pump(self.clone(), |l| &l.wake, gw, stop, |l, g| l.pump(g));
+    /// Applies the model's new settings.
+    pub fn set_spec(&self, spec: ModelSpec) {
+        self.adm.lock().set_spec(spec);
+        self.wake();
+    }
+
+    /// Applies the gateway's new tiers and retry bounds.
+    pub fn reconfigure(&self, cfg: &AdmissionConfig) {
+        self.adm.lock().reconfigure(cfg);
+        self.wake();
     }
 
     /// Answers what must be answered now — expired waiters, and every waiter when the lane
     /// cannot serve anything — and dispatches every queued request that may go. Returns when
     /// to run again for the next deadline.
-    pub fn pump(self: &Arc<Self>, gw: &Arc<Gateway>) -> Option<tokio::time::Instant> {
-        let now = gw.clock.now();
-        let (gone, ready, next) = {
-            let mut adm = gw.admission.lock();
-            let mut gone = adm.expire(&self.model, now);
-            gone.extend(adm.fail_unservable(&self.model, now));
+    fn pump(self: &Arc<Self>) -> Option<tokio::time::Instant> {
+        let ctx = &self.ctx;
+        let now = ctx.clock.now();
+        let (gone, ready, next, load) = {
+            let mut adm = self.adm.lock();
+            let mut gone = adm.expire(&ctx.limits, now);
+            gone.extend(adm.fail_unservable(&ctx.limits, now));
             let mut ready = Vec::new();
-            while let Some(d) = adm.dequeue(&self.model, now) {
+            while let Some(d) = adm.dequeue(&ctx.limits, now) {
                 ready.push(d);
             }
-            let next = adm.next_deadline(&self.model, now);
-            if let Some(l) = adm.lane(&self.model) {
-                gw.metrics
-                    .lane_load
-                    .get_or_create(&ModelLabel {
-                        model: self.model.to_string(),
-                    })
-                    .set(i64::try_from(l.load()).unwrap_or(i64::MAX));
-            }
-            (gone, ready, next)
+            (gone, ready, adm.next_deadline(now), adm.lane().load())
         };
+        ctx.metrics
+            .lane_load
+            .get_or_create(&ModelLabel {
+                model: self.model.to_string(),
+            })
+            .set(i64::try_from(load).unwrap_or(i64::MAX));
         for e in gone {
-            self.left_queue(gw, &e.item.tier);
+            self.left_queue(&e.item.tier);
             let err = expired_error(&self.model, &e);
-            self.note_outcome(now, true);
-            let _ = e.item.tx.send(Err(err));
+            self.note_outcome(now, err.code().is_capacity_refusal());
+            e.item.answer(Err(err));
         }
         for d in ready {
-            self.left_queue(gw, &d.item.tier);
-            gw.metrics
+            self.left_queue(&d.item.tier);
+            ctx.metrics
                 .queue_wait
                 .get_or_create(&TierLabel {
                     tier: d.item.tier.to_string(),
                 })
                 .observe(d.waited.as_secs_f64());
-            let admitted = Admitted::new(gw, self, d.grant, d.waited);
+            let admitted = Admitted::new(self, d.grant, d.waited);
             // A receiver that went away returns the admission, whose drop refunds it and
             // wakes this lane again.
-            let _ = d.item.tx.send(Ok(admitted));
+            d.item.answer(Ok(admitted));
         }
-        next.map(|t| gw.clock.instant_at(t))
+        next.map(|t| ctx.clock.instant_at(t))
     }
 
-    fn left_queue(&self, gw: &Gateway, tier: &str) {
-        gw.queued.fetch_sub(1, Ordering::AcqRel);
-        gw.metrics.queued.dec();
-        gw.metrics
+    /// Counts a request out of the queue.
+    pub(crate) fn left_queue(&self, tier: &str) {
+        self.ctx.queued.fetch_sub(1, Ordering::AcqRel);
+        self.ctx.metrics.queued.dec();
+        self.ctx
+            .metrics
             .queue_depth
             .get_or_create(&TierLabel {
                 tier: tier.to_string(),
@@ -226,12 +226,12 @@ impl Lane {
     }
 
     /// Answers every queued waiter with 503 (drain / shutdown).
-    pub fn drain_queue(&self, gw: &Gateway, retry_after: Duration) {
-        let now = gw.clock.now();
-        let items = gw.admission.lock().drain(&self.model, now);
+    pub fn drain_queue(&self, retry_after: Duration) {
+        let now = self.ctx.clock.now();
+        let items = self.adm.lock().drain(&self.ctx.limits, now);
         for w in items {
-            self.left_queue(gw, &w.tier);
-            let _ = w.tx.send(Err(GatewayError::draining(retry_after)));
+            self.left_queue(&w.tier);
+            w.answer(Err(GatewayError::draining(retry_after)));
         }
     }
 
@@ -254,10 +254,33 @@ impl Lane {
             .cloned()
     }
 
-    /// Sets the backends (the admission state gets their limits from the caller).
+    /// Sets the backends, here and in the admission state.
     pub fn set_backends(&self, backends: Vec<Arc<Backend>>) {
+        let limits: Vec<(Arc<str>, BackendLimits)> = backends
+            .iter()
+            .map(|b| (b.key.clone(), b.limits()))
+            .collect();
         self.retired.store(false, Ordering::Relaxed);
         *self.backends.write() = backends;
+        self.change(|l| l.set_backends(limits));
+    }
+
+    /// After a scrape of `b`: its limits, health and report reach the admission state.
+    pub fn scraped(&self, b: &Backend) {
+        let now = self.ctx.clock.now();
+        let mut adm = self.adm.lock();
+        let l = adm.lane_mut();
+        l.set_backend_limits(&b.key, b.limits());
+        l.set_routable(&b.key, b.is_routable());
+        if let Some(r) = b.report() {
+            l.report(&b.key, r, now);
+        }
+    }
+
+    /// Ejects backend `key` until `until` (outlier detection).
+    pub fn eject(&self, key: &str, until: Timestamp) {
+        let now = self.ctx.clock.now();
+        self.change(|l| l.eject(key, until, now));
     }
 
     /// Marks the lane as belonging to a model removed from the config.
@@ -283,29 +306,24 @@ impl Lane {
         self.prefill.lock().note(prompt_tokens, ttft);
     }
 
-    /// The predicted time from dispatch to the first token of a prompt of `prompt_tokens`
-    /// (see [`PrefillFit::predict`]); `None` until enough streamed responses were measured.
-    pub fn predict_prefill(&self, prompt_tokens: u64) -> Option<Duration> {
-        self.prefill.lock().predict(prompt_tokens)
-    }
-
     /// Sets the lane's prefill window from its streamed responses: the 90th percentile of
     /// their times to first token (a request dispatched longer ago than that has most likely
     /// had its prefill step). Nothing before any was measured.
-    pub fn update_prefill_window(&self, gw: &Gateway) {
+    pub fn update_prefill_window(&self) {
         let window = self.prefill.lock().ttft_quantile(0.9);
         if let Some(w) = window {
-            gw.admission.lock().set_prefill_window(&self.model, w);
+            self.change(|l| l.set_prefill_window(w));
         }
     }
 
     /// A batch task of `prompt_tokens` was just placed on backend `key`: fences that
     /// backend until its prompt is predicted prefilled, so interactive requests go to
     /// another backend meanwhile. Nothing without a prediction.
-    fn fence_for_batch(&self, gw: &Gateway, key: &str, prompt_tokens: u64) {
-        if let Some(p) = self.predict_prefill(prompt_tokens) {
-            let until = gw.clock.now() + p;
-            gw.admission.lock().fence_backend(&self.model, key, until);
+    pub fn fence_for_batch(&self, key: &str, prompt_tokens: u64) {
+        let predicted = self.prefill.lock().predict(prompt_tokens);
+        if let Some(p) = predicted {
+            let until = self.ctx.clock.now() + p;
+            self.change(|l| l.fence_backend(key, until));
         }
     }
 
@@ -316,15 +334,10 @@ impl Lane {
         r.trim(now);
     }
 
-    /// The lane's degradation signals: `queue_ratio` and `kv` as given, P95 TTFT over 1.5×
-    /// `slo`, and the share of capacity refusals, over the last 10 s.
-    pub fn signals(
-        &self,
-        queue_ratio: f64,
-        kv: f64,
-        slo: Option<Duration>,
-        now: Timestamp,
-    ) -> LoadSignals {
+    /// The lane's degradation signals: its load over the hard watermark, its KV fill, P95
+    /// TTFT over 1.5× `slo`, and the share of capacity refusals, over the last 10 s.
+    pub fn signals(&self, hard: u64, slo: Option<Duration>, now: Timestamp) -> LoadSignals {
+        let (load, kv) = self.view(|l| (l.load(), l.kv_fill(now)));
         let mut r = self.recent.lock();
         r.trim(now);
         let ttft_ratio = match slo {
@@ -341,24 +354,33 @@ impl Lane {
             r.outcomes.iter().filter(|(_, x)| *x).count() as f64 / r.outcomes.len() as f64
         };
         LoadSignals {
-            queue_depth_ratio: queue_ratio,
+            queue_depth_ratio: load as f64 / hard.max(1) as f64,
             kv_cache_usage: kv,
             ttft_ratio,
             refusal_rate,
         }
     }
 
-    /// The lane's part of `/admin/state`.
-    /// `tier_names[p]` names priority `p`.
-    pub fn state_json(
-        &self,
-        adm: &Adm,
-        now: Timestamp,
-        tier_names: &[String],
-    ) -> serde_json::Value {
-        let Some(l) = adm.lane(&self.model) else {
-            return serde_json::json!({"model": &*self.model, "retired": self.is_retired()});
-        };
+    /// The expected wait of the request at queue position `position` (1 = next): the
+    /// position over the lane's measured dispatch rate, or before any dispatch is measured,
+    /// position × mean service time ÷ requests in flight.
+    pub fn eta(&self, position: usize) -> Option<Duration> {
+        let now = self.ctx.clock.now();
+        self.view(|l| {
+            let rate = l.dispatch_rate(now);
+            if rate > 0.0 {
+                Some(Duration::from_secs_f64(position as f64 / rate))
+            } else {
+                l.mean_service()
+                    .map(|s| s.mul_f64(position as f64 / l.in_flight().max(1) as f64))
+            }
+        })
+    }
+
+    /// The lane's part of `/admin/state`. `tier_names[p]` names priority `p`.
+    pub fn state_json(&self, now: Timestamp, tier_names: &[String]) -> serde_json::Value {
+        let adm = self.adm.lock();
+        let l = adm.lane();
         let stats = l.queue_stats();
         let tiers: Vec<_> = stats
             .tiers
@@ -383,29 +405,7 @@ impl Lane {
         let backends: Vec<_> = l
             .backend_stats(now)
             .into_iter()
-            .map(|st| {
-                let b = self.backend(&st.id);
-                serde_json::json!({
-                    "id": &*st.id,
-                    "url": b.as_ref().map(|b| b.base.clone()),
-                    "kind": b.as_ref().map(|b| b.kind),
-                    "healthy": st.routable,
-                    "in_flight": st.in_flight,
-                    "max_in_flight": st.request_cap,
-                    "tokens_in_flight": st.tokens_in_flight,
-                    "kv_tokens": st.kv_tokens,
-                    "learned": b.as_ref().map(|b| b.learned()),
-                    "adaptive_limit": b.as_ref().and_then(|b| b.adaptive_limit()),
-                    "reported": b.as_ref().and_then(|b| b.reported()),
-                    "breaker": {
-                        "state": st.breaker.state.as_str(),
-                        "window_requests": st.breaker.window_requests,
-                        "window_failures": st.breaker.window_failures,
-                        "consecutive_failures": st.breaker.consecutive_failures,
-                        "opened_total": st.breaker.opened_total,
-                    },
-                })
-            })
+            .map(|st| self.backend_json(&st))
             .collect();
         serde_json::json!({
             "model": &*self.model,
@@ -421,403 +421,40 @@ impl Lane {
             "backends": backends,
         })
     }
-}
 
-/// The answer for a queued request that leaves the queue unserved.
-fn expired_error(model: &str, e: &Expired<Waiter>) -> GatewayError {
-    let retry = e.retry_after.as_duration();
-    let err = match e.reason {
-        RefusalReason::Unservable(Unservable::CircuitOpen) => {
-            GatewayError::circuit_open(model, retry)
-        }
-        RefusalReason::Unservable(Unservable::NoHealthyBackend) => {
-            GatewayError::no_healthy_backend(model, retry)
-        }
-        RefusalReason::Displaced => GatewayError::displaced(retry),
-        _ => GatewayError::queue_timeout(e.waited, retry),
-    };
-    err.with_refusal(e.reason)
-}
-
-/// Removes a waiter's ticket from the queue if its future is dropped (client gone).
-struct QueueGuard<'a> {
-    gw: &'a Gateway,
-    lane: &'a Lane,
-    ticket: Ticket,
-    armed: bool,
-}
-
-impl Drop for QueueGuard<'_> {
-    fn drop(&mut self) {
-        if !self.armed {
-            return;
-        }
-        let now = self.gw.clock.now();
-        let item = self
-            .gw
-            .admission
-            .lock()
-            .cancel(&self.lane.model, self.ticket, now);
-        // Counted as abandonment by the request's own phase (`levee_tenant_abandoned_total`).
-        if let Some(w) = item {
-            self.lane.left_queue(self.gw, &w.tier);
-        }
-        // A cancel changes who may go next (fair shares, the head of the queue).
-        self.lane.wake();
-    }
-}
-
-/// A request that holds a backend placement (or, before dispatch, its charges). It ends
-/// exactly once: [`Admitted::complete`], or its drop.
-pub struct Admitted {
-    gw: Arc<Gateway>,
-    lane: Arc<Lane>,
-    grant: Option<Grant<Key>>,
-    /// Time spent queued before dispatch.
-    pub waited: Duration,
-    sent: bool,
-    /// Its charge in the shared limit store, settled when it ends.
-    charge: Option<crate::shared::Charge>,
-}
-
-impl std::fmt::Debug for Admitted {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Admitted")
-            .field("backend", &self.grant.as_ref().and_then(|g| g.backend()))
-            .finish()
-    }
-}
-
-impl Admitted {
-    fn new(gw: &Arc<Gateway>, lane: &Arc<Lane>, grant: Grant<Key>, waited: Duration) -> Self {
-        gw.in_flight.fetch_add(1, Ordering::AcqRel);
-        gw.metrics.in_flight.inc();
-        Admitted {
-            gw: gw.clone(),
-            lane: lane.clone(),
-            grant: Some(grant),
-            waited,
-            sent: false,
-            charge: None,
-        }
-    }
-
-    /// Gives it the charge taken in the shared limit store, to settle when it ends.
-    pub fn attach(&mut self, charge: Option<crate::shared::Charge>) {
-        self.charge = charge;
-    }
-
-    /// The tenant's figures from the shared limit store, if it was decided there.
-    pub fn shared_figures(&self) -> Option<levee_store::Figures> {
-        self.charge.as_ref().map(|c| c.figures)
-    }
-
-    /// The backend it was placed on.
-    pub fn backend(&self) -> Option<Arc<Backend>> {
-        let key = self.grant.as_ref()?.backend()?;
-        self.lane.backend(key)
-    }
-
-    /// Tokens reserved (prompt estimate + completion budget).
-    pub fn tokens(&self) -> u64 {
-        self.grant.as_ref().map_or(0, |g| g.tokens())
-    }
-
-    /// Marks that the request is going upstream: from now on, an end without an outcome
-    /// counts as a cancelled request, not as one never served.
-    pub fn mark_sent(&mut self) {
-        self.sent = true;
-    }
-
-    /// Moves it to another backend with room after its backend failed before anything
-    /// reached the client (`outcome` goes to the failed backend's breaker). `false` if no
-    /// other backend can take it now.
-    pub fn redispatch(&mut self, outcome: Outcome) -> bool {
-        let now = self.gw.clock.now();
-        let Some(g) = self.grant.as_mut() else {
-            return false;
-        };
-        let moved = self.gw.admission.lock().redispatch(g, outcome, now);
-        self.lane.wake();
-        self.sent = false;
-        moved
-    }
-
-    /// Ends it with the backend's outcome and real usage.
-    pub fn complete(mut self, done: Completion) {
-        if let Some(g) = self.grant.take() {
-            let now = self.gw.clock.now();
-            self.gw.admission.lock().complete(g, done, now);
-            if let Some(c) = self.charge.take() {
-                match done.actual_tokens {
-                    Some(actual) => c.reconcile(actual),
-                    None => c.keep(),
-                }
-            }
-            self.finish();
-        }
-    }
-
-    fn finish(&self) {
-        self.gw.in_flight.fetch_sub(1, Ordering::AcqRel);
-        self.gw.metrics.in_flight.dec();
-        self.lane.wake();
-    }
-}
-
-impl Drop for Admitted {
-    fn drop(&mut self) {
-        let Some(g) = self.grant.take() else { return };
-        let now = self.gw.clock.now();
-        {
-            let mut adm = self.gw.admission.lock();
-            if self.sent {
-                // Cut short (client gone, or the proxy gave up): the backend may have spent
-                // the tokens, so the estimate stays charged.
-                let done = Completion {
-                    outcome: Outcome::Cancelled,
-                    actual_tokens: None,
-                };
-                adm.complete(g, done, now);
-                if let Some(c) = self.charge.take() {
-                    c.keep();
-                }
-            } else {
-                adm.refund(g, now);
-                // Dropping the charge refunds it.
-                self.charge = None;
-            }
-        }
-        self.finish();
-    }
-}
-
-/// Takes `req` through the admission state: dispatched at once, or queued until the lane's
-/// dispatcher hands it a backend (or its wait ends), or refused.
-pub async fn admit(
-    gw: &Arc<Gateway>,
-    lane: &Arc<Lane>,
-    tier: &str,
-    req: AdmissionRequest<Key>,
-    spot: Option<&QueueSpot>,
-) -> Result<Admitted, GatewayError> {
-    let now = gw.clock.now();
-    if spot.is_some_and(|s| s.batch.load(Ordering::Relaxed)) {
-        lane.update_prefill_window(gw);
-    }
-    let (tx, rx) = oneshot::channel();
-    let tier: Arc<str> = Arc::from(tier);
-    let waiter = Waiter {
-        tx,
-        tier: tier.clone(),
-    };
-    let decided = {
-        let mut adm = gw.admission.lock();
-        let d = adm.admit(&req, waiter, now);
-        match d {
-            Admit::Refused(r) => {
-                let rate = adm.rate_limit_headers(&req.tenant, now);
-                Err(refusal_error(&req, r, rate))
-            }
-            other => {
-                if matches!(other, Admit::Queued { .. }) {
-                    gw.queued.fetch_add(1, Ordering::AcqRel);
-                }
-                Ok(other)
-            }
-        }
-    };
-    let decided = match decided {
-        Ok(d) => d,
-        Err(e) => {
-            let capacity = e
-                .refusal
-                .is_some_and(|r| !matches!(r.code(), "rate_limit_exceeded"));
-            lane.note_outcome(now, capacity);
-            return Err(e);
-        }
-    };
-    match decided {
-        Admit::Dispatch(d) => {
-            lane.note_outcome(now, false);
-            let a = Admitted::new(gw, lane, d.grant, Duration::ZERO);
-            if let Some(s) = spot {
-                dispatched(gw, lane, s, &a, req.prompt_tokens);
-            }
-            Ok(a)
-        }
-        Admit::Queued {
-            ticket, position, ..
-        } => {
-            gw.metrics.queued.inc();
-            gw.metrics
-                .queue_depth
-                .get_or_create(&TierLabel {
-                    tier: tier.to_string(),
-                })
-                .inc();
-            // Dispatch what may go, and answer a request this one displaced from a full lane
-            // (displacement only happens to a request that then queues).
-            lane.wake();
-            if let Some(s) = spot {
-                s.set(Spot::Queued {
-                    model: lane.model.clone(),
-                    ticket,
-                });
-            }
-            let mut guard = QueueGuard {
-                gw,
-                lane,
-                ticket,
-                armed: true,
-            };
-            let got = rx.await;
-            guard.armed = false;
-            match got {
-                Ok(Ok(a)) => {
-                    lane.note_outcome(now, false);
-                    if let Some(s) = spot {
-                        dispatched(gw, lane, s, &a, req.prompt_tokens);
-                    }
-                    Ok(a)
-                }
-                // A refusal after waiting carries the place the request took on arrival.
-                Ok(Err(e)) if e.position.is_none() => {
-                    Err(e.with_position(u32::try_from(position).unwrap_or(u32::MAX)))
-                }
-                Ok(Err(e)) => Err(e),
-                Err(_) => Err(GatewayError::internal(
-                    "the lane's dispatcher stopped while this request waited",
-                )),
-            }
-        }
-        Admit::Refused(_) => Err(GatewayError::internal("unreachable refusal")),
-    }
-}
-
-/// Marks a watched request dispatched; a batch task first fences its backend.
-fn dispatched(gw: &Gateway, lane: &Lane, spot: &QueueSpot, a: &Admitted, prompt_tokens: u64) {
-    if spot.batch.load(Ordering::Relaxed) {
-        if let Some(key) = a.grant.as_ref().and_then(|g| g.backend()) {
-            lane.fence_for_batch(gw, key, prompt_tokens);
-        }
-    }
-    spot.set(Spot::Dispatched);
-}
-
-/// The HTTP error of a refusal, with the tenant's rate-limit figures.
-fn refusal_error(
-    req: &AdmissionRequest<Key>,
-    r: Refusal<Waiter>,
-    rate: levee_policy::RateLimitHeaders,
-) -> GatewayError {
-    let retry = r
-        .retry_after
-        .map(|x| x.as_duration())
-        .unwrap_or(Duration::from_secs(1));
-    let rate_info = crate::error::RateInfo {
-        limit_requests: rate.requests.map(|i| i.limit),
-        remaining_requests: rate.requests.map(|i| i.remaining),
-        reset_requests: rate.requests.map(|i| i.reset_after),
-        limit_tokens: rate.tokens.map(|i| i.limit),
-        remaining_tokens: rate.tokens.map(|i| i.remaining),
-        reset_tokens: rate.tokens.map(|i| i.reset_after),
-    };
-    let tokens = req.tokens();
-    let e = match r.reason {
-        RefusalReason::RequestRate(s) => GatewayError::rate_limited(
-            &format!("{} requests per minute", scope_name(s, req)),
-            retry,
-            crate::error::RateInfo {
-                remaining_requests: Some(0),
-                ..rate_info
+    fn backend_json(&self, st: &levee_policy::BackendStats) -> serde_json::Value {
+        let b = self.backend(&st.id);
+        serde_json::json!({
+            "id": &*st.id,
+            "url": b.as_ref().map(|b| b.base.clone()),
+            "kind": b.as_ref().map(|b| b.kind),
+            "healthy": st.routable,
+            "in_flight": st.in_flight,
+            "max_in_flight": st.request_cap,
+            "tokens_in_flight": st.tokens_in_flight,
+            "kv_tokens": st.kv_tokens,
+            "learned": b.as_ref().map(|b| b.learned()),
+            "adaptive_limit": b.as_ref().and_then(|b| b.adaptive_limit()),
+            "reported": b.as_ref().and_then(|b| b.reported()),
+            "breaker": {
+                "state": st.breaker.state.as_str(),
+                "window_requests": st.breaker.window_requests,
+                "window_failures": st.breaker.window_failures,
+                "consecutive_failures": st.breaker.consecutive_failures,
+                "opened_total": st.breaker.opened_total,
             },
-        ),
-        RefusalReason::TokenRate(s) => GatewayError::rate_limited(
-            &format!(
-                "{} tokens per minute ({tokens} tokens estimated)",
-                scope_name(s, req)
-            ),
-            retry,
-            rate_info,
-        ),
-        RefusalReason::Concurrency(s) => match s {
-            levee_policy::Scope::Tenant | levee_policy::Scope::TenantHeavy => {
-                GatewayError::rate_limited(
-                    &format!("{}: requests in flight at its limit", scope_name(s, req)),
-                    retry,
-                    rate_info,
-                )
-            }
-            _ => GatewayError::capacity_overload(
-                &format!("{} concurrency at its limit", scope_name(s, req)),
-                retry,
-            ),
-        },
-        RefusalReason::TooLarge(s) => GatewayError::bad_request(format!(
-            "this request needs about {tokens} tokens but the {} token quota is smaller; \
-             lower max_tokens or shorten the prompt",
-            scope_name(s, req)
-        ))
-        .with_param("max_tokens"),
-        RefusalReason::ExceedsKvBudget => GatewayError::context_length_exceeded(format!(
-            "this request needs about {tokens} tokens of KV cache (prompt + max_tokens × n), \
-             more than any backend of {:?} holds; lower max_tokens or shorten the prompt",
-            &*req.model
-        )),
-        RefusalReason::Watermark(zone) => GatewayError::capacity_overload(
-            &format!("model {:?} load in zone {}", &*req.model, zone.as_str()),
-            retry,
-        ),
-        RefusalReason::QueueFull(p) => GatewayError::capacity_overload(
-            &format!("model {:?} queue: {}", &*req.model, p.as_str()),
-            retry,
-        ),
-        RefusalReason::PredictedWait => GatewayError::capacity_overload(
-            &format!(
-                "position {} in the queue of {:?}; the predicted wait of {} ms exceeds this \
-                 request's wait budget",
-                r.position.unwrap_or(0),
-                &*req.model,
-                retry.as_millis()
-            ),
-            retry,
-        ),
-        RefusalReason::QueueTimeout => GatewayError::queue_timeout(Duration::ZERO, retry),
-        RefusalReason::Displaced => GatewayError::displaced(retry),
-        RefusalReason::Unservable(Unservable::CircuitOpen) => {
-            GatewayError::circuit_open(&req.model, retry)
-        }
-        RefusalReason::Unservable(Unservable::NoHealthyBackend) => {
-            GatewayError::no_healthy_backend(&req.model, retry)
-        }
-        RefusalReason::UnknownModel => GatewayError::unknown_model(&req.model),
-    };
-    let e = e.with_refusal(r.reason);
-    match r.position {
-        Some(p) => e.with_position(u32::try_from(p).unwrap_or(u32::MAX)),
-        None => e,
+        })
     }
 }
 
-fn scope_name(s: levee_policy::Scope, req: &AdmissionRequest<Key>) -> String {
-    match s {
-        levee_policy::Scope::Global => "global".to_string(),
-        levee_policy::Scope::Model => format!("model {}", req.model),
-        levee_policy::Scope::Tenant => format!("tenant {}", req.tenant),
-        levee_policy::Scope::TenantHeavy => format!("tenant {} heavy requests", req.tenant),
-    }
-}
-
-/// Spawns a task that runs `step` at once, then whenever `wake(owner)` is notified or the time
-/// `step` returned comes, until `stop` is cancelled or the gateway is gone: the loop behind
-/// each lane's dispatcher and the task feeder.
+/// Spawns a task that runs `step` at once, then whenever `wake(owner)` is notified or the
+/// time `step` returned comes, until `stop` is cancelled: the loop behind each lane's
+/// dispatcher and the task feeder.
 pub(crate) fn spawn_pump<S: Send + Sync + 'static>(
     owner: Arc<S>,
     wake: fn(&S) -> &Notify,
-    gw: Weak<Gateway>,
-    stop: tokio_util::sync::CancellationToken,
-    step: impl Fn(&Arc<S>, &Arc<Gateway>) -> Option<tokio::time::Instant> + Send + 'static,
+    stop: CancellationToken,
+    step: impl Fn(&Arc<S>) -> Option<tokio::time::Instant> + Send + 'static,
 ) {
     tokio::spawn(async move {
         loop {
@@ -825,10 +462,7 @@ pub(crate) fn spawn_pump<S: Send + Sync + 'static>(
             tokio::pin!(notified);
             // Register before stepping, so a wake during the step is not lost.
             notified.as_mut().enable();
-            let next = {
-                let Some(g) = gw.upgrade() else { break };
-                step(&owner, &g)
-            };
+            let next = step(&owner);
             let sleep = async {
                 match next {
                     Some(at) => tokio::time::sleep_until(at).await,

@@ -14,32 +14,37 @@
 //! # Ok(()) }
 //! ```
 
-pub mod admin;
-pub mod autoscale;
+mod admin;
+mod admitted;
+mod autoscale;
 pub mod clock;
 pub mod config;
-pub mod degrade;
+mod degrade;
 pub mod error;
-pub mod gateway;
-pub mod lane;
+mod gateway;
+mod lane;
 pub mod metrics;
 #[cfg(feature = "otel")]
 pub mod otel;
-pub mod proxy;
+mod pipeline;
+mod proxy;
 mod queue_updates;
 pub mod reload;
-pub mod request_log;
-pub mod routes;
-pub mod server;
+mod request_log;
+mod routes;
+mod runtime;
+mod server;
 pub mod shared;
 pub mod task_store;
 pub mod task_store_redis;
-pub mod tasks;
+mod tasks;
 mod tokenize;
+mod upkeep;
 pub mod upstream;
 
 pub use config::{hash_key, Config};
-pub use error::{GatewayError, Origin};
+pub use error::{ErrorCode, GatewayError, Origin};
+pub use gateway::Gateway;
 pub use server::{serve_cli, start, GatewayHandle};
 
 use std::path::PathBuf;

@@ -8,7 +8,7 @@
 //! how a client disconnect cancels the GPU work at once.
 
 use crate::config::OutlierConfig;
-use crate::error::GatewayError;
+use crate::error::{ErrorCode, GatewayError};
 use crate::tokenize::PromptText;
 use crate::upstream::{Backend, HttpClient, Verdict};
 use axum::body::Body;
@@ -258,16 +258,6 @@ impl ClientRequest {
             },
             prompt,
         ))
-    }
-
-    /// Size of the body as received.
-    pub fn len(&self) -> usize {
-        self.raw.len()
-    }
-
-    /// Whether the body is empty (never, for a parsed request).
-    pub fn is_empty(&self) -> bool {
-        self.raw.is_empty()
     }
 
     /// The body to send upstream: `model` set to `model`, the cap written if `cap` is set,
@@ -664,11 +654,11 @@ impl StreamState {
         self.events.pending.clear();
         if let Some(mut s) = self.settlement.take() {
             // A stream that outlived its total deadline is not the backend's failure.
-            s.outcome.transport_error = err.code != "stream_timeout";
-            s.outcome.stream_cut = Some(err.code);
+            s.outcome.transport_error = err.code() != ErrorCode::StreamTimeout;
+            s.outcome.stream_cut = Some(err.code().as_str());
             s.finish();
         }
-        tracing::warn!(backend = %self.backend, code = err.code, "{}", err.message);
+        tracing::warn!(backend = %self.backend, code = err.code().as_str(), "{}", err.message());
         err.sse_event()
     }
 }
@@ -883,7 +873,6 @@ mod tests {
         let raw =
             br#"{"model":"m","messages":[{"role":"user","content":"hi \u00e9"}],"max_tokens":5}"#;
         let (r, _) = ClientRequest::parse(Bytes::from_static(raw)).unwrap();
-        assert_eq!(r.len(), raw.len());
         let same = r.upstream_body("m", None, false).unwrap();
         assert_eq!(&same[..], &raw[..]);
 
@@ -906,18 +895,43 @@ mod tests {
     }
 
     #[test]
+    fn parse_reads_the_fields_we_need() {
+        let parse = |b: &'static [u8]| ClientRequest::parse(Bytes::from_static(b)).map(|(r, _)| r);
+        let p = parse(br#"{"model":"m","stream":true,"max_tokens":5,"stream_options":{"include_usage":true}}"#).unwrap();
+        assert_eq!(p.model, "m");
+        assert!(p.stream);
+        assert_eq!(p.max_tokens, Some(5));
+        assert!(p.client_wants_usage);
+        assert_eq!(
+            parse(b"{").unwrap_err().status(),
+            http::StatusCode::BAD_REQUEST
+        );
+        assert_eq!(
+            parse(b"[]").unwrap_err().status(),
+            http::StatusCode::BAD_REQUEST
+        );
+        assert_eq!(parse(br#"{"model":3}"#).unwrap_err().param(), Some("model"));
+        assert_eq!(
+            parse(br#"{"model":"m","max_tokens":-1}"#)
+                .unwrap_err()
+                .param(),
+            Some("max_tokens")
+        );
+    }
+
+    #[test]
     fn parse_errors_keep_their_messages() {
         let e = ClientRequest::parse(Bytes::from_static(b"[1]")).unwrap_err();
-        assert_eq!(e.message, "request body must be a JSON object");
+        assert_eq!(e.message(), "request body must be a JSON object");
         let e = ClientRequest::parse(Bytes::from_static(b"{\"model\":\"m\"} x")).unwrap_err();
         assert!(
-            e.message.starts_with("request body is not valid JSON"),
+            e.message().starts_with("request body is not valid JSON"),
             "{}",
-            e.message
+            e.message()
         );
         let e =
             ClientRequest::parse(Bytes::from_static(br#"{"model":"m","stream":1}"#)).unwrap_err();
-        assert_eq!(e.param, Some("stream"));
+        assert_eq!(e.param(), Some("stream"));
         // Later duplicates win, as with a map.
         let (r, _) =
             ClientRequest::parse(Bytes::from_static(br#"{"model":"a","model":"b"}"#)).unwrap();

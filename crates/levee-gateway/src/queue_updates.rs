@@ -11,14 +11,13 @@
 //! A request that is dispatched (or refused) without waiting is answered exactly as
 //! without the option.
 
+use crate::admitted::QueueSpot;
 use crate::gateway::Gateway;
-use crate::lane::QueueSpot;
-use crate::routes;
+use crate::pipeline;
 use axum::extract::Request;
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use futures::StreamExt;
-use levee_policy::Clock;
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -37,14 +36,13 @@ pub(crate) async fn watched(
 ) -> Response {
     let spot = Arc::new(QueueSpot::default());
     let inner = spot.clone();
-    let g = gw.clone();
     let mut work =
-        Box::pin(async move { routes::handle_with(g, peer, req, path, Some(&inner)).await });
+        Box::pin(async move { pipeline::serve_client(gw, peer, req, path, Some(&inner)).await });
     loop {
         tokio::select! {
             r = &mut work => return r,
             _ = spot.changed() => {
-                if spot.updates.load(Ordering::Relaxed) && spot.position(&gw).is_some() {
+                if spot.updates.load(Ordering::Relaxed) && spot.position().is_some() {
                     break;
                 }
             }
@@ -58,7 +56,7 @@ pub(crate) async fn watched(
             tokio::select! {
                 r = &mut work => break r,
                 _ = tick.tick() => {
-                    if let Some(line) = comment(&gw, &spot) {
+                    if let Some(line) = comment(&spot) {
                         if tx.send(line).await.is_err() {
                             return;
                         }
@@ -111,21 +109,9 @@ pub(crate) async fn watched(
 /// `: queued position=N eta_ms=M` for the request's place now; `None` once it left the
 /// queue. The ETA is the position over the lane's measured dispatch rate (before any
 /// dispatch is measured: position × mean service time ÷ requests in flight).
-fn comment(gw: &Gateway, spot: &QueueSpot) -> Option<Bytes> {
-    let (model, position) = spot.position(gw)?;
-    let now = gw.clock.now();
-    let eta = {
-        let adm = gw.admission.lock();
-        adm.lane(&model).and_then(|l| {
-            let rate = l.dispatch_rate(now);
-            if rate > 0.0 {
-                Some(position as f64 / rate)
-            } else {
-                l.mean_service()
-                    .map(|s| position as f64 * s.as_secs_f64() / l.in_flight().max(1) as f64)
-            }
-        })
-    };
+fn comment(spot: &QueueSpot) -> Option<Bytes> {
+    let (lane, position) = spot.position()?;
+    let eta = lane.eta(position).map(|d| d.as_secs_f64());
     let eta_ms = eta.map_or_else(
         || "unknown".to_string(),
         |s| format!("{}", (s * 1000.0).round() as u64),

@@ -7,6 +7,7 @@
 use crate::config::Config;
 use crate::gateway::Gateway;
 use crate::request_log::{RequestId, REQUEST_ID_HEADER};
+use crate::tasks::Tasks;
 use crate::{admin, routes};
 use axum::extract::ConnectInfo;
 use futures::FutureExt;
@@ -31,6 +32,8 @@ pub struct GatewayHandle {
     public: SocketAddr,
     admin: SocketAddr,
     gateway: Arc<Gateway>,
+    /// Async tasks, when `tasks.enabled`.
+    async_tasks: Option<Arc<Tasks>>,
     stop_accepting: CancellationToken,
     tasks: Vec<JoinHandle<()>>,
 }
@@ -81,6 +84,10 @@ impl GatewayHandle {
             tracing::warn!("shutdown grace period passed with connections still open");
         }
         self.gateway.leave_fleet().await;
+        if let Some(t) = &self.async_tasks {
+            // The tasks this replica holds go back to the fleet's queue.
+            t.leave().await;
+        }
         self.gateway.stop();
     }
 }
@@ -98,12 +105,13 @@ pub async fn start(config: Config) -> anyhow::Result<GatewayHandle> {
     let public = public_listener.local_addr()?;
     let admin = admin_listener.local_addr()?;
     let gateway = Gateway::new(config)?;
-    gateway.spawn_background();
-    if let Some(t) = gateway.tasks() {
+    crate::upkeep::spawn(&gateway);
+    let async_tasks = open_tasks(&gateway)?;
+    if let Some(t) = &async_tasks {
         t.clone().start(&gateway).await?;
     }
     let stop_accepting = CancellationToken::new();
-    let public_router = routes::router(gateway.clone());
+    let public_router = routes::router(gateway.clone(), async_tasks.clone());
     let access = admin::AdminAccess::from_env(admin);
     access.announce(&gateway);
     let admin_router = admin::router(gateway.clone(), access);
@@ -126,9 +134,24 @@ pub async fn start(config: Config) -> anyhow::Result<GatewayHandle> {
         public,
         admin,
         gateway,
+        async_tasks,
         stop_accepting,
         tasks,
     })
+}
+
+/// The async task service, when `tasks.enabled`: on this replica's own store, or on the
+/// fleet's shared queue with `[state] backend = "redis"`.
+fn open_tasks(gw: &Gateway) -> anyhow::Result<Option<Arc<Tasks>>> {
+    let cfg = gw.config();
+    if !cfg.tasks.enabled {
+        return Ok(None);
+    }
+    let tasks = match gw.shared() {
+        None => Tasks::open(&cfg.tasks)?,
+        Some(s) => Tasks::open_shared(&cfg.tasks, &cfg.state, s.redacted_url(), s.replica())?,
+    };
+    Ok(Some(Arc::new(tasks)))
 }
 
 /// The HTTP/2 connection preface a prior-knowledge h2c client starts with.

@@ -132,7 +132,7 @@ async fn a_llamacpp_style_server_is_budgeted_by_its_slots_and_context() {
         .collect();
     let g = gw.gateway().clone();
     wait_until("two running, one queued", || {
-        m.count() == 2 && g.queued.load(std::sync::atomic::Ordering::SeqCst) == 1
+        m.count() == 2 && g.queued() == 1
     })
     .await;
     m.release(3);
@@ -204,10 +204,7 @@ async fn a_flood_on_one_model_leaves_another_alone() {
         .map(|i| spawn_chat(&c, &gw.public_url(), "s", &format!("f{i}")))
         .collect();
     let g = gw.gateway().clone();
-    wait_until("model m full", || {
-        a.count() == 2 && g.queued.load(std::sync::atomic::Ordering::SeqCst) == 4
-    })
-    .await;
+    wait_until("model m full", || a.count() == 2 && g.queued() == 4).await;
     // Model "other" is served at once.
     let mut body = chat_body("quiet");
     body["model"] = "other".into();

@@ -45,7 +45,7 @@ async fn chat_and_stream_through_the_engine() {
     // The scraper reads the engine's vLLM metrics.
     let g = gw.gateway().clone();
     wait_until("engine load scraped", || {
-        g.lanes()[0].backends()[0].load.lock().is_some()
+        g.state_json()["models"][0]["backends"][0]["reported"].is_object()
     })
     .await;
     let metrics = c
@@ -122,10 +122,7 @@ async fn client_disconnect_cancels_the_engine_sequence() {
     assert!(first.is_some());
     drop(r);
     let g = gw.gateway().clone();
-    wait_until("gateway slot freed", || {
-        g.in_flight.load(std::sync::atomic::Ordering::SeqCst) == 0
-    })
-    .await;
+    wait_until("gateway slot freed", || g.in_flight() == 0).await;
     let stats = e
         .wait_for(|s| s.cancelled >= 1 && s.running == 0)
         .await
@@ -152,10 +149,12 @@ async fn crashed_engine_is_marked_unhealthy_and_avoided() {
     let g = gw.gateway().clone();
     let url = crashy.base_url();
     wait_until("crashed engine unhealthy", || {
-        g.lanes()[0]
-            .backends()
-            .iter()
-            .any(|b| b.base == url && !b.healthy.load(std::sync::atomic::Ordering::SeqCst))
+        g.state_json()["models"][0]["backends"]
+            .as_array()
+            .is_some_and(|bs| {
+                bs.iter()
+                    .any(|b| b["url"] == url.as_str() && b["healthy"] == false)
+            })
     })
     .await;
     let c = client();

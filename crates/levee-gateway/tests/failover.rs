@@ -453,7 +453,7 @@ async fn queued_requests_fail_fast_when_every_backend_is_down() {
         .map(|i| spawn_chat(&c, &gw.public_url(), "s", &format!("queued {i}")))
         .collect();
     let g = gw.gateway().clone();
-    wait_until("two queued", || g.queued.load(Ordering::SeqCst) == 2).await;
+    wait_until("two queued", || g.queued() == 2).await;
     be.down.store(true, Ordering::SeqCst);
     for q in queued {
         let r = tokio::time::timeout(Duration::from_secs(10), q)
@@ -487,7 +487,7 @@ async fn time_queued_in_levee_is_not_charged_to_the_backend() {
     .await;
     let second = spawn_chat(&c, &gw.public_url(), "s", "second");
     let g = gw.gateway().clone();
-    wait_until("second queued", || g.queued.load(Ordering::SeqCst) == 1).await;
+    wait_until("second queued", || g.queued() == 1).await;
     // The second waits 1.5 s in levee's queue, then the backend takes 1 s to answer it:
     // 2.5 s in all, but only 1 s of it is the backend's, inside its 2 s.
     tokio::time::sleep(Duration::from_millis(1_500)).await;
@@ -632,9 +632,9 @@ async fn a_full_lane_answers_the_displaced_request_at_once() {
     })
     .await;
     let older = spawn_chat(&c, &gw.public_url(), "a", "queued first");
-    wait_until("one queued", || g.queued.load(Ordering::SeqCst) == 1).await;
+    wait_until("one queued", || g.queued() == 1).await;
     let newest = spawn_chat(&c, &gw.public_url(), "a", "queued second");
-    wait_until("two queued", || g.queued.load(Ordering::SeqCst) == 2).await;
+    wait_until("two queued", || g.queued() == 2).await;
     // The lane is at its hard watermark (1 running + 2 queued): a peer with nothing waiting
     // takes the place of a's newest request, which is answered now, not after a minute.
     let peer = spawn_chat(&c, &gw.public_url(), "b", "peer");

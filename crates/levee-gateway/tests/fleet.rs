@@ -86,7 +86,7 @@ async fn fleet(cfg: &Config, n: usize) -> Vec<GatewayHandle> {
     // Two rounds of heartbeats: every replica has seen all of them.
     for _ in 0..2 {
         for g in &v {
-            if let Some(s) = &g.gateway().shared {
+            if let Some(s) = g.gateway().shared() {
                 s.beat().await;
             }
         }
@@ -164,7 +164,7 @@ async fn three_replicas_hold_the_fleet_limit_where_memory_admits_three_times() {
     let secs = t.elapsed().as_secs_f64();
     let (mut from_redis, mut from_cache) = (0.0, 0.0);
     for g in &gws {
-        let text = g.gateway().metrics.encode();
+        let text = g.gateway().metrics().encode();
         from_redis += metric(&text, "levee_state_decisions_total{source=\"redis\"}");
         from_cache += metric(&text, "levee_state_decisions_total{source=\"cache\"}");
     }
@@ -248,7 +248,7 @@ async fn batching_never_over_admits_and_saves_round_trips() {
     let secs = t.elapsed().as_secs_f64();
     let (mut from_redis, mut from_slices) = (0.0, 0.0);
     for g in &gws {
-        let text = g.gateway().metrics.encode();
+        let text = g.gateway().metrics().encode();
         from_redis += metric(&text, "levee_state_decisions_total{source=\"redis\"}");
         from_slices += metric(&text, "levee_state_decisions_total{source=\"slice\"}");
     }
@@ -371,7 +371,7 @@ async fn redis_frozen_then_killed_fail_open_keeps_flowing_and_shared_limits_retu
     let decided = |gws: &[GatewayHandle], source: &str| -> f64 {
         gws.iter()
             .map(|g| {
-                let text = g.gateway().metrics.encode();
+                let text = g.gateway().metrics().encode();
                 metric(
                     &text,
                     &format!("levee_state_decisions_total{{source=\"{source}\"}}"),
@@ -408,7 +408,7 @@ async fn redis_frozen_then_killed_fail_open_keeps_flowing_and_shared_limits_retu
         assert_eq!(st["healthy"], false, "{st}");
         assert_eq!(st["mode"], "fail_open", "{st}");
         assert_eq!(st["live_replicas"], 3, "{st}");
-        let text = g.gateway().metrics.encode();
+        let text = g.gateway().metrics().encode();
         assert_eq!(metric(&text, "levee_state_shared"), 0.0);
         assert_eq!(
             metric(&text, "levee_state_switches_total{to=\"local\"}"),
@@ -427,10 +427,10 @@ async fn redis_frozen_then_killed_fail_open_keeps_flowing_and_shared_limits_retu
     // Back: the next heartbeat switches every replica to shared limits again.
     let _redis = OwnRedis::start(port).await.expect("redis-server restarts");
     for g in &gws {
-        g.gateway().shared.as_ref().unwrap().beat().await;
+        g.gateway().shared().unwrap().beat().await;
         let st = state(g);
         assert_eq!(st["healthy"], true, "{st}");
-        let text = g.gateway().metrics.encode();
+        let text = g.gateway().metrics().encode();
         assert_eq!(metric(&text, "levee_state_shared"), 1.0);
         // At least once: a background heartbeat may also have seen the server in the
         // moment between thaw and kill.
@@ -480,7 +480,7 @@ async fn fail_closed_answers_503_until_redis_is_back() {
         }
         return skip("redis-server could not be started");
     };
-    gws[0].gateway().shared.as_ref().unwrap().beat().await;
+    gws[0].gateway().shared().unwrap().beat().await;
     assert_eq!(chat(&c, &gws[0].public_url(), "a", "z").await.status(), 200);
     // [state] is fixed at start: a reload that changes it is refused, the old one kept.
     let mut changed = cfg.clone();
@@ -582,7 +582,7 @@ async fn a_dead_replicas_leases_expire_and_its_peers_stop_counting_it() {
     // stays in flight (held at the backend) for ever. New requests are not held.
     gws[0].gateway().stop();
     m.hold(false);
-    let peer = gws[1].gateway().shared.clone().unwrap();
+    let peer = gws[1].gateway().shared().cloned().unwrap();
     let mut admitted = false;
     for _ in 0..300 {
         if chat(&c, &gws[1].public_url(), "a", "after").await.status() == 200 {

@@ -128,7 +128,7 @@ fn metric(text: &str, name: &str) -> f64 {
 /// Tasks this replica holds in its band (placed: in a fair queue or at a backend).
 fn placed(g: &GatewayHandle) -> f64 {
     metric(
-        &g.gateway().metrics.encode(),
+        &g.gateway().metrics().encode(),
         "levee_task_band{state=\"placed\"}",
     )
 }
@@ -356,7 +356,7 @@ async fn receiver() -> Receiver {
 
 fn callbacks(g: &GatewayHandle, state: &str) -> f64 {
     metric(
-        &g.gateway().metrics.encode(),
+        &g.gateway().metrics().encode(),
         &format!("levee_task_callbacks_total{{state=\"{state}\"}}"),
     )
 }
@@ -501,7 +501,7 @@ async fn a_replica_that_shuts_down_hands_its_tasks_back_at_once() {
     // The other replica claims it and sends it upstream again (at-least-once).
     wait_until("the other replica runs the task", || m.count() == 2).await;
     let reclaimed = metric(
-        &gws[0].gateway().metrics.encode(),
+        &gws[0].gateway().metrics().encode(),
         "levee_tasks_reclaimed_total",
     );
     assert_eq!(reclaimed, 1.0);

@@ -8,7 +8,6 @@ mod common;
 use common::*;
 use levee_gateway::{hash_key, start};
 use serde_json::Value;
-use std::sync::atomic::Ordering;
 
 /// The admin URL reached over loopback, whatever address the listener is bound to.
 fn admin_url(gw: &levee_gateway::GatewayHandle) -> String {
@@ -42,13 +41,13 @@ async fn non_loopback_admin_needs_the_token() {
         .post(format!("{base}/admin/degrade"))
         .json(&serde_json::json!({"level": 2}));
     assert_eq!(status(force).await, 401);
-    assert_eq!(gw.gateway().degrader.lock().state_json()["forced"], false);
+    assert_eq!(gw.gateway().degradation_json()["forced"], false);
     let force = c
         .post(format!("{base}/admin/degrade"))
         .bearer_auth("s3cret")
         .json(&serde_json::json!({"level": 2}));
     assert_eq!(status(force).await, 200);
-    assert_eq!(gw.gateway().degrader.lock().state_json()["level"], 2);
+    assert_eq!(gw.gateway().degradation_json()["level"], 2);
     assert_eq!(status(c.post(format!("{base}/admin/drain"))).await, 401);
     assert!(!gw.gateway().is_draining());
     // The page itself holds no data and loads without the token.
@@ -118,9 +117,9 @@ async fn per_tenant_series_are_bounded_and_abandonment_is_counted() {
     wait_until("first at backend", || m.count() == 1).await;
     // `a` queues behind it, then leaves.
     let gone = spawn_chat(&c, &base, "a", "gone");
-    wait_until("queued", || g.queued.load(Ordering::SeqCst) == 1).await;
+    wait_until("queued", || g.queued() == 1).await;
     gone.abort();
-    wait_until("left the queue", || g.queued.load(Ordering::SeqCst) == 0).await;
+    wait_until("left the queue", || g.queued() == 0).await;
     m.hold(false);
     m.release(1);
     assert_eq!(first.await.unwrap().status(), 200);

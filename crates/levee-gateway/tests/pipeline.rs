@@ -108,7 +108,7 @@ async fn queues_then_dispatches_when_a_slot_frees() {
     wait_until("first at backend", || m.count() == 1).await;
     let second = spawn_chat(&c, &base, "s", "second");
     let g = gw.gateway().clone();
-    wait_until("second queued", || g.queued.load(Ordering::SeqCst) == 1).await;
+    wait_until("second queued", || g.queued() == 1).await;
     assert_eq!(m.count(), 1, "a queued request must not reach the backend");
     m.release(2);
     let r1 = first.await.unwrap();
@@ -176,7 +176,7 @@ async fn lower_tiers_at_the_hard_mark_do_not_lock_premium_out() {
     assert_eq!(error_json(r).await["error"]["code"], "capacity_overload");
     // ...but premium, which would be served before the queued standard ones, is queued.
     let premium = spawn_chat(&c, &base, "p", "prem");
-    wait_until("premium queued", || g.queued.load(Ordering::SeqCst) == 3).await;
+    wait_until("premium queued", || g.queued() == 3).await;
     for n in 1..=3 {
         m.release(1);
         wait_until("next dispatched", || m.count() == n + 1).await;
@@ -206,7 +206,7 @@ async fn queue_timeout_answers_429() {
     assert_eq!(r.status(), 429);
     assert!(r.headers().contains_key("retry-after"));
     assert_eq!(error_json(r).await["error"]["code"], "queue_timeout");
-    assert_eq!(gw.gateway().queued.load(Ordering::SeqCst), 0);
+    assert_eq!(gw.gateway().queued(), 0);
     assert_eq!(m.count(), 1);
     m.release(1);
     assert_eq!(first.await.unwrap().status(), 200);
@@ -231,7 +231,7 @@ async fn dispatch_order(
     wait_until("blocker at backend", || m.count() == 1).await;
     for (i, (who, tag)) in queued.iter().enumerate() {
         tasks.push(spawn_chat(&c, &base, who, tag));
-        wait_until("queued", || g.queued.load(Ordering::SeqCst) == i as i64 + 1).await;
+        wait_until("queued", || g.queued() == i as i64 + 1).await;
     }
     for n in 1..=queued.len() {
         m.release(1);
@@ -536,17 +536,17 @@ async fn disconnect_frees_queue_slot_and_backend_slot() {
     let first = spawn_chat(&c, &base, "s", "first");
     wait_until("first at backend", || m.count() == 1).await;
     let queued = spawn_chat(&c, &base, "s", "gone");
-    wait_until("queued", || g.queued.load(Ordering::SeqCst) == 1).await;
+    wait_until("queued", || g.queued() == 1).await;
     // The queued client goes away: it must leave the queue at once.
     queued.abort();
-    wait_until("left the queue", || g.queued.load(Ordering::SeqCst) == 0).await;
+    wait_until("left the queue", || g.queued() == 0).await;
     // The in-flight client goes away: the backend request is cancelled, the slot freed.
     first.abort();
     wait_until("backend cancelled", || {
         m.state.cancelled.load(Ordering::SeqCst) == 1
     })
     .await;
-    wait_until("slot freed", || g.in_flight.load(Ordering::SeqCst) == 0).await;
+    wait_until("slot freed", || g.in_flight() == 0).await;
     // The next request goes straight through, and the gone one never reached the backend.
     m.hold(false);
     let r = chat(&c, &base, "s", "next").await;
@@ -568,7 +568,7 @@ async fn drain_answers_queued_with_503_and_lets_in_flight_finish() {
     let first = spawn_chat(&c, &base, "s", "first");
     wait_until("first at backend", || m.count() == 1).await;
     let queued = spawn_chat(&c, &base, "s", "queued");
-    wait_until("queued", || g.queued.load(Ordering::SeqCst) == 1).await;
+    wait_until("queued", || g.queued() == 1).await;
     let r = c
         .post(format!("{}/admin/drain", gw.admin_url()))
         .send()
@@ -677,7 +677,7 @@ async fn reload_on_file_change() {
     std::fs::write(&path, toml::to_string(&new_cfg).unwrap()).unwrap();
     let g = gw.gateway().clone();
     wait_until("new tenant live", || {
-        g.runtime().tenants.iter().any(|t| &*t.name == "later")
+        g.config().tenants.iter().any(|t| t.name == "later")
     })
     .await;
     assert_eq!(chat(&c, &gw.public_url(), "later", "x").await.status(), 200);
@@ -745,7 +745,7 @@ async fn admin_surfaces_dashboard_state_and_metrics() {
     let first = spawn_chat(&c, &base, "s", "first");
     wait_until("first at backend", || m.count() == 1).await;
     let queued = spawn_chat(&c, &base, "f", "queued");
-    wait_until("queued", || g.queued.load(Ordering::SeqCst) == 1).await;
+    wait_until("queued", || g.queued() == 1).await;
     let page = c
         .get(gw.admin_url())
         .send()

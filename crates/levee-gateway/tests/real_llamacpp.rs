@@ -279,7 +279,7 @@ async fn levee_in_front_of_a_real_llama_server() {
     // The scraped llama.cpp metrics appear in /admin/state.
     let g = gw.gateway().clone();
     wait_until("llama-server load scraped", || {
-        g.lanes()[0].backends()[0].load.lock().is_some()
+        g.state_json()["models"][0]["backends"][0]["reported"].is_object()
     })
     .await;
     let state: Value = c

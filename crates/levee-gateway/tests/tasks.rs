@@ -649,7 +649,7 @@ async fn waiting_stream_gets_position_comments_in_order_until_dispatch() {
     .await;
     let ahead = spawn_chat(&c, &base, "s", "ahead");
     let gw_state = gw.gateway().clone();
-    wait_until(|| gw_state.queued.load(Ordering::SeqCst) == 1, "one waits").await;
+    wait_until(|| gw_state.queued() == 1, "one waits").await;
     let mut body = chat_body("watched");
     body["stream"] = json!(true);
     let resp = c
@@ -777,7 +777,7 @@ async fn a_request_refused_after_waiting_carries_the_position_it_had() {
     .await;
     let first = spawn_chat(&c, &base, "s", "first in line");
     let g = gw.gateway().clone();
-    wait_until(|| g.queued.load(Ordering::SeqCst) == 1, "one waits").await;
+    wait_until(|| g.queued() == 1, "one waits").await;
     let second = chat(&c, &base, "a", "second in line").await;
     assert_eq!(second.status(), 429);
     assert_eq!(second.headers()["x-levee-queue-position"], "2");

@@ -33,23 +33,20 @@
 //! * **Callbacks** are POSTed on their own tokio task, signed with HMAC-SHA256 under the
 //!   tenant's secret, and retried with full-jitter exponential backoff.
 
+mod api;
+mod callback;
+
+pub(crate) use api::router;
+
+use crate::admitted::QueueSpot;
 use crate::config::TasksConfig;
-use crate::error::GatewayError;
-use crate::gateway::{Gateway, Tenant};
-use crate::lane::QueueSpot;
-use crate::routes::{self, Seat};
-use crate::task_store::{
-    CallbackState, Held, Inserted, RedbStore, Status, StoreError, Task, TaskStore,
-};
-use axum::extract::{ConnectInfo, Path, Query, Request, State};
-use axum::response::{IntoResponse, Response};
-use bytes::Bytes;
-use http::{HeaderMap, HeaderValue, StatusCode};
-use levee_policy::{Clock, Key};
+use crate::error::{ErrorCode, GatewayError};
+use crate::gateway::Gateway;
+use crate::pipeline::{serve_task, Seat};
+use crate::task_store::{CallbackState, Held, RedbStore, Status, StoreError, Task, TaskStore};
 use parking_lot::Mutex;
 use serde_json::{json, Value};
 use std::collections::{BTreeMap, HashMap, VecDeque};
-use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
@@ -186,7 +183,7 @@ enum Attempt {
     Leave,
 }
 
-fn unix_ms() -> u64 {
+pub(super) fn unix_ms() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
@@ -263,12 +260,15 @@ impl Tasks {
                 },
             );
         }
+        let weak = Arc::downgrade(gw);
         crate::lane::spawn_pump(
             self.clone(),
             |t| &t.wake,
-            Arc::downgrade(gw),
             gw.stopped_token(),
-            |t, g| t.clone().feed(g),
+            move |t| {
+                let gw = weak.upgrade()?;
+                t.clone().feed(&gw)
+            },
         );
         if self.store.shared() {
             self.clone().spawn_reader(gw);
@@ -430,7 +430,7 @@ impl Tasks {
                  renewing them); running them here",
                 claimed.reclaimed
             );
-            gw.metrics
+            gw.metrics()
                 .tasks_reclaimed
                 .inc_by(u64::try_from(claimed.reclaimed).unwrap_or(u64::MAX));
         }
@@ -509,7 +509,7 @@ impl Tasks {
         }
         let state = |s: &str| crate::metrics::StateLabel { state: s.into() };
         let count = |n: usize| i64::try_from(n).unwrap_or(i64::MAX);
-        let m = &gw.metrics;
+        let m = gw.metrics();
         m.task_band
             .get_or_create(&state("waiting"))
             .set(count(band.waiting.len()));
@@ -537,13 +537,9 @@ impl Tasks {
         {
             return Some(None);
         }
-        let now = gw.clock.now();
-        let until = gw
-            .admission
-            .lock()
-            .lane(&Key::new(model))
-            .and_then(|l| l.fenced_until(now))?;
-        Some(Some(gw.clock.instant_at(until)))
+        let now = gw.now();
+        let until = gw.lane(model)?.view(|l| l.fenced_until(now))?;
+        Some(Some(gw.clock().instant_at(until)))
     }
 
     /// Runs one task once and files the outcome. Its band place frees when this ends,
@@ -659,7 +655,7 @@ impl Tasks {
         } else {
             "/v1/chat/completions"
         };
-        let run = routes::serve_task(gw, tenant, seat, task.body.as_bytes(), path, spot);
+        let run = serve_task(gw, tenant, seat, task.body.as_bytes(), path, spot);
         tokio::pin!(run);
         let served = loop {
             tokio::select! {
@@ -695,8 +691,8 @@ impl Tasks {
                     .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&body).into()));
                 if status.is_success() {
                     Attempt::Done(Status::Succeeded, Some(v), None)
-                } else if status == StatusCode::TOO_MANY_REQUESTS
-                    || status == StatusCode::SERVICE_UNAVAILABLE
+                } else if status == http::StatusCode::TOO_MANY_REQUESTS
+                    || status == http::StatusCode::SERVICE_UNAVAILABLE
                 {
                     // The backend's own backpressure: try again later.
                     Attempt::Retry(advised.unwrap_or(Duration::from_secs(1)))
@@ -707,9 +703,9 @@ impl Tasks {
                     Attempt::Done(Status::Failed, None, Some(e))
                 }
             }
-            Err(e) if e.code == "draining" => Attempt::Leave,
-            Err(e) if e.refusal.is_some() && e.retryable() => {
-                Attempt::Retry(e.retry_after.unwrap_or(Duration::from_secs(1)))
+            Err(e) if e.code() == ErrorCode::Draining => Attempt::Leave,
+            Err(e) if e.refusal().is_some() && e.retryable() => {
+                Attempt::Retry(e.retry_after().unwrap_or(Duration::from_secs(1)))
             }
             Err(e) => {
                 let v = e.body_json();
@@ -794,7 +790,7 @@ impl Tasks {
                 return None;
             }
         };
-        gw.metrics
+        gw.metrics()
             .tasks_finished
             .get_or_create(&crate::metrics::StateLabel {
                 state: status.as_str().into(),
@@ -889,15 +885,11 @@ impl Tasks {
                 let left = service.map(|s| (s - started.elapsed().as_secs_f64()).max(0.0));
                 return (None, left);
             }
-            let Some((model, p)) = l.spot.position(gw) else {
+            let Some((lane, p)) = l.spot.position() else {
                 return (Some(1), service);
             };
-            let now = gw.clock.now();
-            let rate = gw
-                .admission
-                .lock()
-                .lane(&model)
-                .map_or(0.0, |l| l.dispatch_rate(now));
+            let now = gw.now();
+            let rate = lane.view(|l| l.dispatch_rate(now));
             let eta = match service {
                 Some(s) if rate > 0.0 => Some(p as f64 / rate + s),
                 Some(s) => Some((p as f64 / width).ceil() * s + s),
@@ -914,7 +906,7 @@ impl Tasks {
             let Some(ahead) = fleet_ahead else {
                 return (None, None);
             };
-            let replicas = gw.shared.as_ref().map_or(1, |s| s.live_replicas());
+            let replicas = gw.shared().map_or(1, |s| s.live_replicas());
             let places = usize::try_from(self.cfg.max_running)
                 .unwrap_or(usize::MAX)
                 .saturating_mul(usize::try_from(replicas).unwrap_or(1));
@@ -1004,111 +996,6 @@ impl Tasks {
         }
         v
     }
-
-    /// Delivers the task's callback on a tokio task of its own (unless this replica is
-    /// delivering it already).
-    fn spawn_callback(self: Arc<Self>, gw: &Arc<Gateway>, task: Task) {
-        if !self.delivering.lock().insert(task.id.clone()) {
-            return;
-        }
-        let gw = gw.clone();
-        tokio::spawn(async move {
-            let id = task.id.clone();
-            let done = self.deliver(&gw, task).await;
-            self.delivering.lock().remove(&id);
-            if done {
-                if let Err(e) = self.store.callback_done(&id).await {
-                    tracing::warn!("task {id}: {e}");
-                }
-            }
-        });
-    }
-
-    /// POSTs the final state to the task's `callback_url`, signed, retried with full-jitter
-    /// exponential backoff; the outcome is stored with the task. Returns whether it is
-    /// over (delivered, or no attempt left); `false` when the gateway stopped first.
-    async fn deliver(self: &Arc<Self>, gw: &Gateway, task: Task) -> bool {
-        use hmac::Mac;
-        let Some(url) = task.callback_url.clone() else {
-            return true;
-        };
-        let secret = gw
-            .runtime()
-            .tenants
-            .iter()
-            .find(|t| *t.name == *task.tenant)
-            .and_then(|t| t.callback_secret());
-        let mut attempts = task.callback.as_ref().map_or(0, |c| c.attempts);
-        let body = {
-            let mut v = self.view(gw, &task);
-            if let Some(o) = v.as_object_mut() {
-                o.remove("callback");
-            }
-            v.to_string()
-        };
-        let stop = gw.stopped_token();
-        while attempts < self.cfg.callback_attempts {
-            let outcome = match &secret {
-                None => Err("the tenant has no callback secret configured".to_string()),
-                Some(secret) => {
-                    let ts = unix_ms() / 1000;
-                    let mut mac =
-                        match hmac::Hmac::<sha2::Sha256>::new_from_slice(secret.as_bytes()) {
-                            Ok(m) => m,
-                            Err(e) => {
-                                tracing::error!("task {}: callback key: {e}", task.id);
-                                return true;
-                            }
-                        };
-                    mac.update(format!("{ts}.").as_bytes());
-                    mac.update(body.as_bytes());
-                    let sig = hex::encode(mac.finalize().into_bytes());
-                    post_callback(gw, &url, &task.id, ts, &sig, &body, &self.cfg).await
-                }
-            };
-            attempts += 1;
-            let ok = outcome.is_ok();
-            gw.metrics
-                .task_callbacks
-                .get_or_create(&crate::metrics::StateLabel {
-                    state: if ok { "delivered" } else { "failed" }.into(),
-                })
-                .inc();
-            let last = outcome.err();
-            let give_up = ok || attempts >= self.cfg.callback_attempts || secret.is_none();
-            let r = self
-                .store
-                .update(
-                    &task.id,
-                    Box::new(move |t| {
-                        let c = t.callback.get_or_insert_with(CallbackState::default);
-                        c.attempts = attempts;
-                        c.delivered = ok;
-                        c.done = give_up;
-                        c.last_error.clone_from(&last);
-                        true
-                    }),
-                )
-                .await;
-            if let Err(e) = r {
-                tracing::error!("task {}: {e}", task.id);
-            }
-            if give_up {
-                return true;
-            }
-            let cap = self
-                .cfg
-                .callback_backoff_ms
-                .saturating_mul(1u64 << (attempts - 1).min(16))
-                .min(60_000);
-            let wait = Duration::from_millis(rand::random::<u64>() % (cap + 1));
-            tokio::select! {
-                _ = stop.cancelled() => return false,
-                _ = tokio::time::sleep(wait) => {}
-            }
-        }
-        true
-    }
 }
 
 /// The band's drain rate: tasks finished per second over the last [`RATE_WINDOW`] that
@@ -1130,314 +1017,6 @@ fn drain_rate(finished: &VecDeque<(u64, u64)>) -> Option<f64> {
     let to = recent.iter().map(|(_, f)| *f).max()?;
     let span = to.saturating_sub(from) as f64 / 1000.0;
     (span > 0.0).then(|| recent.len() as f64 / span)
-}
-
-async fn post_callback(
-    gw: &Gateway,
-    url: &str,
-    id: &str,
-    ts: u64,
-    sig: &str,
-    body: &str,
-    cfg: &TasksConfig,
-) -> Result<(), String> {
-    let req = http::Request::post(url)
-        .header(http::header::CONTENT_TYPE, "application/json")
-        .header("x-levee-task-id", id)
-        .header("x-levee-timestamp", ts.to_string())
-        .header("x-levee-signature", format!("sha256={sig}"))
-        .body(http_body_util::Full::new(Bytes::from(body.to_string())))
-        .map_err(|e| format!("bad callback request: {e}"))?;
-    let timeout = Duration::from_millis(cfg.callback_timeout_ms);
-    match tokio::time::timeout(timeout, gw.client.request(req)).await {
-        Err(_) => Err(format!("no answer within {} ms", cfg.callback_timeout_ms)),
-        Ok(Err(e)) => Err(format!("could not reach the receiver: {e}")),
-        Ok(Ok(r)) if r.status().is_success() => Ok(()),
-        Ok(Ok(r)) => Err(format!("the receiver answered {}", r.status())),
-    }
-}
-
-/// The caller's tenant, after the per-IP guard (polls are requests like any other).
-fn caller(
-    gw: &Gateway,
-    peer: SocketAddr,
-    headers: &HeaderMap,
-) -> Result<Arc<Tenant>, GatewayError> {
-    if let Err(wait) = gw.check_ip(peer.ip()) {
-        return Err(GatewayError::rate_limited(
-            "per-IP request rate",
-            wait,
-            crate::error::RateInfo::default(),
-        ));
-    }
-    routes::tenant_of(gw, headers)
-}
-
-fn tasks_of(gw: &Gateway) -> Result<&Arc<Tasks>, GatewayError> {
-    gw.tasks().ok_or_else(|| {
-        let mut e = GatewayError::not_found("/v1/tasks");
-        e.message = "async tasks are not enabled on this gateway (tasks.enabled)".into();
-        e
-    })
-}
-
-async fn owned(tasks: &Arc<Tasks>, tenant: &Tenant, id: &str) -> Result<Task, GatewayError> {
-    match tasks.store.get(id).await.map_err(store_failed)? {
-        Some(t) if *t.tenant == *tenant.name => Ok(t),
-        _ => Err(GatewayError::task_not_found(id)),
-    }
-}
-
-/// `POST /v1/tasks`: a chat or completion body, plus an optional `callback_url`.
-pub(crate) async fn submit(
-    State(gw): State<Arc<Gateway>>,
-    ConnectInfo(peer): ConnectInfo<SocketAddr>,
-    req: Request,
-) -> Response {
-    submit_inner(&gw, peer, req)
-        .await
-        .unwrap_or_else(IntoResponse::into_response)
-}
-
-async fn submit_inner(
-    gw: &Arc<Gateway>,
-    peer: SocketAddr,
-    req: Request,
-) -> Result<Response, GatewayError> {
-    let tasks = tasks_of(gw)?;
-    if gw.is_draining() {
-        return Err(GatewayError::draining(Duration::from_millis(
-            gw.config().server.drain_retry_after_ms,
-        )));
-    }
-    let tenant = caller(gw, peer, req.headers())?;
-    let rt = gw.runtime();
-    let body = routes::read_body(req, rt.cfg.server.max_body_bytes).await?;
-    let mut v: Value = serde_json::from_slice(&body)
-        .map_err(|e| GatewayError::bad_request(format!("the body is not valid JSON: {e}")))?;
-    let Some(obj) = v.as_object_mut() else {
-        return Err(GatewayError::bad_request(
-            "the body must be a JSON object (a chat or completion request)",
-        ));
-    };
-    let callback_url = match obj.remove("callback_url") {
-        None | Some(Value::Null) => None,
-        Some(Value::String(u)) => {
-            let ok = u
-                .parse::<http::Uri>()
-                .is_ok_and(|p| p.scheme_str() == Some("http") && p.authority().is_some());
-            if !ok {
-                return Err(GatewayError::bad_request(format!(
-                    "callback_url {u:?} must be an http:// URL with a host"
-                ))
-                .with_param("callback_url"));
-            }
-            if tenant.callback_secret().is_none() {
-                return Err(GatewayError::bad_request(
-                    "this tenant has no callback secret (tenants[].callback_secret_env), so \
-                     its callbacks could not be signed; poll GET /v1/tasks/{id} instead",
-                )
-                .with_param("callback_url"));
-            }
-            Some(u)
-        }
-        Some(_) => {
-            return Err(GatewayError::bad_request("callback_url must be a string")
-                .with_param("callback_url"))
-        }
-    };
-    if obj.get("stream").and_then(Value::as_bool) == Some(true) {
-        return Err(GatewayError::bad_request(
-            "tasks are not streamed: leave out \"stream\" (the result is stored whole)",
-        )
-        .with_param("stream"));
-    }
-    let endpoint = if obj.contains_key("messages") {
-        "/v1/chat/completions"
-    } else if obj.contains_key("prompt") {
-        "/v1/completions"
-    } else {
-        return Err(GatewayError::bad_request(
-            "a task body is a chat request (with \"messages\") or a completion request (with \
-             \"prompt\")",
-        ));
-    };
-    let Some(model) = obj.get("model").and_then(Value::as_str).map(str::to_string) else {
-        return Err(GatewayError::bad_request("\"model\" must be a string").with_param("model"));
-    };
-    if !rt.models.contains_key(&model) {
-        return Err(GatewayError::unknown_model(&model));
-    }
-    let seq = tasks.store.next_seq().await.map_err(store_failed)?;
-    let id = format!("task_{seq:016x}{:08x}", rand::random::<u32>());
-    let task = Task {
-        id: id.clone(),
-        seq,
-        tenant: tenant.name.to_string(),
-        endpoint: endpoint.into(),
-        model,
-        body: v.to_string(),
-        callback_url,
-        status: Status::Queued,
-        created_ms: unix_ms(),
-        started_ms: None,
-        finished_ms: None,
-        attempts: 0,
-        result: None,
-        error: None,
-        callback: None,
-    };
-    let max_open = tasks.cfg.max_queued_per_tenant;
-    match tasks
-        .store
-        .insert(&task, max_open)
-        .await
-        .map_err(store_failed)?
-    {
-        Inserted::Stored => {}
-        Inserted::Full { open } => {
-            // When one of them is likely to finish.
-            let wait = tasks
-                .band
-                .lock()
-                .service_s
-                .map_or(Duration::from_millis(tasks.cfg.poll_interval_ms), |s| {
-                    Duration::from_secs_f64(s.max(0.001))
-                });
-            return Err(GatewayError::rate_limited(
-                &format!(
-                    "tenant {} has {open} tasks queued or running, its limit \
-                     (tasks.max_queued_per_tenant); wait for one to finish",
-                    tenant.name
-                ),
-                wait,
-                crate::error::RateInfo::default(),
-            ));
-        }
-    }
-    let view = if tasks.store.shared() {
-        // Any replica with room may take it: wake this one's reader at once.
-        tasks.pull.notify_one();
-        let ahead = match tasks.store.ahead(&id).await {
-            Ok(a) => a,
-            Err(e) => {
-                tracing::warn!("task {id}: its place in the queue: {e}");
-                None
-            }
-        };
-        tasks.view_at(gw, &task, ahead)
-    } else {
-        tasks.band.lock().enqueue(
-            seq,
-            Waiting {
-                id: id.clone(),
-                tenant: Arc::from(&*tenant.name),
-                model: Arc::from(task.model.as_str()),
-                not_before: None,
-            },
-        );
-        tasks.view(gw, &task)
-    };
-    tasks.wake.notify_one();
-    let mut resp = (StatusCode::ACCEPTED, axum::Json(view)).into_response();
-    let h = resp.headers_mut();
-    if let Ok(v) = HeaderValue::from_str(&format!("/v1/tasks/{id}")) {
-        h.insert(http::header::LOCATION, v);
-    }
-    h.insert(
-        http::header::RETRY_AFTER,
-        HeaderValue::from(crate::error::retry_after_secs(Duration::from_millis(
-            tasks.cfg.poll_interval_ms,
-        ))),
-    );
-    Ok(resp)
-}
-
-/// `GET /v1/tasks/{id}`.
-pub(crate) async fn show(
-    State(gw): State<Arc<Gateway>>,
-    ConnectInfo(peer): ConnectInfo<SocketAddr>,
-    Path(id): Path<String>,
-    headers: HeaderMap,
-) -> Response {
-    let r = async {
-        let tasks = tasks_of(&gw)?;
-        let tenant = caller(&gw, peer, &headers)?;
-        let t = owned(tasks, &tenant, &id).await?;
-        let ahead = tasks.fleet_ahead(&t).await;
-        Ok::<_, GatewayError>(axum::Json(tasks.view_at(&gw, &t, ahead)).into_response())
-    };
-    r.await.unwrap_or_else(IntoResponse::into_response)
-}
-
-/// `DELETE /v1/tasks/{id}`: cancels a queued or running task (a running one is cut
-/// upstream: at once when this replica runs it, at the running replica's next renewal tick
-/// on a shared queue); a finished task is answered as it is.
-pub(crate) async fn cancel(
-    State(gw): State<Arc<Gateway>>,
-    ConnectInfo(peer): ConnectInfo<SocketAddr>,
-    Path(id): Path<String>,
-    headers: HeaderMap,
-) -> Response {
-    let r = async {
-        let tasks = tasks_of(&gw)?;
-        let tenant = caller(&gw, peer, &headers)?;
-        // Only the owner may cancel.
-        owned(tasks, &tenant, &id).await?;
-        let e = err_object("task_cancelled", "the task was cancelled by its tenant");
-        let t = match tasks
-            .finish(&gw, &id, Status::Cancelled, None, Some(e))
-            .await
-        {
-            Some(done) => {
-                tasks.withdraw(&id);
-                done
-            }
-            None => owned(tasks, &tenant, &id).await?,
-        };
-        Ok::<_, GatewayError>(axum::Json(tasks.view(&gw, &t)).into_response())
-    };
-    r.await.unwrap_or_else(IntoResponse::into_response)
-}
-
-/// Query of `GET /v1/tasks`.
-#[derive(Debug, serde::Deserialize)]
-pub(crate) struct ListQuery {
-    limit: Option<usize>,
-    after: Option<String>,
-}
-
-/// `GET /v1/tasks?limit=N&after=ID`: the caller's tasks, oldest first.
-pub(crate) async fn list(
-    State(gw): State<Arc<Gateway>>,
-    ConnectInfo(peer): ConnectInfo<SocketAddr>,
-    Query(q): Query<ListQuery>,
-    headers: HeaderMap,
-) -> Response {
-    let r = async {
-        let tasks = tasks_of(&gw)?;
-        let tenant = caller(&gw, peer, &headers)?;
-        let limit = q.limit.unwrap_or(20).clamp(1, 100);
-        let mut page = tasks
-            .store
-            .list(&tenant.name, q.after.as_deref(), limit + 1)
-            .await
-            .map_err(store_failed)?;
-        let has_more = page.len() > limit;
-        page.truncate(limit);
-        let data: Vec<Value> = page.iter().map(|t| tasks.view(&gw, t)).collect();
-        Ok::<_, GatewayError>(
-            axum::Json(json!({
-                "object": "list",
-                "data": data,
-                "first_id": page.first().map(|t| &t.id),
-                "last_id": page.last().map(|t| &t.id),
-                "has_more": has_more,
-            }))
-            .into_response(),
-        )
-    };
-    r.await.unwrap_or_else(IntoResponse::into_response)
 }
 
 #[cfg(test)]

@@ -1,0 +1,491 @@
+//! The request side of a lane: taking a request through its lane's admission (dispatched at
+//! once, queued until the dispatcher hands it a backend, or refused), and the admission it
+//! then holds.
+//!
+//! * A waiter whose client disconnects is dropped by hyper; its [`QueueGuard`] cancels the
+//!   ticket at once (refunding its charges), so a gone client never reaches a backend.
+//! * An [`Admitted`] request ends exactly once: [`Admitted::complete`] with the backend's
+//!   outcome and usage, or, when dropped before that, as cancelled (refunded if nothing was
+//!   sent upstream yet).
+
+use crate::error::{GatewayError, RateInfo};
+use crate::lane::Lane;
+use crate::metrics::TierLabel;
+use crate::upstream::Backend;
+use levee_policy::{
+    AdmissionRequest, Admit, Clock, Completion, Expired, Grant, Key, Outcome, RateLimitHeaders,
+    Refusal, RefusalReason, Scope, TenantLimits, Ticket, Unservable,
+};
+use parking_lot::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::{oneshot, Notify};
+
+/// What a queued request receives: its admission, or why it will not get one.
+type WaiterResult = Result<Admitted, GatewayError>;
+
+/// A queued request's channel.
+#[derive(Debug)]
+pub(crate) struct Waiter {
+    tx: oneshot::Sender<WaiterResult>,
+    /// Its tier's name (metric label).
+    pub tier: Arc<str>,
+}
+
+impl Waiter {
+    /// Hands the waiter its answer; one that went away drops it (an admission's drop gives
+    /// its grant back).
+    pub fn answer(self, r: WaiterResult) {
+        let _ = self.tx.send(r);
+    }
+}
+
+/// Where one request stands in its lane, for whoever watches it wait: an async task's
+/// status, or the SSE comments of a streaming request that opted in.
+#[derive(Debug, Default)]
+pub(crate) struct QueueSpot {
+    state: Mutex<Spot>,
+    /// Fires when the request is queued and when it is dispatched.
+    changed: Notify,
+    /// The watcher wants position comments (set once the request is classified).
+    pub updates: AtomicBool,
+    /// A task of the batch band: its dispatch fences its backend for its predicted
+    /// prefill ([`Lane::fence_for_batch`]).
+    pub batch: AtomicBool,
+}
+
+#[derive(Debug, Clone, Default)]
+enum Spot {
+    #[default]
+    Before,
+    Queued {
+        lane: Arc<Lane>,
+        ticket: Ticket,
+    },
+    Dispatched,
+}
+
+impl QueueSpot {
+    fn set(&self, s: Spot) {
+        *self.state.lock() = s;
+        self.changed.notify_one();
+    }
+
+    /// Waits until the request is queued or dispatched (returns at once if a change came
+    /// since the last call).
+    pub async fn changed(&self) {
+        self.changed.notified().await;
+    }
+
+    /// Whether the request left the queue for a backend.
+    pub fn dispatched(&self) -> bool {
+        matches!(*self.state.lock(), Spot::Dispatched)
+    }
+
+    /// Its lane and its place in the lane's serving order now (1 = next), while queued.
+    pub fn position(&self) -> Option<(Arc<Lane>, usize)> {
+        let (lane, ticket) = match &*self.state.lock() {
+            Spot::Queued { lane, ticket } => (lane.clone(), *ticket),
+            _ => return None,
+        };
+        let p = lane.admission().position_of(ticket)?;
+        Some((lane, p))
+    }
+}
+
+/// Removes a waiter's ticket from the queue if its future is dropped (client gone).
+struct QueueGuard<'a> {
+    lane: &'a Lane,
+    ticket: Ticket,
+    armed: bool,
+}
+
+impl Drop for QueueGuard<'_> {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        let ctx = &self.lane.ctx;
+        let now = ctx.clock.now();
+        let item = self.lane.admission().cancel(&ctx.limits, self.ticket, now);
+        // Counted as abandonment by the request's own phase (`levee_tenant_abandoned_total`).
+        if let Some(w) = item {
+            self.lane.left_queue(&w.tier);
+        }
+        // A cancel changes who may go next (fair shares, the head of the queue).
+        self.lane.wake();
+    }
+}
+
+/// A request that holds a backend placement (or, before dispatch, its charges). It ends
+/// exactly once: [`Admitted::complete`], or its drop.
+pub(crate) struct Admitted {
+    lane: Arc<Lane>,
+    grant: Option<Grant<Key>>,
+    /// Time spent queued before dispatch.
+    pub waited: Duration,
+    sent: bool,
+    /// Its charge in the shared limit store, settled when it ends.
+    charge: Option<crate::shared::Charge>,
+}
+
+impl std::fmt::Debug for Admitted {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Admitted")
+            .field("backend", &self.grant.as_ref().and_then(|g| g.backend()))
+            .finish()
+    }
+}
+
+impl Admitted {
+    /// The admission of `grant` in `lane`, counted in flight until it ends.
+    pub(crate) fn new(lane: &Arc<Lane>, grant: Grant<Key>, waited: Duration) -> Self {
+        lane.ctx.in_flight.fetch_add(1, Ordering::AcqRel);
+        lane.ctx.metrics.in_flight.inc();
+        Admitted {
+            lane: lane.clone(),
+            grant: Some(grant),
+            waited,
+            sent: false,
+            charge: None,
+        }
+    }
+
+    /// Gives it the charge taken in the shared limit store, to settle when it ends.
+    pub fn attach(&mut self, charge: Option<crate::shared::Charge>) {
+        self.charge = charge;
+    }
+
+    /// The tenant's figures from the shared limit store, if it was decided there.
+    pub fn shared_figures(&self) -> Option<levee_store::Figures> {
+        self.charge.as_ref().map(|c| c.figures)
+    }
+
+    /// The backend it was placed on.
+    pub fn backend(&self) -> Option<Arc<Backend>> {
+        let key = self.grant.as_ref()?.backend()?;
+        self.lane.backend(key)
+    }
+
+    /// Marks that the request is going upstream: from now on, an end without an outcome
+    /// counts as a cancelled request, not as one never served.
+    pub fn mark_sent(&mut self) {
+        self.sent = true;
+    }
+
+    /// The request never reached a backend (nothing listened): its end refunds it.
+    pub fn never_reached(&mut self) {
+        self.sent = false;
+    }
+
+    /// Moves it to another backend with room after its backend failed before anything
+    /// reached the client (`outcome` goes to the failed backend's breaker). `false` if no
+    /// other backend can take it now: it then holds no placement, but it did reach a
+    /// backend, so its charges stand when it ends.
+    pub fn redispatch(&mut self, outcome: Outcome) -> bool {
+        let now = self.lane.ctx.clock.now();
+        let Some(g) = self.grant.as_mut() else {
+            return false;
+        };
+        let moved = self.lane.admission().redispatch(g, outcome, now);
+        self.lane.wake();
+        if moved {
+            // Not sent to the new backend yet.
+            self.sent = false;
+        }
+        moved
+    }
+
+    /// Ends it with the backend's outcome and real usage.
+    pub fn complete(mut self, done: Completion) {
+        if let Some(g) = self.grant.take() {
+            let ctx = &self.lane.ctx;
+            let now = ctx.clock.now();
+            self.lane.admission().complete(&ctx.limits, g, done, now);
+            if let Some(c) = self.charge.take() {
+                match done.actual_tokens {
+                    Some(actual) => c.reconcile(actual),
+                    None => c.keep(),
+                }
+            }
+            self.finish();
+        }
+    }
+
+    fn finish(&self) {
+        self.lane.ctx.in_flight.fetch_sub(1, Ordering::AcqRel);
+        self.lane.ctx.metrics.in_flight.dec();
+        self.lane.wake();
+    }
+}
+
+impl Drop for Admitted {
+    fn drop(&mut self) {
+        let Some(g) = self.grant.take() else { return };
+        let ctx = &self.lane.ctx;
+        let now = ctx.clock.now();
+        if self.sent {
+            // Cut short (client gone, or the proxy gave up): the backend may have spent the
+            // tokens, so the estimate stays charged.
+            let done = Completion {
+                outcome: Outcome::Cancelled,
+                actual_tokens: None,
+            };
+            self.lane.admission().complete(&ctx.limits, g, done, now);
+            if let Some(c) = self.charge.take() {
+                c.keep();
+            }
+        } else {
+            self.lane.admission().refund(&ctx.limits, g, now);
+            // Dropping the charge refunds it.
+            self.charge = None;
+        }
+        self.finish();
+    }
+}
+
+/// Takes `req` through its lane's admission: dispatched at once, or queued until the
+/// lane's dispatcher hands it a backend (or its wait ends), or refused.
+pub(crate) async fn admit(
+    lane: &Arc<Lane>,
+    tenant: &Arc<TenantLimits>,
+    tier: &str,
+    req: AdmissionRequest<Key>,
+    spot: Option<&QueueSpot>,
+) -> Result<Admitted, GatewayError> {
+    let ctx = &lane.ctx;
+    let now = ctx.clock.now();
+    if spot.is_some_and(|s| s.batch.load(Ordering::Relaxed)) {
+        lane.update_prefill_window();
+    }
+    let (tx, rx) = oneshot::channel();
+    let tier: Arc<str> = Arc::from(tier);
+    let waiter = Waiter {
+        tx,
+        tier: tier.clone(),
+    };
+    let decided = lane
+        .admission()
+        .admit_as(&ctx.limits, tenant, &req, waiter, now);
+    let (ticket, position) = match decided {
+        Admit::Refused(r) => {
+            let rate = ctx.limits.rate_limit_headers(&req.tenant, now);
+            let e = refusal_error(&req, r, rate);
+            lane.note_outcome(now, e.code().is_capacity_refusal());
+            return Err(e);
+        }
+        Admit::Dispatch(d) => {
+            lane.note_outcome(now, false);
+            let a = Admitted::new(lane, d.grant, Duration::ZERO);
+            if let Some(s) = spot {
+                dispatched(lane, s, &a, req.prompt_tokens);
+            }
+            return Ok(a);
+        }
+        Admit::Queued {
+            ticket, position, ..
+        } => (ticket, position),
+    };
+    ctx.queued.fetch_add(1, Ordering::AcqRel);
+    ctx.metrics.queued.inc();
+    ctx.metrics
+        .queue_depth
+        .get_or_create(&TierLabel {
+            tier: tier.to_string(),
+        })
+        .inc();
+    // Dispatch what may go, and answer a request this one displaced from a full lane
+    // (displacement only happens to a request that then queues).
+    lane.wake();
+    if let Some(s) = spot {
+        s.set(Spot::Queued {
+            lane: lane.clone(),
+            ticket,
+        });
+    }
+    let mut guard = QueueGuard {
+        lane,
+        ticket,
+        armed: true,
+    };
+    let got = rx.await;
+    guard.armed = false;
+    match got {
+        Ok(Ok(a)) => {
+            lane.note_outcome(now, false);
+            if let Some(s) = spot {
+                dispatched(lane, s, &a, req.prompt_tokens);
+            }
+            Ok(a)
+        }
+        // A refusal after waiting carries the place the request took on arrival.
+        Ok(Err(e)) if e.position().is_none() => {
+            Err(e.with_position(u32::try_from(position).unwrap_or(u32::MAX)))
+        }
+        Ok(Err(e)) => Err(e),
+        Err(_) => Err(GatewayError::internal(
+            "the lane's dispatcher stopped while this request waited",
+        )),
+    }
+}
+
+/// Marks a watched request dispatched; a batch task first fences its backend.
+fn dispatched(lane: &Lane, spot: &QueueSpot, a: &Admitted, prompt_tokens: u64) {
+    if spot.batch.load(Ordering::Relaxed) {
+        if let Some(key) = a.grant.as_ref().and_then(|g| g.backend()) {
+            lane.fence_for_batch(key, prompt_tokens);
+        }
+    }
+    spot.set(Spot::Dispatched);
+}
+
+/// The answer for a queued request that leaves the queue unserved.
+pub(crate) fn expired_error(model: &str, e: &Expired<Waiter>) -> GatewayError {
+    let retry = e.retry_after.as_duration();
+    let err = match e.reason {
+        RefusalReason::Unservable(Unservable::CircuitOpen) => {
+            GatewayError::circuit_open(model, retry)
+        }
+        RefusalReason::Unservable(Unservable::NoHealthyBackend) => {
+            GatewayError::no_healthy_backend(model, retry)
+        }
+        RefusalReason::Displaced => GatewayError::displaced(retry),
+        _ => GatewayError::queue_timeout(e.waited, retry),
+    };
+    err.with_refusal(e.reason)
+}
+
+/// The tenant's `x-ratelimit-*` figures as the error type carries them.
+pub(crate) fn rate_info(rate: &RateLimitHeaders) -> RateInfo {
+    RateInfo {
+        limit_requests: rate.requests.map(|i| i.limit),
+        remaining_requests: rate.requests.map(|i| i.remaining),
+        reset_requests: rate.requests.map(|i| i.reset_after),
+        limit_tokens: rate.tokens.map(|i| i.limit),
+        remaining_tokens: rate.tokens.map(|i| i.remaining),
+        reset_tokens: rate.tokens.map(|i| i.reset_after),
+    }
+}
+
+/// The HTTP error of a refusal, with the tenant's rate-limit figures.
+fn refusal_error(
+    req: &AdmissionRequest<Key>,
+    r: Refusal<Waiter>,
+    rate: RateLimitHeaders,
+) -> GatewayError {
+    let retry = r
+        .retry_after
+        .map(|x| x.as_duration())
+        .unwrap_or(Duration::from_secs(1));
+    let e = match r.reason {
+        RefusalReason::RequestRate(_)
+        | RefusalReason::TokenRate(_)
+        | RefusalReason::TooLarge(_)
+        | RefusalReason::Concurrency(_) => limit_error(req, r.reason, retry, rate_info(&rate)),
+        RefusalReason::ExceedsKvBudget => GatewayError::context_length_exceeded(format!(
+            "this request needs about {} tokens of KV cache (prompt + max_tokens × n), \
+             more than any backend of {:?} holds; lower max_tokens or shorten the prompt",
+            req.tokens(),
+            &*req.model
+        )),
+        RefusalReason::PredictedWait => GatewayError::capacity_overload(
+            &format!(
+                "position {} in the queue of {:?}; the predicted wait of {} ms exceeds this \
+                 request's wait budget",
+                r.position.unwrap_or(0),
+                &*req.model,
+                retry.as_millis()
+            ),
+            retry,
+        ),
+        reason => lane_error(req, reason, retry),
+    };
+    let e = e.with_refusal(r.reason);
+    match r.position {
+        Some(p) => e.with_position(u32::try_from(p).unwrap_or(u32::MAX)),
+        None => e,
+    }
+}
+
+/// A refusal by a limit: a rate, a concurrency limit, or a request larger than a quota.
+fn limit_error(
+    req: &AdmissionRequest<Key>,
+    reason: RefusalReason,
+    retry: Duration,
+    rate: RateInfo,
+) -> GatewayError {
+    let tokens = req.tokens();
+    match reason {
+        RefusalReason::RequestRate(s) => GatewayError::rate_limited(
+            &format!("{} requests per minute", scope_name(s, req)),
+            retry,
+            RateInfo {
+                remaining_requests: Some(0),
+                ..rate
+            },
+        ),
+        RefusalReason::TokenRate(s) => GatewayError::rate_limited(
+            &format!(
+                "{} tokens per minute ({tokens} tokens estimated)",
+                scope_name(s, req)
+            ),
+            retry,
+            rate,
+        ),
+        RefusalReason::Concurrency(s @ (Scope::Tenant | Scope::TenantHeavy)) => {
+            GatewayError::rate_limited(
+                &format!("{}: requests in flight at its limit", scope_name(s, req)),
+                retry,
+                rate,
+            )
+        }
+        RefusalReason::Concurrency(s) => GatewayError::capacity_overload(
+            &format!("{} concurrency at its limit", scope_name(s, req)),
+            retry,
+        ),
+        RefusalReason::TooLarge(s) => GatewayError::bad_request(format!(
+            "this request needs about {tokens} tokens but the {} token quota is smaller; \
+             lower max_tokens or shorten the prompt",
+            scope_name(s, req)
+        ))
+        .with_param("max_tokens"),
+        other => lane_error(req, other, retry),
+    }
+}
+
+/// A refusal by the lane: its load, its queue, its backends.
+fn lane_error(req: &AdmissionRequest<Key>, reason: RefusalReason, retry: Duration) -> GatewayError {
+    match reason {
+        RefusalReason::Watermark(zone) => GatewayError::capacity_overload(
+            &format!("model {:?} load in zone {}", &*req.model, zone.as_str()),
+            retry,
+        ),
+        RefusalReason::QueueFull(p) => GatewayError::capacity_overload(
+            &format!("model {:?} queue: {}", &*req.model, p.as_str()),
+            retry,
+        ),
+        RefusalReason::QueueTimeout => GatewayError::queue_timeout(Duration::ZERO, retry),
+        RefusalReason::Displaced => GatewayError::displaced(retry),
+        RefusalReason::Unservable(Unservable::CircuitOpen) => {
+            GatewayError::circuit_open(&req.model, retry)
+        }
+        RefusalReason::Unservable(Unservable::NoHealthyBackend) => {
+            GatewayError::no_healthy_backend(&req.model, retry)
+        }
+        RefusalReason::UnknownModel => GatewayError::unknown_model(&req.model),
+        other => GatewayError::internal(format!(
+            "refusal {} reached the lane's error mapping",
+            other.label()
+        )),
+    }
+}
+
+fn scope_name(s: Scope, req: &AdmissionRequest<Key>) -> String {
+    match s {
+        Scope::Global => "global".to_string(),
+        Scope::Model => format!("model {}", req.model),
+        Scope::Tenant => format!("tenant {}", req.tenant),
+        Scope::TenantHeavy => format!("tenant {} heavy requests", req.tenant),
+    }
+}

@@ -1,0 +1,87 @@
+//! Admit and dispatch: the fleet-wide rates in the shared store (when there is one), then
+//! levee-policy's one admission path in the model's lane — limits, the lane's watermark,
+//! fair share, KV budget, predicted wait — waiting in the lane's fair queue if it must;
+//! then the backend it was placed on.
+
+use super::classify::Classified;
+use super::Seat;
+use crate::admitted::{self, Admitted, QueueSpot};
+use crate::error::GatewayError;
+use crate::gateway::Gateway;
+use crate::metrics::ReasonLabels;
+use crate::runtime::Tenant;
+use crate::upstream::Backend;
+use levee_policy::AdmissionRequest;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// The admit phase.
+pub(super) async fn admit(
+    gw: &Arc<Gateway>,
+    tenant: &Tenant,
+    seat: &Seat,
+    c: &Classified,
+    spot: Option<&QueueSpot>,
+) -> Result<Admitted, GatewayError> {
+    let req = AdmissionRequest {
+        tenant: tenant.name.clone(),
+        model: c.target.name.clone(),
+        tier: levee_policy::Tier(seat.priority),
+        prompt_tokens: c.prompt_tokens,
+        completion_tokens: u64::from(c.max_tokens) * u64::from(c.parsed.choices),
+        max_wait: None,
+    };
+    gw.scaling().arrival(&c.target.name);
+    // Fleet-wide rates first (a refusal here costs the local state nothing); the charge
+    // comes back if the local admission then refuses.
+    let scopes = gw
+        .shared()
+        .and_then(|_| gw.runtime().shared_scopes.get(&tenant.name).cloned());
+    let charge = match (gw.shared(), scopes) {
+        (Some(shared), Some(scopes)) => Box::pin(shared.take(&scopes, req.tokens())).await?,
+        _ => None,
+    };
+    let waiting = gw.metrics().queued_wait(&tenant.name);
+    let admitted = Box::pin(admitted::admit(
+        &c.lane,
+        &tenant.limits,
+        &seat.tier,
+        req,
+        spot,
+    ))
+    .await;
+    waiting.done();
+    let mut admitted = admitted?;
+    admitted.attach(charge);
+    Ok(admitted)
+}
+
+/// Counts an admitted request and the degradation measures applied to it.
+pub(super) fn count_admitted(gw: &Gateway, tenant: &Tenant, seat: &Seat, c: &Classified) {
+    gw.metrics().admitted_for(&tenant.metrics, &seat.tier);
+    for d in &c.degraded {
+        let measure = d.split('=').next().unwrap_or("degraded").to_string();
+        gw.metrics()
+            .degraded
+            .get_or_create(&ReasonLabels {
+                tier: seat.tier.clone(),
+                reason: measure,
+            })
+            .inc();
+    }
+}
+
+/// The dispatch phase: the backend the admission placed the request on.
+pub(super) fn dispatch(
+    admitted: Admitted,
+    c: &Classified,
+) -> Result<(Admitted, Arc<Backend>), GatewayError> {
+    match admitted.backend() {
+        Some(b) => Ok((admitted, b)),
+        // Its backend was removed by a reload between the decision and now.
+        None => Err(GatewayError::no_healthy_backend(
+            &c.target.name,
+            Duration::from_secs(1),
+        )),
+    }
+}

@@ -1,0 +1,146 @@
+//! Classify: parse the body, resolve the model and its lane, apply the lane's degradation
+//! (shed, fallback model, `max_tokens` cap), count the prompt, inject the default completion
+//! budget, and refuse at once what can never fit the model's context.
+
+use super::{RequestCtx, Seat};
+use crate::error::GatewayError;
+use crate::gateway::Gateway;
+use crate::lane::Lane;
+use crate::metrics::TierLabel;
+use crate::proxy::ClientRequest;
+use crate::runtime::{Model, Runtime};
+use bytes::Bytes;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// What classification learned about a request: everything admission and the upstream call
+/// need, with the prompt text already counted and dropped.
+pub(super) struct Classified {
+    pub parsed: ClientRequest,
+    /// The model served (the requested one, or its fallback under degradation).
+    pub target: Arc<Model>,
+    pub lane: Arc<Lane>,
+    pub prompt_tokens: u64,
+    /// The completion budget per choice after degradation and the default.
+    pub max_tokens: u32,
+    /// What to write as `max_tokens` upstream, when it differs from what the client sent.
+    pub cap: Option<u32>,
+    /// Measures applied (`max_tokens=256`, `fallback=small`).
+    pub degraded: Vec<String>,
+    /// The request's id, for its log line.
+    pub request: Option<crate::request_log::RequestId>,
+    /// The request's span, kept until it settles.
+    pub span: tracing::Span,
+}
+
+/// The longest context of `model`: configured, else the smallest any backend reported.
+fn max_context(model: &Model, lane: &Lane) -> Option<u64> {
+    model.max_context_tokens.or_else(|| {
+        lane.backends()
+            .iter()
+            .filter_map(|b| b.learned().max_context)
+            .min()
+    })
+}
+
+/// The classify phase.
+pub(super) fn classify(
+    gw: &Gateway,
+    rt: &Runtime,
+    seat: &Seat,
+    body: &[u8],
+    ctx: &mut RequestCtx,
+) -> Result<Classified, GatewayError> {
+    // Copied into an allocation of its own: the body read from hyper is a view into the
+    // connection's read buffer, and a queued request holding it would keep that buffer alive.
+    let (parsed, prompt) = ClientRequest::parse(Bytes::copy_from_slice(body))?;
+    let Some(model) = rt.models.get(&parsed.model).cloned() else {
+        // Never a metric label from an unvalidated client string.
+        ctx.model = "unknown".into();
+        return Err(GatewayError::unknown_model(&parsed.model));
+    };
+    ctx.model = model.name.clone();
+    let mut degraded: Vec<String> = Vec::new();
+    let decision = gw.degradation(&model.name);
+    if let Some(p) = decision.shed_from_priority {
+        if seat.sheddable && seat.priority >= p {
+            gw.metrics()
+                .shed
+                .get_or_create(&TierLabel {
+                    tier: seat.tier.clone(),
+                })
+                .inc();
+            return Err(GatewayError::capacity_overload(
+                &format!(
+                    "degradation level {} of model {:?} sheds tier {}",
+                    decision.level, &*model.name, seat.tier
+                ),
+                Duration::from_secs(1),
+            ));
+        }
+    }
+    let mut target = model.clone();
+    if decision.use_fallback {
+        if let Some(fb) = model.fallback.as_ref().and_then(|f| rt.models.get(f)) {
+            target = fb.clone();
+            degraded.push(format!("fallback={}", fb.name));
+        }
+    }
+    let Some(lane) = gw.lane(&target.name) else {
+        return Err(GatewayError::unknown_model(&target.name));
+    };
+    ctx.lane = Some(lane.clone());
+    let prompt_tokens = target.counter.count(&prompt);
+    drop(prompt);
+    let context = max_context(&target, &lane);
+    let max_tokens = completion_budget(&parsed, &target, prompt_tokens, context)?;
+    let max_tokens = match decision.max_tokens_cap {
+        Some(cap) if max_tokens > cap => {
+            degraded.push(format!("max_tokens={cap}"));
+            cap
+        }
+        _ => max_tokens,
+    };
+    let cap = (parsed.max_tokens != Some(max_tokens)).then_some(max_tokens);
+    Ok(Classified {
+        parsed,
+        target,
+        lane,
+        prompt_tokens,
+        max_tokens,
+        cap,
+        degraded,
+        request: ctx.request.clone(),
+        span: ctx.span.clone(),
+    })
+}
+
+/// The completion budget per choice: the client's `max_tokens`, or the model's default
+/// (never more than the context leaves); a request that can never fit is refused.
+fn completion_budget(
+    parsed: &ClientRequest,
+    target: &Model,
+    prompt_tokens: u64,
+    context: Option<u64>,
+) -> Result<u32, GatewayError> {
+    let requested = parsed.max_tokens;
+    let Some(ctx) = context else {
+        return Ok(requested.unwrap_or(target.default_max_tokens));
+    };
+    let asked = prompt_tokens + u64::from(requested.unwrap_or(0));
+    if prompt_tokens >= ctx || (requested.is_some() && asked > ctx) {
+        return Err(GatewayError::context_length_exceeded(format!(
+            "this model's maximum context length is {ctx} tokens; this request asks for \
+             about {asked} (prompt ≈ {prompt_tokens}{}); shorten the prompt or lower \
+             max_tokens",
+            requested
+                .map(|m| format!(" + max_tokens {m}"))
+                .unwrap_or_default()
+        )));
+    }
+    // An injected default never asks for more than the context leaves.
+    let room = u32::try_from(ctx.saturating_sub(prompt_tokens)).unwrap_or(u32::MAX);
+    Ok(requested
+        .unwrap_or(target.default_max_tokens)
+        .min(room.max(1)))
+}

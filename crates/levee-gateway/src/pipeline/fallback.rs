@@ -1,0 +1,95 @@
+//! The model's configured fallback reply, answered instead of a 503 when none of its
+//! backends can serve.
+
+use super::classify::Classified;
+use super::{record_end, RequestCtx};
+use crate::error::GatewayError;
+use crate::gateway::Gateway;
+use crate::runtime::Tenant;
+use axum::response::{IntoResponse, Response};
+use http::{HeaderValue, StatusCode};
+use levee_policy::RefusalReason;
+
+/// A refusal of admission: the model's fallback reply when it was refused because no
+/// backend can serve and it has one; the refusal otherwise.
+pub(super) fn or_error(
+    gw: &Gateway,
+    tenant: &Tenant,
+    c: &Classified,
+    ctx: &RequestCtx,
+    e: GatewayError,
+) -> Result<Response, GatewayError> {
+    let unservable = matches!(e.refusal(), Some(RefusalReason::Unservable(_)));
+    match (&c.target.fallback_response, unservable) {
+        (Some(text), true) => {
+            record_end(&ctx.span, "fallback_response", StatusCode::OK.as_u16());
+            Ok(fallback_reply(gw, tenant, c, ctx.path, text, &e))
+        }
+        _ => Err(e),
+    }
+}
+
+/// The model's canned reply when none of its backends can serve.
+fn fallback_reply(
+    gw: &Gateway,
+    tenant: &Tenant,
+    c: &Classified,
+    path: &str,
+    text: &str,
+    e: &GatewayError,
+) -> Response {
+    gw.metrics()
+        .degraded
+        .get_or_create(&crate::metrics::ReasonLabels {
+            tier: tenant.tier.clone(),
+            reason: "fallback_response".into(),
+        })
+        .inc();
+    gw.metrics()
+        .request(&tenant.name, &c.target.name, "fallback_response");
+    canned_response(
+        path,
+        &c.target.name,
+        c.parsed.stream,
+        text,
+        e.code().as_str(),
+    )
+}
+
+/// The configured fallback reply in the OpenAI shape (chat or legacy completion, streamed
+/// or not).
+fn canned_response(path: &str, model: &str, stream: bool, text: &str, why: &str) -> Response {
+    let chat = path.ends_with("/chat/completions");
+    let mut resp = if stream {
+        let chunk = if chat {
+            serde_json::json!({"id": "levee-fallback", "object": "chat.completion.chunk", "created": 0,
+                "model": model, "choices": [{"index": 0, "delta": {"role": "assistant", "content": text}, "finish_reason": "stop"}]})
+        } else {
+            serde_json::json!({"id": "levee-fallback", "object": "text_completion", "created": 0,
+                "model": model, "choices": [{"index": 0, "text": text, "finish_reason": "stop"}]})
+        };
+        let body = format!("data: {chunk}\n\ndata: [DONE]\n\n");
+        ([(http::header::CONTENT_TYPE, "text/event-stream")], body).into_response()
+    } else {
+        let usage =
+            serde_json::json!({"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0});
+        let body = if chat {
+            serde_json::json!({"id": "levee-fallback", "object": "chat.completion", "created": 0, "model": model,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
+                "usage": usage})
+        } else {
+            serde_json::json!({"id": "levee-fallback", "object": "text_completion", "created": 0, "model": model,
+                "choices": [{"index": 0, "text": text, "finish_reason": "stop"}], "usage": usage})
+        };
+        axum::Json(body).into_response()
+    };
+    let h = resp.headers_mut();
+    h.insert(
+        "x-levee-degraded",
+        HeaderValue::from_static("fallback_response"),
+    );
+    if let Ok(v) = HeaderValue::from_str(why) {
+        h.insert("x-levee-fallback-reason", v);
+    }
+    resp
+}

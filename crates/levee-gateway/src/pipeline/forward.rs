@@ -1,0 +1,264 @@
+//! Proxy: send upstream (once more to another backend if the first failed before anything
+//! reached the client), then stream or buffer the answer back. The request's settlement
+//! travels with the response body and runs when it ends.
+
+use super::classify::Classified;
+use super::settle::RequestSettle;
+use crate::admitted::{rate_info, Admitted};
+use crate::error::{ErrorCode, GatewayError};
+use crate::gateway::Gateway;
+use crate::lane::Lane;
+use crate::metrics::TenantKindLabels;
+use crate::proxy::{self, Settlement, StreamLimits};
+use crate::runtime::{Runtime, Tenant};
+use crate::upstream::{advised_retry, Backend, Verdict};
+use axum::response::Response;
+use http::{HeaderMap, HeaderValue};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::time::Instant;
+
+/// The proxy phase.
+pub(super) async fn forward(
+    gw: &Arc<Gateway>,
+    rt: &Runtime,
+    tenant: Arc<Tenant>,
+    c: Classified,
+    mut admitted: Admitted,
+    backend: Arc<Backend>,
+    path: &'static str,
+) -> Result<Response, GatewayError> {
+    // With `strip_usage`, levee asks for the usage chunk so tokens can be reconciled; it is
+    // removed on the way back because this client did not ask for it.
+    let strip_usage = c.parsed.stream && !c.parsed.client_wants_usage;
+    let extra = response_headers(gw, &tenant, &c, &admitted);
+    // The deadline starts at dispatch: the gateway's own queue wait is not the backend's.
+    let request_timeout = Duration::from_millis(rt.cfg.server.request_timeout_ms);
+    let dispatched = Instant::now();
+    let sent = send_with_one_resend(gw, rt, &c, &mut admitted, backend, path, strip_usage).await?;
+    let Sent {
+        resp,
+        sent_at,
+        backend,
+        judged,
+    } = sent;
+    let backend_id = backend.id.clone();
+    c.span.record("backend", &*backend_id);
+    let settle = RequestSettle {
+        gw: gw.clone(),
+        queued: admitted.waited,
+        sent_at,
+        admitted: Some(admitted),
+        backend,
+        tenant,
+        model: c.target.name.clone(),
+        lane: c.lane.clone(),
+        prompt_estimate: c.prompt_tokens,
+        streamed: c.parsed.stream,
+        outlier: rt.cfg.outlier.clone(),
+        judged,
+        request: c.request.clone(),
+        span: c.span.clone(),
+    };
+    let settlement = Settlement::new(Box::new(settle));
+    if c.parsed.stream && resp.status().is_success() {
+        let total = Duration::from_millis(rt.cfg.server.stream_timeout_ms);
+        let limits = StreamLimits {
+            idle: Duration::from_millis(rt.cfg.server.stream_idle_timeout_ms),
+            deadline: dispatched + total,
+            total,
+        };
+        Ok(proxy::stream_response(
+            resp,
+            settlement,
+            strip_usage,
+            sent_at,
+            limits,
+            &backend_id,
+            &extra,
+        ))
+    } else {
+        Box::pin(proxy::finish_buffered(
+            resp,
+            settlement,
+            sent_at + request_timeout,
+            sent_at,
+            &extra,
+        ))
+        .await
+    }
+}
+
+/// The backend's answer head, when it was sent, by whom, and whether its outcome already
+/// went to outlier ejection.
+struct Sent {
+    resp: http::Response<hyper::body::Incoming>,
+    sent_at: Instant,
+    backend: Arc<Backend>,
+    judged: bool,
+}
+
+/// Sends the request; if the backend failed (or refused) before anything reached the
+/// client, sends it once more to another backend with room, within its deadline.
+async fn send_with_one_resend(
+    gw: &Gateway,
+    rt: &Runtime,
+    c: &Classified,
+    admitted: &mut Admitted,
+    mut backend: Arc<Backend>,
+    path: &'static str,
+    strip_usage: bool,
+) -> Result<Sent, GatewayError> {
+    let request_timeout = Duration::from_millis(rt.cfg.server.request_timeout_ms);
+    let outlier = &rt.cfg.outlier;
+    let mut resent = false;
+    loop {
+        let upstream_model = backend.upstream_model.as_deref().unwrap_or(&c.target.name);
+        let upstream_body = c.parsed.upstream_body(upstream_model, c.cap, strip_usage)?;
+        let sent_at = Instant::now();
+        admitted.mark_sent();
+        let sent = Box::pin(proxy::send(
+            gw.client(),
+            &backend,
+            path,
+            upstream_body,
+            sent_at + request_timeout,
+        ))
+        .await;
+        let verdict = match &sent {
+            Ok(r) => Verdict::of_response(
+                r.status(),
+                advised_retry(r.headers()),
+                backend.is_routable(),
+                outlier,
+            ),
+            // Nothing listens: the request never reached the backend.
+            Err(e) if e.code() == ErrorCode::UpstreamUnreachable => {
+                Verdict::Unavailable { advised: None }
+            }
+            Err(_) => Verdict::Failure,
+        };
+        let retry = !resent && verdict.worth_another_backend();
+        if retry && sent_at.elapsed() < request_timeout {
+            eject_if_due(gw, &c.lane, &backend, verdict, outlier);
+            if admitted.redispatch(verdict.breaker_outcome()) {
+                if let Some(other) = admitted.backend() {
+                    tracing::warn!(model = %c.target.name, ?verdict, "backend {} failed before the first byte; resending to {}", backend.id, other.id);
+                    backend = other;
+                    resent = true;
+                    continue;
+                }
+            }
+            // No other backend has room: the backend's own answer (or error) stands.
+            return finish_send(sent, admitted, sent_at, backend, true);
+        }
+        if sent.is_err() {
+            eject_if_due(gw, &c.lane, &backend, verdict, outlier);
+        }
+        return finish_send(sent, admitted, sent_at, backend, false);
+    }
+}
+
+/// The answer of the last send. A request that never reached its backend is refunded when
+/// its admission drops; one that did keeps its charges.
+fn finish_send(
+    sent: Result<http::Response<hyper::body::Incoming>, GatewayError>,
+    admitted: &mut Admitted,
+    sent_at: Instant,
+    backend: Arc<Backend>,
+    judged: bool,
+) -> Result<Sent, GatewayError> {
+    match sent {
+        Ok(resp) => Ok(Sent {
+            resp,
+            sent_at,
+            backend,
+            judged,
+        }),
+        Err(e) => {
+            if e.code() == ErrorCode::UpstreamUnreachable {
+                admitted.never_reached();
+            }
+            Err(e)
+        }
+    }
+}
+
+/// The headers levee adds to a served response: queue wait, degradation, the tenant's
+/// rate-limit figures.
+fn response_headers(
+    gw: &Gateway,
+    tenant: &Tenant,
+    c: &Classified,
+    admitted: &Admitted,
+) -> Vec<(&'static str, HeaderValue)> {
+    let mut extra: Vec<(&'static str, HeaderValue)> = Vec::new();
+    if admitted.waited > Duration::ZERO {
+        if let Ok(v) = HeaderValue::from_str(&admitted.waited.as_millis().to_string()) {
+            extra.push(("x-levee-queue-ms", v));
+        }
+    }
+    if !c.degraded.is_empty() {
+        if let Ok(v) = HeaderValue::from_str(&c.degraded.join(", ")) {
+            extra.push(("x-levee-degraded", v));
+        }
+    }
+    let mut rate = gw.limits().rate_limit_headers(&tenant.name, gw.now());
+    if let Some(f) = admitted.shared_figures() {
+        rate.requests = f.requests;
+        rate.tokens = f.tokens;
+    }
+    let info = rate_info(&rate);
+    record_limiter_gauges(gw, &tenant.name, &info);
+    let mut rate_headers = HeaderMap::new();
+    info.write_headers(&mut rate_headers);
+    for (k, v) in rate_headers.iter() {
+        if let Some(name) = static_rate_header(k.as_str()) {
+            extra.push((name, v.clone()));
+        }
+    }
+    extra
+}
+
+fn static_rate_header(name: &str) -> Option<&'static str> {
+    const NAMES: [&str; 6] = [
+        "x-ratelimit-limit-requests",
+        "x-ratelimit-remaining-requests",
+        "x-ratelimit-reset-requests",
+        "x-ratelimit-limit-tokens",
+        "x-ratelimit-remaining-tokens",
+        "x-ratelimit-reset-tokens",
+    ];
+    NAMES.into_iter().find(|n| *n == name)
+}
+
+fn record_limiter_gauges(gw: &Gateway, tenant: &str, r: &crate::error::RateInfo) {
+    for (kind, v) in [
+        ("requests", r.remaining_requests),
+        ("tokens", r.remaining_tokens),
+    ] {
+        if let Some(v) = v {
+            gw.metrics()
+                .limiter_remaining
+                .get_or_create(&TenantKindLabels {
+                    tenant: tenant.to_string(),
+                    kind: kind.into(),
+                })
+                .set(i64::try_from(v).unwrap_or(i64::MAX));
+        }
+    }
+}
+
+/// Feeds a verdict to the backend's outlier ejection; an ejection holds the backend's breaker
+/// open for its length, so it leaves routing at once and comes back through probes.
+pub(super) fn eject_if_due(
+    gw: &Gateway,
+    lane: &Lane,
+    backend: &Backend,
+    verdict: Verdict,
+    outlier: &crate::config::OutlierConfig,
+) {
+    if let Some(until) = backend.observe(verdict, gw.now(), outlier) {
+        lane.eject(&backend.key, until);
+    }
+}

@@ -1,0 +1,401 @@
+//! A request's path through the gateway, as named phases over one per-request context
+//! ([`RequestCtx`]). Their order, in one place ([`serve_client`] and [`serve`]):
+//!
+//! 1. **authenticate** — draining, the per-IP guard, API key → tenant and tier;
+//! 2. **read** — the body, within its size limit;
+//! 3. **classify** ([`classify`]) — model, the lane's degradation, prompt count, completion
+//!    budget, context check;
+//! 4. **admit** ([`admit`]) — the fleet-wide rates (shared store), then levee-policy's one
+//!    admission path in the model's lane (limits, watermark, fair share, KV budget,
+//!    predicted wait, the fair queue);
+//! 5. **dispatch** — the backend the admission placed it on;
+//! 6. **proxy** ([`forward`]) — send, resend once if the backend failed before answering,
+//!    stream or buffer the answer back;
+//! 7. **settle** ([`settle`]) — when the answer ends or the client goes away: the backend's
+//!    slot, the reconciled charges, breaker and latency samples, metrics, the log line.
+//!
+//! Async tasks enter at classify ([`serve_task`]: their tenant and body are already known);
+//! a request whose client wants queue-position comments runs the same phases beside a
+//! watcher ([`crate::queue_updates`]). Neither imports the routes.
+//!
+//! Each request runs in a `tracing` span (at `debug` level) named `request` (fields
+//! `request_id`, `tenant`, `model`, `backend`, `queue_ms`, `outcome`,
+//! `http.response.status_code`; never a key or a body) with one child span per phase; a
+//! served request's span ends when it settles, after the last byte of its answer. With the
+//! `otel` feature these spans are exported as an OpenTelemetry trace.
+//!
+//! Degradation is decided before admission rather than after it: queues are per model, so
+//! routing to a fallback model and shedding a tier must happen before a request joins a
+//! queue. The `max_tokens` cap is applied when the upstream body is built.
+
+mod admit;
+mod classify;
+mod fallback;
+mod forward;
+mod settle;
+
+use crate::admitted::QueueSpot;
+use crate::error::{ErrorCode, GatewayError, RateInfo};
+use crate::gateway::Gateway;
+use crate::lane::Lane;
+use crate::request_log::{ms, RequestId, RequestLine};
+use crate::runtime::Tenant;
+use axum::extract::Request;
+use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
+use http::HeaderMap;
+use levee_policy::Key;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::time::Instant;
+use tracing::field::Empty;
+use tracing::{debug_span, Instrument, Span};
+
+/// What the pipeline knows about one request, filled in phase by phase. `model` only ever
+/// holds a configured model's name (or `-`): a client's string never becomes a label.
+pub(crate) struct RequestCtx {
+    path: &'static str,
+    arrived: Instant,
+    tenant: Key,
+    tier: String,
+    model: Key,
+    lane: Option<Arc<Lane>>,
+    request: Option<RequestId>,
+    /// The request's span; phases are its children.
+    span: Span,
+}
+
+impl RequestCtx {
+    fn new(path: &'static str, request: Option<RequestId>) -> Self {
+        let dash = Key::new("-");
+        RequestCtx {
+            path,
+            arrived: Instant::now(),
+            tenant: dash.clone(),
+            tier: "-".into(),
+            model: dash,
+            span: request_span(path, request.as_ref()),
+            lane: None,
+            request,
+        }
+    }
+
+    fn set_tenant(&mut self, tenant: &Tenant, seat: &Seat) {
+        self.tenant = tenant.name.clone();
+        self.tier = seat.tier.clone();
+        self.span.record("tenant", &*tenant.name);
+    }
+}
+
+/// The tier a request is admitted in: the tenant's own, or the batch band for its tasks.
+#[derive(Debug, Clone)]
+pub(crate) struct Seat {
+    /// Tier name (metric label).
+    pub tier: String,
+    /// Its strict priority.
+    pub priority: u8,
+    /// Degradation may shed it.
+    pub sheddable: bool,
+    /// Waiting streams of this tier get position comments without asking.
+    pub queue_updates: bool,
+}
+
+impl Seat {
+    /// The tenant's own tier.
+    pub fn of(t: &Tenant) -> Seat {
+        Seat {
+            tier: t.tier.clone(),
+            priority: t.priority,
+            sheddable: t.sheddable,
+            queue_updates: t.queue_updates,
+        }
+    }
+}
+
+/// A client's request, every phase: authenticate → read → classify → admit → dispatch →
+/// proxy (settle travels with the answer). `spot` reports where it waits, for a watcher.
+pub(crate) async fn serve_client(
+    gw: Arc<Gateway>,
+    peer: SocketAddr,
+    req: Box<Request>,
+    path: &'static str,
+    spot: Option<&QueueSpot>,
+) -> Response {
+    let mut ctx = RequestCtx::new(path, req.extensions().get::<RequestId>().cloned());
+    let span = ctx.span.clone();
+    let run = async {
+        let tenant =
+            debug_span!("authenticate").in_scope(|| authenticate(&gw, peer, req.headers()))?;
+        let asked_updates = wants_queue_updates(req.headers());
+        let seat = Seat::of(&tenant);
+        ctx.set_tenant(&tenant, &seat);
+        let limit = gw.config().server.max_body_bytes;
+        let body = Box::pin(read_body(*req, limit))
+            .instrument(debug_span!("read_body"))
+            .await?;
+        let updates = asked_updates || seat.queue_updates;
+        let served = serve(&gw, tenant, seat, &body, &mut ctx, spot, |stream| {
+            stream && updates
+        });
+        Box::pin(served).await
+    };
+    match run.instrument(span).await {
+        Ok(resp) => resp,
+        Err(e) => {
+            account_error(&gw, &ctx, &e);
+            log_error(&gw, &ctx, &e);
+            if e.code() == ErrorCode::CapacityOverload && gw.config().tasks.enabled {
+                // A long job need not hold a connection open.
+                return e
+                    .with_advice(
+                        "for long jobs, submit the same body to POST /v1/tasks: it waits in \
+                         line durably and answers at once with its position and ETA",
+                    )
+                    .into_response();
+            }
+            e.into_response()
+        }
+    }
+}
+
+/// One async task's request through the same phases as a client's, from classify on
+/// (admitted in the batch band, its answer buffered).
+pub(crate) async fn serve_task(
+    gw: &Arc<Gateway>,
+    tenant: Arc<Tenant>,
+    seat: Seat,
+    body: &[u8],
+    path: &'static str,
+    spot: &QueueSpot,
+) -> Result<Response, GatewayError> {
+    let mut ctx = RequestCtx::new(path, None);
+    ctx.set_tenant(&tenant, &seat);
+    let span = ctx.span.clone();
+    let served = serve(gw, tenant, seat, body, &mut ctx, Some(spot), |_| false);
+    let r = Box::pin(served.instrument(span)).await;
+    if let Err(e) = &r {
+        account_error(gw, &ctx, e);
+    }
+    r
+}
+
+/// Everything after authentication: classify → admit → dispatch → proxy → settle.
+async fn serve(
+    gw: &Arc<Gateway>,
+    tenant: Arc<Tenant>,
+    seat: Seat,
+    body: &[u8],
+    ctx: &mut RequestCtx,
+    spot: Option<&QueueSpot>,
+    wants_updates: impl FnOnce(bool) -> bool,
+) -> Result<Response, GatewayError> {
+    let rt = gw.runtime();
+    let c = debug_span!("classify").in_scope(|| classify::classify(gw, &rt, &seat, body, ctx));
+    ctx.span.record("model", &*ctx.model);
+    let c = c?;
+    if let Some(s) = spot {
+        s.updates.store(
+            wants_updates(c.parsed.stream),
+            std::sync::atomic::Ordering::Relaxed,
+        );
+    }
+    let admitted = match admit::admit(gw, &tenant, &seat, &c, spot)
+        .instrument(debug_span!("admit"))
+        .await
+    {
+        Ok(a) => a,
+        Err(e) => return fallback::or_error(gw, &tenant, &c, ctx, e),
+    };
+    ctx.span.record("queue_ms", ms(admitted.waited));
+    admit::count_admitted(gw, &tenant, &seat, &c);
+    let (admitted, backend) = debug_span!("dispatch").in_scope(|| admit::dispatch(admitted, &c))?;
+    Box::pin(
+        forward::forward(gw, &rt, tenant, c, admitted, backend, ctx.path)
+            .instrument(debug_span!("proxy")),
+    )
+    .await
+}
+
+/// Whether the client asked for queue-position comments (`x-levee-queue-updates: 1`).
+pub(crate) fn wants_queue_updates(headers: &HeaderMap) -> bool {
+    headers
+        .get("x-levee-queue-updates")
+        .is_some_and(|v| v.as_bytes() == b"1")
+}
+
+/// Authenticate: draining first, then the per-IP guard (a flood of bad keys costs one map
+/// lookup each), then the API key decides tenant and tier; no client header can.
+fn authenticate(
+    gw: &Gateway,
+    peer: SocketAddr,
+    headers: &HeaderMap,
+) -> Result<Arc<Tenant>, GatewayError> {
+    if gw.is_draining() {
+        return Err(GatewayError::draining(Duration::from_millis(
+            gw.config().server.drain_retry_after_ms,
+        )));
+    }
+    if let Err(wait) = gw.check_ip(peer.ip()) {
+        return Err(GatewayError::rate_limited(
+            "per-IP request rate",
+            wait,
+            RateInfo::default(),
+        ));
+    }
+    tenant_of(gw, headers)
+}
+
+/// The key or token of `Authorization: Bearer ...` (or `api-key`).
+pub(crate) fn bearer(headers: &HeaderMap) -> Option<&str> {
+    if let Some(v) = headers.get(http::header::AUTHORIZATION) {
+        let v = v.to_str().ok()?.trim();
+        let rest = v
+            .strip_prefix("Bearer ")
+            .or_else(|| v.strip_prefix("bearer "))?;
+        return Some(rest.trim());
+    }
+    // Azure-style clients send the key in `api-key`.
+    headers.get("api-key").and_then(|v| v.to_str().ok())
+}
+
+/// The tenant whose API key the request carries.
+pub(crate) fn tenant_of(gw: &Gateway, headers: &HeaderMap) -> Result<Arc<Tenant>, GatewayError> {
+    let key = bearer(headers).ok_or_else(|| GatewayError::unauthorized(true))?;
+    if key.is_empty() {
+        return Err(GatewayError::unauthorized(true));
+    }
+    gw.runtime()
+        .tenant_for_key(key)
+        .cloned()
+        .ok_or_else(|| GatewayError::unauthorized(false))
+}
+
+/// Read: the body, within `limit` bytes; the request head is dropped here so its buffer is
+/// not held while queued.
+pub(crate) async fn read_body(req: Request, limit: usize) -> Result<Bytes, GatewayError> {
+    let (parts, body) = req.into_parts();
+    if let Some(len) = parts
+        .headers
+        .get(http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<usize>().ok())
+    {
+        if len > limit {
+            return Err(GatewayError::body_too_large(limit));
+        }
+    }
+    drop(parts);
+    match axum::body::to_bytes(body, limit).await {
+        Ok(b) => Ok(b),
+        Err(e) => {
+            let too_big = std::error::Error::source(&e)
+                .is_some_and(|s| s.is::<http_body_util::LengthLimitError>());
+            if too_big {
+                Err(GatewayError::body_too_large(limit))
+            } else {
+                Err(GatewayError::bad_request(format!(
+                    "could not read the request body: {e}"
+                )))
+            }
+        }
+    }
+}
+
+/// The request's span: its fields are filled in as the pipeline learns them.
+fn request_span(path: &'static str, request: Option<&RequestId>) -> Span {
+    debug_span!(
+        "request",
+        otel.kind = "server",
+        http.request.method = "POST",
+        http.route = path,
+        request_id = request.map(RequestId::as_str),
+        tenant = Empty,
+        model = Empty,
+        backend = Empty,
+        queue_ms = Empty,
+        outcome = Empty,
+        http.response.status_code = Empty,
+        otel.status_code = Empty,
+    )
+}
+
+/// Records how a request ended on its span.
+fn record_end(span: &Span, outcome: &str, status: u16) {
+    span.record("outcome", outcome);
+    span.record("http.response.status_code", status);
+    if status >= 500 || status == 0 {
+        span.record("otel.status_code", "ERROR");
+    }
+}
+
+/// Metrics and the span of a request that ended in an error.
+fn account_error(gw: &Gateway, ctx: &RequestCtx, e: &GatewayError) {
+    let code = e.code().as_str();
+    let status = e.status();
+    if status == http::StatusCode::TOO_MANY_REQUESTS
+        || status == http::StatusCode::SERVICE_UNAVAILABLE
+    {
+        gw.metrics().reject(&ctx.tier, code);
+    }
+    gw.metrics().request(&ctx.tenant, &ctx.model, code);
+    record_end(&ctx.span, code, e.status().as_u16());
+    if e.origin() == crate::error::Origin::Upstream {
+        tracing::warn!(tenant = %ctx.tenant, model = %ctx.model, "{e}");
+    } else {
+        tracing::debug!(tenant = %ctx.tenant, model = %ctx.model, "{e}");
+    }
+}
+
+/// The request log line of a request that ended in an error.
+fn log_error(gw: &Gateway, ctx: &RequestCtx, e: &GatewayError) {
+    if let Some(id) = &ctx.request {
+        RequestLine {
+            request_id: id.as_str(),
+            tenant: &ctx.tenant,
+            model: &ctx.model,
+            outcome: e.code().as_str(),
+            status: e.status().as_u16(),
+            queue_ms: None,
+            ttft_ms: None,
+            duration_ms: ms(ctx.arrived.elapsed()),
+            prompt_tokens: None,
+            completion_tokens: None,
+        }
+        .emit(id.seq, gw.config().observe.request_log_sample);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http::HeaderValue;
+
+    #[tokio::test]
+    async fn future_sizes() {
+        // Each queued request holds one of these; keep them small (see BENCHMARKS.md).
+        let gw = Gateway::new(crate::Config::default()).unwrap();
+        let req = Box::new(Request::new(axum::body::Body::empty()));
+        let f = serve_client(
+            gw,
+            "127.0.0.1:1".parse().unwrap(),
+            req,
+            "/v1/chat/completions",
+            None,
+        );
+        let size = std::mem::size_of_val(&f);
+        eprintln!("serve_client future: {size} bytes");
+        assert!(size < 16 * 1024, "{size}");
+    }
+
+    #[test]
+    fn bearer_parsing() {
+        let mut h = HeaderMap::new();
+        assert!(bearer(&h).is_none());
+        h.insert(
+            http::header::AUTHORIZATION,
+            HeaderValue::from_static("Bearer abc"),
+        );
+        assert_eq!(bearer(&h), Some("abc"));
+    }
+}

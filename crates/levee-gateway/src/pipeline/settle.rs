@@ -1,0 +1,162 @@
+//! Settle: everything an admitted request must give back or report when it ends —
+//! exactly once, when its answer ends or its client goes away: the backend's slot and the
+//! reconciled charges, outlier ejection, breaker and latency samples, metrics, the span and
+//! the request log line.
+
+use super::forward::eject_if_due;
+use super::record_end;
+use crate::admitted::Admitted;
+use crate::gateway::Gateway;
+use crate::lane::Lane;
+use crate::proxy::{Outcome, Settle};
+use crate::request_log::{ms, RequestId, RequestLine};
+use crate::runtime::Tenant;
+use crate::upstream::Backend;
+use levee_policy::{Completion, Key, Outcome as BreakerOutcome};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::time::Instant;
+use tracing::{debug_span, Span};
+
+/// Settle: everything an admitted request must give back or report when it ends.
+pub(super) struct RequestSettle {
+    pub gw: Arc<Gateway>,
+    pub queued: Duration,
+    pub sent_at: Instant,
+    pub admitted: Option<Admitted>,
+    pub backend: Arc<Backend>,
+    pub tenant: Arc<Tenant>,
+    pub model: Key,
+    pub lane: Arc<Lane>,
+    pub prompt_estimate: u64,
+    /// Streamed: its time to first token is the end of its prefill (the prefill fit).
+    pub streamed: bool,
+    pub outlier: crate::config::OutlierConfig,
+    /// The outcome already went to outlier ejection (see `proxy_phase`).
+    pub judged: bool,
+    pub request: Option<RequestId>,
+    /// The request's span: it ends when this is dropped, at the end of `settle`.
+    pub span: Span,
+}
+
+impl Settle for RequestSettle {
+    fn settle(mut self: Box<Self>, outcome: Outcome) {
+        let _settling = debug_span!(parent: &self.span, "settle").entered();
+        let now = self.gw.now();
+        let verdict = outcome.verdict(self.backend.is_routable(), &self.outlier);
+        if !self.judged {
+            eject_if_due(&self.gw, &self.lane, &self.backend, verdict, &self.outlier);
+        }
+        let breaker_outcome = verdict.breaker_outcome();
+        if let Some(code) = outcome.stream_cut {
+            self.gw.metrics().stream_cut(&self.backend.id, code);
+        }
+        let failed = breaker_outcome == BreakerOutcome::BackendFailure;
+        let in_flight = self
+            .lane
+            .view(|l| l.in_flight_of(&self.backend.key))
+            .unwrap_or(0);
+        self.backend
+            .adaptive_sample(outcome.ttft, failed, in_flight);
+        if let Some(a) = self.admitted.take() {
+            a.complete(Completion {
+                outcome: breaker_outcome,
+                actual_tokens: actual_tokens(&outcome),
+            });
+        }
+        self.record_usage(&outcome, now);
+        let label = outcome_label(&outcome);
+        self.gw
+            .metrics()
+            .request_for(&self.tenant.metrics, &self.tenant.name, &self.model, label);
+        record_end(&self.span, label, outcome.status);
+        self.gw.scaling().completion(&self.model);
+        self.record_times(&outcome, label);
+    }
+}
+
+/// Tokens to reconcile the estimate with: the backend's usage; none for an answer that
+/// produced nothing (an error head, or no answer at all); the estimate stays charged for a
+/// stream cut after its first token reached the client (it was generated).
+fn actual_tokens(o: &Outcome) -> Option<u64> {
+    match o.usage {
+        Some(u) => Some(u.total()),
+        None if o.status >= 400 || o.status == 0 => Some(0),
+        None if o.transport_error && o.ttft.is_none() => Some(0),
+        None => None,
+    }
+}
+
+/// How the request ended, as the `outcome` label of `levee_requests_total`.
+fn outcome_label(o: &Outcome) -> &'static str {
+    if let Some(code) = o.stream_cut {
+        code
+    } else if o.client_gone {
+        "client_gone"
+    } else if o.transport_error {
+        "upstream_error"
+    } else if o.status >= 500 {
+        "upstream_5xx"
+    } else if o.status >= 400 {
+        "upstream_4xx"
+    } else {
+        "ok"
+    }
+}
+
+impl RequestSettle {
+    /// Token counts, the prompt estimate's error, time to first token and the prefill fit.
+    fn record_usage(&self, outcome: &Outcome, now: levee_policy::Timestamp) {
+        let m = self.gw.metrics();
+        if let Some(u) = outcome.usage {
+            m.tokens_for(
+                &self.tenant.metrics,
+                &self.tenant.name,
+                u.prompt_tokens,
+                u.completion_tokens,
+            );
+            if u.prompt_tokens > 0 {
+                m.estimate_ratio
+                    .get_or_create(&crate::metrics::ModelLabel {
+                        model: self.model.to_string(),
+                    })
+                    .observe(self.prompt_estimate as f64 / u.prompt_tokens as f64);
+            }
+        }
+        if let Some(t) = outcome.ttft {
+            m.ttft_for(&self.tenant.metrics, &self.tenant.tier, t.as_secs_f64());
+            self.lane.note_ttft(now, t);
+            if self.streamed && (200..300).contains(&outcome.status) {
+                self.lane.note_prefill(self.prompt_estimate, t);
+            }
+        }
+    }
+
+    /// The request's durations in metrics and its request log line.
+    fn record_times(&self, outcome: &Outcome, label: &str) {
+        let times = crate::metrics::RequestTimes {
+            queued: self.queued,
+            ttft: outcome.ttft.map(|t| self.queued + t),
+            total: self.queued + self.sent_at.elapsed(),
+            abandoned: outcome.client_gone,
+        };
+        self.gw
+            .metrics()
+            .request_times(&self.model, &self.tenant.name, &self.tenant.tier, &times);
+        if let Some(id) = &self.request {
+            RequestLine {
+                request_id: id.as_str(),
+                tenant: &self.tenant.name,
+                model: &self.model,
+                outcome: label,
+                status: outcome.status,
+                queue_ms: Some(ms(times.queued)),
+                ttft_ms: times.ttft.map(ms),
+                duration_ms: ms(times.total),
+                prompt_tokens: outcome.usage.map(|u| u.prompt_tokens),
+                completion_tokens: outcome.usage.map(|u| u.completion_tokens),
+            }
+            .emit(id.seq, self.gw.config().observe.request_log_sample);
+        }
+    }
+}

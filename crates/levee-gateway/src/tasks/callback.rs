@@ -1,0 +1,143 @@
+//! Callbacks: a finished task's state POSTed to its `callback_url` on a tokio task of its
+//! own, signed with HMAC-SHA256 under the tenant's secret, retried with full-jitter
+//! exponential backoff.
+
+use super::{unix_ms, Tasks};
+use crate::config::TasksConfig;
+use crate::gateway::Gateway;
+use crate::task_store::{CallbackState, Task};
+use bytes::Bytes;
+use std::sync::Arc;
+use std::time::Duration;
+
+impl Tasks {
+    /// Delivers the task's callback on a tokio task of its own (unless this replica is
+    /// delivering it already).
+    pub(super) fn spawn_callback(self: Arc<Self>, gw: &Arc<Gateway>, task: Task) {
+        if !self.delivering.lock().insert(task.id.clone()) {
+            return;
+        }
+        let gw = gw.clone();
+        tokio::spawn(async move {
+            let id = task.id.clone();
+            let done = self.deliver(&gw, task).await;
+            self.delivering.lock().remove(&id);
+            if done {
+                if let Err(e) = self.store.callback_done(&id).await {
+                    tracing::warn!("task {id}: {e}");
+                }
+            }
+        });
+    }
+
+    /// POSTs the final state to the task's `callback_url`, signed, retried with full-jitter
+    /// exponential backoff; the outcome is stored with the task. Returns whether it is
+    /// over (delivered, or no attempt left); `false` when the gateway stopped first.
+    async fn deliver(self: &Arc<Self>, gw: &Gateway, task: Task) -> bool {
+        use hmac::Mac;
+        let Some(url) = task.callback_url.clone() else {
+            return true;
+        };
+        let secret = gw
+            .runtime()
+            .tenants
+            .iter()
+            .find(|t| *t.name == *task.tenant)
+            .and_then(|t| t.callback_secret());
+        let mut attempts = task.callback.as_ref().map_or(0, |c| c.attempts);
+        let body = {
+            let mut v = self.view(gw, &task);
+            if let Some(o) = v.as_object_mut() {
+                o.remove("callback");
+            }
+            v.to_string()
+        };
+        let stop = gw.stopped_token();
+        while attempts < self.cfg.callback_attempts {
+            let outcome = match &secret {
+                None => Err("the tenant has no callback secret configured".to_string()),
+                Some(secret) => {
+                    let ts = unix_ms() / 1000;
+                    let mut mac =
+                        match hmac::Hmac::<sha2::Sha256>::new_from_slice(secret.as_bytes()) {
+                            Ok(m) => m,
+                            Err(e) => {
+                                tracing::error!("task {}: callback key: {e}", task.id);
+                                return true;
+                            }
+                        };
+                    mac.update(format!("{ts}.").as_bytes());
+                    mac.update(body.as_bytes());
+                    let sig = hex::encode(mac.finalize().into_bytes());
+                    post_callback(gw, &url, &task.id, ts, &sig, &body, &self.cfg).await
+                }
+            };
+            attempts += 1;
+            let ok = outcome.is_ok();
+            gw.metrics()
+                .task_callbacks
+                .get_or_create(&crate::metrics::StateLabel {
+                    state: if ok { "delivered" } else { "failed" }.into(),
+                })
+                .inc();
+            let last = outcome.err();
+            let give_up = ok || attempts >= self.cfg.callback_attempts || secret.is_none();
+            let r = self
+                .store
+                .update(
+                    &task.id,
+                    Box::new(move |t| {
+                        let c = t.callback.get_or_insert_with(CallbackState::default);
+                        c.attempts = attempts;
+                        c.delivered = ok;
+                        c.done = give_up;
+                        c.last_error.clone_from(&last);
+                        true
+                    }),
+                )
+                .await;
+            if let Err(e) = r {
+                tracing::error!("task {}: {e}", task.id);
+            }
+            if give_up {
+                return true;
+            }
+            let cap = self
+                .cfg
+                .callback_backoff_ms
+                .saturating_mul(1u64 << (attempts - 1).min(16))
+                .min(60_000);
+            let wait = Duration::from_millis(rand::random::<u64>() % (cap + 1));
+            tokio::select! {
+                _ = stop.cancelled() => return false,
+                _ = tokio::time::sleep(wait) => {}
+            }
+        }
+        true
+    }
+}
+
+async fn post_callback(
+    gw: &Gateway,
+    url: &str,
+    id: &str,
+    ts: u64,
+    sig: &str,
+    body: &str,
+    cfg: &TasksConfig,
+) -> Result<(), String> {
+    let req = http::Request::post(url)
+        .header(http::header::CONTENT_TYPE, "application/json")
+        .header("x-levee-task-id", id)
+        .header("x-levee-timestamp", ts.to_string())
+        .header("x-levee-signature", format!("sha256={sig}"))
+        .body(http_body_util::Full::new(Bytes::from(body.to_string())))
+        .map_err(|e| format!("bad callback request: {e}"))?;
+    let timeout = Duration::from_millis(cfg.callback_timeout_ms);
+    match tokio::time::timeout(timeout, gw.client().request(req)).await {
+        Err(_) => Err(format!("no answer within {} ms", cfg.callback_timeout_ms)),
+        Ok(Err(e)) => Err(format!("could not reach the receiver: {e}")),
+        Ok(Ok(r)) if r.status().is_success() => Ok(()),
+        Ok(Ok(r)) => Err(format!("the receiver answered {}", r.status())),
+    }
+}

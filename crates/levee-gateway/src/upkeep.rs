@@ -1,0 +1,191 @@
+//! The gateway's periodic work, off the request path: scraping backends, re-evaluating
+//! degradation, the autoscaling figures, per-backend gauges and the shared store's
+//! heartbeat. Each lane's lock is taken only briefly, one lane at a time.
+
+use crate::gateway::Gateway;
+use crate::metrics::{BackendLabel, ModelLabel};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Spawns the scraper, the degradation ticker, the autoscaling ticker and, with a shared
+/// store, the heartbeat; they end when the gateway stops.
+pub(crate) fn spawn(gw: &Arc<Gateway>) {
+    let stop = gw.stopped_token();
+    if let Some(shared) = gw.shared().cloned() {
+        let stop = stop.clone();
+        tokio::spawn(async move {
+            loop {
+                shared.beat().await;
+                tokio::select! {
+                    _ = stop.cancelled() => break,
+                    _ = tokio::time::sleep(shared.heartbeat_interval()) => {}
+                }
+            }
+        });
+    }
+    tokio::spawn(scrape_loop(Arc::downgrade(gw), stop.clone()));
+    every(gw, Duration::from_millis(250), |g| {
+        g.update_degrade();
+    });
+    every(gw, Duration::from_secs(1), Gateway::update_scaling);
+}
+
+/// Runs `tick` on the gateway every `period` until it stops.
+fn every(gw: &Arc<Gateway>, period: Duration, tick: impl Fn(&Gateway) + Send + 'static) {
+    let weak = Arc::downgrade(gw);
+    let stop = gw.stopped_token();
+    tokio::spawn(async move {
+        loop {
+            tokio::select! {
+                _ = stop.cancelled() => break,
+                _ = tokio::time::sleep(period) => {}
+            }
+            let Some(gw) = weak.upgrade() else { break };
+            tick(&gw);
+        }
+    });
+}
+
+/// Scrapes every backend each `scrape.interval_ms`. The first scrape runs at once: a backend
+/// that is down at start must not draw traffic until three scrapes have failed.
+async fn scrape_loop(weak: std::sync::Weak<Gateway>, stop: tokio_util::sync::CancellationToken) {
+    let mut first = true;
+    loop {
+        if !first {
+            let Some(gw) = weak.upgrade() else { break };
+            let interval = Duration::from_millis(gw.config().scrape.interval_ms.max(50));
+            drop(gw);
+            tokio::select! {
+                _ = stop.cancelled() => break,
+                _ = tokio::time::sleep(interval) => {}
+            }
+        }
+        first = false;
+        let Some(gw) = weak.upgrade() else { break };
+        if gw.config().scrape.interval_ms != 0 {
+            scrape_all(&gw).await;
+        }
+    }
+}
+
+/// One scrape of every backend of every lane, then the gauges and a wake of every lane (a
+/// backend that came back may have room for queued requests; one that went away may leave
+/// its lane unable to serve them).
+async fn scrape_all(gw: &Gateway) {
+    let cfg = gw.config();
+    let timeout = Duration::from_millis(cfg.scrape.timeout_ms.max(10));
+    let n = cfg.scrape.unhealthy_after.max(1);
+    let lanes = gw.lanes();
+    let jobs = lanes.iter().flat_map(|lane| {
+        lane.backends().into_iter().map(move |b| async move {
+            b.scrape(gw.client(), timeout, n).await;
+            lane.scraped(&b);
+        })
+    });
+    futures::future::join_all(jobs).await;
+    gw.refresh_backend_metrics();
+    for lane in lanes {
+        lane.wake();
+    }
+}
+
+impl Gateway {
+    /// Samples every lane and updates its backend replica recommendation.
+    pub fn update_scaling(&self) {
+        let cfg = self.config();
+        let now = self.now();
+        for lane in self.lanes() {
+            if lane.is_retired() {
+                continue;
+            }
+            let (stats, queued) = lane.view(|l| (l.backend_stats(now), l.queued()));
+            let busy: usize = stats.iter().map(|s| s.in_flight).sum();
+            let slots: usize = stats.iter().map(|s| s.request_cap).sum();
+            let per_replica = slots / stats.len().max(1);
+            let sample = crate::autoscale::LaneSample {
+                queued: queued as u64,
+                busy_slots: busy as u64,
+                slots_per_replica: u32::try_from(per_replica).unwrap_or(u32::MAX),
+            };
+            let snap = self
+                .scaling()
+                .observe(&lane.model, sample, &cfg.autoscale, now);
+            let label = ModelLabel {
+                model: lane.model.to_string(),
+            };
+            let m = self.metrics();
+            m.recommended_replicas
+                .get_or_create(&label)
+                .set(i64::from(snap.replicas));
+            m.offered_load.get_or_create(&label).set(snap.offered_load);
+        }
+    }
+
+    /// Re-evaluates each lane's automatic degradation level; returns the highest.
+    pub fn update_degrade(&self) -> u8 {
+        let now = self.now();
+        let rt = self.runtime();
+        let hard = u64::from(rt.cfg.queue.hard);
+        let mut top = 0;
+        for lane in self.lanes() {
+            let slo = rt.models.get(&*lane.model).and_then(|m| m.ttft_slo);
+            let signals = lane.signals(hard, slo, now);
+            top = top.max(self.observe_degradation(&lane.model, signals, now));
+        }
+        self.metrics().degrade_level(top);
+        top
+    }
+
+    /// Updates per-backend gauges from each lane's admission state.
+    pub(crate) fn refresh_backend_metrics(&self) {
+        let now = self.now();
+        for lane in self.lanes() {
+            let stats = lane.view(|l| l.backend_stats(now));
+            for b in lane.backends() {
+                let st = stats.iter().find(|s| s.id == b.key);
+                backend_gauges(self, &b, st, now);
+            }
+        }
+    }
+}
+
+/// One backend's gauges: levee's counts from the admission state, the engine's own report.
+fn backend_gauges(
+    gw: &Gateway,
+    b: &crate::upstream::Backend,
+    st: Option<&levee_policy::BackendStats>,
+    now: levee_policy::Timestamp,
+) {
+    let m = gw.metrics();
+    let l = BackendLabel {
+        backend: b.id.clone(),
+    };
+    let as_i64 = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
+    if let Some(st) = st {
+        m.backend_in_flight
+            .get_or_create(&l)
+            .set(as_i64(st.in_flight as u64));
+        m.backend_tokens_in_flight
+            .get_or_create(&l)
+            .set(as_i64(st.tokens_in_flight));
+        if let Some(kv) = st.kv_tokens {
+            m.backend_kv_budget.get_or_create(&l).set(as_i64(kv));
+        }
+        let state = st.breaker.state.as_gauge();
+        m.breaker_state.get_or_create(&l).set(state);
+        m.observe_breaker(&b.id, state, st.breaker.opened_total, now);
+    }
+    m.backend_max_in_flight
+        .get_or_create(&l)
+        .set(i64::from(b.max_in_flight.load(Ordering::Relaxed)));
+    m.backend_healthy
+        .get_or_create(&l)
+        .set(i64::from(b.is_routable()));
+    if let Some(load) = b.reported() {
+        m.backend_load
+            .get_or_create(&l)
+            .set(load.running + load.waiting);
+        m.backend_kv.get_or_create(&l).set(load.kv_usage);
+    }
+}
