@@ -85,6 +85,40 @@ pub struct ScaleSnapshot {
     pub slots_per_replica: u32,
 }
 
+impl DemandState {
+    /// Adds `last` to the samples of the last `window` and measures over them: the arrival
+    /// rate, the service rate per busy slot (`None` until completions were seen), and the
+    /// mean busy slots, each sample standing for the interval it ends (the intervals the
+    /// completions were counted in).
+    fn rates(&mut self, last: Sample, window: Duration) -> (f64, Option<f64>, f64) {
+        let now = last.at;
+        self.samples.push_back(last);
+        while self
+            .samples
+            .front()
+            .is_some_and(|s| now.saturating_duration_since(s.at) > window)
+        {
+            self.samples.pop_front();
+        }
+        let first = self.samples.front().copied().unwrap_or(last);
+        let span = last.at.saturating_duration_since(first.at).as_secs_f64();
+        if span <= 0.0 {
+            return (0.0, None, last.busy);
+        }
+        let busy = self
+            .samples
+            .iter()
+            .zip(self.samples.iter().skip(1))
+            .map(|(prev, cur)| cur.busy * cur.at.saturating_duration_since(prev.at).as_secs_f64())
+            .sum::<f64>()
+            / span;
+        let lambda = last.arrivals.saturating_sub(first.arrivals) as f64 / span;
+        let throughput = last.completions.saturating_sub(first.completions) as f64 / span;
+        let mu = (throughput > 0.0 && busy > 0.0).then(|| throughput / busy);
+        (lambda, mu, busy)
+    }
+}
+
 impl Scaling {
     fn model(&self, model: &str) -> Option<Arc<ModelDemand>> {
         self.models.read().get(model).cloned()
@@ -104,6 +138,33 @@ impl Scaling {
         }
     }
 
+    /// The demand of `model`, created on first use.
+    fn model_or_new(
+        &self,
+        model: &str,
+        policy: &levee_policy::AutoscaleConfig,
+    ) -> Arc<ModelDemand> {
+        if let Some(m) = self.model(model) {
+            return m;
+        }
+        self.models
+            .write()
+            .entry(model.to_string())
+            .or_insert_with(|| {
+                Arc::new(ModelDemand {
+                    arrivals: AtomicU64::new(0),
+                    completions: AtomicU64::new(0),
+                    state: Mutex::new(DemandState {
+                        samples: VecDeque::new(),
+                        autoscaler: Autoscaler::new(policy.clone()),
+                        last_service_rate: None,
+                        last: None,
+                    }),
+                })
+            })
+            .clone()
+    }
+
     /// Takes one sample of `model`'s lane at `now` and returns the updated recommendation.
     pub fn observe(
         &self,
@@ -113,24 +174,7 @@ impl Scaling {
         now: Timestamp,
     ) -> ScaleSnapshot {
         let policy = cfg.to_policy(lane.slots_per_replica);
-        let m = self.model(model).unwrap_or_else(|| {
-            self.models
-                .write()
-                .entry(model.to_string())
-                .or_insert_with(|| {
-                    Arc::new(ModelDemand {
-                        arrivals: AtomicU64::new(0),
-                        completions: AtomicU64::new(0),
-                        state: Mutex::new(DemandState {
-                            samples: VecDeque::new(),
-                            autoscaler: Autoscaler::new(policy.clone()),
-                            last_service_rate: None,
-                            last: None,
-                        }),
-                    })
-                })
-                .clone()
-        });
+        let m = self.model_or_new(model, &policy);
         let mut st = m.state.lock();
         st.autoscaler.reconfigure(policy);
         let last = Sample {
@@ -139,39 +183,8 @@ impl Scaling {
             completions: m.completions.load(Ordering::Relaxed),
             busy: lane.busy_slots as f64,
         };
-        st.samples.push_back(last);
-        let window = Duration::from_millis(cfg.window_ms);
-        while st
-            .samples
-            .front()
-            .is_some_and(|s| now.saturating_duration_since(s.at) > window)
-        {
-            st.samples.pop_front();
-        }
-        let first = st.samples.front().copied().unwrap_or(last);
-        let span = last.at.saturating_duration_since(first.at).as_secs_f64();
-        // Mean busy slots over the window, each sample standing for the interval it ends
-        // (the intervals the completions were counted in).
-        let busy = if span > 0.0 {
-            st.samples
-                .iter()
-                .zip(st.samples.iter().skip(1))
-                .map(|(prev, cur)| {
-                    cur.busy * cur.at.saturating_duration_since(prev.at).as_secs_f64()
-                })
-                .sum::<f64>()
-                / span
-        } else {
-            last.busy
-        };
-        let (arrival_rate, service_rate) = if span > 0.0 {
-            let lambda = last.arrivals.saturating_sub(first.arrivals) as f64 / span;
-            let throughput = last.completions.saturating_sub(first.completions) as f64 / span;
-            let mu = (throughput > 0.0 && busy > 0.0).then(|| throughput / busy);
-            (lambda, mu)
-        } else {
-            (0.0, None)
-        };
+        let (arrival_rate, service_rate, busy) =
+            st.rates(last, Duration::from_millis(cfg.window_ms));
         if service_rate.is_some() {
             st.last_service_rate = service_rate;
         }

@@ -155,147 +155,103 @@ pub enum ErrorCode {
 
 impl ErrorCode {
     /// Where it comes from, its HTTP status, and its OpenAI `type` and `code`: the one place
-    /// an error kind is mapped.
+    /// an error kind is mapped (the four functions below, each one match).
     pub fn spec(self) -> (Origin, StatusCode, &'static str, &'static str) {
-        use ErrorCode::*;
-        use Origin::{Client, Gateway, Upstream};
-        const INVALID: &str = "invalid_request_error";
-        const AUTH: &str = "authentication_error";
-        const RATE: &str = "rate_limit_error";
-        const UNAVAILABLE: &str = "service_unavailable";
-        const SERVER: &str = "server_error";
-        match self {
-            InvalidRequest => (Client, StatusCode::BAD_REQUEST, INVALID, "invalid_request"),
-            ContextLengthExceeded => (
-                Client,
-                StatusCode::BAD_REQUEST,
-                INVALID,
-                "context_length_exceeded",
-            ),
-            MethodNotAllowed => (
-                Client,
-                StatusCode::METHOD_NOT_ALLOWED,
-                INVALID,
-                "method_not_allowed",
-            ),
-            RequestTooLarge => (
-                Client,
-                StatusCode::PAYLOAD_TOO_LARGE,
-                INVALID,
-                "request_too_large",
-            ),
-            ModelNotFound => (Client, StatusCode::NOT_FOUND, INVALID, "model_not_found"),
-            NotFound => (Client, StatusCode::NOT_FOUND, INVALID, "not_found"),
-            TaskNotFound => (Client, StatusCode::NOT_FOUND, INVALID, "task_not_found"),
-            InvalidApiKey => (Client, StatusCode::UNAUTHORIZED, AUTH, "invalid_api_key"),
-            InvalidAdminToken => (
-                Client,
-                StatusCode::UNAUTHORIZED,
-                AUTH,
-                "invalid_admin_token",
-            ),
-            AdminActionsDisabled => (
-                Client,
-                StatusCode::FORBIDDEN,
-                "permission_error",
-                "admin_actions_disabled",
-            ),
-            RateLimitExceeded => (
-                Client,
-                StatusCode::TOO_MANY_REQUESTS,
-                RATE,
-                "rate_limit_exceeded",
-            ),
-            CapacityOverload => (
-                Gateway,
-                StatusCode::TOO_MANY_REQUESTS,
-                RATE,
-                "capacity_overload",
-            ),
-            QueueTimeout => (
-                Gateway,
-                StatusCode::TOO_MANY_REQUESTS,
-                RATE,
-                "queue_timeout",
-            ),
-            CircuitOpen => (
-                Upstream,
-                StatusCode::SERVICE_UNAVAILABLE,
-                UNAVAILABLE,
-                "circuit_open",
-            ),
-            NoHealthyBackend => (
-                Upstream,
-                StatusCode::SERVICE_UNAVAILABLE,
-                UNAVAILABLE,
-                "no_healthy_backend",
-            ),
-            SharedStateUnavailable => (
-                Gateway,
-                StatusCode::SERVICE_UNAVAILABLE,
-                UNAVAILABLE,
-                "shared_state_unavailable",
-            ),
-            TaskStoreUnavailable => (
-                Gateway,
-                StatusCode::SERVICE_UNAVAILABLE,
-                UNAVAILABLE,
-                "task_store_unavailable",
-            ),
-            Draining => (
-                Gateway,
-                StatusCode::SERVICE_UNAVAILABLE,
-                UNAVAILABLE,
-                "draining",
-            ),
-            UpstreamError => (Upstream, StatusCode::BAD_GATEWAY, SERVER, "upstream_error"),
-            UpstreamUnreachable => (
-                Upstream,
-                StatusCode::BAD_GATEWAY,
-                SERVER,
-                "upstream_unreachable",
-            ),
-            UpstreamTimeout => (
-                Upstream,
-                StatusCode::GATEWAY_TIMEOUT,
-                SERVER,
-                "upstream_timeout",
-            ),
-            StreamBroken => (Upstream, StatusCode::BAD_GATEWAY, SERVER, "stream_broken"),
-            StreamIdleTimeout => (
-                Upstream,
-                StatusCode::GATEWAY_TIMEOUT,
-                SERVER,
-                "stream_idle_timeout",
-            ),
-            StreamTimeout => (
-                Gateway,
-                StatusCode::GATEWAY_TIMEOUT,
-                SERVER,
-                "stream_timeout",
-            ),
-            Internal => (
-                Gateway,
-                StatusCode::INTERNAL_SERVER_ERROR,
-                SERVER,
-                "internal_error",
-            ),
-        }
+        (
+            self.origin(),
+            self.status(),
+            self.openai_type(),
+            self.as_str(),
+        )
     }
 
     /// The OpenAI `error.code`.
     pub fn as_str(self) -> &'static str {
-        self.spec().3
+        use ErrorCode::*;
+        match self {
+            InvalidRequest => "invalid_request",
+            ContextLengthExceeded => "context_length_exceeded",
+            MethodNotAllowed => "method_not_allowed",
+            RequestTooLarge => "request_too_large",
+            ModelNotFound => "model_not_found",
+            NotFound => "not_found",
+            TaskNotFound => "task_not_found",
+            InvalidApiKey => "invalid_api_key",
+            InvalidAdminToken => "invalid_admin_token",
+            AdminActionsDisabled => "admin_actions_disabled",
+            RateLimitExceeded => "rate_limit_exceeded",
+            CapacityOverload => "capacity_overload",
+            QueueTimeout => "queue_timeout",
+            CircuitOpen => "circuit_open",
+            NoHealthyBackend => "no_healthy_backend",
+            SharedStateUnavailable => "shared_state_unavailable",
+            TaskStoreUnavailable => "task_store_unavailable",
+            Draining => "draining",
+            UpstreamError => "upstream_error",
+            UpstreamUnreachable => "upstream_unreachable",
+            UpstreamTimeout => "upstream_timeout",
+            StreamBroken => "stream_broken",
+            StreamIdleTimeout => "stream_idle_timeout",
+            StreamTimeout => "stream_timeout",
+            Internal => "internal_error",
+        }
     }
 
     /// The HTTP status.
     pub fn status(self) -> StatusCode {
-        self.spec().1
+        use ErrorCode::*;
+        match self {
+            InvalidRequest | ContextLengthExceeded => StatusCode::BAD_REQUEST,
+            MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
+            RequestTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            ModelNotFound | NotFound | TaskNotFound => StatusCode::NOT_FOUND,
+            InvalidApiKey | InvalidAdminToken => StatusCode::UNAUTHORIZED,
+            AdminActionsDisabled => StatusCode::FORBIDDEN,
+            RateLimitExceeded | CapacityOverload | QueueTimeout => StatusCode::TOO_MANY_REQUESTS,
+            CircuitOpen
+            | NoHealthyBackend
+            | SharedStateUnavailable
+            | TaskStoreUnavailable
+            | Draining => StatusCode::SERVICE_UNAVAILABLE,
+            UpstreamError | UpstreamUnreachable | StreamBroken => StatusCode::BAD_GATEWAY,
+            UpstreamTimeout | StreamIdleTimeout | StreamTimeout => StatusCode::GATEWAY_TIMEOUT,
+            Internal => StatusCode::INTERNAL_SERVER_ERROR,
+        }
     }
 
-    /// Where it comes from.
+    /// Where it comes from (the `x-levee-error-origin` header).
     pub fn origin(self) -> Origin {
-        self.spec().0
+        use ErrorCode::*;
+        match self {
+            CapacityOverload
+            | QueueTimeout
+            | SharedStateUnavailable
+            | TaskStoreUnavailable
+            | Draining
+            | StreamTimeout
+            | Internal => Origin::Gateway,
+            CircuitOpen | NoHealthyBackend | UpstreamError | UpstreamUnreachable
+            | UpstreamTimeout | StreamBroken | StreamIdleTimeout => Origin::Upstream,
+            _ => Origin::Client,
+        }
+    }
+
+    /// The OpenAI `error.type`.
+    pub fn openai_type(self) -> &'static str {
+        use ErrorCode::*;
+        match self {
+            InvalidApiKey | InvalidAdminToken => "authentication_error",
+            AdminActionsDisabled => "permission_error",
+            RateLimitExceeded | CapacityOverload | QueueTimeout => "rate_limit_error",
+            CircuitOpen
+            | NoHealthyBackend
+            | SharedStateUnavailable
+            | TaskStoreUnavailable
+            | Draining => "service_unavailable",
+            UpstreamError | UpstreamUnreachable | UpstreamTimeout | StreamBroken
+            | StreamIdleTimeout | StreamTimeout | Internal => "server_error",
+            _ => "invalid_request_error",
+        }
     }
 
     /// Whether the gateway refused to protect capacity (what degradation counts).

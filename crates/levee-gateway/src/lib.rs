@@ -15,7 +15,6 @@
 //! ```
 
 mod admin;
-mod admitted;
 mod autoscale;
 pub mod clock;
 pub mod config;

@@ -11,8 +11,8 @@
 //! A request that is dispatched (or refused) without waiting is answered exactly as
 //! without the option.
 
-use crate::admitted::QueueSpot;
 use crate::gateway::Gateway;
+use crate::lane::QueueSpot;
 use crate::pipeline;
 use axum::extract::Request;
 use axum::response::{IntoResponse, Response};

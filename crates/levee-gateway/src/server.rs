@@ -221,67 +221,13 @@ async fn accept_loop(
         };
         let _ = stream.set_nodelay(true);
         let server_cfg = gateway.config().server.clone();
-        let header_timeout = Duration::from_millis(server_cfg.header_read_timeout_ms);
-        let max_header_bytes = server_cfg.max_header_bytes;
-        let router = router.clone();
-        // The router's own future, not an async block around it (hyper keeps the request's
-        // service future for as long as it waits in the queue).
-        let svc = hyper::service::service_fn(move |mut req: http::Request<Incoming>| {
-            req.extensions_mut().insert(ConnectInfo(peer));
-            let id = RequestId::for_request(req.headers());
-            let echo = id.value.clone();
-            req.extensions_mut().insert(id);
-            router.clone().call(req).map(move |r| {
-                r.map(|mut resp| {
-                    resp.headers_mut().insert(REQUEST_ID_HEADER, echo);
-                    resp
-                })
-            })
-        });
-        let watcher = graceful.watcher();
-        // HTTP/1 (slow/huge header protection) and h2c with prior knowledge (a proxy in
-        // front can multiplex many waiting requests over a few connections). The protocol
-        // is sniffed with `peek` and each is served by its own hyper builder rather than
-        // hyper-util's auto connection: the task of a connection — alive for as long as
-        // its request waits in the queue — then holds only that protocol's state (an auto
-        // connection is sized for HTTP/2's, ~1.5 KB against ~0.6 KB for HTTP/1).
-        tokio::spawn(async move {
-            let sniffed = Box::pin(tokio::time::timeout(header_timeout, sniff_h2(&stream))).await;
-            let h2 = match sniffed {
-                Ok(Ok(h2)) => h2,
-                Ok(Err(e)) => {
-                    tracing::debug!(%peer, "connection ended: {e}");
-                    return;
-                }
-                Err(_) => {
-                    tracing::debug!(%peer, "connection ended: nothing received in time");
-                    return;
-                }
-            };
-            let io = TokioIo::new(stream);
-            let ended = move |r: Result<(), hyper::Error>| {
-                if let Err(e) = r {
-                    tracing::debug!(%peer, "connection ended: {e}");
-                }
-            };
-            // The connection gets a task of its own, spawned from this sniffing task (which
-            // then ends): that task holds the connection future and nothing else — no
-            // builder, no sniffing state, no moved-from captures.
-            if h2 {
-                let mut b = Http2Builder::new(TokioExecutor::new());
-                b.timer(TokioTimer::new())
-                    .max_concurrent_streams(H2_MAX_STREAMS)
-                    .max_header_list_size(u32::try_from(max_header_bytes).unwrap_or(u32::MAX));
-                tokio::spawn(watcher.watch(b.serve_connection(io, svc)).map(ended));
-            } else {
-                let mut b = Http1Builder::new();
-                b.timer(TokioTimer::new())
-                    .header_read_timeout(header_timeout)
-                    .max_buf_size(max_header_bytes.max(8192))
-                    .keep_alive(true);
-                tokio::spawn(watcher.watch(b.serve_connection(io, svc)).map(ended));
-            }
-        });
+        serve_connection(
+            stream,
+            peer,
+            router.clone(),
+            &server_cfg,
+            graceful.watcher(),
+        );
     }
     drop(listener);
     let grace = Duration::from_millis(gateway.config().server.shutdown_grace_ms);
@@ -291,6 +237,75 @@ async fn accept_loop(
     {
         tracing::warn!("connections still open after the grace period; closing them");
     }
+}
+
+/// Serves one accepted connection on a task of its own: HTTP/1 (slow/huge header
+/// protection) or h2c with prior knowledge (a proxy in front can multiplex many waiting
+/// requests over a few connections). The protocol is sniffed with `peek` and each is served
+/// by its own hyper builder rather than hyper-util's auto connection: the task of a
+/// connection — alive for as long as its request waits in the queue — then holds only that
+/// protocol's state (an auto connection is sized for HTTP/2's, ~1.5 KB against ~0.6 KB for
+/// HTTP/1).
+fn serve_connection(
+    stream: tokio::net::TcpStream,
+    peer: SocketAddr,
+    router: axum::Router,
+    server_cfg: &crate::config::ServerConfig,
+    watcher: hyper_util::server::graceful::Watcher,
+) {
+    let header_timeout = Duration::from_millis(server_cfg.header_read_timeout_ms);
+    let max_header_bytes = server_cfg.max_header_bytes;
+    // The router's own future, not an async block around it (hyper keeps the request's
+    // service future for as long as it waits in the queue).
+    let svc = hyper::service::service_fn(move |mut req: http::Request<Incoming>| {
+        req.extensions_mut().insert(ConnectInfo(peer));
+        let id = RequestId::for_request(req.headers());
+        let echo = id.value.clone();
+        req.extensions_mut().insert(id);
+        router.clone().call(req).map(move |r| {
+            r.map(|mut resp| {
+                resp.headers_mut().insert(REQUEST_ID_HEADER, echo);
+                resp
+            })
+        })
+    });
+    tokio::spawn(async move {
+        let sniffed = Box::pin(tokio::time::timeout(header_timeout, sniff_h2(&stream))).await;
+        let h2 = match sniffed {
+            Ok(Ok(h2)) => h2,
+            Ok(Err(e)) => {
+                tracing::debug!(%peer, "connection ended: {e}");
+                return;
+            }
+            Err(_) => {
+                tracing::debug!(%peer, "connection ended: nothing received in time");
+                return;
+            }
+        };
+        let io = TokioIo::new(stream);
+        let ended = move |r: Result<(), hyper::Error>| {
+            if let Err(e) = r {
+                tracing::debug!(%peer, "connection ended: {e}");
+            }
+        };
+        // The connection gets a task of its own, spawned from this sniffing task (which
+        // then ends): that task holds the connection future and nothing else — no builder,
+        // no sniffing state, no moved-from captures.
+        if h2 {
+            let mut b = Http2Builder::new(TokioExecutor::new());
+            b.timer(TokioTimer::new())
+                .max_concurrent_streams(H2_MAX_STREAMS)
+                .max_header_list_size(u32::try_from(max_header_bytes).unwrap_or(u32::MAX));
+            tokio::spawn(watcher.watch(b.serve_connection(io, svc)).map(ended));
+        } else {
+            let mut b = Http1Builder::new();
+            b.timer(TokioTimer::new())
+                .header_read_timeout(header_timeout)
+                .max_buf_size(max_header_bytes.max(8192))
+                .keep_alive(true);
+            tokio::spawn(watcher.watch(b.serve_connection(io, svc)).map(ended));
+        }
+    });
 }
 
 /// Runs `levee serve`: load the config, serve, reload on SIGHUP and file change, shut down

@@ -17,7 +17,8 @@
 
 use crate::clock::TokioClock;
 use crate::config::{OnFailure, StateConfig};
-use crate::error::GatewayError;
+use crate::error::{GatewayError, RateInfo};
+
 use crate::metrics::{Metrics, SourceLabel, SwitchLabel};
 use levee_policy::{Quota, RefusalReason, Scope, TokenQuota};
 use levee_store::{
@@ -652,46 +653,50 @@ fn refusal(
         "the fleet's"
     };
     let retry = retry_after.max(Duration::from_millis(1));
-    match limit {
+    let tokens_rate = format!("{fleet} {name} tokens per minute ({tokens} tokens estimated)");
+    let (what, retry, rate, reason) = match limit {
         // A lease frees when one of the tenant's requests ends, which the store cannot time.
-        Limited::Concurrency => GatewayError::rate_limited(
-            &format!("{fleet} {name}: requests in flight at its limit"),
+        Limited::Concurrency => (
+            format!("{fleet} {name}: requests in flight at its limit"),
             Duration::from_secs(1),
-            crate::error::RateInfo::default(),
-        )
-        .with_refusal(RefusalReason::Concurrency(s)),
-        Limited::Requests => GatewayError::rate_limited(
-            &format!("{fleet} {name} requests per minute"),
+            RateInfo::default(),
+            RefusalReason::Concurrency(s),
+        ),
+        Limited::Requests => (
+            format!("{fleet} {name} requests per minute"),
             retry,
-            crate::error::RateInfo {
+            RateInfo {
                 remaining_requests: Some(0),
                 ..Default::default()
             },
-        )
-        .with_refusal(RefusalReason::RequestRate(s)),
+            RefusalReason::RequestRate(s),
+        ),
         // A share smaller than the request refuses it for now, not for ever.
-        Limited::TooLarge { .. } if local => GatewayError::rate_limited(
-            &format!("{fleet} {name} tokens per minute ({tokens} tokens estimated)"),
+        Limited::TooLarge { .. } if local => (
+            tokens_rate,
             Duration::from_secs(1),
-            crate::error::RateInfo::default(),
-        )
-        .with_refusal(RefusalReason::TokenRate(s)),
-        Limited::Tokens => GatewayError::rate_limited(
-            &format!("{fleet} {name} tokens per minute ({tokens} tokens estimated)"),
+            RateInfo::default(),
+            RefusalReason::TokenRate(s),
+        ),
+        Limited::Tokens => (
+            tokens_rate,
             retry,
-            crate::error::RateInfo {
+            RateInfo {
                 remaining_tokens: Some(0),
                 ..Default::default()
             },
-        )
-        .with_refusal(RefusalReason::TokenRate(s)),
-        Limited::TooLarge { capacity } => GatewayError::bad_request(format!(
-            "this request needs about {tokens} tokens but the {name} token quota holds \
-             {capacity}; lower max_tokens or shorten the prompt"
-        ))
-        .with_param("max_tokens")
-        .with_refusal(RefusalReason::TooLarge(s)),
-    }
+            RefusalReason::TokenRate(s),
+        ),
+        Limited::TooLarge { capacity } => {
+            return GatewayError::bad_request(format!(
+                "this request needs about {tokens} tokens but the {name} token quota holds \
+                 {capacity}; lower max_tokens or shorten the prompt"
+            ))
+            .with_param("max_tokens")
+            .with_refusal(RefusalReason::TooLarge(s))
+        }
+    };
+    GatewayError::rate_limited(&what, retry, rate).with_refusal(reason)
 }
 
 /// A charge taken in the shared (or fallback) store for one request. Dropped unsettled, it

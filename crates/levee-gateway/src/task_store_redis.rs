@@ -431,9 +431,47 @@ impl RedisTaskStore {
 
     async fn claim_inner(&self, max: usize) -> Result<Claimed, StoreError> {
         self.tidy().await?;
+        let got = self.claim_entries(max).await?;
+        let ids: Vec<String> = got.iter().filter_map(|(_, t, _)| t.clone()).collect();
+        let mut records = self.read_many(&ids).await?.into_iter();
+        let mut out = Claimed::default();
+        let mut stale = Vec::new();
+        for (entry, task, reclaimed) in got {
+            let record = records.next().flatten();
+            let (Some(id), Some(t)) = (task, record) else {
+                stale.push(entry);
+                continue;
+            };
+            if t.status.is_final() {
+                stale.push(entry);
+                continue;
+            }
+            let t = if t.status == Status::Running {
+                // Its replica died while it ran: it runs again here.
+                match self.requeue_running(&id).await? {
+                    Some(b) => b,
+                    None => continue,
+                }
+            } else {
+                t
+            };
+            if reclaimed {
+                out.reclaimed += 1;
+            }
+            out.tasks.push(t);
+        }
+        self.drop_entries(&stale).await?;
+        Ok(out)
+    }
+
+    /// Up to `max` stream entries for this consumer: first what a silent replica held past
+    /// the visibility timeout (`true`: reclaimed), then new ones; each with its task id.
+    async fn claim_entries(
+        &self,
+        max: usize,
+    ) -> Result<Vec<(String, Option<String>, bool)>, StoreError> {
         let q = self.queue_key();
         let mut got: Vec<(String, Option<String>, bool)> = Vec::new();
-        // First what a silent replica held past the visibility timeout.
         let mut auto = redis::cmd("XAUTOCLAIM");
         auto.arg(&q)
             .arg(GROUP)
@@ -450,78 +488,56 @@ impl RedisTaskStore {
                 got.extend(entries(list).into_iter().map(|(e, t)| (e, t, true)));
             }
         }
-        if got.len() < max {
-            let mut read = redis::cmd("XREADGROUP");
-            read.arg("GROUP")
-                .arg(GROUP)
-                .arg(&self.consumer)
-                .arg("COUNT")
-                .arg(max - got.len())
-                .arg("STREAMS")
-                .arg(&q)
-                .arg(">");
-            let v = self
-                .group_cmd("read new tasks from the queue", &read)
-                .await?;
-            // [[stream, [entries]]] or nil.
-            if let Value::Array(streams) = &v {
-                for s in streams {
-                    if let Value::Array(kv) = s {
-                        if let Some(list) = kv.get(1) {
-                            got.extend(entries(list).into_iter().map(|(e, t)| (e, t, false)));
-                        }
+        if got.len() >= max {
+            return Ok(got);
+        }
+        let mut read = redis::cmd("XREADGROUP");
+        read.arg("GROUP")
+            .arg(GROUP)
+            .arg(&self.consumer)
+            .arg("COUNT")
+            .arg(max - got.len())
+            .arg("STREAMS")
+            .arg(&q)
+            .arg(">");
+        let v = self
+            .group_cmd("read new tasks from the queue", &read)
+            .await?;
+        // [[stream, [entries]]] or nil.
+        if let Value::Array(streams) = &v {
+            for s in streams {
+                if let Value::Array(kv) = s {
+                    if let Some(list) = kv.get(1) {
+                        got.extend(entries(list).into_iter().map(|(e, t)| (e, t, false)));
                     }
                 }
             }
         }
-        let ids: Vec<String> = got.iter().filter_map(|(_, t, _)| t.clone()).collect();
-        let mut records = self.read_many(&ids).await?.into_iter();
-        let mut out = Claimed::default();
-        let mut stale = Vec::new();
-        for (entry, task, reclaimed) in got {
-            let Some(id) = task else {
-                stale.push(entry);
-                continue;
-            };
-            let Some(t) = records.next().flatten() else {
-                stale.push(entry);
-                continue;
-            };
-            if t.status.is_final() {
-                stale.push(entry);
-                continue;
-            }
-            let t = if t.status == Status::Running {
-                // Its replica died while it ran: it runs again here.
-                let back = self
-                    .update_inner(
-                        &id,
-                        Box::new(|s| {
-                            if s.status != Status::Running {
-                                return false;
-                            }
-                            s.status = Status::Queued;
-                            true
-                        }),
-                    )
-                    .await?;
-                match back {
-                    Some(b) => b,
-                    None => match self.read(&id).await? {
-                        Some((b, _)) if !b.status.is_final() => b,
-                        _ => continue,
-                    },
-                }
-            } else {
-                t
-            };
-            if reclaimed {
-                out.reclaimed += 1;
-            }
-            out.tasks.push(t);
-        }
-        self.drop_entries(&stale).await?;
-        Ok(out)
+        Ok(got)
+    }
+
+    /// A task whose replica died while it ran, queued again; `None` if it has finished
+    /// meanwhile.
+    async fn requeue_running(&self, id: &str) -> Result<Option<Task>, StoreError> {
+        let back = self
+            .update_inner(
+                id,
+                Box::new(|s| {
+                    if s.status != Status::Running {
+                        return false;
+                    }
+                    s.status = Status::Queued;
+                    true
+                }),
+            )
+            .await?;
+        Ok(match back {
+            Some(b) => Some(b),
+            None => match self.read(id).await? {
+                Some((b, _)) if !b.status.is_final() => Some(b),
+                _ => None,
+            },
+        })
     }
 
     async fn list_inner(

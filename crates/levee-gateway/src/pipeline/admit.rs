@@ -5,9 +5,9 @@
 
 use super::classify::Classified;
 use super::Seat;
-use crate::admitted::{self, Admitted, QueueSpot};
 use crate::error::GatewayError;
 use crate::gateway::Gateway;
+use crate::lane::{self, Admitted, QueueSpot};
 use crate::metrics::ReasonLabels;
 use crate::runtime::Tenant;
 use crate::upstream::Backend;
@@ -42,14 +42,7 @@ pub(super) async fn admit(
         _ => None,
     };
     let waiting = gw.metrics().queued_wait(&tenant.name);
-    let admitted = Box::pin(admitted::admit(
-        &c.lane,
-        &tenant.limits,
-        &seat.tier,
-        req,
-        spot,
-    ))
-    .await;
+    let admitted = Box::pin(lane::admit(&c.lane, &tenant.limits, &seat.tier, req, spot)).await;
     waiting.done();
     let mut admitted = admitted?;
     admitted.attach(charge);

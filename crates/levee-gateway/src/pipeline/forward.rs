@@ -4,10 +4,10 @@
 
 use super::classify::Classified;
 use super::settle::RequestSettle;
-use crate::admitted::{rate_info, Admitted};
 use crate::error::{ErrorCode, GatewayError};
 use crate::gateway::Gateway;
 use crate::lane::Lane;
+use crate::lane::{rate_info, Admitted};
 use crate::metrics::TenantKindLabels;
 use crate::proxy::{self, Settlement, StreamLimits};
 use crate::runtime::{Runtime, Tenant};

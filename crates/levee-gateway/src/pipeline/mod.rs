@@ -34,10 +34,10 @@ mod fallback;
 mod forward;
 mod settle;
 
-use crate::admitted::QueueSpot;
 use crate::error::{ErrorCode, GatewayError, RateInfo};
 use crate::gateway::Gateway;
 use crate::lane::Lane;
+use crate::lane::QueueSpot;
 use crate::request_log::{ms, RequestId, RequestLine};
 use crate::runtime::Tenant;
 use axum::extract::Request;

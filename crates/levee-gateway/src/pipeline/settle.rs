@@ -5,8 +5,8 @@
 
 use super::forward::eject_if_due;
 use super::record_end;
-use crate::admitted::Admitted;
 use crate::gateway::Gateway;
+use crate::lane::Admitted;
 use crate::lane::Lane;
 use crate::proxy::{Outcome, Settle};
 use crate::request_log::{ms, RequestId, RequestLine};

@@ -34,7 +34,6 @@ impl Tasks {
     /// exponential backoff; the outcome is stored with the task. Returns whether it is
     /// over (delivered, or no attempt left); `false` when the gateway stopped first.
     async fn deliver(self: &Arc<Self>, gw: &Gateway, task: Task) -> bool {
-        use hmac::Mac;
         let Some(url) = task.callback_url.clone() else {
             return true;
         };
@@ -58,17 +57,10 @@ impl Tasks {
                 None => Err("the tenant has no callback secret configured".to_string()),
                 Some(secret) => {
                     let ts = unix_ms() / 1000;
-                    let mut mac =
-                        match hmac::Hmac::<sha2::Sha256>::new_from_slice(secret.as_bytes()) {
-                            Ok(m) => m,
-                            Err(e) => {
-                                tracing::error!("task {}: callback key: {e}", task.id);
-                                return true;
-                            }
-                        };
-                    mac.update(format!("{ts}.").as_bytes());
-                    mac.update(body.as_bytes());
-                    let sig = hex::encode(mac.finalize().into_bytes());
+                    let Some(sig) = sign(secret, ts, &body) else {
+                        tracing::error!("task {}: the callback key was refused", task.id);
+                        return true;
+                    };
                     post_callback(gw, &url, &task.id, ts, &sig, &body, &self.cfg).await
                 }
             };
@@ -80,25 +72,9 @@ impl Tasks {
                     state: if ok { "delivered" } else { "failed" }.into(),
                 })
                 .inc();
-            let last = outcome.err();
             let give_up = ok || attempts >= self.cfg.callback_attempts || secret.is_none();
-            let r = self
-                .store
-                .update(
-                    &task.id,
-                    Box::new(move |t| {
-                        let c = t.callback.get_or_insert_with(CallbackState::default);
-                        c.attempts = attempts;
-                        c.delivered = ok;
-                        c.done = give_up;
-                        c.last_error.clone_from(&last);
-                        true
-                    }),
-                )
+            self.record_attempt(&task.id, attempts, ok, give_up, outcome.err())
                 .await;
-            if let Err(e) = r {
-                tracing::error!("task {}: {e}", task.id);
-            }
             if give_up {
                 return true;
             }
@@ -115,6 +91,44 @@ impl Tasks {
         }
         true
     }
+
+    /// Stores the outcome of a callback attempt with its task.
+    async fn record_attempt(
+        &self,
+        id: &str,
+        attempts: u32,
+        ok: bool,
+        give_up: bool,
+        last: Option<String>,
+    ) {
+        let r = self
+            .store
+            .update(
+                id,
+                Box::new(move |t| {
+                    let c = t.callback.get_or_insert_with(CallbackState::default);
+                    c.attempts = attempts;
+                    c.delivered = ok;
+                    c.done = give_up;
+                    c.last_error.clone_from(&last);
+                    true
+                }),
+            )
+            .await;
+        if let Err(e) = r {
+            tracing::error!("task {id}: {e}");
+        }
+    }
+}
+
+/// HMAC-SHA256 of `{ts}.{body}` under the tenant's secret, hex (`None` only if the HMAC
+/// refused the key, which it does for no length).
+fn sign(secret: &str, ts: u64, body: &str) -> Option<String> {
+    use hmac::Mac;
+    let mut mac = hmac::Hmac::<sha2::Sha256>::new_from_slice(secret.as_bytes()).ok()?;
+    mac.update(format!("{ts}.").as_bytes());
+    mac.update(body.as_bytes());
+    Some(hex::encode(mac.finalize().into_bytes()))
 }
 
 async fn post_callback(

@@ -38,12 +38,13 @@ mod callback;
 
 pub(crate) use api::router;
 
-use crate::admitted::QueueSpot;
 use crate::config::TasksConfig;
 use crate::error::{ErrorCode, GatewayError};
 use crate::gateway::Gateway;
+use crate::lane::QueueSpot;
 use crate::pipeline::{serve_task, Seat};
 use crate::task_store::{CallbackState, Held, RedbStore, Status, StoreError, Task, TaskStore};
+use axum::response::Response;
 use parking_lot::Mutex;
 use serde_json::{json, Value};
 use std::collections::{BTreeMap, HashMap, VecDeque};
@@ -56,6 +57,37 @@ use tokio::time::Instant;
 
 /// Largest task response kept (a completion body).
 const MAX_RESULT_BYTES: usize = 16 << 20;
+/// What a task's answer makes of it: its result, a failure, or (the backend's own
+/// backpressure) another try later.
+async fn answered(resp: Response) -> Attempt {
+    let status = resp.status();
+    let advised = crate::upstream::advised_retry(resp.headers());
+    let body = match axum::body::to_bytes(resp.into_body(), MAX_RESULT_BYTES).await {
+        Ok(b) => b,
+        Err(e) => {
+            let e = err_object(
+                "upstream_error",
+                &format!("the backend's response could not be read: {e}"),
+            );
+            return Attempt::Done(Status::Failed, None, Some(e));
+        }
+    };
+    let v: Value = serde_json::from_slice(&body)
+        .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&body).into()));
+    if status.is_success() {
+        Attempt::Done(Status::Succeeded, Some(v), None)
+    } else if status == http::StatusCode::TOO_MANY_REQUESTS
+        || status == http::StatusCode::SERVICE_UNAVAILABLE
+    {
+        Attempt::Retry(advised.unwrap_or(Duration::from_secs(1)))
+    } else {
+        let e = v.get("error").cloned().unwrap_or_else(|| {
+            err_object("upstream_error", &format!("the backend answered {status}"))
+        });
+        Attempt::Done(Status::Failed, None, Some(e))
+    }
+}
+
 /// Completions the band's drain rate looks back over.
 const RATE_WINDOW: usize = 32;
 /// Callback deliveries one replica runs at once that it took over from others.
@@ -674,35 +706,7 @@ impl Tasks {
             self.mark_running(id).await;
         }
         match served {
-            Ok(resp) => {
-                let status = resp.status();
-                let advised = crate::upstream::advised_retry(resp.headers());
-                let body = match axum::body::to_bytes(resp.into_body(), MAX_RESULT_BYTES).await {
-                    Ok(b) => b,
-                    Err(e) => {
-                        let e = err_object(
-                            "upstream_error",
-                            &format!("the backend's response could not be read: {e}"),
-                        );
-                        return Attempt::Done(Status::Failed, None, Some(e));
-                    }
-                };
-                let v: Value = serde_json::from_slice(&body)
-                    .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&body).into()));
-                if status.is_success() {
-                    Attempt::Done(Status::Succeeded, Some(v), None)
-                } else if status == http::StatusCode::TOO_MANY_REQUESTS
-                    || status == http::StatusCode::SERVICE_UNAVAILABLE
-                {
-                    // The backend's own backpressure: try again later.
-                    Attempt::Retry(advised.unwrap_or(Duration::from_secs(1)))
-                } else {
-                    let e = v.get("error").cloned().unwrap_or_else(|| {
-                        err_object("upstream_error", &format!("the backend answered {status}"))
-                    });
-                    Attempt::Done(Status::Failed, None, Some(e))
-                }
-            }
+            Ok(resp) => answered(resp).await,
             Err(e) if e.code() == ErrorCode::Draining => Attempt::Leave,
             Err(e) if e.refusal().is_some() && e.retryable() => {
                 Attempt::Retry(e.retry_after().unwrap_or(Duration::from_secs(1)))

@@ -1,7 +1,7 @@
 //! A model's lane, the I/O side: its admission state behind its own lock, its backends
 //! (URLs, scrapes, learned sizes), its dispatcher task, and the figures degradation and the
 //! admin page read. The request-side glue (waiting for a place, the admission a request
-//! holds) is in [`crate::admitted`].
+//! holds) is in [`request`].
 //!
 //! Every decision is levee-policy's [`LaneAdmission`]: this module only delivers it. Lanes
 //! decide in parallel; what they share (global and tenant limits, gateway-wide counts,
@@ -12,7 +12,10 @@
 //! a waiter that has gone away gives its grant back through [`Admitted`]'s drop, which takes
 //! the lock itself.
 
-use crate::admitted::{expired_error, Admitted, Waiter};
+mod request;
+
+pub(crate) use request::{admit, rate_info, Admitted, QueueSpot, Waiter};
+
 use crate::clock::TokioClock;
 use crate::error::GatewayError;
 use crate::metrics::{Metrics, ModelLabel, TierLabel};
@@ -22,6 +25,7 @@ use levee_policy::{
     PrefillFit, SharedLimits, Timestamp,
 };
 use parking_lot::{Mutex, MutexGuard, RwLock};
+use request::expired_error;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::Arc;

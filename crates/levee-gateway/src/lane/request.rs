@@ -8,8 +8,8 @@
 //!   outcome and usage, or, when dropped before that, as cancelled (refunded if nothing was
 //!   sent upstream yet).
 
+use super::Lane;
 use crate::error::{GatewayError, RateInfo};
-use crate::lane::Lane;
 use crate::metrics::TierLabel;
 use crate::upstream::Backend;
 use levee_policy::{
@@ -287,12 +287,41 @@ pub(crate) async fn admit(
             ticket, position, ..
         } => (ticket, position),
     };
+    let queued = Queued {
+        ticket,
+        position,
+        tier,
+        prompt_tokens: req.prompt_tokens,
+        at: now,
+    };
+    wait_in_queue(lane, queued, rx, spot).await
+}
+
+/// A request the lane queued.
+struct Queued {
+    ticket: Ticket,
+    /// Its place on arrival.
+    position: usize,
+    tier: Arc<str>,
+    prompt_tokens: u64,
+    at: levee_policy::Timestamp,
+}
+
+/// Waits in the lane's queue until the dispatcher answers: a backend, or why not. The
+/// waiter's ticket is cancelled if this future is dropped (the client went away).
+async fn wait_in_queue(
+    lane: &Arc<Lane>,
+    q: Queued,
+    rx: oneshot::Receiver<WaiterResult>,
+    spot: Option<&QueueSpot>,
+) -> Result<Admitted, GatewayError> {
+    let ctx = &lane.ctx;
     ctx.queued.fetch_add(1, Ordering::AcqRel);
     ctx.metrics.queued.inc();
     ctx.metrics
         .queue_depth
         .get_or_create(&TierLabel {
-            tier: tier.to_string(),
+            tier: q.tier.to_string(),
         })
         .inc();
     // Dispatch what may go, and answer a request this one displaced from a full lane
@@ -301,27 +330,27 @@ pub(crate) async fn admit(
     if let Some(s) = spot {
         s.set(Spot::Queued {
             lane: lane.clone(),
-            ticket,
+            ticket: q.ticket,
         });
     }
     let mut guard = QueueGuard {
         lane,
-        ticket,
+        ticket: q.ticket,
         armed: true,
     };
     let got = rx.await;
     guard.armed = false;
     match got {
         Ok(Ok(a)) => {
-            lane.note_outcome(now, false);
+            lane.note_outcome(q.at, false);
             if let Some(s) = spot {
-                dispatched(lane, s, &a, req.prompt_tokens);
+                dispatched(lane, s, &a, q.prompt_tokens);
             }
             Ok(a)
         }
         // A refusal after waiting carries the place the request took on arrival.
         Ok(Err(e)) if e.position().is_none() => {
-            Err(e.with_position(u32::try_from(position).unwrap_or(u32::MAX)))
+            Err(e.with_position(u32::try_from(q.position).unwrap_or(u32::MAX)))
         }
         Ok(Err(e)) => Err(e),
         Err(_) => Err(GatewayError::internal(
