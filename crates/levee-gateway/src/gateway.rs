@@ -367,7 +367,10 @@ impl Gateway {
         let degrader = Degrader::new(&rt.cfg);
         let ip_guard = KeyedGcra::new(ip_quota(&rt.cfg), 100_000);
         let admission = Admission::new(rt.admission_config());
-        let metrics = Metrics::new();
+        let metrics = match rt.cfg.state.backend {
+            StateBackend::Memory => Metrics::new(),
+            StateBackend::Redis => Metrics::with_shared_state(),
+        };
         let shared = match rt.cfg.state.backend {
             StateBackend::Memory => None,
             StateBackend::Redis => Some(Arc::new(crate::shared::Shared::new(
@@ -779,9 +782,9 @@ impl Gateway {
             let slo = rt.models.get(&*lane.model).and_then(|m| m.ttft_slo);
             let signals = lane.signals(load as f64 / hard, kv, slo, now);
             let level = self.degrader.lock().observe(&lane.model, signals, now);
+            self.metrics.degrade_level(&lane.model, level);
             top = top.max(level);
         }
-        self.metrics.degrade_level(top);
         top
     }
 

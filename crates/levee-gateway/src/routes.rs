@@ -19,7 +19,7 @@
 use crate::error::{GatewayError, RateInfo};
 use crate::gateway::{Gateway, Model, Runtime, Tenant};
 use crate::lane::{self, Admitted, Lane, QueueSpot};
-use crate::metrics::{TenantKindLabels, TierLabel};
+use crate::metrics::TierLabel;
 use crate::proxy::{self, Outcome, Settle, Settlement, StreamLimits};
 use crate::request_log::{ms, RequestId, RequestLine};
 use crate::upstream::{advised_retry, Backend, Verdict};
@@ -906,24 +906,8 @@ fn static_rate_header(name: &str) -> Option<&'static str> {
 }
 
 fn record_limiter_gauges(gw: &Gateway, tenant: &str, r: &RateInfo) {
-    if let Some(v) = r.remaining_requests {
-        gw.metrics
-            .limiter_remaining
-            .get_or_create(&TenantKindLabels {
-                tenant: tenant.to_string(),
-                kind: "requests".into(),
-            })
-            .set(i64::try_from(v).unwrap_or(i64::MAX));
-    }
-    if let Some(v) = r.remaining_tokens {
-        gw.metrics
-            .limiter_remaining
-            .get_or_create(&TenantKindLabels {
-                tenant: tenant.to_string(),
-                kind: "tokens".into(),
-            })
-            .set(i64::try_from(v).unwrap_or(i64::MAX));
-    }
+    gw.metrics
+        .limiter_remaining(tenant, r.remaining_requests, r.remaining_tokens);
 }
 
 /// Feeds a verdict to the backend's outlier ejection; an ejection holds the backend's breaker

@@ -16,7 +16,7 @@ fn deploy(rel: &str) -> PathBuf {
 /// Every sample name `/metrics` can serve: from each `# TYPE` line, the family name with
 /// the suffixes its type gives its samples.
 fn exported() -> BTreeSet<String> {
-    let text = Metrics::new().encode();
+    let text = Metrics::with_shared_state().encode();
     let mut names = BTreeSet::new();
     for line in text.lines() {
         let Some(rest) = line.strip_prefix("# TYPE ") else {
@@ -105,4 +105,27 @@ fn kubernetes_config_is_valid() {
         "{keda}"
     );
     assert!(keda.contains(&format!("minReplicaCount: {}", cfg.autoscale.min_replicas)));
+}
+
+#[test]
+fn minimal_config_is_one_tenant_one_model_one_backend_and_defaults() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../levee.minimal.toml");
+    let cfg = Config::load(&path).unwrap();
+    assert_eq!(cfg.tenants.len(), 1);
+    assert_eq!(cfg.models.len(), 1);
+    assert_eq!(cfg.models[0].backends.len(), 1);
+    // Everything else is the default: the file sets nothing more.
+    let defaults = Config {
+        tenants: cfg.tenants.clone(),
+        models: cfg.models.clone(),
+        ..Config::default()
+    };
+    assert_eq!(cfg, defaults);
+    // The key in the file's comments is the one its hash stands for.
+    let text = std::fs::read_to_string(&path).unwrap();
+    assert!(text.contains("Bearer sk-levee-minimal"));
+    assert_eq!(
+        cfg.tenants[0].key_sha256,
+        [levee_gateway::hash_key("sk-levee-minimal")]
+    );
 }
