@@ -218,8 +218,14 @@ pub struct ServerConfig {
     /// Longest a stream may run, from dispatch; then it is cut as on an idle timeout.
     /// Must be at least `request_timeout_ms`.
     pub stream_timeout_ms: u64,
-    /// After SIGTERM or drain, in-flight requests get this long to finish.
+    /// After SIGTERM, in-flight requests get this long to finish (queued ones are answered
+    /// 503 at once: a preStop `levee drain` is where they get to finish).
     pub shutdown_grace_ms: u64,
+    /// A drain (`POST /admin/drain`, `levee drain`) first only stops advertising: `/readyz`
+    /// answers 503 while requests are still served, for this long, so that load balancers
+    /// and Kubernetes endpoints stop sending new ones. Then new requests get 503 +
+    /// Retry-After while queued and in-flight ones finish.
+    pub drain_grace_ms: u64,
     /// Completion tokens assumed when a request omits `max_tokens` (used for token
     /// estimates and limits before the real usage is known).
     pub default_max_tokens: u32,
@@ -237,6 +243,7 @@ impl Default for ServerConfig {
             stream_idle_timeout_ms: 60_000,
             stream_timeout_ms: 1_800_000,
             shutdown_grace_ms: 30_000,
+            drain_grace_ms: 5_000,
             default_max_tokens: 256,
             drain_retry_after_ms: 5_000,
         }

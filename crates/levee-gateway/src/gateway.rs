@@ -323,6 +323,8 @@ pub struct Gateway {
     /// The policy clock (tokio time).
     pub clock: TokioClock,
     draining: AtomicBool,
+    /// `/readyz` says 503 (a drain began) while requests are still served.
+    leaving: AtomicBool,
     stopped: CancellationToken,
     /// Degradation state, per model lane.
     pub degrader: Mutex<Degrader>,
@@ -397,6 +399,7 @@ impl Gateway {
             client: build_client(),
             clock,
             draining: AtomicBool::new(false),
+            leaving: AtomicBool::new(false),
             stopped: CancellationToken::new(),
             degrader: Mutex::new(degrader),
             ip_guard: Mutex::new(ip_guard),
@@ -592,12 +595,28 @@ impl Gateway {
         self.draining.load(Ordering::Relaxed)
     }
 
-    /// Starts draining: `/readyz` answers 503, new requests get 503 + Retry-After, queued
-    /// requests are answered 503 now, in-flight requests continue.
+    /// Whether `/readyz` says 503 because a drain began (see [`crate::server::begin_drain`]).
+    pub fn is_leaving(&self) -> bool {
+        self.leaving.load(Ordering::Relaxed)
+    }
+
+    /// Stops advertising: `/readyz` answers 503, requests are still served. Returns whether
+    /// this call made the change.
+    pub fn leave(&self) -> bool {
+        !self.leaving.swap(true, Ordering::SeqCst)
+    }
+
+    /// Starts draining: new requests get 503 + Retry-After; queued and in-flight requests
+    /// continue to completion.
     pub fn drain(&self) {
+        self.leaving.store(true, Ordering::SeqCst);
         if !self.draining.swap(true, Ordering::SeqCst) {
-            tracing::info!("draining: refusing new requests, answering queued ones");
+            tracing::info!("draining: refusing new requests; queued and in-flight ones finish");
         }
+    }
+
+    /// Answers every queued request 503 + Retry-After (shutdown).
+    pub fn flush_queues(&self) {
         let retry = Duration::from_millis(self.config().server.drain_retry_after_ms);
         for lane in self.lanes() {
             lane.drain_queue(self, retry);
@@ -623,21 +642,6 @@ impl Gateway {
     /// Cancelled when the gateway stops.
     pub fn stopped_token(&self) -> CancellationToken {
         self.stopped.clone()
-    }
-
-    /// Whether every lane is at its hard watermark (then `/readyz` says 503: this replica
-    /// can take nothing more).
-    pub fn at_hard_watermark(&self) -> bool {
-        let hard = u64::from(self.config().queue.hard);
-        let adm = self.admission.lock();
-        let mut any = false;
-        for m in adm.models() {
-            any = true;
-            if adm.lane(m).is_some_and(|l| l.load() < hard) {
-                return false;
-            }
-        }
-        any
     }
 
     /// Spawns the scraper, the degradation ticker and, with a shared store, the heartbeat.
@@ -895,6 +899,7 @@ impl Gateway {
         let deg = self.degrader.lock().state_json();
         serde_json::json!({
             "draining": self.is_draining(),
+            "ready": !self.is_leaving(),
             "load": self.load(),
             "queued": self.queued.load(Ordering::Relaxed),
             "in_flight": self.in_flight.load(Ordering::Relaxed),

@@ -72,6 +72,7 @@ impl GatewayHandle {
     pub async fn shutdown(self) {
         let grace = Duration::from_millis(self.gateway.config().server.shutdown_grace_ms);
         self.gateway.drain();
+        self.gateway.flush_queues();
         self.stop_accepting.cancel();
         let all = futures::future::join_all(self.tasks);
         if tokio::time::timeout(grace + Duration::from_millis(500), all)
@@ -83,6 +84,36 @@ impl GatewayHandle {
         self.gateway.leave_fleet().await;
         self.gateway.stop();
     }
+}
+
+/// Begins a drain in two steps, as a Kubernetes preStop hook needs them. At once the
+/// gateway stops advertising (`/readyz` answers 503, HTTP/1 answers close their connection
+/// so that clients reconnect to another replica) and keeps serving requests normally, for
+/// `server.drain_grace_ms`: the time endpoints take to drop the replica. Then it drains: new
+/// requests get 503 + Retry-After, queued and in-flight ones run to completion. Returns the
+/// grace. A second call changes nothing.
+pub fn begin_drain(gw: &Arc<Gateway>) -> Duration {
+    let grace = Duration::from_millis(gw.config().server.drain_grace_ms);
+    if !gw.leave() {
+        return grace;
+    }
+    tracing::info!(
+        grace_ms = grace.as_millis() as u64,
+        "drain: /readyz answers 503; serving until the grace has passed"
+    );
+    let gw = gw.clone();
+    let stopped = gw.stopped_token();
+    tokio::spawn(async move {
+        tokio::select! {
+            _ = stopped.cancelled() => return,
+            _ = tokio::time::sleep(grace) => {}
+        }
+        // Undone in the meantime: advertised again, nothing to drain.
+        if gw.is_leaving() {
+            gw.drain();
+        }
+    });
+    grace
 }
 
 /// Binds both listeners from `config.listen` (port 0 allowed) and starts serving.
@@ -201,6 +232,7 @@ async fn accept_loop(
         let header_timeout = Duration::from_millis(server_cfg.header_read_timeout_ms);
         let max_header_bytes = server_cfg.max_header_bytes;
         let router = router.clone();
+        let leaving = gateway.clone();
         // The router's own future, not an async block around it (hyper keeps the request's
         // service future for as long as it waits in the queue).
         let svc = hyper::service::service_fn(move |mut req: http::Request<Incoming>| {
@@ -208,9 +240,19 @@ async fn accept_loop(
             let id = RequestId::for_request(req.headers());
             let echo = id.value.clone();
             req.extensions_mut().insert(id);
+            let http1 = req.version() < http::Version::HTTP_2;
+            let gw = leaving.clone();
             router.clone().call(req).map(move |r| {
                 r.map(|mut resp| {
                     resp.headers_mut().insert(REQUEST_ID_HEADER, echo);
+                    // A replica on its way out closes kept-alive connections after each
+                    // answer: the client's next request connects anew, to a ready replica.
+                    if http1 && gw.is_leaving() {
+                        resp.headers_mut().insert(
+                            http::header::CONNECTION,
+                            http::HeaderValue::from_static("close"),
+                        );
+                    }
                     resp
                 })
             })

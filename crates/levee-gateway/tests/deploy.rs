@@ -105,6 +105,19 @@ fn kubernetes_config_is_valid() {
         "{keda}"
     );
     assert!(keda.contains(&format!("minReplicaCount: {}", cfg.autoscale.min_replicas)));
+    // The query sums the replicas' offered load and sizes it as levee does: slots per
+    // backend at the target utilization, plus the warm pool.
+    let b = &cfg.models[0].backends[0];
+    let query = format!(
+        "query: ceil(sum(levee_offered_load{{model=\"{}\"}}) / ({} * {})) + {}",
+        cfg.models[0].name,
+        b.max_in_flight,
+        cfg.autoscale.target_utilization,
+        cfg.autoscale.warm_pool
+    );
+    assert!(keda.contains(&query), "{query} in {keda}");
+    let hold = cfg.autoscale.scale_in_hold_ms / 1000;
+    assert!(keda.contains(&format!("stabilizationWindowSeconds: {hold}")));
 }
 
 #[test]
