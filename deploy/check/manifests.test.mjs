@@ -139,3 +139,19 @@ test("KEDA scales the backends on levee's recommendation", () => {
   const hs = find("Service", target.spec.serviceName);
   assert.equal(hs?.spec.clusterIP, "None", "a headless Service gives replicas stable names");
 });
+
+test("the Compose quickstart: levee in front of an engine, listening on 0.0.0.0", () => {
+  const composeDir = join(dir, "..", "compose");
+  const compose = parseAllDocuments(readFileSync(join(composeDir, "compose.yaml"), "utf8"))[0].toJS();
+  const { engine, levee } = compose.services;
+  assert.ok(engine && levee, "services engine and levee");
+  assert.deepEqual(engine.command.slice(0, 3), ["engine", "--host", "0.0.0.0"]);
+  assert.equal(levee.command.at(-1), "/etc/levee/levee.toml");
+  const [src, dst] = levee.volumes[0].split(":");
+  assert.equal(dst, "/etc/levee", "the config directory is mounted (reloads see a save)");
+  const cfg = readFileSync(join(composeDir, src, "levee.toml"), "utf8");
+  assert.match(cfg, /public = "0\.0\.0\.0:8080"/);
+  assert.match(cfg, /url = "http:\/\/engine:8000"/);
+  assert.match(levee.environment.LEVEE_ADMIN_TOKEN, /:\?/, "the admin token is required");
+  assert.ok(levee.ports.includes("127.0.0.1:9090:9090"), "admin on the host's loopback only");
+});

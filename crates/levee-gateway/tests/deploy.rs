@@ -142,3 +142,22 @@ fn minimal_config_is_one_tenant_one_model_one_backend_and_defaults() {
         [levee_gateway::hash_key("sk-levee-minimal")]
     );
 }
+
+#[test]
+fn compose_config_is_the_minimal_one_bound_for_a_container() {
+    let compose = Config::load(&deploy("compose/config/levee.toml")).unwrap();
+    let minimal =
+        Config::load(&Path::new(env!("CARGO_MANIFEST_DIR")).join("../../levee.minimal.toml"))
+            .unwrap();
+    assert!(compose.listen.public.ip().is_unspecified());
+    assert!(compose.listen.admin.ip().is_unspecified());
+    assert_eq!(compose.tenants, minimal.tenants);
+    assert_eq!(compose.models[0].name, minimal.models[0].name);
+    assert_eq!(compose.models[0].backends[0].url, "http://engine:8000");
+    let yaml = std::fs::read_to_string(deploy("compose/compose.yaml")).unwrap();
+    assert!(
+        yaml.contains("\"--model\", \"llama\""),
+        "the engine serves the model"
+    );
+    assert!(yaml.contains("./config:/etc/levee:ro"));
+}
