@@ -396,7 +396,7 @@ impl Gateway {
             lanes: RwLock::new(HashMap::new()),
             admission: Mutex::new(admission),
             metrics,
-            client: build_client(),
+            client: build_client().map_err(|e| anyhow::anyhow!(e))?,
             clock,
             draining: AtomicBool::new(false),
             leaving: AtomicBool::new(false),

@@ -24,6 +24,10 @@ pub struct RequestId {
     pub seq: u64,
     /// The id as sent back.
     pub value: HeaderValue,
+    /// The client's W3C `traceparent`, passed on to the backend.
+    pub traceparent: Option<HeaderValue>,
+    /// The client's W3C `tracestate`, passed on with it.
+    pub tracestate: Option<HeaderValue>,
 }
 
 static SEQ: AtomicU64 = AtomicU64::new(0);
@@ -56,7 +60,16 @@ impl RequestId {
             .cloned()
             .or_else(|| HeaderValue::from_str(&format!("{:016x}-{seq:x}", process_prefix())).ok())
             .unwrap_or_else(|| HeaderValue::from_static("-"));
-        RequestId { seq, value }
+        let traceparent = headers.get("traceparent").cloned();
+        let tracestate = traceparent
+            .as_ref()
+            .and_then(|_| headers.get("tracestate").cloned());
+        RequestId {
+            seq,
+            value,
+            traceparent,
+            tracestate,
+        }
     }
 
     /// The id as text.

@@ -703,6 +703,7 @@ async fn proxy_phase(
             path,
             upstream_body,
             sent_at + request_timeout,
+            c.request.as_ref(),
         ))
         .await;
         let verdict = match &sent {
