@@ -245,9 +245,13 @@ pub(crate) async fn handle_with(
                 RequestLine {
                     request_id: id.as_str(),
                     tenant: &labels.tenant,
+                    tier: &labels.tier,
                     model: &labels.model,
+                    backend: None,
+                    client: id.peer,
                     outcome: e.code,
                     status: e.status.as_u16(),
+                    code: Some(e.code),
                     queue_ms: None,
                     ttft_ms: None,
                     duration_ms: ms(arrived.elapsed()),
@@ -275,7 +279,11 @@ fn account_error(gw: &Gateway, labels: &Labels, e: &GatewayError) {
     }
     gw.metrics.request(&labels.tenant, &labels.model, e.code);
     record_end(&labels.span, e.code, e.status.as_u16());
-    if e.origin == crate::error::Origin::Upstream {
+    // A refusal (429, 503) is counted in levee_rejected_total above, not logged: under a
+    // flood or an outage a line each would drown the log.
+    let refusal =
+        e.status == StatusCode::TOO_MANY_REQUESTS || e.status == StatusCode::SERVICE_UNAVAILABLE;
+    if e.origin == crate::error::Origin::Upstream && !refusal {
         tracing::warn!(tenant = %labels.tenant, model = %labels.model, "{e}");
     } else {
         tracing::debug!(tenant = %labels.tenant, model = %labels.model, "{e}");
@@ -1046,9 +1054,13 @@ impl Settle for RequestSettle {
             RequestLine {
                 request_id: id.as_str(),
                 tenant: &self.tenant.name,
+                tier: &self.tenant.tier,
                 model: &self.model,
+                backend: Some(&self.backend.id),
+                client: id.peer,
                 outcome: label,
                 status: outcome.status,
+                code: outcome.stream_cut,
                 queue_ms: Some(ms(times.queued)),
                 ttft_ms: times.ttft.map(ms),
                 duration_ms: ms(times.total),

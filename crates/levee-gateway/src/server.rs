@@ -237,7 +237,7 @@ async fn accept_loop(
         // service future for as long as it waits in the queue).
         let svc = hyper::service::service_fn(move |mut req: http::Request<Incoming>| {
             req.extensions_mut().insert(ConnectInfo(peer));
-            let id = RequestId::for_request(req.headers());
+            let id = RequestId::for_request(req.headers(), Some(peer));
             let echo = id.value.clone();
             req.extensions_mut().insert(id);
             let http1 = req.version() < http::Version::HTTP_2;
