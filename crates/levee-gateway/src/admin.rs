@@ -209,6 +209,11 @@ async fn drain(
     Extension(who): Extension<AdminCaller>,
 ) -> Json<serde_json::Value> {
     tracing::info!(who = %who.0, action = "drain", "admin: drain started");
-    gw.drain();
-    Json(serde_json::json!({"draining": true, "in_flight": gw.in_flight()}))
+    let grace = crate::server::begin_drain(&gw);
+    Json(serde_json::json!({
+        "draining": gw.is_draining(),
+        "ready": false,
+        "grace_ms": grace.as_millis() as u64,
+        "in_flight": gw.in_flight(),
+    }))
 }

@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use std::collections::{BTreeMap, HashSet};
 use std::net::SocketAddr;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 /// The whole configuration of one gateway.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -218,8 +218,14 @@ pub struct ServerConfig {
     /// Longest a stream may run, from dispatch; then it is cut as on an idle timeout.
     /// Must be at least `request_timeout_ms`.
     pub stream_timeout_ms: u64,
-    /// After SIGTERM or drain, in-flight requests get this long to finish.
+    /// After SIGTERM, in-flight requests get this long to finish (queued ones are answered
+    /// 503 at once: a preStop `levee drain` is where they get to finish).
     pub shutdown_grace_ms: u64,
+    /// A drain (`POST /admin/drain`, `levee drain`) first only stops advertising: `/readyz`
+    /// answers 503 while requests are still served, for this long, so that load balancers
+    /// and Kubernetes endpoints stop sending new ones. Then new requests get 503 +
+    /// Retry-After while queued and in-flight ones finish.
+    pub drain_grace_ms: u64,
     /// Completion tokens assumed when a request omits `max_tokens` (used for token
     /// estimates and limits before the real usage is known).
     pub default_max_tokens: u32,
@@ -237,6 +243,7 @@ impl Default for ServerConfig {
             stream_idle_timeout_ms: 60_000,
             stream_timeout_ms: 1_800_000,
             shutdown_grace_ms: 30_000,
+            drain_grace_ms: 5_000,
             default_max_tokens: 256,
             drain_retry_after_ms: 5_000,
         }
@@ -490,8 +497,21 @@ pub enum BackendKind {
 pub struct BackendConfig {
     /// Metrics dialect.
     pub kind: BackendKind,
-    /// Base URL, e.g. `http://127.0.0.1:8000` (the gateway appends `/v1/...`).
+    /// Base URL, e.g. `http://127.0.0.1:8000` or `https://llm.internal:8443` (the gateway
+    /// appends `/v1/...`).
     pub url: String,
+    /// Path of the active health check (`GET`, any 2xx passes). Empty: passive health only
+    /// (no check; the backend leaves routing through its breaker and outlier ejection), for
+    /// an engine without one, such as Ollama.
+    pub health_path: String,
+    /// Environment variable holding the backend's API key, sent as
+    /// `Authorization: Bearer <key>` on every request levee makes to it. Read at load.
+    pub api_key_env: Option<String>,
+    /// Extra headers sent on every request to this backend (name → value).
+    pub headers: BTreeMap<String, String>,
+    /// PEM file of the certificate authorities an `https://` backend's certificate may chain
+    /// to, besides the public ones (a private CA).
+    pub ca_file: Option<PathBuf>,
     /// Most requests levee sends to this backend at once; more wait in levee's queue.
     pub max_in_flight: u32,
     /// KV-cache tokens of this backend: a request goes there only while the prompt +
@@ -511,6 +531,10 @@ impl Default for BackendConfig {
         BackendConfig {
             kind: BackendKind::Vllm,
             url: "http://127.0.0.1:8000".to_string(),
+            health_path: "/health".to_string(),
+            api_key_env: None,
+            headers: BTreeMap::new(),
+            ca_file: None,
             max_in_flight: 64,
             max_kv_tokens: None,
             upstream_model: None,
@@ -518,6 +542,73 @@ impl Default for BackendConfig {
         }
     }
 }
+
+impl BackendConfig {
+    /// Checks the fields that shape requests to the backend: health path, API key, extra
+    /// headers, CA file.
+    fn check_upstream_settings(&self, bp: &str) -> Vec<String> {
+        let mut errs = Vec::new();
+        if !self.health_path.is_empty() && !self.health_path.starts_with('/') {
+            errs.push(format!(
+                "{bp}.health_path: {:?} must start with / (or be empty: passive health only)",
+                self.health_path
+            ));
+        }
+        if let Some(var) = &self.api_key_env {
+            match std::env::var(var) {
+                Ok(v) if !v.is_empty() => {
+                    if http::HeaderValue::from_str(&format!("Bearer {v}")).is_err() {
+                        errs.push(format!(
+                            "{bp}.api_key_env: the value of {var:?} cannot go in a header"
+                        ));
+                    }
+                }
+                _ => errs.push(format!(
+                    "{bp}.api_key_env: environment variable {var:?} is not set or empty"
+                )),
+            }
+        }
+        for (name, value) in &self.headers {
+            let hp = format!("{bp}.headers.{name}");
+            match http::HeaderName::from_bytes(name.as_bytes()) {
+                Err(_) => errs.push(format!("{hp}: not a valid header name")),
+                Ok(n) if RESERVED_UPSTREAM_HEADERS.contains(&n.as_str()) => errs.push(format!(
+                    "{hp}: levee sets this header itself (reserved: {})",
+                    RESERVED_UPSTREAM_HEADERS.join(", ")
+                )),
+                Ok(n) if n == http::header::AUTHORIZATION && self.api_key_env.is_some() => {
+                    errs.push(format!("{hp}: api_key_env sets authorization already"))
+                }
+                Ok(_) => {}
+            }
+            if http::HeaderValue::from_str(value).is_err() {
+                errs.push(format!("{hp}: not a valid header value"));
+            }
+        }
+        if let Some(path) = &self.ca_file {
+            if !self.url.starts_with("https://") {
+                errs.push(format!("{bp}.ca_file: only for an https:// url"));
+            }
+            if let Err(e) = crate::upstream::read_ca_file(path) {
+                errs.push(format!("{bp}.ca_file: {e}"));
+            }
+        }
+        errs
+    }
+}
+
+/// Headers levee writes on each upstream request itself; a backend's `headers` may not set
+/// them.
+pub const RESERVED_UPSTREAM_HEADERS: &[&str] = &[
+    "host",
+    "content-type",
+    "content-length",
+    "transfer-encoding",
+    "connection",
+    "x-request-id",
+    "traceparent",
+    "tracestate",
+];
 
 /// Watermarks over each model lane's load (its requests in flight plus those queued at the
 /// same or a higher priority; every model has its own lane, so a flood on one model never
@@ -1080,13 +1171,16 @@ impl Config {
             for (j, b) in m.backends.iter().enumerate() {
                 let bp = format!("{p}.backends[{j}]");
                 match b.url.parse::<http::Uri>() {
-                    Ok(u) if u.scheme_str() == Some("http") && u.authority().is_some() => {}
+                    Ok(u)
+                        if matches!(u.scheme_str(), Some("http" | "https"))
+                            && u.authority().is_some() => {}
                     Ok(_) => errs.push(format!(
-                        "{bp}.url: {:?} must be an http:// URL with a host",
+                        "{bp}.url: {:?} must be an http:// or https:// URL with a host",
                         b.url
                     )),
                     Err(e) => errs.push(format!("{bp}.url: {:?} is not a URL: {e}", b.url)),
                 }
+                errs.extend(b.check_upstream_settings(&bp));
                 if !urls.insert(b.url.trim_end_matches('/')) {
                     errs.push(format!(
                         "{bp}.url: duplicate backend {:?} for this model",

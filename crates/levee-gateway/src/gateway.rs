@@ -28,6 +28,8 @@ pub struct Gateway {
     ctx: Arc<LaneContext>,
     client: HttpClient,
     draining: AtomicBool,
+    /// `/readyz` says 503 (a drain began) while requests are still served.
+    leaving: AtomicBool,
     degrader: Mutex<Degrader>,
     ip_guard: Mutex<KeyedGcra<IpAddr>>,
     scaling: crate::autoscale::Scaling,
@@ -67,7 +69,10 @@ impl Gateway {
         let rt = Runtime::build(cfg, None, &limits)
             .map_err(|e| anyhow::anyhow!("invalid configuration: {}", e.join("; ")))?;
         let clock = crate::clock::TokioClock::new();
-        let metrics = Arc::new(Metrics::new());
+        let metrics = Arc::new(match rt.cfg.state.backend {
+            StateBackend::Memory => Metrics::new(),
+            StateBackend::Redis => Metrics::with_shared_state(),
+        });
         let shared = match rt.cfg.state.backend {
             StateBackend::Memory => None,
             StateBackend::Redis => Some(Arc::new(crate::shared::Shared::new(
@@ -90,8 +95,9 @@ impl Gateway {
             runtime: RwLock::new(Arc::new(rt)),
             lanes: RwLock::new(HashMap::new()),
             ctx,
-            client: build_client(),
+            client: build_client().map_err(|e| anyhow::anyhow!(e))?,
             draining: AtomicBool::new(false),
+            leaving: AtomicBool::new(false),
             scaling: crate::autoscale::Scaling::default(),
             shared,
         });
@@ -312,12 +318,28 @@ impl Gateway {
         self.draining.load(Ordering::Relaxed)
     }
 
-    /// Starts draining: `/readyz` answers 503, new requests get 503 + Retry-After, queued
-    /// requests are answered 503 now, in-flight requests continue.
+    /// Whether `/readyz` says 503 because a drain began (see [`crate::server::begin_drain`]).
+    pub fn is_leaving(&self) -> bool {
+        self.leaving.load(Ordering::Relaxed)
+    }
+
+    /// Stops advertising: `/readyz` answers 503, requests are still served. Returns whether
+    /// this call made the change.
+    pub fn leave(&self) -> bool {
+        !self.leaving.swap(true, Ordering::SeqCst)
+    }
+
+    /// Starts draining: new requests get 503 + Retry-After; queued and in-flight requests
+    /// continue to completion.
     pub fn drain(&self) {
+        self.leaving.store(true, Ordering::SeqCst);
         if !self.draining.swap(true, Ordering::SeqCst) {
-            tracing::info!("draining: refusing new requests, answering queued ones");
+            tracing::info!("draining: refusing new requests; queued and in-flight ones finish");
         }
+    }
+
+    /// Answers every queued request 503 + Retry-After (shutdown).
+    pub fn flush_queues(&self) {
         let retry = Duration::from_millis(self.config().server.drain_retry_after_ms);
         for lane in self.lanes() {
             lane.drain_queue(retry);
@@ -339,14 +361,6 @@ impl Gateway {
     /// Cancelled when the gateway stops.
     pub(crate) fn stopped_token(&self) -> CancellationToken {
         self.ctx.stopped.clone()
-    }
-
-    /// Whether every lane is at its hard watermark (then `/readyz` says 503: this replica
-    /// can take nothing more).
-    pub fn at_hard_watermark(&self) -> bool {
-        let hard = u64::from(self.config().queue.hard);
-        let lanes = self.lanes();
-        !lanes.is_empty() && lanes.iter().all(|l| l.view(|l| l.load()) >= hard)
     }
 
     /// The `/admin/state` document.
@@ -378,6 +392,7 @@ impl Gateway {
             .collect();
         serde_json::json!({
             "draining": self.is_draining(),
+            "ready": !self.is_leaving(),
             "load": self.load(),
             "queued": self.queued(),
             "in_flight": self.in_flight(),

@@ -11,7 +11,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::atomic::AtomicU64;
 use std::sync::OnceLock;
 use std::time::Duration;
 
@@ -116,13 +116,6 @@ pub struct MarkLabel {
     pub mark: String,
 }
 
-/// A single `level` label.
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct LevelLabel {
-    /// Degradation level entered.
-    pub level: String,
-}
-
 /// `to` of a shared-state switch.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct SwitchLabel {
@@ -136,6 +129,15 @@ pub struct SwitchLabel {
 pub struct SourceLabel {
     /// `redis` or `local`.
     pub source: String,
+}
+
+/// Labels of `levee_degrade_level_changes_total`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ModelLevelLabels {
+    /// Model name (its lane degrades on its own).
+    pub model: String,
+    /// Degradation level entered.
+    pub level: String,
 }
 
 /// Every metric the gateway exports.
@@ -170,7 +172,7 @@ pub struct Metrics {
     pub estimate_ratio: Family<ModelLabel, Histogram>,
     /// `levee_backend_load{backend}`: last scraped running + waiting.
     pub backend_load: Family<BackendLabel, Gauge<f64, AtomicU64>>,
-    /// `levee_backend_kv_usage{backend}`: last scraped KV-cache use (0..1).
+    /// `levee_backend_kv_usage_ratio{backend}`: last scraped KV-cache use (0..1).
     pub backend_kv: Family<BackendLabel, Gauge<f64, AtomicU64>>,
     /// `levee_backend_healthy{backend}`: 1 healthy, 0 not.
     pub backend_healthy: Family<BackendLabel, Gauge>,
@@ -179,10 +181,12 @@ pub struct Metrics {
     /// `levee_stream_cuts_total{backend,reason}`: streams levee ended with an error event
     /// (reason = `stream_broken` | `stream_idle_timeout` | `stream_timeout`).
     pub stream_cuts: Family<BackendReasonLabels, Counter>,
-    /// `levee_limiter_remaining{tenant,kind}` (kind = requests | tokens).
-    pub limiter_remaining: Family<TenantKindLabels, Gauge>,
-    /// `levee_degrade_level`: 0 normal .. 3 shedding.
-    pub degrade_level: Gauge,
+    /// `levee_limiter_remaining_requests{tenant}`: requests left in the tenant's quota.
+    pub limiter_remaining_requests: Family<TenantLabel, Gauge>,
+    /// `levee_limiter_remaining_tokens{tenant}`: tokens left in the tenant's quota.
+    pub limiter_remaining_tokens: Family<TenantLabel, Gauge>,
+    /// `levee_degrade_level{model}`: 0 normal .. 3 shedding, per model lane.
+    pub degrade_level: Family<ModelLabel, Gauge>,
     /// `levee_in_flight`: requests being proxied now.
     pub in_flight: Gauge,
     /// `levee_queued`: requests waiting in the queue now (all tiers).
@@ -201,8 +205,8 @@ pub struct Metrics {
     pub breaker_trips: Family<BackendLabel, Counter>,
     /// `levee_breaker_open_seconds_total{backend}`: time spent open.
     pub breaker_open_seconds: Family<BackendLabel, Counter<f64, AtomicU64>>,
-    /// `levee_degrade_level_changes_total{level}`: changes of level, by level entered.
-    pub degrade_changes: Family<LevelLabel, Counter>,
+    /// `levee_degrade_level_changes_total{model,level}`: changes of level, by level entered.
+    pub degrade_changes: Family<ModelLevelLabels, Counter>,
     /// `levee_recommended_replicas{model}`: backend replicas the model needs now.
     pub recommended_replicas: Family<ModelLabel, Gauge>,
     /// `levee_offered_load{model}`: measured offered load in busy backend slots.
@@ -215,8 +219,9 @@ pub struct Metrics {
     /// `levee_backend_max_in_flight{backend}`: the configured cap of each backend.
     pub backend_max_in_flight: Family<BackendLabel, Gauge>,
     /// `levee_state_shared`: 1 when limits are decided in the shared store (Redis answers),
-    /// 0 when this replica runs on its local fallback (or refuses, `fail_closed`); absent
-    /// with `backend = "memory"`.
+    /// 0 when this replica runs on its local fallback (or refuses, `fail_closed`). Exported
+    /// only with `[state] backend = "redis"` (see [`Metrics::with_shared_state`]), like the
+    /// three below: an in-memory deployment has no such series.
     pub state_shared: Gauge,
     /// `levee_state_switches_total{to}`: switches between shared and local decisions.
     pub state_switches: Family<SwitchLabel, Counter>,
@@ -234,12 +239,13 @@ pub struct Metrics {
     /// `levee_tasks_reclaimed_total`: tasks this replica claimed from the shared queue after
     /// another replica held them past `tasks.visibility_ms` or handed them back at shutdown.
     pub tasks_reclaimed: Counter,
-    /// Tenants with their own series in the per-tenant histograms.
+    /// Tenants with their own series in the per-tenant metrics.
     tenant_series: RwLock<HashSet<String>>,
     /// Per backend: breaker trips and the time of the last look, to turn breaker stats into
     /// counters.
     breaker_seen: Mutex<HashMap<String, BreakerSeen>>,
-    last_degrade_level: AtomicI64,
+    /// Each model's degradation level at the last update.
+    last_degrade_level: Mutex<HashMap<String, i64>>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -249,11 +255,52 @@ struct BreakerSeen {
     at: Timestamp,
 }
 
+/// Buckets of times bounded by the upstream request deadline (`server.request_timeout_ms`,
+/// 5 minutes by default): a backend's time to first byte.
 fn latency_buckets() -> impl Iterator<Item = f64> {
     [
         0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+        120.0, 300.0,
     ]
     .into_iter()
+}
+
+/// Buckets of times that can last much longer: a whole stream (up to
+/// `server.stream_timeout_ms`, 30 minutes by default) and a wait in the queue (the batch
+/// band's tier waits up to 10 minutes). They end at 30 minutes.
+fn long_buckets() -> impl Iterator<Item = f64> {
+    [
+        0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
+        600.0, 1200.0, 1800.0,
+    ]
+    .into_iter()
+}
+
+fn histograms<L>(buckets: fn() -> Histogram) -> Family<L, Histogram>
+where
+    L: Clone + std::hash::Hash + Eq,
+{
+    Family::new_with_constructor(buckets)
+}
+
+fn latency_histogram() -> Histogram {
+    Histogram::new(latency_buckets())
+}
+
+fn long_histogram() -> Histogram {
+    Histogram::new(long_buckets())
+}
+
+fn ratio_histogram() -> Histogram {
+    Histogram::new([0.5, 0.75, 0.9, 0.95, 1.0, 1.05, 1.1, 1.25, 1.5, 2.0, 4.0])
+}
+
+/// Registers a clone of `metric` (metrics are handles to shared values).
+fn add<M>(r: &mut Registry, name: &str, help: &str, metric: &M)
+where
+    M: prometheus_client::registry::Metric + Clone,
+{
+    r.register(name, help, metric.clone());
 }
 
 impl Default for Metrics {
@@ -263,304 +310,240 @@ impl Default for Metrics {
 }
 
 impl Metrics {
-    /// Creates and registers every metric.
+    /// Creates and registers every metric of a gateway that keeps its limits in memory.
     pub fn new() -> Self {
-        let mut registry = Registry::with_prefix("levee");
-        let requests = Family::<RequestLabels, Counter>::default();
-        registry.register(
-            "requests",
-            "Requests by tenant, model and outcome",
-            requests.clone(),
-        );
-        let admitted = Family::<TierLabel, Counter>::default();
-        registry.register(
-            "admitted",
-            "Requests dispatched to a backend",
-            admitted.clone(),
-        );
-        let rejected = Family::<ReasonLabels, Counter>::default();
-        registry.register("rejected", "Requests refused, by code", rejected.clone());
-        let degraded = Family::<ReasonLabels, Counter>::default();
-        registry.register(
-            "degraded",
-            "Requests served degraded, by measure",
-            degraded.clone(),
-        );
-        let shed = Family::<TierLabel, Counter>::default();
-        registry.register("shed", "Requests shed by degradation", shed.clone());
-        let queue_depth = Family::<TierLabel, Gauge>::default();
-        registry.register(
-            "queue_depth",
-            "Requests waiting per tier",
-            queue_depth.clone(),
-        );
-        let queue_wait = Family::<TierLabel, Histogram>::new_with_constructor(|| {
-            Histogram::new(latency_buckets())
-        });
-        registry.register(
-            "queue_wait_seconds",
-            "Time spent queued",
-            queue_wait.clone(),
-        );
-        let ttft = Family::<TierLabel, Histogram>::new_with_constructor(|| {
-            Histogram::new(latency_buckets())
-        });
-        registry.register(
-            "ttft_seconds",
-            "Time from dispatch to first response byte",
-            ttft.clone(),
-        );
-        let tokens = Family::<TenantKindLabels, Counter>::default();
-        registry.register("tokens", "LLM tokens by tenant and kind", tokens.clone());
-        let backend_in_flight = Family::<BackendLabel, Gauge>::default();
-        registry.register(
-            "backend_in_flight",
-            "Requests levee has outstanding at each backend",
-            backend_in_flight.clone(),
-        );
-        let backend_tokens_in_flight = Family::<BackendLabel, Gauge>::default();
-        registry.register(
-            "backend_tokens_in_flight",
-            "KV tokens (prompt estimate + completion budget) levee has reserved at each backend",
-            backend_tokens_in_flight.clone(),
-        );
-        let backend_kv_budget = Family::<BackendLabel, Gauge>::default();
-        registry.register(
-            "backend_kv_budget_tokens",
-            "KV-cache budget of each backend in tokens (configured or learned from the engine)",
-            backend_kv_budget.clone(),
-        );
-        let estimate_ratio = Family::<ModelLabel, Histogram>::new_with_constructor(|| {
-            Histogram::new([0.5, 0.75, 0.9, 0.95, 1.0, 1.05, 1.1, 1.25, 1.5, 2.0, 4.0])
-        });
-        registry.register(
-            "prompt_estimate_ratio",
-            "Prompt token estimate divided by the backend's own count",
-            estimate_ratio.clone(),
-        );
-        let backend_load = Family::<BackendLabel, Gauge<f64, AtomicU64>>::default();
-        registry.register(
-            "backend_load",
-            "Scraped running + waiting sequences per backend",
-            backend_load.clone(),
-        );
-        let backend_kv = Family::<BackendLabel, Gauge<f64, AtomicU64>>::default();
-        registry.register(
-            "backend_kv_usage",
-            "Scraped KV-cache usage per backend (0..1)",
-            backend_kv.clone(),
-        );
-        let backend_healthy = Family::<BackendLabel, Gauge>::default();
-        registry.register(
-            "backend_healthy",
-            "1 if the backend answers its metrics scrape",
-            backend_healthy.clone(),
-        );
-        let breaker_state = Family::<BackendLabel, Gauge>::default();
-        registry.register(
-            "breaker_state",
-            "Circuit breaker: 0 closed, 1 half-open, 2 open",
-            breaker_state.clone(),
-        );
-        let stream_cuts = Family::<BackendReasonLabels, Counter>::default();
-        registry.register(
-            "stream_cuts",
-            "Streams ended with an SSE error event, by backend and reason",
-            stream_cuts.clone(),
-        );
-        let limiter_remaining = Family::<TenantKindLabels, Gauge>::default();
-        registry.register(
-            "limiter_remaining",
-            "Remaining tenant quota (requests or tokens) at the last decision",
-            limiter_remaining.clone(),
-        );
-        let degrade_level = Gauge::default();
-        registry.register(
-            "degrade_level",
-            "Degradation level: 0 normal, 1 cap max_tokens, 2 fallback model, 3 shed",
-            degrade_level.clone(),
-        );
-        let in_flight = Gauge::default();
-        registry.register("in_flight", "Requests being proxied now", in_flight.clone());
-        let queued = Gauge::default();
-        registry.register(
-            "queued",
-            "Requests waiting in the queue now",
-            queued.clone(),
-        );
-        let model_tenant_histogram = || {
-            Family::<ModelTenantLabels, Histogram>::new_with_constructor(|| {
-                Histogram::new(latency_buckets())
-            })
-        };
-        let request_duration = model_tenant_histogram();
-        registry.register(
-            "request_duration_seconds",
-            "Arrival to last response byte of admitted requests, per model and tenant",
-            request_duration.clone(),
-        );
-        let request_ttft = model_tenant_histogram();
-        registry.register(
-            "request_ttft_seconds",
-            "Arrival to first response byte (queue included), per model and tenant",
-            request_ttft.clone(),
-        );
-        let request_queue = model_tenant_histogram();
-        registry.register(
-            "request_queue_seconds",
-            "Time queued before dispatch, per model and tenant",
-            request_queue.clone(),
-        );
-        let tasks_finished = Family::<StateLabel, Counter>::default();
-        registry.register(
-            "tasks_finished",
-            "Async tasks by final state",
-            tasks_finished.clone(),
-        );
-        let task_band = Family::<StateLabel, Gauge>::default();
-        registry.register(
-            "task_band",
-            "Async tasks waiting for the batch band, and placed in it",
-            task_band.clone(),
-        );
-        let task_callbacks = Family::<StateLabel, Counter>::default();
-        registry.register(
-            "task_callbacks",
-            "Task callback POSTs, delivered or failed",
-            task_callbacks.clone(),
-        );
-        let tasks_reclaimed = Counter::default();
-        registry.register(
-            "tasks_reclaimed",
-            "Async tasks claimed after another replica held them past the visibility timeout",
-            tasks_reclaimed.clone(),
-        );
-        let tenant_abandoned = Family::<AbandonLabels, Counter>::default();
-        registry.register(
-            "tenant_abandoned",
-            "Clients that left before their answer ended, by tenant and phase",
-            tenant_abandoned.clone(),
-        );
-        let breaker_trips = Family::<BackendLabel, Counter>::default();
-        registry.register(
-            "breaker_trips",
-            "Times a backend's circuit breaker opened",
-            breaker_trips.clone(),
-        );
-        let breaker_open_seconds = Family::<BackendLabel, Counter<f64, AtomicU64>>::default();
-        registry.register(
-            "breaker_open_seconds",
-            "Time a backend's circuit breaker spent open or half-open",
-            breaker_open_seconds.clone(),
-        );
-        let degrade_changes = Family::<LevelLabel, Counter>::default();
-        registry.register(
-            "degrade_level_changes",
-            "Changes of the degradation level, by level entered",
-            degrade_changes.clone(),
-        );
-        let recommended_replicas = Family::<ModelLabel, Gauge>::default();
-        registry.register(
-            "recommended_replicas",
-            "Backend replicas each model needs now (see the autoscaling section of the docs)",
-            recommended_replicas.clone(),
-        );
-        let offered_load = Family::<ModelLabel, Gauge<f64, AtomicU64>>::default();
-        registry.register(
-            "offered_load",
-            "Measured offered load per model, in busy backend slots (arrival rate over service rate)",
-            offered_load.clone(),
-        );
-        let lane_load = Family::<ModelLabel, Gauge>::default();
-        registry.register(
-            "lane_load",
-            "Load of each model's lane (requests in flight + queued): the watermarks apply to it, per model",
-            lane_load.clone(),
-        );
-        let watermark = Family::<MarkLabel, Gauge>::default();
-        registry.register(
-            "watermark",
-            "Configured queue watermarks over the load (queued + in flight)",
-            watermark.clone(),
-        );
-        let backend_max_in_flight = Family::<BackendLabel, Gauge>::default();
-        registry.register(
-            "backend_max_in_flight",
-            "Configured most requests levee sends to each backend at once",
-            backend_max_in_flight.clone(),
-        );
-        let state_shared = Gauge::default();
-        registry.register(
-            "state_shared",
-            "1 when limits are decided in the shared store, 0 on the local fallback",
-            state_shared.clone(),
-        );
-        let state_switches = Family::<SwitchLabel, Counter>::default();
-        registry.register(
-            "state_switches",
-            "Switches between shared (Redis) and local limit decisions",
-            state_switches.clone(),
-        );
-        let state_decisions = Family::<SourceLabel, Counter>::default();
-        registry.register(
-            "state_decisions",
-            "Shared-limit decisions by where they were made",
-            state_decisions.clone(),
-        );
-        let fleet_replicas = Gauge::default();
-        registry.register(
-            "fleet_replicas",
-            "Live gateway replicas seen in the shared store",
-            fleet_replicas.clone(),
-        );
+        let mut m = Self::unregistered();
+        let mut r = Registry::with_prefix("levee");
+        m.register_requests(&mut r);
+        m.register_histograms(&mut r);
+        m.register_backends(&mut r);
+        m.register_lanes(&mut r);
+        m.register_tasks(&mut r);
+        m.registry = r;
+        m
+    }
+
+    /// [`Metrics::new`] plus the shared-state series (`levee_state_*`,
+    /// `levee_fleet_replicas`), for `[state] backend = "redis"`.
+    pub fn with_shared_state() -> Self {
+        let mut m = Self::new();
+        let mut r = std::mem::take(&mut m.registry);
+        m.register_shared_state(&mut r);
+        m.registry = r;
+        m
+    }
+
+    fn unregistered() -> Self {
         Metrics {
-            state_shared,
-            state_switches,
-            state_decisions,
-            fleet_replicas,
-            registry,
-            watermark,
-            backend_max_in_flight,
-            request_duration,
-            request_ttft,
-            request_queue,
-            breaker_trips,
-            breaker_open_seconds,
-            degrade_changes,
-            recommended_replicas,
-            offered_load,
-            lane_load,
+            registry: Registry::default(),
+            requests: Family::default(),
+            admitted: Family::default(),
+            rejected: Family::default(),
+            degraded: Family::default(),
+            shed: Family::default(),
+            queue_depth: Family::default(),
+            queue_wait: histograms(long_histogram),
+            ttft: histograms(latency_histogram),
+            tokens: Family::default(),
+            backend_in_flight: Family::default(),
+            backend_tokens_in_flight: Family::default(),
+            backend_kv_budget: Family::default(),
+            estimate_ratio: histograms(ratio_histogram),
+            backend_load: Family::default(),
+            backend_kv: Family::default(),
+            backend_healthy: Family::default(),
+            breaker_state: Family::default(),
+            stream_cuts: Family::default(),
+            limiter_remaining_requests: Family::default(),
+            limiter_remaining_tokens: Family::default(),
+            degrade_level: Family::default(),
+            in_flight: Gauge::default(),
+            queued: Gauge::default(),
+            request_duration: histograms(long_histogram),
+            request_ttft: histograms(long_histogram),
+            request_queue: histograms(long_histogram),
+            tenant_abandoned: Family::default(),
+            breaker_trips: Family::default(),
+            breaker_open_seconds: Family::default(),
+            degrade_changes: Family::default(),
+            recommended_replicas: Family::default(),
+            offered_load: Family::default(),
+            watermark: Family::default(),
+            lane_load: Family::default(),
+            backend_max_in_flight: Family::default(),
+            state_shared: Gauge::default(),
+            state_switches: Family::default(),
+            state_decisions: Family::default(),
+            fleet_replicas: Gauge::default(),
+            tasks_finished: Family::default(),
+            task_band: Family::default(),
+            task_callbacks: Family::default(),
+            tasks_reclaimed: Counter::default(),
             tenant_series: RwLock::new(HashSet::new()),
             breaker_seen: Mutex::new(HashMap::new()),
-            last_degrade_level: AtomicI64::new(0),
-            requests,
-            admitted,
-            rejected,
-            degraded,
-            shed,
-            queue_depth,
-            queue_wait,
-            ttft,
-            tokens,
-            backend_in_flight,
-            backend_tokens_in_flight,
-            backend_kv_budget,
-            tenant_abandoned,
-            tasks_finished,
-            task_band,
-            task_callbacks,
-            tasks_reclaimed,
-            estimate_ratio,
-            backend_load,
-            backend_kv,
-            backend_healthy,
-            breaker_state,
-            stream_cuts,
-            limiter_remaining,
-            degrade_level,
-            in_flight,
-            queued,
+            last_degrade_level: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// Request counts, refusals, tokens and quotas.
+    fn register_requests(&self, r: &mut Registry) {
+        let requests = "Requests by tenant, model and outcome";
+        add(r, "requests", requests, &self.requests);
+        add(
+            r,
+            "admitted",
+            "Requests dispatched to a backend",
+            &self.admitted,
+        );
+        add(r, "rejected", "Requests refused, by code", &self.rejected);
+        let degraded = "Requests served degraded, by measure";
+        add(r, "degraded", degraded, &self.degraded);
+        add(r, "shed", "Requests shed by degradation", &self.shed);
+        add(r, "tokens", "LLM tokens by tenant and kind", &self.tokens);
+        let abandoned = "Clients that left before their answer ended, by tenant and phase";
+        add(r, "tenant_abandoned", abandoned, &self.tenant_abandoned);
+        let remaining = "Requests left in the tenant's quota at its last admission";
+        add(
+            r,
+            "limiter_remaining_requests",
+            remaining,
+            &self.limiter_remaining_requests,
+        );
+        let remaining = "Tokens left in the tenant's quota at its last admission";
+        add(
+            r,
+            "limiter_remaining_tokens",
+            remaining,
+            &self.limiter_remaining_tokens,
+        );
+        add(
+            r,
+            "in_flight",
+            "Requests being proxied now",
+            &self.in_flight,
+        );
+        add(
+            r,
+            "queued",
+            "Requests waiting in the queue now",
+            &self.queued,
+        );
+        add(
+            r,
+            "queue_depth",
+            "Requests waiting per tier",
+            &self.queue_depth,
+        );
+    }
+
+    /// The time histograms.
+    fn register_histograms(&self, r: &mut Registry) {
+        add(
+            r,
+            "queue_wait_seconds",
+            "Time spent queued",
+            &self.queue_wait,
+        );
+        let ttft = "Time from dispatch to first response byte";
+        add(r, "ttft_seconds", ttft, &self.ttft);
+        let duration = "Arrival to last response byte of admitted requests, per model and tenant";
+        add(
+            r,
+            "request_duration_seconds",
+            duration,
+            &self.request_duration,
+        );
+        let ttft = "Arrival to first response byte (queue included), per model and tenant";
+        add(r, "request_ttft_seconds", ttft, &self.request_ttft);
+        let queue = "Time queued before dispatch, per model and tenant";
+        add(r, "request_queue_seconds", queue, &self.request_queue);
+        let ratio = "Prompt token estimate divided by the backend's own count";
+        add(r, "prompt_estimate_ratio", ratio, &self.estimate_ratio);
+    }
+
+    /// Per-backend gauges and breaker counters.
+    fn register_backends(&self, r: &mut Registry) {
+        let help = "Requests levee has outstanding at each backend";
+        add(r, "backend_in_flight", help, &self.backend_in_flight);
+        let help =
+            "KV tokens (prompt estimate + completion budget) levee has reserved at each backend";
+        add(
+            r,
+            "backend_tokens_in_flight",
+            help,
+            &self.backend_tokens_in_flight,
+        );
+        let help =
+            "KV-cache budget of each backend in tokens (configured or learned from the engine)";
+        add(r, "backend_kv_budget_tokens", help, &self.backend_kv_budget);
+        let help = "Scraped running + waiting sequences per backend";
+        add(r, "backend_load", help, &self.backend_load);
+        let help = "Scraped KV-cache usage per backend (0..1)";
+        add(r, "backend_kv_usage_ratio", help, &self.backend_kv);
+        let help = "1 if the backend passes its health checks";
+        add(r, "backend_healthy", help, &self.backend_healthy);
+        let help = "Configured most requests levee sends to each backend at once";
+        add(
+            r,
+            "backend_max_in_flight",
+            help,
+            &self.backend_max_in_flight,
+        );
+        let help = "Circuit breaker: 0 closed, 1 half-open, 2 open";
+        add(r, "breaker_state", help, &self.breaker_state);
+        let help = "Times a backend's circuit breaker opened";
+        add(r, "breaker_trips", help, &self.breaker_trips);
+        let help = "Time a backend's circuit breaker spent open or half-open";
+        add(r, "breaker_open_seconds", help, &self.breaker_open_seconds);
+        let help = "Streams ended with an SSE error event, by backend and reason";
+        add(r, "stream_cuts", help, &self.stream_cuts);
+    }
+
+    /// Per-model lanes: load, watermarks, degradation, scaling.
+    fn register_lanes(&self, r: &mut Registry) {
+        let help = "Load of each model's lane (requests in flight + queued): the watermarks apply to it, per model";
+        add(r, "lane_load", help, &self.lane_load);
+        let help = "Configured queue watermarks over the load (queued + in flight)";
+        add(r, "watermark", help, &self.watermark);
+        let help =
+            "Degradation level per model: 0 normal, 1 cap max_tokens, 2 fallback model, 3 shed";
+        add(r, "degrade_level", help, &self.degrade_level);
+        let help = "Changes of the degradation level, by model and level entered";
+        add(r, "degrade_level_changes", help, &self.degrade_changes);
+        let help =
+            "Backend replicas each model needs now (see the autoscaling section of the docs)";
+        add(r, "recommended_replicas", help, &self.recommended_replicas);
+        let help = "Measured offered load per model, in busy backend slots (arrival rate over service rate)";
+        add(r, "offered_load", help, &self.offered_load);
+    }
+
+    /// Async tasks.
+    fn register_tasks(&self, r: &mut Registry) {
+        add(
+            r,
+            "tasks_finished",
+            "Async tasks by final state",
+            &self.tasks_finished,
+        );
+        let help = "Async tasks waiting for the batch band, and placed in it";
+        add(r, "task_band", help, &self.task_band);
+        let help = "Task callback POSTs, delivered or failed";
+        add(r, "task_callbacks", help, &self.task_callbacks);
+        let help =
+            "Async tasks claimed after another replica held them past the visibility timeout";
+        add(r, "tasks_reclaimed", help, &self.tasks_reclaimed);
+    }
+
+    /// The shared limit store (`[state] backend = "redis"`).
+    fn register_shared_state(&self, r: &mut Registry) {
+        let help = "1 when limits are decided in the shared store, 0 on the local fallback";
+        add(r, "state_shared", help, &self.state_shared);
+        let help = "Switches between shared (Redis) and local limit decisions";
+        add(r, "state_switches", help, &self.state_switches);
+        let help = "Shared-limit decisions by where they were made";
+        add(r, "state_decisions", help, &self.state_decisions);
+        let help = "Live gateway replicas seen in the shared store";
+        add(r, "fleet_replicas", help, &self.fleet_replicas);
     }
 
     /// Renders the text exposition.
@@ -572,11 +555,11 @@ impl Metrics {
         out
     }
 
-    /// Counts one finished request.
+    /// Counts one finished request (the tenant label bounded as in [`Metrics::tenant_label`]).
     pub fn request(&self, tenant: &str, model: &str, outcome: &str) {
         self.requests
             .get_or_create(&RequestLabels {
-                tenant: tenant.to_string(),
+                tenant: self.tenant_label(tenant),
                 model: model.to_string(),
                 outcome: outcome.to_string(),
             })
@@ -602,6 +585,27 @@ impl Metrics {
             })
             .inc();
     }
+
+    /// Sets a tenant's remaining quota gauges (those of its limits that are known). A
+    /// tenant past `observe.max_tenant_series` gets none: one `other` gauge written by many
+    /// tenants would mean nothing.
+    pub fn limiter_remaining(&self, tenant: &str, requests: Option<u64>, tokens: Option<u64>) {
+        if !self.tenant_series.read().contains(tenant) {
+            return;
+        }
+        let label = TenantLabel {
+            tenant: tenant.to_string(),
+        };
+        let as_i64 = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+        if let Some(v) = requests {
+            let g = self.limiter_remaining_requests.get_or_create(&label);
+            g.set(as_i64(v));
+        }
+        if let Some(v) = tokens {
+            let g = self.limiter_remaining_tokens.get_or_create(&label);
+            g.set(as_i64(v));
+        }
+    }
 }
 
 /// How one admitted request went, for the per-model, per-tenant metrics.
@@ -618,7 +622,7 @@ pub struct RequestTimes {
 }
 
 impl Metrics {
-    /// Sets which tenants get their own series in the per-tenant histograms: the first
+    /// Sets which tenants get their own series in the per-tenant metrics: the first
     /// `max` of `tenants` (config order). Called at start and on reload.
     pub fn set_tenant_series<'a>(&self, tenants: impl Iterator<Item = &'a str>, max: usize) {
         *self.tenant_series.write() = tenants.take(max).map(str::to_string).collect();
@@ -708,13 +712,22 @@ impl Metrics {
         }
     }
 
-    /// Sets the degradation level gauge and counts a change of level.
-    pub fn degrade_level(&self, level: u8) {
+    /// Sets a model's degradation level gauge and counts a change of its level.
+    pub fn degrade_level(&self, model: &str, level: u8) {
         let level = i64::from(level);
-        self.degrade_level.set(level);
-        if self.last_degrade_level.swap(level, Ordering::Relaxed) != level {
+        self.degrade_level
+            .get_or_create(&ModelLabel {
+                model: model.to_string(),
+            })
+            .set(level);
+        let before = self
+            .last_degrade_level
+            .lock()
+            .insert(model.to_string(), level);
+        if before.is_some_and(|b| b != level) || (before.is_none() && level != 0) {
             self.degrade_changes
-                .get_or_create(&LevelLabel {
+                .get_or_create(&ModelLevelLabels {
+                    model: model.to_string(),
                     level: level.to_string(),
                 })
                 .inc();
@@ -787,7 +800,7 @@ impl Metrics {
         let series = |kind: &str| {
             self.tokens
                 .get_or_create(&TenantKindLabels {
-                    tenant: tenant.into(),
+                    tenant: self.tenant_label(tenant),
                     kind: kind.into(),
                 })
                 .clone()
@@ -818,7 +831,7 @@ impl Metrics {
         let c = self
             .requests
             .get_or_create(&RequestLabels {
-                tenant: tenant.to_string(),
+                tenant: self.tenant_label(tenant),
                 model: model.to_string(),
                 outcome: outcome.to_string(),
             })
@@ -828,5 +841,109 @@ impl Metrics {
         if v.len() < 256 {
             v.push((model.into(), outcome, c));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Sample lines (not comments) of the exposition whose name starts with `name`.
+    fn samples(m: &Metrics, name: &str) -> Vec<String> {
+        m.encode()
+            .lines()
+            .filter(|l| !l.starts_with('#') && l.starts_with(name))
+            .map(str::to_string)
+            .collect()
+    }
+
+    #[test]
+    fn shared_state_series_exist_only_with_a_shared_store() {
+        let memory = Metrics::new();
+        let text = memory.encode();
+        assert!(!text.contains("levee_state_shared"), "{text}");
+        assert!(!text.contains("levee_fleet_replicas"), "{text}");
+        let redis = Metrics::with_shared_state();
+        redis.state_shared.set(1);
+        assert_eq!(
+            samples(&redis, "levee_state_shared"),
+            ["levee_state_shared 1"]
+        );
+    }
+
+    #[test]
+    fn tenant_counters_are_bounded_like_the_histograms() {
+        let m = Metrics::new();
+        m.set_tenant_series(["a", "b"].into_iter(), 1);
+        for t in ["a", "b", "c", "-"] {
+            m.request(t, "m", "ok");
+            let h = TenantMetrics::default();
+            m.request_for(&h, t, "m", "ok");
+            m.tokens_for(&h, t, 1, 2);
+            m.limiter_remaining(t, Some(5), Some(50));
+        }
+        let requests = samples(&m, "levee_requests_total");
+        assert!(requests.iter().any(|l| l.contains("tenant=\"a\"")));
+        assert!(requests
+            .iter()
+            .any(|l| l.contains("tenant=\"other\"") && l.ends_with(" 4")));
+        assert!(requests.iter().any(|l| l.contains("tenant=\"-\"")));
+        let all = m.encode();
+        for t in ["b", "c"] {
+            assert!(!all.contains(&format!("tenant=\"{t}\"")), "{all}");
+        }
+        let tokens = samples(&m, "levee_tokens_total");
+        assert!(tokens.iter().any(|l| l.contains("tenant=\"other\"")));
+        // Remaining quotas are kept only for tenants with their own series, one unit each.
+        assert_eq!(
+            samples(&m, "levee_limiter_remaining_requests"),
+            ["levee_limiter_remaining_requests{tenant=\"a\"} 5"]
+        );
+        assert_eq!(
+            samples(&m, "levee_limiter_remaining_tokens"),
+            ["levee_limiter_remaining_tokens{tenant=\"a\"} 50"]
+        );
+    }
+
+    #[test]
+    fn degradation_is_per_model_and_changes_are_counted() {
+        let m = Metrics::new();
+        m.degrade_level("a", 0);
+        m.degrade_level("b", 2);
+        m.degrade_level("b", 2);
+        m.degrade_level("b", 0);
+        let levels = samples(&m, "levee_degrade_level{");
+        assert!(levels.contains(&"levee_degrade_level{model=\"a\"} 0".to_string()));
+        assert!(levels.contains(&"levee_degrade_level{model=\"b\"} 0".to_string()));
+        let changes = samples(&m, "levee_degrade_level_changes_total");
+        assert_eq!(changes.len(), 2, "{changes:?}");
+        assert!(changes
+            .iter()
+            .all(|l| l.contains("model=\"b\"") && l.ends_with(" 1")));
+    }
+
+    #[test]
+    fn long_durations_have_buckets_up_to_30_minutes() {
+        let m = Metrics::new();
+        let labels = ModelTenantLabels {
+            model: "m".into(),
+            tenant: "-".into(),
+        };
+        m.request_duration.get_or_create(&labels).observe(1500.0);
+        m.request_queue.get_or_create(&labels).observe(500.0);
+        let duration = samples(&m, "levee_request_duration_seconds_bucket");
+        let bucket = |le: &str| {
+            duration
+                .iter()
+                .find(|l| l.contains(&format!("le=\"{le}\"")))
+                .cloned()
+                .unwrap()
+        };
+        assert!(bucket("1800.0").ends_with(" 1"), "{duration:?}");
+        assert!(bucket("1200.0").ends_with(" 0"), "1500 s is over 1200 s");
+        let queue = samples(&m, "levee_request_queue_seconds_bucket");
+        assert!(queue
+            .iter()
+            .any(|l| l.contains("le=\"600.0\"") && l.ends_with(" 1")));
     }
 }

@@ -15,7 +15,7 @@ use axum::body::Body;
 use axum::response::Response;
 use bytes::{Bytes, BytesMut};
 use http::{HeaderValue, StatusCode};
-use http_body_util::{BodyExt, Full};
+use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use serde::Deserialize;
 use std::time::Duration;
@@ -400,14 +400,22 @@ impl Drop for Settlement {
     }
 }
 
-/// Sends the request upstream and waits for the response head until `deadline`.
+/// Sends the request upstream and waits for the response head until `deadline`. `request`
+/// gives the headers passed on (request id, trace context).
 pub async fn send(
     client: &HttpClient,
     backend: &Backend,
     path: &str,
     body: Bytes,
     deadline: Instant,
+    request: Option<&crate::request_log::RequestId>,
 ) -> Result<http::Response<Incoming>, GatewayError> {
+    let client = backend.client(client);
+    let mut headers = crate::upstream::propagated_headers(request);
+    headers.insert(
+        http::header::CONTENT_TYPE,
+        http::HeaderValue::from_static("application/json"),
+    );
     let base = &backend.base;
     let uri = backend.uri(path).map_err(GatewayError::upstream)?;
     let started = Instant::now();
@@ -418,9 +426,8 @@ pub async fn send(
     let mut tries_left = 2;
     loop {
         tries_left -= 1;
-        let req = http::Request::post(uri.clone())
-            .header(http::header::CONTENT_TYPE, "application/json")
-            .body(Full::new(body.clone()))
+        let req = backend
+            .request(http::Method::POST, uri.clone(), body.clone(), &headers)
             .map_err(|e| GatewayError::upstream(format!("cannot build upstream request: {e}")))?;
         return match tokio::time::timeout_at(deadline, client.request(req)).await {
             Ok(Ok(resp)) => Ok(resp),

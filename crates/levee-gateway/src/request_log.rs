@@ -4,8 +4,10 @@
 //! when it sends a short, plain one (letters, digits, `-`, `_`, `.`; at most 64), otherwise
 //! one made here (a per-process random prefix and a sequence number). A sampled share of
 //! requests (`observe.request_log_sample`) is written to standard output as one JSON line
-//! each, when it ends: id, tenant, model, outcome, status, queue ms, TTFT ms, tokens and
-//! duration. API keys and bodies are never written (the line has no field for them).
+//! each, when it ends: time, id, tenant, tier, model, backend, client address, outcome,
+//! status, code, queue ms, TTFT ms, duration and tokens. Errors (a status of 500 and above,
+//! a failed or cut upstream answer) are always written, whatever the sample. API keys and
+//! bodies are never written (the line has no field for them).
 
 use http::HeaderValue;
 use serde::Serialize;
@@ -24,6 +26,12 @@ pub struct RequestId {
     pub seq: u64,
     /// The id as sent back.
     pub value: HeaderValue,
+    /// The client's W3C `traceparent`, passed on to the backend.
+    pub traceparent: Option<HeaderValue>,
+    /// The client's W3C `tracestate`, passed on with it.
+    pub tracestate: Option<HeaderValue>,
+    /// The client's address (the TCP peer).
+    pub peer: Option<std::net::SocketAddr>,
 }
 
 static SEQ: AtomicU64 = AtomicU64::new(0);
@@ -48,7 +56,7 @@ fn plain_id(v: &HeaderValue) -> bool {
 
 impl RequestId {
     /// The client's plain `x-request-id`, or a new one.
-    pub fn for_request(headers: &http::HeaderMap) -> RequestId {
+    pub fn for_request(headers: &http::HeaderMap, peer: Option<std::net::SocketAddr>) -> RequestId {
         let seq = SEQ.fetch_add(1, Ordering::Relaxed);
         let value = headers
             .get(REQUEST_ID_HEADER)
@@ -56,7 +64,17 @@ impl RequestId {
             .cloned()
             .or_else(|| HeaderValue::from_str(&format!("{:016x}-{seq:x}", process_prefix())).ok())
             .unwrap_or_else(|| HeaderValue::from_static("-"));
-        RequestId { seq, value }
+        let traceparent = headers.get("traceparent").cloned();
+        let tracestate = traceparent
+            .as_ref()
+            .and_then(|_| headers.get("tracestate").cloned());
+        RequestId {
+            seq,
+            value,
+            traceparent,
+            tracestate,
+            peer,
+        }
     }
 
     /// The id as text.
@@ -84,12 +102,20 @@ pub struct RequestLine<'a> {
     pub request_id: &'a str,
     /// Tenant name (`-` before authentication).
     pub tenant: &'a str,
+    /// The tenant's tier (`-` before authentication).
+    pub tier: &'a str,
     /// Model (`-` before the body was read).
     pub model: &'a str,
+    /// The backend that served it (`model@url`), if one did.
+    pub backend: Option<&'a str>,
+    /// The client's address.
+    pub client: Option<std::net::SocketAddr>,
     /// `ok`, `client_gone`, `upstream_5xx`, ... or the refusal code.
     pub outcome: &'a str,
     /// HTTP status sent to the client (0 when the client left first).
     pub status: u16,
+    /// The error code levee answered with (a refusal, a failure, a stream cut), if any.
+    pub code: Option<&'a str>,
     /// Time queued before dispatch.
     pub queue_ms: Option<f64>,
     /// Arrival to first response byte.
@@ -102,13 +128,40 @@ pub struct RequestLine<'a> {
     pub completion_tokens: Option<u64>,
 }
 
+/// A line as written: the time it was written first.
+#[derive(Serialize)]
+struct Stamped<'a, 'b> {
+    ts: String,
+    #[serde(flatten)]
+    line: &'b RequestLine<'a>,
+}
+
 impl RequestLine<'_> {
-    /// Writes the line to standard output if request `seq` is sampled at `rate`.
+    /// Whether the request failed on levee's or the backend's side: such lines are written
+    /// whatever the sample.
+    pub fn is_error(&self) -> bool {
+        self.status >= 500
+            || matches!(
+                self.outcome,
+                "upstream_error"
+                    | "upstream_5xx"
+                    | "stream_broken"
+                    | "stream_idle_timeout"
+                    | "stream_timeout"
+            )
+    }
+
+    /// Writes the line to standard output if request `seq` is sampled at `rate`, or if it
+    /// is an error.
     pub fn emit(&self, seq: u64, rate: f64) {
-        if !sampled(seq, rate) {
+        if !(sampled(seq, rate) || self.is_error()) {
             return;
         }
-        if let Ok(mut text) = serde_json::to_vec(self) {
+        let stamped = Stamped {
+            ts: humantime::format_rfc3339_millis(std::time::SystemTime::now()).to_string(),
+            line: self,
+        };
+        if let Ok(mut text) = serde_json::to_vec(&stamped) {
             text.push(b'\n');
             // One write of the whole line: lines from many tasks never interleave.
             let _ = std::io::stdout().lock().write_all(&text);
@@ -141,11 +194,11 @@ mod tests {
     fn ids_echo_plain_client_ids_only() {
         let mut h = http::HeaderMap::new();
         h.insert(REQUEST_ID_HEADER, HeaderValue::from_static("trace-42.a_b"));
-        assert_eq!(RequestId::for_request(&h).as_str(), "trace-42.a_b");
+        assert_eq!(RequestId::for_request(&h, None).as_str(), "trace-42.a_b");
         h.insert(REQUEST_ID_HEADER, HeaderValue::from_static("has space"));
-        let made = RequestId::for_request(&h);
+        let made = RequestId::for_request(&h, None);
         assert_ne!(made.as_str(), "has space");
-        let other = RequestId::for_request(&http::HeaderMap::new());
+        let other = RequestId::for_request(&http::HeaderMap::new(), None);
         assert_ne!(made.as_str(), other.as_str());
         assert!(other.seq > made.seq);
     }
@@ -155,9 +208,13 @@ mod tests {
         let line = RequestLine {
             request_id: "r1",
             tenant: "acme",
+            tier: "premium",
             model: "m",
+            backend: Some("m@http://10.0.0.7:8000"),
+            client: Some("10.0.3.7:51422".parse().unwrap()),
             outcome: "ok",
             status: 200,
+            code: None,
             queue_ms: Some(12.5),
             ttft_ms: Some(40.0),
             duration_ms: 90.0,
@@ -169,7 +226,49 @@ mod tests {
         let v: serde_json::Value = serde_json::from_str(&text).unwrap();
         assert_eq!(v["request_id"], "r1");
         assert_eq!(v["queue_ms"], 12.5);
+        assert_eq!(v["client"], "10.0.3.7:51422");
+        assert_eq!(v["backend"], "m@http://10.0.0.7:8000");
         let fields: Vec<_> = v.as_object().unwrap().keys().cloned().collect();
         assert!(fields.iter().all(|f| !f.contains("key")), "{fields:?}");
+        let stamped = serde_json::to_value(Stamped {
+            ts: "2026-01-01T00:00:00.000Z".into(),
+            line: &line,
+        })
+        .unwrap();
+        assert_eq!(stamped["ts"], "2026-01-01T00:00:00.000Z");
+        assert_eq!(stamped["tier"], "premium");
+    }
+
+    #[test]
+    fn errors_are_always_kept() {
+        let line = |outcome, status| RequestLine {
+            request_id: "r",
+            tenant: "t",
+            tier: "standard",
+            model: "m",
+            backend: None,
+            client: None,
+            outcome,
+            status,
+            code: None,
+            queue_ms: None,
+            ttft_ms: None,
+            duration_ms: 1.0,
+            prompt_tokens: None,
+            completion_tokens: None,
+        };
+        assert!(line("upstream_timeout", 504).is_error());
+        assert!(line("no_healthy_backend", 503).is_error());
+        assert!(line("upstream_5xx", 500).is_error());
+        assert!(
+            line("stream_broken", 200).is_error(),
+            "a cut stream began 200"
+        );
+        assert!(!line("ok", 200).is_error());
+        assert!(
+            !line("rate_limit_exceeded", 429).is_error(),
+            "a refusal is not an error"
+        );
+        assert!(!line("client_gone", 0).is_error());
     }
 }

@@ -47,10 +47,12 @@ async fn healthz() -> Response {
 }
 
 async fn readyz(State(gw): State<Arc<Gateway>>) -> Response {
+    // Ready means able to serve: overload is answered with 429s, never by leaving the
+    // Service; only a drain stops advertising.
     let (status, why) = if gw.is_draining() {
         (StatusCode::SERVICE_UNAVAILABLE, "draining")
-    } else if gw.at_hard_watermark() {
-        (StatusCode::SERVICE_UNAVAILABLE, "at_hard_watermark")
+    } else if gw.is_leaving() {
+        (StatusCode::SERVICE_UNAVAILABLE, "leaving")
     } else {
         (StatusCode::OK, "ready")
     };

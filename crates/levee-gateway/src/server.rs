@@ -75,6 +75,7 @@ impl GatewayHandle {
     pub async fn shutdown(self) {
         let grace = Duration::from_millis(self.gateway.config().server.shutdown_grace_ms);
         self.gateway.drain();
+        self.gateway.flush_queues();
         self.stop_accepting.cancel();
         let all = futures::future::join_all(self.tasks);
         if tokio::time::timeout(grace + Duration::from_millis(500), all)
@@ -90,6 +91,36 @@ impl GatewayHandle {
         }
         self.gateway.stop();
     }
+}
+
+/// Begins a drain in two steps, as a Kubernetes preStop hook needs them. At once the
+/// gateway stops advertising (`/readyz` answers 503, HTTP/1 answers close their connection
+/// so that clients reconnect to another replica) and keeps serving requests normally, for
+/// `server.drain_grace_ms`: the time endpoints take to drop the replica. Then it drains: new
+/// requests get 503 + Retry-After, queued and in-flight ones run to completion. Returns the
+/// grace. A second call changes nothing.
+pub fn begin_drain(gw: &Arc<Gateway>) -> Duration {
+    let grace = Duration::from_millis(gw.config().server.drain_grace_ms);
+    if !gw.leave() {
+        return grace;
+    }
+    tracing::info!(
+        grace_ms = grace.as_millis() as u64,
+        "drain: /readyz answers 503; serving until the grace has passed"
+    );
+    let gw = gw.clone();
+    let stopped = gw.stopped_token();
+    tokio::spawn(async move {
+        tokio::select! {
+            _ = stopped.cancelled() => return,
+            _ = tokio::time::sleep(grace) => {}
+        }
+        // Undone in the meantime: advertised again, nothing to drain.
+        if gw.is_leaving() {
+            gw.drain();
+        }
+    });
+    grace
 }
 
 /// Binds both listeners from `config.listen` (port 0 allowed) and starts serving.
@@ -227,6 +258,7 @@ async fn accept_loop(
             router.clone(),
             &server_cfg,
             graceful.watcher(),
+            gateway.clone(),
         );
     }
     drop(listener);
@@ -252,6 +284,7 @@ fn serve_connection(
     router: axum::Router,
     server_cfg: &crate::config::ServerConfig,
     watcher: hyper_util::server::graceful::Watcher,
+    gw: Arc<Gateway>,
 ) {
     let header_timeout = Duration::from_millis(server_cfg.header_read_timeout_ms);
     let max_header_bytes = server_cfg.max_header_bytes;
@@ -259,12 +292,22 @@ fn serve_connection(
     // service future for as long as it waits in the queue).
     let svc = hyper::service::service_fn(move |mut req: http::Request<Incoming>| {
         req.extensions_mut().insert(ConnectInfo(peer));
-        let id = RequestId::for_request(req.headers());
+        let id = RequestId::for_request(req.headers(), Some(peer));
         let echo = id.value.clone();
         req.extensions_mut().insert(id);
+        let http1 = req.version() < http::Version::HTTP_2;
+        let gw = gw.clone();
         router.clone().call(req).map(move |r| {
             r.map(|mut resp| {
                 resp.headers_mut().insert(REQUEST_ID_HEADER, echo);
+                // A replica on its way out closes kept-alive connections after each answer:
+                // the client's next request connects anew, to a ready replica.
+                if http1 && gw.is_leaving() {
+                    resp.headers_mut().insert(
+                        http::header::CONNECTION,
+                        http::HeaderValue::from_static("close"),
+                    );
+                }
                 resp
             })
         })

@@ -131,9 +131,10 @@ impl Gateway {
         for lane in self.lanes() {
             let slo = rt.models.get(&*lane.model).and_then(|m| m.ttft_slo);
             let signals = lane.signals(hard, slo, now);
-            top = top.max(self.observe_degradation(&lane.model, signals, now));
+            let level = self.observe_degradation(&lane.model, signals, now);
+            self.metrics().degrade_level(&lane.model, level);
+            top = top.max(level);
         }
-        self.metrics().degrade_level(top);
         top
     }
 

@@ -6,6 +6,7 @@ use crate::config::{BackendConfig, BackendKind, OutlierConfig};
 use bytes::Bytes;
 use http::{HeaderMap, StatusCode};
 use http_body_util::{BodyExt, Full};
+use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
@@ -18,20 +19,73 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-/// The pooled client every proxied request and scrape goes through. Keep-alive connections
-/// are what make the proxy cheap: a new TCP connect per request would cost more than the
-/// whole admission pipeline.
-pub type HttpClient = Client<HttpConnector, Full<Bytes>>;
+/// The pooled client every proxied request and scrape goes through, for `http://` and
+/// `https://` backends (TLS by rustls). Keep-alive connections are what make the proxy
+/// cheap: a new TCP connect per request would cost more than the whole admission pipeline.
+pub type HttpClient = Client<HttpsConnector<HttpConnector>, Full<Bytes>>;
 
 /// How long an idle upstream connection stays in the pool.
 const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(4);
 
-/// Builds the shared upstream client.
-pub fn build_client() -> HttpClient {
+/// Reads the certificates of a PEM file (a backend's `ca_file`).
+pub fn read_ca_file(
+    path: &std::path::Path,
+) -> Result<Vec<rustls::pki_types::CertificateDer<'static>>, String> {
+    use rustls::pki_types::pem::PemObject;
+    let certs: Vec<_> = rustls::pki_types::CertificateDer::pem_file_iter(path)
+        .map_err(|e| format!("cannot read {}: {e}", path.display()))?
+        .collect::<Result<_, _>>()
+        .map_err(|e| format!("{}: not a PEM certificate file: {e}", path.display()))?;
+    if certs.is_empty() {
+        return Err(format!("{}: no certificate in it", path.display()));
+    }
+    Ok(certs)
+}
+
+/// TLS settings: the public roots (Mozilla's, built in) and `extra` certificate authorities.
+fn tls_config(
+    extra: &[rustls::pki_types::CertificateDer<'static>],
+) -> Result<rustls::ClientConfig, String> {
+    let mut roots = rustls::RootCertStore {
+        roots: webpki_roots::TLS_SERVER_ROOTS.to_vec(),
+    };
+    for c in extra {
+        roots
+            .add(c.clone())
+            .map_err(|e| format!("a certificate authority is not usable: {e}"))?;
+    }
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    Ok(rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| format!("TLS settings: {e}"))?
+        .with_root_certificates(roots)
+        .with_no_client_auth())
+}
+
+/// Builds the shared upstream client (public roots only).
+pub fn build_client() -> Result<HttpClient, String> {
+    build_client_trusting(&[])
+}
+
+/// A client for `https://` backends whose certificates chain to the public roots or to
+/// `extra` (a private CA).
+fn build_client_trusting(
+    extra: &[rustls::pki_types::CertificateDer<'static>],
+) -> Result<HttpClient, String> {
+    tls_config(extra).map(client_with)
+}
+
+fn client_with(tls: rustls::ClientConfig) -> HttpClient {
     let mut conn = HttpConnector::new();
     conn.set_nodelay(true);
     conn.set_connect_timeout(Some(Duration::from_secs(2)));
     conn.set_keepalive(Some(Duration::from_secs(60)));
+    conn.enforce_http(false);
+    let conn = hyper_rustls::HttpsConnectorBuilder::new()
+        .with_tls_config(tls)
+        .https_or_http()
+        .enable_http1()
+        .wrap_connector(conn);
     Client::builder(TokioExecutor::new())
         // Below the 5 s after which llama-server (cpp-httplib) and uvicorn (vLLM) close an
         // idle keep-alive connection: a pooled connection the server has just closed fails
@@ -366,6 +420,57 @@ pub struct Backend {
     adaptive_cap: AtomicU32,
     /// `base` + each proxied path, parsed once (see [`Backend::uri`]).
     uris: [Option<http::Uri>; PROXIED_PATHS.len()],
+    /// Path of the active health check; empty: passive health only.
+    health_path: String,
+    /// Headers every request to it carries: its API key, its static headers.
+    fixed_headers: HeaderMap,
+    /// Its own client when it trusts a private CA (`ca_file`); else the shared one serves.
+    own_client: Option<HttpClient>,
+    /// What shaped the two fields above, to tell whether a reload changed them.
+    upstream_settings: (
+        Option<String>,
+        std::collections::BTreeMap<String, String>,
+        Option<std::path::PathBuf>,
+    ),
+}
+
+/// The headers of `cfg` sent on every request to the backend: `Authorization: Bearer` with
+/// the key from `api_key_env` (marked sensitive), then the static `headers`. Values that
+/// cannot be headers were refused when the config was checked; here they are skipped.
+fn fixed_headers(cfg: &BackendConfig) -> HeaderMap {
+    let mut h = HeaderMap::new();
+    for (name, value) in &cfg.headers {
+        if let (Ok(n), Ok(v)) = (
+            http::HeaderName::from_bytes(name.as_bytes()),
+            http::HeaderValue::from_str(value),
+        ) {
+            h.insert(n, v);
+        }
+    }
+    if let Some(var) = &cfg.api_key_env {
+        let key = std::env::var(var).unwrap_or_default();
+        if let Ok(mut v) = http::HeaderValue::from_str(&format!("Bearer {key}")) {
+            v.set_sensitive(true);
+            h.insert(http::header::AUTHORIZATION, v);
+        }
+    }
+    h
+}
+
+/// The request-scoped headers passed on to the backend: the request id levee answers with,
+/// and the W3C trace context the client sent.
+pub fn propagated_headers(request: Option<&crate::request_log::RequestId>) -> HeaderMap {
+    let mut h = HeaderMap::new();
+    if let Some(id) = request {
+        h.insert(crate::request_log::REQUEST_ID_HEADER, id.value.clone());
+        if let Some(tp) = &id.traceparent {
+            h.insert("traceparent", tp.clone());
+        }
+        if let Some(ts) = &id.tracestate {
+            h.insert("tracestate", ts.clone());
+        }
+    }
+    h
 }
 
 /// The paths requests are proxied to.
@@ -390,8 +495,26 @@ impl Backend {
         let base = cfg.url.trim_end_matches('/').to_string();
         let uris = PROXIED_PATHS.map(|p| format!("{base}{p}").parse().ok());
         let id = format!("{model}@{base}");
+        let own_client = cfg.ca_file.as_ref().and_then(|path| {
+            match read_ca_file(path).and_then(|cas| build_client_trusting(&cas)) {
+                Ok(c) => Some(c),
+                Err(e) => {
+                    // Checked with the config; the file changed since.
+                    tracing::error!(backend = %id, "ca_file: {e}; trusting the public roots only");
+                    None
+                }
+            }
+        });
         Backend {
             uris,
+            health_path: cfg.health_path.clone(),
+            fixed_headers: fixed_headers(cfg),
+            own_client,
+            upstream_settings: (
+                cfg.api_key_env.clone(),
+                cfg.headers.clone(),
+                cfg.ca_file.clone(),
+            ),
             key: Arc::from(id.as_str()),
             id,
             model: model.to_string(),
@@ -430,6 +553,9 @@ impl Backend {
             && self.kind == other.kind
             && self.upstream_model == other.upstream_model
             && self.adaptive.is_some() == other.adaptive.is_some()
+            && self.health_path == other.health_path
+            && self.upstream_settings == other.upstream_settings
+            && self.fixed_headers == other.fixed_headers
     }
 
     /// Takes the caps of a reloaded config (live state stays).
@@ -528,12 +654,43 @@ impl Backend {
             .map(|_| self.adaptive_cap.load(Ordering::Relaxed))
     }
 
-    /// Checks `/health` and reads `/metrics` once; updates load and health. Health is the
-    /// `/health` answer (vLLM and llama-server both serve it; a crashed or restarting engine
-    /// answers 503 there while its `/metrics` may still answer); metrics are best effort.
+    /// The client that reaches this backend: its own (a private CA), else `shared`.
+    pub fn client<'a>(&'a self, shared: &'a HttpClient) -> &'a HttpClient {
+        self.own_client.as_ref().unwrap_or(shared)
+    }
+
+    /// A request to this backend with its fixed headers (API key, static headers) and
+    /// `extra` (the propagated ones).
+    pub fn request(
+        &self,
+        method: http::Method,
+        uri: http::Uri,
+        body: Bytes,
+        extra: &HeaderMap,
+    ) -> Result<http::Request<Full<Bytes>>, http::Error> {
+        let mut req = http::Request::builder()
+            .method(method)
+            .uri(uri)
+            .body(Full::new(body))?;
+        let h = req.headers_mut();
+        for (k, v) in self.fixed_headers.iter().chain(extra.iter()) {
+            h.insert(k.clone(), v.clone());
+        }
+        Ok(req)
+    }
+
+    /// Checks the health path and reads `/metrics` once; updates load and health. Health is
+    /// the health path's answer (`/health`: vLLM and llama-server both serve it; a crashed or
+    /// restarting engine answers 503 there while its `/metrics` may still answer); metrics
+    /// are best effort. Without a health path (passive health only) the backend stays
+    /// healthy here and leaves routing only through its breaker and outlier ejection.
     pub async fn scrape(&self, client: &HttpClient, timeout: Duration, unhealthy_after: u32) {
-        let health = tokio::time::timeout(timeout, self.get(client, "/health")).await;
-        let ok = matches!(health, Ok(Ok(_)));
+        let ok = if self.health_path.is_empty() {
+            true
+        } else {
+            let health = tokio::time::timeout(timeout, self.get(client, &self.health_path)).await;
+            matches!(health, Ok(Ok(_)))
+        };
         if ok {
             let get = |path: &'static str| tokio::time::timeout(timeout, self.get(client, path));
             if let Ok(Ok(text)) = get("/metrics").await {
@@ -583,8 +740,8 @@ impl Backend {
 
     async fn get(&self, client: &HttpClient, path: &str) -> anyhow::Result<String> {
         let uri: http::Uri = format!("{}{path}", self.base).parse()?;
-        let req = http::Request::get(uri).body(Full::new(Bytes::new()))?;
-        let resp = client.request(req).await?;
+        let req = self.request(http::Method::GET, uri, Bytes::new(), &HeaderMap::new())?;
+        let resp = self.client(client).request(req).await?;
         if !resp.status().is_success() {
             anyhow::bail!("status {}", resp.status());
         }

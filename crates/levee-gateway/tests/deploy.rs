@@ -16,7 +16,7 @@ fn deploy(rel: &str) -> PathBuf {
 /// Every sample name `/metrics` can serve: from each `# TYPE` line, the family name with
 /// the suffixes its type gives its samples.
 fn exported() -> BTreeSet<String> {
-    let text = Metrics::new().encode();
+    let text = Metrics::with_shared_state().encode();
     let mut names = BTreeSet::new();
     for line in text.lines() {
         let Some(rest) = line.strip_prefix("# TYPE ") else {
@@ -105,4 +105,59 @@ fn kubernetes_config_is_valid() {
         "{keda}"
     );
     assert!(keda.contains(&format!("minReplicaCount: {}", cfg.autoscale.min_replicas)));
+    // The query sums the replicas' offered load and sizes it as levee does: slots per
+    // backend at the target utilization, plus the warm pool.
+    let b = &cfg.models[0].backends[0];
+    let query = format!(
+        "query: ceil(sum(levee_offered_load{{model=\"{}\"}}) / ({} * {})) + {}",
+        cfg.models[0].name,
+        b.max_in_flight,
+        cfg.autoscale.target_utilization,
+        cfg.autoscale.warm_pool
+    );
+    assert!(keda.contains(&query), "{query} in {keda}");
+    let hold = cfg.autoscale.scale_in_hold_ms / 1000;
+    assert!(keda.contains(&format!("stabilizationWindowSeconds: {hold}")));
+}
+
+#[test]
+fn minimal_config_is_one_tenant_one_model_one_backend_and_defaults() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../levee.minimal.toml");
+    let cfg = Config::load(&path).unwrap();
+    assert_eq!(cfg.tenants.len(), 1);
+    assert_eq!(cfg.models.len(), 1);
+    assert_eq!(cfg.models[0].backends.len(), 1);
+    // Everything else is the default: the file sets nothing more.
+    let defaults = Config {
+        tenants: cfg.tenants.clone(),
+        models: cfg.models.clone(),
+        ..Config::default()
+    };
+    assert_eq!(cfg, defaults);
+    // The key in the file's comments is the one its hash stands for.
+    let text = std::fs::read_to_string(&path).unwrap();
+    assert!(text.contains("Bearer sk-levee-minimal"));
+    assert_eq!(
+        cfg.tenants[0].key_sha256,
+        [levee_gateway::hash_key("sk-levee-minimal")]
+    );
+}
+
+#[test]
+fn compose_config_is_the_minimal_one_bound_for_a_container() {
+    let compose = Config::load(&deploy("compose/config/levee.toml")).unwrap();
+    let minimal =
+        Config::load(&Path::new(env!("CARGO_MANIFEST_DIR")).join("../../levee.minimal.toml"))
+            .unwrap();
+    assert!(compose.listen.public.ip().is_unspecified());
+    assert!(compose.listen.admin.ip().is_unspecified());
+    assert_eq!(compose.tenants, minimal.tenants);
+    assert_eq!(compose.models[0].name, minimal.models[0].name);
+    assert_eq!(compose.models[0].backends[0].url, "http://engine:8000");
+    let yaml = std::fs::read_to_string(deploy("compose/compose.yaml")).unwrap();
+    assert!(
+        yaml.contains("\"--model\", \"llama\""),
+        "the engine serves the model"
+    );
+    assert!(yaml.contains("./config:/etc/levee:ro"));
 }

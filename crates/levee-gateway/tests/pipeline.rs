@@ -142,9 +142,10 @@ async fn hard_watermark_refuses_fast() {
     assert!(r.headers().contains_key("retry-after"));
     assert!(r.headers().contains_key("retry-after-ms"));
     assert_eq!(error_json(r).await["error"]["code"], "capacity_overload");
-    // readyz says so too, so a load balancer routes elsewhere.
+    // Still ready: overload is answered with 429s, never by leaving the load balancer
+    // (replicas at their watermark together would all leave at once).
     let ready = c.get(format!("{base}/readyz")).send().await.unwrap();
-    assert_eq!(ready.status(), 503);
+    assert_eq!(ready.status(), 200);
     m.release(10);
     for h in held {
         assert_eq!(h.await.unwrap().status(), 200);
@@ -558,10 +559,41 @@ async fn disconnect_frees_queue_slot_and_backend_slot() {
 }
 
 #[tokio::test]
-async fn drain_answers_queued_with_503_and_lets_in_flight_finish() {
+async fn drain_first_stops_advertising_and_still_serves() {
+    let m = mock().await;
+    let mut cfg = config(&[m.url()], 1);
+    cfg.server.drain_grace_ms = 600_000;
+    let gw = start(cfg).await.unwrap();
+    let base = gw.public_url();
+    let c = client();
+    let r = c
+        .post(format!("{}/admin/drain", gw.admin_url()))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let answer: Value = r.json().await.unwrap();
+    assert_eq!(answer["grace_ms"], 600_000);
+    assert_eq!(answer["draining"], false);
+    let ready = c.get(format!("{base}/readyz")).send().await.unwrap();
+    assert_eq!(ready.status(), 503);
+    assert_eq!(ready.json::<Value>().await.unwrap()["status"], "leaving");
+    // During the grace, requests are served as before; each HTTP/1 answer closes its
+    // connection so the client reconnects to a replica still advertised.
+    let r = chat(&c, &base, "s", "during grace").await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["connection"], "close");
+    assert!(!gw.gateway().is_draining());
+    gw.shutdown().await;
+}
+
+#[tokio::test]
+async fn drain_refuses_new_requests_and_lets_queued_and_in_flight_finish() {
     let m = mock().await;
     m.hold(true);
-    let gw = start(config(&[m.url()], 1)).await.unwrap();
+    let mut cfg = config(&[m.url()], 1);
+    cfg.server.drain_grace_ms = 0;
+    let gw = start(cfg).await.unwrap();
     let base = gw.public_url();
     let c = client();
     let g = gw.gateway().clone();
@@ -575,9 +607,7 @@ async fn drain_answers_queued_with_503_and_lets_in_flight_finish() {
         .await
         .unwrap();
     assert_eq!(r.status(), 200);
-    let q = queued.await.unwrap();
-    assert_eq!(q.status(), 503);
-    assert!(q.headers().contains_key("retry-after"));
+    wait_until("draining after a grace of 0", || g.is_draining()).await;
     assert_eq!(
         c.get(format!("{base}/readyz"))
             .send()
@@ -586,11 +616,42 @@ async fn drain_answers_queued_with_503_and_lets_in_flight_finish() {
             .status(),
         503
     );
-    assert_eq!(chat(&c, &base, "s", "new").await.status(), 503);
+    let new = chat(&c, &base, "s", "new").await;
+    assert_eq!(new.status(), 503);
+    assert!(new.headers().contains_key("retry-after"));
+    assert_eq!(error_json(new).await["error"]["code"], "draining");
+    m.release(2);
+    assert_eq!(first.await.unwrap().status(), 200);
+    assert_eq!(
+        queued.await.unwrap().status(),
+        200,
+        "queued requests finish"
+    );
+    let tags: Vec<_> = m.received().iter().map(tag_of).collect();
+    assert_eq!(tags, vec!["first", "queued"]);
+    gw.shutdown().await;
+}
+
+#[tokio::test]
+async fn shutdown_answers_what_is_still_queued_with_503() {
+    let m = mock().await;
+    m.hold(true);
+    let gw = start(config(&[m.url()], 1)).await.unwrap();
+    let base = gw.public_url();
+    let c = client();
+    let g = gw.gateway().clone();
+    let first = spawn_chat(&c, &base, "s", "first");
+    wait_until("first at backend", || m.count() == 1).await;
+    let queued = spawn_chat(&c, &base, "s", "queued");
+    wait_until("queued", || g.queued() == 1).await;
+    let shutdown = tokio::spawn(gw.shutdown());
+    let q = queued.await.unwrap();
+    assert_eq!(q.status(), 503);
+    assert!(q.headers().contains_key("retry-after"));
     m.release(1);
     assert_eq!(first.await.unwrap().status(), 200);
+    shutdown.await.unwrap();
     assert_eq!(m.count(), 1);
-    gw.shutdown().await;
 }
 
 #[tokio::test]

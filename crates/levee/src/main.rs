@@ -23,8 +23,18 @@ static GLOBAL: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
     about = "Overload protection for LLM inference"
 )]
 struct Cli {
+    /// Log lines on standard error: `text` (coloured only on a terminal) or `json` (one
+    /// object per line, for a log collector).
+    #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
     #[command(subcommand)]
     command: Command,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
 }
 
 #[derive(Subcommand)]
@@ -96,12 +106,19 @@ fn main() -> ExitCode {
             }
         }
     } else {
+        use std::io::IsTerminal;
         use tracing_subscriber::layer::SubscriberExt;
         use tracing_subscriber::util::SubscriberInitExt;
         use tracing_subscriber::Layer;
-        let logs = tracing_subscriber::fmt::layer()
+        // Colours only for a person at a terminal: a log collector would store the escapes.
+        let text = tracing_subscriber::fmt::layer()
             .with_writer(std::io::stderr)
-            .with_filter(filter("info"));
+            .with_ansi(std::io::stderr().is_terminal());
+        let logs = match cli.log_format {
+            LogFormat::Text => text.boxed(),
+            LogFormat::Json => text.json().boxed(),
+        }
+        .with_filter(filter("info"));
         let registry = tracing_subscriber::registry().with(logs);
         #[cfg(feature = "otel")]
         {

@@ -8,7 +8,6 @@ use crate::error::{ErrorCode, GatewayError};
 use crate::gateway::Gateway;
 use crate::lane::Lane;
 use crate::lane::{rate_info, Admitted};
-use crate::metrics::TenantKindLabels;
 use crate::proxy::{self, Settlement, StreamLimits};
 use crate::runtime::{Runtime, Tenant};
 use crate::upstream::{advised_retry, Backend, Verdict};
@@ -123,6 +122,7 @@ async fn send_with_one_resend(
             path,
             upstream_body,
             sent_at + request_timeout,
+            c.request.as_ref(),
         ))
         .await;
         let verdict = match &sent {
@@ -233,20 +233,8 @@ fn static_rate_header(name: &str) -> Option<&'static str> {
 }
 
 fn record_limiter_gauges(gw: &Gateway, tenant: &str, r: &crate::error::RateInfo) {
-    for (kind, v) in [
-        ("requests", r.remaining_requests),
-        ("tokens", r.remaining_tokens),
-    ] {
-        if let Some(v) = v {
-            gw.metrics()
-                .limiter_remaining
-                .get_or_create(&TenantKindLabels {
-                    tenant: tenant.to_string(),
-                    kind: kind.into(),
-                })
-                .set(i64::try_from(v).unwrap_or(i64::MAX));
-        }
-    }
+    gw.metrics()
+        .limiter_remaining(tenant, r.remaining_requests, r.remaining_tokens);
 }
 
 /// Feeds a verdict to the backend's outlier ejection; an ejection holds the backend's breaker

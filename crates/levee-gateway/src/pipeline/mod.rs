@@ -340,7 +340,11 @@ fn account_error(gw: &Gateway, ctx: &RequestCtx, e: &GatewayError) {
     }
     gw.metrics().request(&ctx.tenant, &ctx.model, code);
     record_end(&ctx.span, code, e.status().as_u16());
-    if e.origin() == crate::error::Origin::Upstream {
+    // A refusal (429, 503) is counted in levee_rejected_total above, not logged: under a
+    // flood or an outage a line each would drown the log.
+    let refusal = status == http::StatusCode::TOO_MANY_REQUESTS
+        || status == http::StatusCode::SERVICE_UNAVAILABLE;
+    if e.origin() == crate::error::Origin::Upstream && !refusal {
         tracing::warn!(tenant = %ctx.tenant, model = %ctx.model, "{e}");
     } else {
         tracing::debug!(tenant = %ctx.tenant, model = %ctx.model, "{e}");
@@ -353,9 +357,13 @@ fn log_error(gw: &Gateway, ctx: &RequestCtx, e: &GatewayError) {
         RequestLine {
             request_id: id.as_str(),
             tenant: &ctx.tenant,
+            tier: &ctx.tier,
             model: &ctx.model,
+            backend: None,
+            client: id.peer,
             outcome: e.code().as_str(),
             status: e.status().as_u16(),
+            code: Some(e.code().as_str()),
             queue_ms: None,
             ttft_ms: None,
             duration_ms: ms(ctx.arrived.elapsed()),

@@ -147,9 +147,13 @@ impl RequestSettle {
             RequestLine {
                 request_id: id.as_str(),
                 tenant: &self.tenant.name,
+                tier: &self.tenant.tier,
                 model: &self.model,
+                backend: Some(&self.backend.id),
+                client: id.peer,
                 outcome: label,
                 status: outcome.status,
+                code: outcome.stream_cut,
                 queue_ms: Some(ms(times.queued)),
                 ttft_ms: times.ttft.map(ms),
                 duration_ms: ms(times.total),
