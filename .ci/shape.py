@@ -177,9 +177,15 @@ def duplicate_blocks(files):
         kept = []
         for no, line in enumerate(code.split("\n"), 1):
             s = shape(line)
-            # Lines of punctuation alone (closing braces, `} else {`) say nothing.
-            if re.search(r"[A-Za-z]", s.replace("else", "")):
-                kept.append((no, s))
+            # Lines of punctuation alone (closing braces, `} else {`) and attributes
+            # (`#[derive(..)]` on every type) say nothing.
+            if s.startswith("#") or not re.search(r"[A-Za-z]", s.replace("else", "")):
+                continue
+            # Declarations and data are not logic: a field of a type (`pub name: Type,`) or
+            # of a literal (`name: 5,`) is the same shape in every struct.
+            if re.fullmatch(r"(pub(\([^)]*\))?)?I:[^=]*,", s):
+                continue
+            kept.append((no, s))
         for i in range(len(kept) - DUP_LINES + 1):
             run = kept[i:i + DUP_LINES]
             # A list of one line shape (enum variants, struct fields) is a list, not logic.

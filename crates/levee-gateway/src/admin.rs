@@ -209,7 +209,7 @@ async fn drain(
     Extension(who): Extension<AdminCaller>,
 ) -> Json<serde_json::Value> {
     tracing::info!(who = %who.0, action = "drain", "admin: drain started");
-    let grace = crate::server::begin_drain(&gw);
+    let grace = gw.begin_drain();
     Json(serde_json::json!({
         "draining": gw.is_draining(),
         "ready": false,

@@ -589,7 +589,7 @@ impl BackendConfig {
             if !self.url.starts_with("https://") {
                 errs.push(format!("{bp}.ca_file: only for an https:// url"));
             }
-            if let Err(e) = crate::upstream::read_ca_file(path) {
+            if let Err(e) = read_ca_file(path) {
                 errs.push(format!("{bp}.ca_file: {e}"));
             }
         }
@@ -1337,6 +1337,21 @@ impl Config {
             self.queue.hard
         )
     }
+}
+
+/// Reads the certificates of a PEM file (a backend's `ca_file`).
+pub(crate) fn read_ca_file(
+    path: &std::path::Path,
+) -> Result<Vec<rustls::pki_types::CertificateDer<'static>>, String> {
+    use rustls::pki_types::pem::PemObject;
+    let certs: Vec<_> = rustls::pki_types::CertificateDer::pem_file_iter(path)
+        .map_err(|e| format!("cannot read {}: {e}", path.display()))?
+        .collect::<Result<_, _>>()
+        .map_err(|e| format!("{}: not a PEM certificate file: {e}", path.display()))?;
+    if certs.is_empty() {
+        return Err(format!("{}: no certificate in it", path.display()));
+    }
+    Ok(certs)
 }
 
 #[cfg(test)]

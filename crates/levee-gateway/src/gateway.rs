@@ -318,7 +318,7 @@ impl Gateway {
         self.draining.load(Ordering::Relaxed)
     }
 
-    /// Whether `/readyz` says 503 because a drain began (see [`crate::server::begin_drain`]).
+    /// Whether `/readyz` says 503 because a drain began (see [`Gateway::begin_drain`]).
     pub fn is_leaving(&self) -> bool {
         self.leaving.load(Ordering::Relaxed)
     }
@@ -336,6 +336,36 @@ impl Gateway {
         if !self.draining.swap(true, Ordering::SeqCst) {
             tracing::info!("draining: refusing new requests; queued and in-flight ones finish");
         }
+    }
+
+    /// Begins a drain in two steps, as a Kubernetes preStop hook needs them. At once the
+    /// gateway stops advertising (`/readyz` answers 503, HTTP/1 answers close their connection
+    /// so that clients reconnect to another replica) and keeps serving requests normally, for
+    /// `server.drain_grace_ms`: the time endpoints take to drop the replica. Then it drains: new
+    /// requests get 503 + Retry-After, queued and in-flight ones run to completion. Returns the
+    /// grace. A second call changes nothing.
+    pub fn begin_drain(self: &Arc<Self>) -> Duration {
+        let grace = Duration::from_millis(self.config().server.drain_grace_ms);
+        if !self.leave() {
+            return grace;
+        }
+        tracing::info!(
+            grace_ms = grace.as_millis() as u64,
+            "drain: /readyz answers 503; serving until the grace has passed"
+        );
+        let gw = self.clone();
+        let stopped = gw.stopped_token();
+        tokio::spawn(async move {
+            tokio::select! {
+                _ = stopped.cancelled() => return,
+                _ = tokio::time::sleep(grace) => {}
+            }
+            // Undone in the meantime: advertised again, nothing to drain.
+            if gw.is_leaving() {
+                gw.drain();
+            }
+        });
+        grace
     }
 
     /// Answers every queued request 503 + Retry-After (shutdown).

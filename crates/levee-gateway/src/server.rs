@@ -93,36 +93,6 @@ impl GatewayHandle {
     }
 }
 
-/// Begins a drain in two steps, as a Kubernetes preStop hook needs them. At once the
-/// gateway stops advertising (`/readyz` answers 503, HTTP/1 answers close their connection
-/// so that clients reconnect to another replica) and keeps serving requests normally, for
-/// `server.drain_grace_ms`: the time endpoints take to drop the replica. Then it drains: new
-/// requests get 503 + Retry-After, queued and in-flight ones run to completion. Returns the
-/// grace. A second call changes nothing.
-pub fn begin_drain(gw: &Arc<Gateway>) -> Duration {
-    let grace = Duration::from_millis(gw.config().server.drain_grace_ms);
-    if !gw.leave() {
-        return grace;
-    }
-    tracing::info!(
-        grace_ms = grace.as_millis() as u64,
-        "drain: /readyz answers 503; serving until the grace has passed"
-    );
-    let gw = gw.clone();
-    let stopped = gw.stopped_token();
-    tokio::spawn(async move {
-        tokio::select! {
-            _ = stopped.cancelled() => return,
-            _ = tokio::time::sleep(grace) => {}
-        }
-        // Undone in the meantime: advertised again, nothing to drain.
-        if gw.is_leaving() {
-            gw.drain();
-        }
-    });
-    grace
-}
-
 /// Binds both listeners from `config.listen` (port 0 allowed) and starts serving.
 pub async fn start(config: Config) -> anyhow::Result<GatewayHandle> {
     let errors = config.validate();

@@ -2,7 +2,7 @@
 //! ejection, and the scraper that reads each backend's Prometheus metrics (vLLM or
 //! llama.cpp names).
 
-use crate::config::{BackendConfig, BackendKind, OutlierConfig};
+use crate::config::{read_ca_file, BackendConfig, BackendKind, OutlierConfig};
 use bytes::Bytes;
 use http::{HeaderMap, StatusCode};
 use http_body_util::{BodyExt, Full};
@@ -26,21 +26,6 @@ pub type HttpClient = Client<HttpsConnector<HttpConnector>, Full<Bytes>>;
 
 /// How long an idle upstream connection stays in the pool.
 const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(4);
-
-/// Reads the certificates of a PEM file (a backend's `ca_file`).
-pub fn read_ca_file(
-    path: &std::path::Path,
-) -> Result<Vec<rustls::pki_types::CertificateDer<'static>>, String> {
-    use rustls::pki_types::pem::PemObject;
-    let certs: Vec<_> = rustls::pki_types::CertificateDer::pem_file_iter(path)
-        .map_err(|e| format!("cannot read {}: {e}", path.display()))?
-        .collect::<Result<_, _>>()
-        .map_err(|e| format!("{}: not a PEM certificate file: {e}", path.display()))?;
-    if certs.is_empty() {
-        return Err(format!("{}: no certificate in it", path.display()));
-    }
-    Ok(certs)
-}
 
 /// TLS settings: the public roots (Mozilla's, built in) and `extra` certificate authorities.
 fn tls_config(
