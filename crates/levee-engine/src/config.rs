@@ -1,5 +1,6 @@
 //! Engine configuration: the GPU model's parameters, named profiles, and validation.
 
+use crate::tokenizer::TokenizerKind;
 use serde::{Deserialize, Serialize};
 
 /// What the engine does when the running sequences need more KV cache than it has.
@@ -108,6 +109,15 @@ pub struct EngineConfig {
     pub output_tokens_min: u32,
     /// Longest natural completion length (tokens) before `max_tokens` caps it.
     pub output_tokens_max: u32,
+    /// How prompt tokens are counted: `"engine"` (default), the engine's own tokenizer
+    /// (`crate::tokenizer`), which levee does not reproduce; or `"levee-rule"`, levee's
+    /// fallback rule exactly, for tests that need levee and the engine to agree.
+    pub tokenizer: TokenizerKind,
+    /// How often the `/metrics` gauges (`vllm:num_requests_running`,
+    /// `vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc`) are refreshed, in simulated
+    /// seconds: between refreshes they show the value as of the last one, as a real
+    /// engine's gauges lag behind it. 0 = live (refreshed after every step). Default 2.
+    pub metrics_refresh_secs: f64,
     /// The GPU model.
     pub gpu: GpuParams,
 }
@@ -117,6 +127,10 @@ impl Default for EngineConfig {
         Self::small()
     }
 }
+
+/// Default of [`EngineConfig::metrics_refresh_secs`]: a real engine's gauges lag a few
+/// seconds (vLLM's logging interval is of that order).
+pub const DEFAULT_METRICS_REFRESH_SECS: f64 = 2.0;
 
 /// Names accepted by [`EngineConfig::profile`].
 pub const PROFILE_NAMES: &[&str] = &["small", "a100-7b", "tiny-fast", "zero"];
@@ -131,6 +145,8 @@ impl EngineConfig {
             time_scale: 1.0,
             output_tokens_min: 64,
             output_tokens_max: 256,
+            tokenizer: TokenizerKind::Engine,
+            metrics_refresh_secs: DEFAULT_METRICS_REFRESH_SECS,
             gpu: GpuParams {
                 kv_capacity_tokens: 16_384,
                 max_running_seqs: 64,
@@ -157,6 +173,8 @@ impl EngineConfig {
             time_scale: 1.0,
             output_tokens_min: 64,
             output_tokens_max: 512,
+            tokenizer: TokenizerKind::Engine,
+            metrics_refresh_secs: DEFAULT_METRICS_REFRESH_SECS,
             gpu: GpuParams {
                 kv_capacity_tokens: 110_000,
                 max_running_seqs: 256,
@@ -183,6 +201,8 @@ impl EngineConfig {
             time_scale: 1.0,
             output_tokens_min: 8,
             output_tokens_max: 16,
+            tokenizer: TokenizerKind::Engine,
+            metrics_refresh_secs: DEFAULT_METRICS_REFRESH_SECS,
             gpu: GpuParams {
                 kv_capacity_tokens: 2048,
                 max_running_seqs: 8,
@@ -209,6 +229,8 @@ impl EngineConfig {
             time_scale: 1.0,
             output_tokens_min: 16,
             output_tokens_max: 16,
+            tokenizer: TokenizerKind::Engine,
+            metrics_refresh_secs: DEFAULT_METRICS_REFRESH_SECS,
             gpu: GpuParams {
                 // The largest whole number of blocks in u32::MAX / 2.
                 kv_capacity_tokens: (u32::MAX / 2) / KV_BLOCK_SIZE * KV_BLOCK_SIZE,
@@ -275,6 +297,7 @@ impl EngineConfig {
             finite_non_negative(&format!("gpu.decode_ms_by_batch[{i}]"), ms)?;
         }
         finite_non_negative("gpu.restart_secs", g.restart_secs)?;
+        finite_non_negative("metrics_refresh_secs", self.metrics_refresh_secs)?;
         anyhow::ensure!(
             self.time_scale.is_finite() && self.time_scale > 0.0,
             "engine config: time_scale must be a finite number > 0, got {}",

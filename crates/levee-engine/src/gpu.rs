@@ -21,11 +21,13 @@
 //!    ([`GpuModel::end_step`]) every sequence still running emits one token, and those that
 //!    reached their length finish and free their KV.
 //!
-//! KV demand of a sequence is `prompt + generated` tokens (+1 reserved for the token in
-//! flight during a step). A cancelled sequence leaves the queue or batch and frees its KV at
+//! The KV cache is paged in blocks of [`KV_BLOCK_SIZE`] tokens, as vLLM's is: a sequence of
+//! `prompt + generated` tokens (+1 reserved for the token in flight during a step) holds
+//! `ceil(tokens / 16)` blocks, and every capacity decision (growth, admission, overflow) is
+//! taken on blocks. A cancelled sequence leaves the queue or batch and frees its blocks at
 //! once, even in the middle of a step.
 
-use crate::config::{GpuParams, OverloadMode};
+use crate::config::{GpuParams, OverloadMode, KV_BLOCK_SIZE};
 use serde::Serialize;
 use std::collections::{HashMap, VecDeque};
 use std::time::Duration;
@@ -147,7 +149,11 @@ pub struct GpuStats {
     pub running: usize,
     /// Sequences in the waiting queue (including preempted ones).
     pub waiting: usize,
-    /// KV tokens held by running sequences.
+    /// KV blocks held by running sequences.
+    pub kv_used_blocks: u64,
+    /// KV blocks in the cache.
+    pub kv_blocks: u64,
+    /// KV tokens held by running sequences, in whole blocks (`kv_used_blocks × 16`).
     pub kv_used_tokens: u64,
     /// KV capacity in tokens.
     pub kv_capacity_tokens: u64,
@@ -168,14 +174,19 @@ pub struct GpuStats {
 }
 
 impl GpuStats {
-    /// KV usage as a fraction of capacity, 0..=1 (vLLM's `kv_cache_usage_perc`).
+    /// KV usage as a fraction of the blocks, 0..=1 (vLLM's `kv_cache_usage_perc`).
     pub fn kv_usage(&self) -> f64 {
-        if self.kv_capacity_tokens == 0 {
+        if self.kv_blocks == 0 {
             0.0
         } else {
-            self.kv_used_tokens as f64 / self.kv_capacity_tokens as f64
+            self.kv_used_blocks as f64 / self.kv_blocks as f64
         }
     }
+}
+
+/// Blocks that hold `tokens` tokens.
+fn blocks(tokens: u32) -> u64 {
+    u64::from(tokens.div_ceil(KV_BLOCK_SIZE))
 }
 
 /// Continuous batching over a KV cache, driven step by step in simulated time.
@@ -190,7 +201,8 @@ pub struct GpuModel {
     stale_waiting: usize,
     /// Running sequences, oldest admitted first (preemption takes from the back).
     running: Vec<SeqId>,
-    kv_used: u64,
+    /// Blocks held by running sequences.
+    used_blocks: u64,
     health: Health,
     in_step: bool,
     crashes: u64,
@@ -211,7 +223,7 @@ impl GpuModel {
             waiting: VecDeque::new(),
             stale_waiting: 0,
             running: Vec::new(),
-            kv_used: 0,
+            used_blocks: 0,
             health: Health::Healthy,
             in_step: false,
             crashes: 0,
@@ -239,7 +251,9 @@ impl GpuModel {
         GpuStats {
             running: self.running.len(),
             waiting: self.waiting.len() - self.stale_waiting,
-            kv_used_tokens: self.kv_used,
+            kv_used_blocks: self.used_blocks,
+            kv_blocks: u64::from(self.params.kv_blocks()),
+            kv_used_tokens: self.used_blocks * u64::from(KV_BLOCK_SIZE),
             kv_capacity_tokens: u64::from(self.params.kv_capacity_tokens),
             crashes: self.crashes,
             preemptions: self.preemptions,
@@ -312,7 +326,7 @@ impl GpuModel {
         };
         if seq.kv > 0 {
             self.running.retain(|&r| r != id);
-            self.kv_used -= u64::from(seq.kv);
+            self.used_blocks -= blocks(seq.kv);
         } else {
             self.stale_waiting += 1;
         }
@@ -333,10 +347,14 @@ impl GpuModel {
                 return None;
             }
         }
-        // 1. Grow: every running sequence needs one more slot for this step's token.
-        let capacity = u64::from(self.params.kv_capacity_tokens);
+        // 1. Grow: every running sequence needs one more slot for this step's token, and a
+        // new block when its last one is full.
+        let capacity = u64::from(self.params.kv_blocks());
+        let seqs = &self.seqs;
+        let full = |id: &SeqId| seqs.get(id).is_some_and(|q| q.kv % KV_BLOCK_SIZE == 0);
+        let mut need = self.running.iter().filter(|id| full(id)).count() as u64;
         let mut preempted_now = false;
-        while self.kv_used + self.running.len() as u64 > capacity {
+        while self.used_blocks + need > capacity {
             match self.params.overload {
                 OverloadMode::Crash => {
                     self.crash(now, events);
@@ -347,7 +365,10 @@ impl GpuModel {
                         break;
                     };
                     if let Some(seq) = self.seqs.get_mut(&victim) {
-                        self.kv_used -= u64::from(seq.kv);
+                        if seq.kv % KV_BLOCK_SIZE == 0 {
+                            need -= 1;
+                        }
+                        self.used_blocks -= blocks(seq.kv);
                         seq.kv = 0;
                     }
                     self.waiting.push_front(victim);
@@ -360,9 +381,9 @@ impl GpuModel {
         for id in &self.running {
             if let Some(seq) = self.seqs.get_mut(id) {
                 seq.kv += 1;
-                self.kv_used += 1;
             }
         }
+        self.used_blocks += need;
         // 2. Admit, unless this step had to preempt (vLLM does the same: no new prefill
         // while the running batch does not fit).
         let mut prefill_tokens: u64 = 0;
@@ -382,8 +403,7 @@ impl GpuModel {
                 if prefill_tokens > 0 && prefill_tokens + u64::from(prefill) > budget {
                     break;
                 }
-                let need = u64::from(prefill) + 1;
-                if self.kv_used + need > capacity {
+                if self.used_blocks + blocks(prefill + 1) > capacity {
                     break;
                 }
                 self.waiting.pop_front();
@@ -392,7 +412,7 @@ impl GpuModel {
                 let tail = self.params.first_token_next_step;
                 seq.prefilling = tail;
                 seq.kv = if tail { prefill } else { prefill + 1 };
-                self.kv_used += u64::from(seq.kv);
+                self.used_blocks += blocks(seq.kv);
                 prefill_tokens += u64::from(prefill);
                 prompts += 1;
                 let first = !seq.admitted_before;
@@ -429,7 +449,7 @@ impl GpuModel {
             return;
         }
         self.in_step = false;
-        let mut finished_kv: u64 = 0;
+        let mut finished_blocks: u64 = 0;
         let seqs = &mut self.seqs;
         let mut completed = 0;
         self.running.retain(|id| {
@@ -454,7 +474,7 @@ impl GpuModel {
                 ttft,
             });
             if seq.generated >= seq.target {
-                finished_kv += u64::from(seq.kv);
+                finished_blocks += blocks(seq.kv);
                 events.push(Event::Finished {
                     id: *id,
                     generated: seq.generated,
@@ -467,7 +487,7 @@ impl GpuModel {
                 true
             }
         });
-        self.kv_used -= finished_kv;
+        self.used_blocks -= finished_blocks;
         self.completed += completed;
     }
 
@@ -494,7 +514,7 @@ impl GpuModel {
         self.stale_waiting = 0;
         self.failed += self.seqs.len() as u64;
         self.seqs.clear();
-        self.kv_used = 0;
+        self.used_blocks = 0;
         self.in_step = false;
     }
 }
@@ -506,7 +526,7 @@ mod tests {
 
     fn params() -> GpuParams {
         GpuParams {
-            kv_capacity_tokens: 1000,
+            kv_capacity_tokens: 1024,
             max_running_seqs: 4,
             max_batched_prefill_tokens: 10_000,
             max_model_len: 1000,
@@ -550,10 +570,11 @@ mod tests {
 
         fn check(&mut self) {
             let s = self.model.stats();
+            assert!(s.kv_used_blocks <= s.kv_blocks, "{s:?}");
             assert!(s.kv_used_tokens <= s.kv_capacity_tokens, "{s:?}");
             assert!(s.running <= self.model.params.max_running_seqs as usize);
-            let sum: u64 = self.model.seqs.values().map(|q| u64::from(q.kv)).sum();
-            assert_eq!(sum, s.kv_used_tokens, "KV accounting drifted");
+            let sum: u64 = self.model.seqs.values().map(|q| blocks(q.kv)).sum();
+            assert_eq!(sum, s.kv_used_blocks, "KV accounting drifted");
             assert_eq!(s.running + s.waiting, self.model.seqs.len());
             self.max_kv = self.max_kv.max(s.kv_used_tokens);
         }
@@ -797,7 +818,7 @@ mod tests {
         // The same engine in crash mode never crashes when concurrency is limited so that
         // sum(prompt + max output) fits: what a protecting gateway does.
         let mut p = params();
-        p.kv_capacity_tokens = 300;
+        p.kv_capacity_tokens = 320;
         p.max_model_len = 300;
         p.overload = OverloadMode::Crash;
         p.max_running_seqs = 2;
@@ -889,6 +910,78 @@ mod tests {
         let mut d = Driver::new(EngineConfig::zero().gpu);
         d.model.submit(1, 1000, 4, Duration::ZERO).unwrap();
         assert_eq!(d.step(), Some(Duration::ZERO));
+    }
+
+    #[test]
+    fn a_sequence_holds_whole_blocks() {
+        let mut d = Driver::new(params());
+        d.model.submit(1, 20, 14, Duration::ZERO).unwrap();
+        // Admitted with its prompt and first token: 21 tokens, 2 blocks.
+        d.step();
+        let s = d.model.stats();
+        assert_eq!(
+            (s.kv_used_blocks, s.kv_used_tokens, s.kv_blocks),
+            (2, 32, 64)
+        );
+        assert_eq!(s.kv_usage(), 2.0 / 64.0);
+        // 32 tokens still fit in 2 blocks; the 33rd takes a third.
+        for _ in 0..11 {
+            d.step();
+        }
+        assert_eq!(d.model.stats().kv_used_blocks, 2);
+        d.step();
+        assert_eq!(d.model.stats().kv_used_blocks, 3);
+        d.run_until_idle();
+        assert_eq!(d.model.stats().kv_used_blocks, 0);
+    }
+
+    #[test]
+    fn admission_is_decided_on_blocks() {
+        // 4 blocks (64 tokens). Three prompts of 17 tokens need 18 tokens each: 54 tokens
+        // would fit, but each needs 2 blocks, so only two are admitted.
+        let mut p = params();
+        p.kv_capacity_tokens = 64;
+        p.max_model_len = 64;
+        let mut d = Driver::new(p);
+        for id in 0..3 {
+            d.model.submit(id, 17, 3, Duration::ZERO).unwrap();
+        }
+        d.step();
+        let s = d.model.stats();
+        assert_eq!((s.running, s.waiting, s.kv_used_blocks), (2, 1, 4));
+        d.run_until_idle();
+        assert_eq!(d.model.stats().completed, 3);
+    }
+
+    #[test]
+    fn crash_mode_overflows_on_blocks_not_tokens() {
+        // 3 blocks (48 tokens). Two prompts of 15 tokens are admitted with 16 tokens each
+        // (one block each); the next step takes each to 17 tokens: 34 tokens would fit in
+        // 48, but two new blocks make 4 > 3.
+        let mut p = params();
+        p.kv_capacity_tokens = 48;
+        p.max_model_len = 48;
+        p.overload = OverloadMode::Crash;
+        let mut d = Driver::new(p);
+        for id in 0..2 {
+            d.model.submit(id, 15, 10, Duration::ZERO).unwrap();
+        }
+        d.step();
+        assert_eq!(d.model.stats().kv_used_blocks, 2);
+        assert_eq!(d.step(), None);
+        assert_eq!(d.model.stats().crashes, 1);
+        // In preempt mode the newest is evicted instead, and both finish.
+        let mut p = params();
+        p.kv_capacity_tokens = 48;
+        p.max_model_len = 48;
+        let mut d = Driver::new(p);
+        for id in 0..2 {
+            d.model.submit(id, 15, 10, Duration::ZERO).unwrap();
+        }
+        d.run_until_idle();
+        let s = d.model.stats();
+        assert!(s.preemptions >= 1, "{s:?}");
+        assert_eq!((s.completed, s.crashes), (2, 0));
     }
 
     #[derive(Debug, Clone)]

@@ -173,6 +173,16 @@ impl Metrics {
         Ok(out)
     }
 
+    /// Sets the gauges that describe the engine's state (running, waiting, KV usage).
+    pub fn set_gauges(&self, stats: &crate::scheduler::EngineStats) {
+        self.running
+            .set(i64::try_from(stats.running).unwrap_or(i64::MAX));
+        self.waiting
+            .set(i64::try_from(stats.waiting).unwrap_or(i64::MAX));
+        self.kv_usage.set(stats.kv_usage);
+        self.gpu_cache_usage.set(stats.kv_usage);
+    }
+
     /// Counts a request that failed for `reason`.
     pub fn fail(&self, reason: &'static str) {
         self.failed.get_or_create(&ReasonLabel { reason }).inc();

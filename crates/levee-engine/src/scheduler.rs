@@ -105,11 +105,15 @@ pub struct EngineStats {
     pub running: usize,
     /// Requests waiting in the engine's queue (including preempted ones).
     pub waiting: usize,
-    /// KV tokens in use.
+    /// KV blocks in use (of 16 tokens each).
+    pub kv_used_blocks: u64,
+    /// KV blocks in the cache.
+    pub kv_blocks: u64,
+    /// KV tokens in use, in whole blocks (`kv_used_blocks × 16`).
     pub kv_used_tokens: u64,
     /// KV capacity in tokens.
     pub kv_capacity_tokens: u64,
-    /// `kv_used_tokens / kv_capacity_tokens`, 0..=1.
+    /// `kv_used_blocks / kv_blocks`, 0..=1.
     pub kv_usage: f64,
     /// Crashes so far.
     pub crashes: u64,
@@ -157,6 +161,8 @@ impl EngineStats {
             sim_time_secs: now_secs,
             running: gpu.running,
             waiting: gpu.waiting,
+            kv_used_blocks: gpu.kv_used_blocks,
+            kv_blocks: gpu.kv_blocks,
             kv_used_tokens: gpu.kv_used_tokens,
             kv_capacity_tokens: gpu.kv_capacity_tokens,
             kv_usage: gpu.kv_usage(),
@@ -346,6 +352,28 @@ pub(crate) fn start(
         lag: LagStats::default(),
     };
     (shared, scheduler.run())
+}
+
+/// Copies the engine's state into the `/metrics` gauges every
+/// [`EngineConfig::metrics_refresh_secs`] (simulated), so that between refreshes they show
+/// the engine as it was at the last one. Ends when the engine stops. Not used when the
+/// interval is 0 (the scheduler then sets the gauges after every step).
+pub(crate) async fn refresh_gauges(shared: Arc<Shared>) {
+    let secs = shared.config.metrics_refresh_secs;
+    if secs <= 0.0 {
+        return;
+    }
+    let period = shared.clock.real(Duration::from_secs_f64(secs));
+    let mut tick = tokio::time::interval_at(Instant::now() + period, period);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let stats = shared.stats.borrow().clone();
+        if stats.state == EngineState::Stopped {
+            return;
+        }
+        shared.metrics.set_gauges(&stats);
+    }
 }
 
 struct Client {
@@ -556,12 +584,6 @@ impl Scheduler {
             }
         }
         let gpu = self.model.stats();
-        m.running
-            .set(i64::try_from(gpu.running).unwrap_or(i64::MAX));
-        m.waiting
-            .set(i64::try_from(gpu.waiting).unwrap_or(i64::MAX));
-        m.kv_usage.set(gpu.kv_usage());
-        m.gpu_cache_usage.set(gpu.kv_usage());
         let stats = EngineStats::new(
             &gpu,
             self.model.health(),
@@ -569,6 +591,9 @@ impl Scheduler {
             self.shared.clock.now(),
             &self.lag,
         );
+        if self.shared.config.metrics_refresh_secs <= 0.0 {
+            m.set_gauges(&stats);
+        }
         self.stats_tx.send_replace(stats);
     }
 

@@ -4,6 +4,7 @@ use crate::gpu::{FailReason, SubmitError};
 use crate::scheduler::{
     Command, EngineState, EngineStats, Faults, FaultsUpdate, SeqEvent, Shared, Submission,
 };
+use crate::tokenizer::Message;
 use crate::tokens;
 use axum::body::{Body, Bytes};
 use axum::extract::State;
@@ -23,6 +24,7 @@ pub(crate) fn router(shared: Arc<Shared>) -> Router {
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
+        .route("/tokenize", post(tokenize))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .route("/admin/state", get(admin_state))
@@ -103,15 +105,12 @@ struct StreamOptions {
 }
 
 #[derive(Debug, Deserialize)]
-struct ChatMessage {
-    #[serde(default)]
-    content: Option<Value>,
-}
-
-#[derive(Debug, Deserialize)]
 struct ChatRequest {
     model: String,
-    messages: Vec<ChatMessage>,
+    messages: Vec<serde_json::Map<String, Value>>,
+    /// Tool definitions: the template renders them into the prompt.
+    #[serde(default)]
+    tools: Option<Value>,
     #[serde(default)]
     max_completion_tokens: Option<u32>,
     #[serde(flatten)]
@@ -190,17 +189,18 @@ struct Generation {
     include_usage: bool,
 }
 
-/// The text of a chat message's content: a string, or the `text` of its parts.
-fn content_text(content: &Option<Value>) -> String {
-    match content {
-        Some(Value::String(s)) => s.clone(),
-        Some(Value::Array(parts)) => parts
-            .iter()
-            .filter_map(|p| p.get("text").and_then(Value::as_str))
-            .collect::<Vec<_>>()
-            .join("\n"),
-        _ => String::new(),
-    }
+/// The messages of a chat request as the template reads them.
+fn chat_messages(messages: Vec<serde_json::Map<String, Value>>) -> Vec<Message> {
+    messages
+        .into_iter()
+        .map(|m| Message::from_json(&Value::Object(m)))
+        .collect()
+}
+
+/// The completion seed of a chat: a hash of its messages' text.
+fn chat_seed(messages: &[Message]) -> u64 {
+    let texts: Vec<String> = messages.iter().map(Message::text).collect();
+    tokens::prompt_seed(&texts.join("\n"))
 }
 
 fn parse<T: serde::de::DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
@@ -230,13 +230,13 @@ async fn chat_completions(State(shared): State<Arc<Shared>>, body: Bytes) -> Res
     if let Err(e) = check_n(req.sampling.n) {
         return e.into_response();
     }
-    let texts: Vec<String> = req
-        .messages
-        .iter()
-        .map(|m| content_text(&m.content))
-        .collect();
-    let prompt_tokens = tokens::estimate_chat_prompt_tokens(texts.iter().map(String::as_str));
-    let seed = tokens::prompt_seed(&texts.join("\n"));
+    let messages = chat_messages(req.messages);
+    let prompt = shared
+        .config
+        .tokenizer
+        .render_chat(&messages, req.tools.as_ref(), true);
+    let prompt_tokens = u32::try_from(prompt.len()).unwrap_or(u32::MAX);
+    let seed = chat_seed(&messages);
     let max_tokens = req.max_completion_tokens.or(req.sampling.max_tokens);
     let generation =
         req.sampling
@@ -253,11 +253,13 @@ async fn completions(State(shared): State<Arc<Shared>>, body: Bytes) -> Response
         return e.into_response();
     }
     // A string, a one-string array, or a token-id array (counted as given).
+    let tokenizer = shared.config.tokenizer;
+    let count = |s: &str| u32::try_from(tokenizer.encode_prompt(s).len()).unwrap_or(u32::MAX);
     let (prompt_tokens, seed) = match &req.prompt {
-        Value::String(s) => (tokens::estimate_prompt_tokens(s), tokens::prompt_seed(s)),
+        Value::String(s) => (count(s), tokens::prompt_seed(s)),
         Value::Array(items) if items.len() == 1 && items[0].is_string() => {
             let s = items[0].as_str().unwrap_or_default();
-            (tokens::estimate_prompt_tokens(s), tokens::prompt_seed(s))
+            (count(s), tokens::prompt_seed(s))
         }
         Value::Array(items) if !items.is_empty() && items.iter().all(Value::is_u64) => {
             let text = items
@@ -320,16 +322,7 @@ async fn generate(shared: Arc<Shared>, g: Generation) -> Response {
     let arrived = shared.clock.now();
     let cfg = &shared.config;
     if g.model != cfg.model {
-        return ApiError {
-            status: StatusCode::NOT_FOUND,
-            kind: "invalid_request_error",
-            code: "model_not_found",
-            message: format!(
-                "the model `{}` does not exist; this engine serves `{}`",
-                g.model, cfg.model
-            ),
-        }
-        .into_response();
+        return model_not_found(&g.model, &cfg.model);
     }
     let max_model_len = cfg.gpu.max_model_len;
     let max_tokens = match g.max_tokens {
@@ -725,9 +718,73 @@ async fn not_found(uri: axum::http::Uri) -> Response {
         code: "not_found",
         message: format!(
             "no route {}: the engine serves /v1/chat/completions, /v1/completions, \
-             /v1/models, /health, /metrics and /admin/*",
+             /v1/models, /tokenize, /health, /metrics and /admin/*",
             uri.path()
         ),
+    }
+    .into_response()
+}
+
+/// The body of `POST /tokenize`, in vLLM's shape: a plain `prompt`, or chat `messages`
+/// (with optional `tools`) rendered through the template.
+#[derive(Debug, Deserialize)]
+struct TokenizeRequest {
+    #[serde(default)]
+    model: Option<String>,
+    #[serde(default)]
+    prompt: Option<String>,
+    #[serde(default)]
+    messages: Option<Vec<serde_json::Map<String, Value>>>,
+    #[serde(default)]
+    tools: Option<Value>,
+    /// Whether the reply header ends the rendered chat (vLLM's default: true).
+    #[serde(default)]
+    add_generation_prompt: Option<bool>,
+}
+
+/// `POST /tokenize`: the prompt's token ids as this engine counts them, so a gateway can ask
+/// for exact counts. `{"count", "max_model_len", "tokens"}`.
+async fn tokenize(State(shared): State<Arc<Shared>>, body: Bytes) -> Response {
+    let req: TokenizeRequest = match parse(&body) {
+        Ok(r) => r,
+        Err(e) => return e.into_response(),
+    };
+    let cfg = &shared.config;
+    if let Some(model) = req.model.as_deref().filter(|m| *m != cfg.model) {
+        return model_not_found(model, &cfg.model);
+    }
+    if shared.stats.borrow().state == EngineState::Crashed {
+        return ApiError::unavailable().into_response();
+    }
+    let ids = match (req.prompt, req.messages) {
+        (Some(prompt), None) => cfg.tokenizer.encode_prompt(&prompt),
+        (None, Some(messages)) => cfg.tokenizer.render_chat(
+            &chat_messages(messages),
+            req.tools.as_ref(),
+            req.add_generation_prompt.unwrap_or(true),
+        ),
+        _ => {
+            return ApiError::bad_request(
+                "invalid_request",
+                "send either `prompt` (a string) or `messages` (a chat), not both",
+            )
+            .into_response()
+        }
+    };
+    Json(json!({
+        "count": ids.len(),
+        "max_model_len": cfg.gpu.max_model_len,
+        "tokens": ids,
+    }))
+    .into_response()
+}
+
+fn model_not_found(asked: &str, served: &str) -> Response {
+    ApiError {
+        status: StatusCode::NOT_FOUND,
+        kind: "invalid_request_error",
+        code: "model_not_found",
+        message: format!("the model `{asked}` does not exist; this engine serves `{served}`"),
     }
     .into_response()
 }
