@@ -31,16 +31,18 @@
 //! - KV capacity and `max_model_len`: what the server reports (`/props` for llama.cpp,
 //!   `/v1/models` and `vllm:cache_config_info` for vLLM), else a default.
 //!
-//! Token counts are in the simulated engine's units (`ceil(chars / 4)` per message, see
-//! [`levee_engine::estimate_chat_prompt_tokens`]): the profile exists to make the simulator
-//! reproduce the server's timing for the same request text.
+//! Token counts are in the simulated engine's units (its own tokenizer and chat template,
+//! [`levee_engine::tokenizer`]; the prompts are English prose): the profile exists to make
+//! the simulator reproduce the server's timing for the same request text, whatever the
+//! server's own tokenizer.
 
 use crate::exchange::{attempt, http_client, HttpClient};
 use crate::recorder::Kind;
+use crate::text::{self, TextKind};
 use anyhow::Context as _;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full, Limited};
-use levee_engine::{EngineConfig, KV_BLOCK_SIZE};
+use levee_engine::{tokenizer, EngineConfig, KV_BLOCK_SIZE};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
@@ -549,22 +551,15 @@ fn quantile(values: &mut [f64], q: f64) -> f64 {
     values[rank.clamp(1, values.len()) - 1]
 }
 
-/// Words the prompts are made of: common, so any tokenizer splits them into few tokens.
-const WORDS: &[&str] = &[
-    "river", "water", "stone", "bank", "field", "storm", "rain", "cloud", "wind", "town", "road",
-    "bridge", "light", "night", "morning", "summer", "winter", "green", "blue", "small", "large",
-    "quick", "slow", "old", "new", "house", "door", "window", "garden", "tree", "leaf", "bird",
-    "song", "story", "letter", "paper", "table", "chair", "market", "bread", "apple", "salt",
-    "ship", "harbor", "island", "mountain", "valley", "forest", "path", "fire", "iron", "gold",
-    "silver", "clock", "hour", "minute", "number", "question", "answer", "reason", "friend",
-    "family", "child", "teacher",
-];
-
 /// Makes unique prompts of a given length (simulated-engine tokens).
 struct PromptMaker {
     rng: std::sync::Mutex<SmallRng>,
     next_id: std::sync::atomic::AtomicU64,
 }
+
+/// Template tokens of a one-message chat in the simulated engine.
+const CHAT_TEMPLATE_TOKENS: u32 =
+    tokenizer::CHAT_TOKENS_PER_PROMPT + tokenizer::CHAT_TOKENS_PER_MESSAGE;
 
 impl PromptMaker {
     fn new(seed: u64) -> Self {
@@ -574,29 +569,31 @@ impl PromptMaker {
         }
     }
 
-    /// Text of exactly `chars` characters: a unique id, then random words.
-    fn text(&self, chars: usize) -> String {
+    /// Text of exactly `tokens` simulated-engine tokens (at least the id's): a unique id,
+    /// then English prose.
+    fn text(&self, tokens: u32) -> String {
         let id = self
             .next_id
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let mut out = format!("Request {id}: tell a story about");
-        let mut rng = match self.rng.lock() {
-            Ok(g) => g,
-            Err(poisoned) => poisoned.into_inner(),
+        // The id line ends in a newline, which merges with nothing after it.
+        let mut out = format!("Request {id}:\n");
+        let seed = match self.rng.lock() {
+            Ok(mut g) => g.gen(),
+            Err(poisoned) => poisoned.into_inner().gen(),
         };
-        while out.len() < chars {
-            out.push(' ');
-            out.push_str(WORDS[rng.gen_range(0..WORDS.len())]);
-        }
-        out.truncate(chars);
+        let rest = tokens.saturating_sub(tokenizer::count_text(&out));
+        text::write(
+            TextKind::English,
+            rest,
+            &mut SmallRng::seed_from_u64(seed),
+            &mut out,
+        );
         out
     }
 
     /// A streaming chat body whose prompt is `prompt_tokens` simulated-engine tokens.
     fn body(&self, model: &str, prompt_tokens: u32, output_tokens: u32) -> String {
-        // One user message costs 2 + 4 + ceil(chars / 4) tokens.
-        let chars = 4 * prompt_tokens.saturating_sub(6).max(8) as usize;
-        let content = self.text(chars);
+        let content = self.text(prompt_tokens.saturating_sub(CHAT_TEMPLATE_TOKENS).max(8));
         serde_json::json!({
             "model": model,
             "messages": [{"role": "user", "content": content}],
@@ -840,7 +837,7 @@ fn profile_toml(profile: &EngineConfig, sweep: &Sweep, command: &str) -> anyhow:
         "# Engine profile fitted by `levee sim calibrate` against {} (model {}).\n\
          # Written by: {command}\n\
          # Load it with `levee engine --profile-file FILE`. Token counts are the simulated\n\
-         # engine's (ceil(chars / 4) per message), so the same request text takes the same time.\n\
+         # engine's (its own tokenizer), so the same request text takes the same time.\n\
          {body}",
         sweep.target, sweep.model
     ))
@@ -1164,7 +1161,13 @@ mod tests {
         );
         assert_ne!(ta, tb);
         assert_ne!(ta[..12], tb[..12], "the id comes first: no shared prefix");
-        let tokens = levee_engine::estimate_chat_prompt_tokens([ta]);
+        let tokens = levee_engine::TokenizerKind::Engine
+            .render_chat(
+                &[tokenizer::Message::from_json(&a["messages"][0])],
+                None,
+                true,
+            )
+            .len();
         assert_eq!(tokens, 64);
         assert_eq!(a["ignore_eos"], true);
         assert_eq!(a["max_tokens"], 8);

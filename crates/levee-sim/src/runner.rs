@@ -11,6 +11,7 @@ use crate::recorder::{Kind, Record, Recorder, ReportHeader, TaskOutcome};
 use crate::report::{FaultRecord, MetricSeries, Report};
 use crate::scenario::{Behaviour, Scenario};
 use crate::scrape;
+use crate::text::{self, TextKind, TextMix};
 use anyhow::Context;
 use bytes::Bytes;
 use http::header::{HeaderValue, AUTHORIZATION, CONTENT_TYPE};
@@ -108,16 +109,15 @@ struct Ctx {
     start: Instant,
     /// One `Authorization` header per tenant, built once.
     auth: Vec<HeaderValue>,
-    /// Body before the prompt, per class: `{"model":...,"messages":[{"role":"user","content":"`.
+    /// Body before the messages, per class: `{"model":...,"messages":[`.
     body_head: Vec<Vec<u8>>,
+    /// What each `(tenant, class)` writes its prompts in: `texts[tenant][class]`.
+    texts: Vec<Vec<TextMix>>,
     stream: Vec<bool>,
     /// Each class's client behaviour (its own, or the scenario's).
     behaviours: Vec<Behaviour>,
     /// The target's base URL (async clients' `/v1/tasks`).
     base: String,
-    /// "tok tok tok …": one token per word and per four characters, whichever rule the
-    /// server uses to count.
-    filler: String,
     timeout: Duration,
     max_attempts: u32,
     policy: RetryPolicy,
@@ -145,32 +145,39 @@ struct Req {
     session_seed: u64,
 }
 
-const FILLER_TOKENS: usize = 32 * 1024;
+/// Mixed into a request's seed for its prompt text.
+const TEXT_SEED: u64 = 0x7465_7874;
 
 fn ns_since(start: Instant) -> u64 {
     u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX)
 }
 
 impl Ctx {
+    /// The prompt of `req`: `prompt_tokens` tokens (as the simulated engine counts them)
+    /// of its tenant's or class's text, seeded by the request.
+    fn prompt(&self, req: &Req) -> String {
+        let mut rng = SmallRng::seed_from_u64(req.session_seed ^ TEXT_SEED);
+        let kind = self
+            .texts
+            .get(usize::from(req.tenant))
+            .and_then(|t| t.get(usize::from(req.class)))
+            .map_or(TextKind::English, |mix| mix.draw(&mut rng));
+        text::generate(kind, req.prompt_tokens, &mut rng)
+    }
+
     fn body(&self, req: &Req) -> Bytes {
         let class = usize::from(req.class);
         let head = self.body_head.get(class).map_or(&[][..], |h| &h[..]);
-        let n = req.prompt_tokens as usize;
-        let mut out = Vec::with_capacity(head.len() + n * 4 + 128);
+        let prompt = self.prompt(req);
+        let mut out = Vec::with_capacity(head.len() + prompt.len() + 160);
         out.extend_from_slice(head);
-        let mut left = n;
-        while left > 0 {
-            let take = left.min(FILLER_TOKENS);
-            out.extend_from_slice(&self.filler.as_bytes()[..take * 4 - 1]);
-            left -= take;
-            if left > 0 {
-                out.push(b' ');
-            }
-        }
+        out.extend_from_slice(b"{\"role\":\"user\",\"content\":");
+        // Writing a string into a Vec cannot fail.
+        let _ = serde_json::to_writer(&mut out, &prompt);
         // An async client's task is never streamed.
         let stream = self.stream.get(class).copied().unwrap_or(false)
             && self.behaviours.get(class) != Some(&Behaviour::Async);
-        out.extend_from_slice(b"\"}],\"max_tokens\":");
+        out.extend_from_slice(b"}],\"max_tokens\":");
         out.extend_from_slice(req.max_tokens.to_string().as_bytes());
         if stream {
             out.extend_from_slice(b",\"stream\":true,\"stream_options\":{\"include_usage\":true}}");
@@ -435,7 +442,7 @@ fn build_ctx(
             .context("cannot serialise the request body")?;
         // Reopen the object to append the messages and the per-request fields.
         text.pop();
-        text.push_str(",\"messages\":[{\"role\":\"user\",\"content\":\"");
+        text.push_str(",\"messages\":[");
         body_head.push(text.into_bytes());
     }
     let c = &scenario.client;
@@ -468,7 +475,22 @@ fn build_ctx(
             .map(|c| c.behaviour.unwrap_or(c_behaviour))
             .collect(),
         base: base.to_string(),
-        filler: "tok ".repeat(FILLER_TOKENS),
+        texts: scenario
+            .tenants
+            .iter()
+            .map(|t| {
+                scenario
+                    .classes
+                    .iter()
+                    .map(|c| {
+                        t.text
+                            .clone()
+                            .or_else(|| c.text.clone())
+                            .unwrap_or_else(|| TextMix::one(TextKind::English))
+                    })
+                    .collect()
+            })
+            .collect(),
         timeout: Duration::from_secs_f64(c.timeout_s),
         max_attempts: c.max_attempts,
         policy,
@@ -508,8 +530,10 @@ async fn run_request(ctx: Arc<Ctx>, req: Req, permit: Option<OwnedSemaphorePermi
     }
 }
 
-/// Tokens a one-message chat costs beyond its content (4 for the message, 2 for the prompt).
-const CHAT_FORMAT_TOKENS: u32 = 6;
+/// Tokens a one-message chat costs beyond its content in the simulated engine's chat
+/// template (per message and per prompt).
+const CHAT_FORMAT_TOKENS: u32 = levee_engine::tokenizer::CHAT_TOKENS_PER_MESSAGE
+    + levee_engine::tokenizer::CHAT_TOKENS_PER_PROMPT;
 
 /// A session's next turn: after a think time, with the history (previous prompt and answer)
 /// plus a new question as its prompt. Turns that would start after the run ends are dropped
@@ -530,8 +554,7 @@ fn schedule_next_turn(ctx: &Arc<Ctx>, req: &Req, done_ns: u64, tokens: u32) {
         .saturating_add(question);
     if let Some(window) = ctx.scenario.sessions.context_tokens {
         // Drop the oldest history (never the new question) until prompt + answer fit, less
-        // the chat format's own tokens (4 per message and 2 per prompt, as OpenAI counts
-        // them: the history is sent as one message).
+        // the chat template's own tokens (the history is sent as one message).
         let room = window
             .saturating_sub(max_tokens)
             .saturating_sub(CHAT_FORMAT_TOKENS)

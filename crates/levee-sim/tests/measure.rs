@@ -44,9 +44,10 @@ async fn completions(
         .unwrap_or("")
         .trim_start_matches("Bearer ")
         .to_string();
+    // Prompt tokens as the simulated engine counts the text (the simulator sizes by it).
     let words = body["messages"][0]["content"]
         .as_str()
-        .map_or(0, |c| c.split(' ').count());
+        .map_or(0, |c| levee_engine::tokenizer::count_text(c) as usize);
     s.seen
         .lock()
         .unwrap()
