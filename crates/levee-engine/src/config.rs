@@ -63,6 +63,16 @@ pub struct GpuParams {
     /// sets it when a second request sent during the first one's prefill delays the first
     /// one's first token. Default false.
     pub first_token_next_step: bool,
+    /// Keep the KV blocks of sequences that left the batch, keyed by their token prefix,
+    /// until the cache needs them (evicted least recently released first); a prompt that
+    /// starts with cached blocks prefills only the rest (vLLM's automatic prefix caching,
+    /// on by default since its V1 engine). Default true.
+    pub prefix_caching: bool,
+    /// What a prompt token found in the prefix cache still costs, as a fraction of
+    /// `prefill_us_per_token`: 0 (the default) is vLLM (cached tokens are not computed);
+    /// `levee sim calibrate` measures it on a real server from the TTFT of a repeated
+    /// prompt against a new one.
+    pub cached_prefill_cost: f64,
     /// What happens when KV demand passes capacity.
     pub overload: OverloadMode,
     /// How long a crashed engine stays down, in simulated seconds.
@@ -158,6 +168,8 @@ impl EngineConfig {
                 decode_ms_by_batch: Vec::new(),
                 prefill_base_ms: 0.0,
                 first_token_next_step: false,
+                prefix_caching: true,
+                cached_prefill_cost: 0.0,
                 overload: OverloadMode::Preempt,
                 restart_secs: 30.0,
             },
@@ -186,6 +198,8 @@ impl EngineConfig {
                 decode_ms_by_batch: Vec::new(),
                 prefill_base_ms: 0.0,
                 first_token_next_step: false,
+                prefix_caching: true,
+                cached_prefill_cost: 0.0,
                 overload: OverloadMode::Preempt,
                 restart_secs: 60.0,
             },
@@ -214,6 +228,8 @@ impl EngineConfig {
                 decode_ms_by_batch: Vec::new(),
                 prefill_base_ms: 0.0,
                 first_token_next_step: false,
+                prefix_caching: true,
+                cached_prefill_cost: 0.0,
                 overload: OverloadMode::Preempt,
                 restart_secs: 5.0,
             },
@@ -243,6 +259,8 @@ impl EngineConfig {
                 decode_ms_by_batch: Vec::new(),
                 prefill_base_ms: 0.0,
                 first_token_next_step: false,
+                prefix_caching: true,
+                cached_prefill_cost: 0.0,
                 overload: OverloadMode::Preempt,
                 restart_secs: 0.0,
             },
@@ -293,6 +311,11 @@ impl EngineConfig {
         finite_non_negative("gpu.decode_base_ms", g.decode_base_ms)?;
         finite_non_negative("gpu.decode_per_seq_ms", g.decode_per_seq_ms)?;
         finite_non_negative("gpu.prefill_base_ms", g.prefill_base_ms)?;
+        anyhow::ensure!(
+            (0.0..=1.0).contains(&g.cached_prefill_cost),
+            "engine config: gpu.cached_prefill_cost must be between 0 and 1, got {}",
+            g.cached_prefill_cost
+        );
         for (i, &ms) in g.decode_ms_by_batch.iter().enumerate() {
             finite_non_negative(&format!("gpu.decode_ms_by_batch[{i}]"), ms)?;
         }

@@ -26,8 +26,14 @@
 //! `ceil(tokens / 16)` blocks, and every capacity decision (growth, admission, overflow) is
 //! taken on blocks. A cancelled sequence leaves the queue or batch and frees its blocks at
 //! once, even in the middle of a step.
+//!
+//! With [`GpuParams::prefix_caching`] (the default) the blocks a sequence leaves behind stay
+//! cached ([`crate::kv`]): a prompt that starts with cached blocks takes them at admission
+//! and prefills only the rest (its cached tokens cost `cached_prefill_cost` of a computed
+//! one). At most `prompt − 1` tokens hit, so at least one token is computed.
 
 use crate::config::{GpuParams, OverloadMode, KV_BLOCK_SIZE};
+use crate::kv::BlockPool;
 use serde::Serialize;
 use std::collections::{HashMap, VecDeque};
 use std::time::Duration;
@@ -54,8 +60,11 @@ pub enum Event {
     Admitted {
         /// The sequence.
         id: SeqId,
-        /// Tokens prefilled for it (prompt, plus generated tokens when recomputing).
+        /// Tokens computed for it (prompt, plus generated tokens when recomputing), less
+        /// those found in the prefix cache.
         prefill_tokens: u32,
+        /// Tokens found in the prefix cache (not computed).
+        cached_tokens: u32,
         /// True the first time, false when recomputing after a preemption.
         first: bool,
     },
@@ -127,6 +136,26 @@ struct Seq {
     /// Prefilled in the step running now; emits nothing at its end
     /// ([`GpuParams::first_token_next_step`]).
     prefilling: bool,
+    /// Hashes of the full blocks of prompt + completion ([`crate::kv::block_hashes`]).
+    hashes: Vec<u64>,
+    /// Leading blocks taken from the prefix cache at admission (0 while waiting).
+    shared: usize,
+}
+
+impl Seq {
+    /// Gives back the sequence's blocks to `pool`: its full blocks are cached.
+    fn release(&mut self, pool: &mut BlockPool) {
+        let held = blocks(self.kv);
+        let full = ((self.kv / KV_BLOCK_SIZE) as usize).min(self.hashes.len());
+        let shared = self.shared.min(full);
+        pool.release(
+            &self.hashes[..shared],
+            &self.hashes[shared..full],
+            held - shared as u64,
+        );
+        self.kv = 0;
+        self.shared = 0;
+    }
 }
 
 /// Whether the engine serves or is down after a crash.
@@ -153,6 +182,8 @@ pub struct GpuStats {
     pub kv_used_blocks: u64,
     /// KV blocks in the cache.
     pub kv_blocks: u64,
+    /// KV blocks cached for their prefix and held by no sequence (free for admission).
+    pub kv_cached_blocks: u64,
     /// KV tokens held by running sequences, in whole blocks (`kv_used_blocks × 16`).
     pub kv_used_tokens: u64,
     /// KV capacity in tokens.
@@ -171,6 +202,10 @@ pub struct GpuStats {
     pub steps: u64,
     /// Sum of the simulated durations of all steps, in seconds.
     pub busy_secs: f64,
+    /// Prompt tokens looked up in the prefix cache at admissions.
+    pub prefix_cache_queries: u64,
+    /// Of those, tokens found.
+    pub prefix_cache_hits: u64,
 }
 
 impl GpuStats {
@@ -201,8 +236,10 @@ pub struct GpuModel {
     stale_waiting: usize,
     /// Running sequences, oldest admitted first (preemption takes from the back).
     running: Vec<SeqId>,
-    /// Blocks held by running sequences.
-    used_blocks: u64,
+    /// The KV cache's blocks.
+    pool: BlockPool,
+    prefix_queries: u64,
+    prefix_hits: u64,
     health: Health,
     in_step: bool,
     crashes: u64,
@@ -218,12 +255,14 @@ impl GpuModel {
     /// An empty, healthy engine.
     pub fn new(params: GpuParams) -> Self {
         Self {
+            pool: BlockPool::new(u64::from(params.kv_blocks()), params.prefix_caching),
             params,
             seqs: HashMap::new(),
             waiting: VecDeque::new(),
             stale_waiting: 0,
             running: Vec::new(),
-            used_blocks: 0,
+            prefix_queries: 0,
+            prefix_hits: 0,
             health: Health::Healthy,
             in_step: false,
             crashes: 0,
@@ -251,9 +290,10 @@ impl GpuModel {
         GpuStats {
             running: self.running.len(),
             waiting: self.waiting.len() - self.stale_waiting,
-            kv_used_blocks: self.used_blocks,
+            kv_used_blocks: self.pool.used(),
             kv_blocks: u64::from(self.params.kv_blocks()),
-            kv_used_tokens: self.used_blocks * u64::from(KV_BLOCK_SIZE),
+            kv_cached_blocks: self.pool.cached(),
+            kv_used_tokens: self.pool.used() * u64::from(KV_BLOCK_SIZE),
             kv_capacity_tokens: u64::from(self.params.kv_capacity_tokens),
             crashes: self.crashes,
             preemptions: self.preemptions,
@@ -262,6 +302,8 @@ impl GpuModel {
             cancelled: self.cancelled,
             steps: self.steps,
             busy_secs: self.busy.as_secs_f64(),
+            prefix_cache_queries: self.prefix_queries,
+            prefix_cache_hits: self.prefix_hits,
         }
     }
 
@@ -280,13 +322,16 @@ impl GpuModel {
     }
 
     /// Queues a new sequence of `prompt` tokens that will generate `target` tokens.
-    /// `arrived` is its arrival in simulated time (TTFT is measured from it).
+    /// `arrived` is its arrival in simulated time (TTFT is measured from it). `hashes` are
+    /// the block hashes of its prompt and completion tokens ([`crate::kv::block_hashes`]),
+    /// the keys of the prefix cache (empty: nothing to share).
     pub fn submit(
         &mut self,
         id: SeqId,
         prompt: u32,
         target: u32,
         arrived: Duration,
+        hashes: Vec<u64>,
     ) -> Result<(), SubmitError> {
         if self.health != Health::Healthy {
             return Err(SubmitError::Unavailable);
@@ -312,6 +357,8 @@ impl GpuModel {
                 first_token: None,
                 admitted_before: false,
                 prefilling: false,
+                hashes,
+                shared: 0,
             },
         );
         self.waiting.push_back(id);
@@ -321,12 +368,12 @@ impl GpuModel {
     /// Removes a sequence whose client went away, freeing its slot and KV at once.
     /// Returns false when the sequence is not in the engine (finished or failed already).
     pub fn cancel(&mut self, id: SeqId) -> bool {
-        let Some(seq) = self.seqs.remove(&id) else {
+        let Some(mut seq) = self.seqs.remove(&id) else {
             return false;
         };
         if seq.kv > 0 {
             self.running.retain(|&r| r != id);
-            self.used_blocks -= blocks(seq.kv);
+            seq.release(&mut self.pool);
         } else {
             self.stale_waiting += 1;
         }
@@ -349,12 +396,11 @@ impl GpuModel {
         }
         // 1. Grow: every running sequence needs one more slot for this step's token, and a
         // new block when its last one is full.
-        let capacity = u64::from(self.params.kv_blocks());
         let seqs = &self.seqs;
         let full = |id: &SeqId| seqs.get(id).is_some_and(|q| q.kv % KV_BLOCK_SIZE == 0);
         let mut need = self.running.iter().filter(|id| full(id)).count() as u64;
         let mut preempted_now = false;
-        while self.used_blocks + need > capacity {
+        while need > self.pool.available() {
             match self.params.overload {
                 OverloadMode::Crash => {
                     self.crash(now, events);
@@ -368,8 +414,7 @@ impl GpuModel {
                         if seq.kv % KV_BLOCK_SIZE == 0 {
                             need -= 1;
                         }
-                        self.used_blocks -= blocks(seq.kv);
-                        seq.kv = 0;
+                        seq.release(&mut self.pool);
                     }
                     self.waiting.push_front(victim);
                     self.preemptions += 1;
@@ -383,10 +428,11 @@ impl GpuModel {
                 seq.kv += 1;
             }
         }
-        self.used_blocks += need;
+        self.pool.allocate(need);
         // 2. Admit, unless this step had to preempt (vLLM does the same: no new prefill
         // while the running batch does not fit).
         let mut prefill_tokens: u64 = 0;
+        let mut cached_tokens: u64 = 0;
         let mut prompts: u32 = 0;
         if !preempted_now {
             while let Some(&id) = self.waiting.front() {
@@ -399,11 +445,18 @@ impl GpuModel {
                     continue;
                 };
                 let prefill = seq.prompt + seq.generated;
+                // Leading blocks found in the prefix cache; at least one token is computed.
+                let max_hit =
+                    ((prefill.saturating_sub(1) / KV_BLOCK_SIZE) as usize).min(seq.hashes.len());
+                let hits = self.pool.hits(&seq.hashes[..max_hit]);
+                let cached = hits as u32 * KV_BLOCK_SIZE;
+                let computed = prefill - cached;
                 let budget = u64::from(self.params.max_batched_prefill_tokens);
-                if prefill_tokens > 0 && prefill_tokens + u64::from(prefill) > budget {
+                if prefill_tokens > 0 && prefill_tokens + u64::from(computed) > budget {
                     break;
                 }
-                if self.used_blocks + blocks(prefill + 1) > capacity {
+                let fresh = blocks(prefill + 1) - hits as u64;
+                if self.pool.revived(&seq.hashes[..hits]) + fresh > self.pool.available() {
                     break;
                 }
                 self.waiting.pop_front();
@@ -412,15 +465,23 @@ impl GpuModel {
                 let tail = self.params.first_token_next_step;
                 seq.prefilling = tail;
                 seq.kv = if tail { prefill } else { prefill + 1 };
-                self.used_blocks += blocks(seq.kv);
-                prefill_tokens += u64::from(prefill);
+                seq.shared = hits;
+                self.pool
+                    .acquire(&seq.hashes[..hits], blocks(seq.kv) - hits as u64);
+                prefill_tokens += u64::from(computed);
+                cached_tokens += u64::from(cached);
+                if self.params.prefix_caching {
+                    self.prefix_queries += u64::from(prefill);
+                    self.prefix_hits += u64::from(cached);
+                }
                 prompts += 1;
                 let first = !seq.admitted_before;
                 seq.admitted_before = true;
                 self.running.push(id);
                 events.push(Event::Admitted {
                     id,
-                    prefill_tokens: prefill,
+                    prefill_tokens: computed,
+                    cached_tokens: cached,
                     first,
                 });
             }
@@ -431,7 +492,9 @@ impl GpuModel {
         // 3. Duration: prefill of the admitted prompts (their tokens, and each prompt's own
         // fixed cost: two prompts taken in together cost a real CPU engine twice one) plus
         // one decode over the batch.
-        let secs = prefill_tokens as f64 * self.params.prefill_us_per_token * 1e-6
+        let prefilled =
+            prefill_tokens as f64 + cached_tokens as f64 * self.params.cached_prefill_cost;
+        let secs = prefilled * self.params.prefill_us_per_token * 1e-6
             + (f64::from(prompts) * self.params.prefill_base_ms
                 + self.params.decode_ms(self.running.len()))
                 * 1e-3;
@@ -449,7 +512,7 @@ impl GpuModel {
             return;
         }
         self.in_step = false;
-        let mut finished_blocks: u64 = 0;
+        let pool = &mut self.pool;
         let seqs = &mut self.seqs;
         let mut completed = 0;
         self.running.retain(|id| {
@@ -474,7 +537,7 @@ impl GpuModel {
                 ttft,
             });
             if seq.generated >= seq.target {
-                finished_blocks += blocks(seq.kv);
+                seq.release(pool);
                 events.push(Event::Finished {
                     id: *id,
                     generated: seq.generated,
@@ -487,7 +550,6 @@ impl GpuModel {
                 true
             }
         });
-        self.used_blocks -= finished_blocks;
         self.completed += completed;
     }
 
@@ -514,7 +576,8 @@ impl GpuModel {
         self.stale_waiting = 0;
         self.failed += self.seqs.len() as u64;
         self.seqs.clear();
-        self.used_blocks = 0;
+        // A crash or a shutdown wipes the GPU's memory: the prefix cache too.
+        self.pool.clear();
         self.in_step = false;
     }
 }
@@ -536,6 +599,8 @@ mod tests {
             decode_ms_by_batch: Vec::new(),
             prefill_base_ms: 0.0,
             first_token_next_step: false,
+            prefix_caching: false,
+            cached_prefill_cost: 0.0,
             overload: OverloadMode::Preempt,
             restart_secs: 5.0,
         }
@@ -574,7 +639,15 @@ mod tests {
             assert!(s.kv_used_tokens <= s.kv_capacity_tokens, "{s:?}");
             assert!(s.running <= self.model.params.max_running_seqs as usize);
             let sum: u64 = self.model.seqs.values().map(|q| blocks(q.kv)).sum();
-            assert_eq!(sum, s.kv_used_blocks, "KV accounting drifted");
+            self.model.pool.check();
+            // Shared cached blocks count once; without caching every block is one
+            // sequence's.
+            if self.model.params.prefix_caching {
+                assert!(s.kv_used_blocks <= sum, "KV accounting drifted");
+            } else {
+                assert_eq!(sum, s.kv_used_blocks, "KV accounting drifted");
+            }
+            assert!(s.kv_used_blocks + s.kv_cached_blocks <= s.kv_blocks);
             assert_eq!(s.running + s.waiting, self.model.seqs.len());
             self.max_kv = self.max_kv.max(s.kv_used_tokens);
         }
@@ -606,7 +679,9 @@ mod tests {
     #[test]
     fn a_lone_request_costs_prefill_plus_one_decode_per_token() {
         let mut d = Driver::new(params());
-        d.model.submit(1, 100, 3, Duration::ZERO).unwrap();
+        d.model
+            .submit(1, 100, 3, Duration::ZERO, Vec::new())
+            .unwrap();
         // First step: prefill 100 tokens (10 ms) + decode with batch 1 (11 ms).
         assert_eq!(d.step(), Some(Duration::from_millis(21)));
         assert_eq!(d.ttft(1), Duration::from_millis(21));
@@ -638,7 +713,9 @@ mod tests {
     fn decode_step_grows_with_batch_size() {
         let mut d = Driver::new(params());
         for id in 0..4 {
-            d.model.submit(id, 10, 5, Duration::ZERO).unwrap();
+            d.model
+                .submit(id, 10, 5, Duration::ZERO, Vec::new())
+                .unwrap();
         }
         d.step();
         // Second step: pure decode with 4 sequences: 10 + 4 * 1 ms.
@@ -657,20 +734,22 @@ mod tests {
         assert_eq!(p.decode_ms(3), 70.0);
         assert_eq!(p.decode_ms(4), 71.0);
         let mut d = Driver::new(p);
-        d.model.submit(1, 100, 5, Duration::ZERO).unwrap();
+        d.model
+            .submit(1, 100, 5, Duration::ZERO, Vec::new())
+            .unwrap();
         // Prefill 100 tokens (10 ms) + the prefill base (20 ms) + batch 1 (25 ms).
         assert_eq!(d.step(), Some(Duration::from_millis(55)));
         assert_eq!(d.ttft(1), Duration::from_millis(55));
         // A pure decode step pays neither prefill cost.
         assert_eq!(d.step(), Some(Duration::from_millis(25)));
-        d.model.submit(2, 100, 3, d.now).unwrap();
+        d.model.submit(2, 100, 3, d.now, Vec::new()).unwrap();
         // Batch 2 with a prefill: 10 + 20 + 55 ms.
         assert_eq!(d.step(), Some(Duration::from_millis(85)));
         assert_eq!(d.step(), Some(Duration::from_millis(55)));
         // Two prompts taken in by one step pay the base twice: 2 × (10 + 20) + batch 4
         // (71 ms).
-        d.model.submit(3, 100, 3, d.now).unwrap();
-        d.model.submit(4, 100, 3, d.now).unwrap();
+        d.model.submit(3, 100, 3, d.now, Vec::new()).unwrap();
+        d.model.submit(4, 100, 3, d.now, Vec::new()).unwrap();
         assert_eq!(d.step(), Some(Duration::from_millis(131)));
     }
 
@@ -680,12 +759,14 @@ mod tests {
         p.first_token_next_step = true;
         let mut d = Driver::new(p);
         // A: prefill 100 tokens (10 ms) + batch 1 (11 ms); no token at its end.
-        d.model.submit(1, 100, 3, Duration::ZERO).unwrap();
+        d.model
+            .submit(1, 100, 3, Duration::ZERO, Vec::new())
+            .unwrap();
         assert_eq!(d.step(), Some(Duration::from_millis(21)));
         assert!(!d.events.iter().any(|e| matches!(e, Event::Token { .. })));
         // B arrived during A's prefill: its prefill shares the step in which A's first token
         // comes out, so A waits for B's prefill (10 + 12 ms) as well as its own.
-        d.model.submit(2, 100, 3, d.now).unwrap();
+        d.model.submit(2, 100, 3, d.now, Vec::new()).unwrap();
         assert_eq!(d.step(), Some(Duration::from_millis(22)));
         assert_eq!(d.ttft(1), Duration::from_millis(43));
         // B's first token comes one step later (a decode of 2: 12 ms): 22 + 12 ms after it
@@ -702,9 +783,11 @@ mod tests {
         assert_eq!((tokens(1), tokens(2)), (3, 3));
         // Without the rule A's first token comes out of its own prefill step.
         let mut d = Driver::new(params());
-        d.model.submit(1, 100, 3, Duration::ZERO).unwrap();
+        d.model
+            .submit(1, 100, 3, Duration::ZERO, Vec::new())
+            .unwrap();
         d.step();
-        d.model.submit(2, 100, 3, d.now).unwrap();
+        d.model.submit(2, 100, 3, d.now, Vec::new()).unwrap();
         d.step();
         assert_eq!(d.ttft(1), Duration::from_millis(21));
     }
@@ -714,7 +797,9 @@ mod tests {
         let mut d = Driver::new(params());
         // 12 identical requests, 4 run at once: the rest queue, and later ones wait longer.
         for id in 0..12 {
-            d.model.submit(id, 50, 10, Duration::ZERO).unwrap();
+            d.model
+                .submit(id, 50, 10, Duration::ZERO, Vec::new())
+                .unwrap();
         }
         d.run_until_idle();
         let ttfts: Vec<Duration> = (0..12).map(|id| d.ttft(id)).collect();
@@ -737,7 +822,9 @@ mod tests {
         // Each request fits alone at admission (50 + 1) but 16 of them growing to 150
         // tokens need 2,400 slots: the model must preempt, and still finish all.
         for id in 0..16 {
-            d.model.submit(id, 50, 100, Duration::ZERO).unwrap();
+            d.model
+                .submit(id, 50, 100, Duration::ZERO, Vec::new())
+                .unwrap();
         }
         d.run_until_idle();
         let s = d.model.stats();
@@ -773,7 +860,9 @@ mod tests {
         p.overload = OverloadMode::Crash;
         let mut d = Driver::new(p);
         for id in 0..16 {
-            d.model.submit(id, 50, 100, Duration::ZERO).unwrap();
+            d.model
+                .submit(id, 50, 100, Duration::ZERO, Vec::new())
+                .unwrap();
         }
         while d.step().is_some() {}
         let crash_at = d.now;
@@ -798,7 +887,7 @@ mod tests {
         assert_eq!(failed, 16);
         // Down: refuses work until restart_secs have passed.
         assert_eq!(
-            d.model.submit(99, 10, 10, crash_at),
+            d.model.submit(99, 10, 10, crash_at, Vec::new()),
             Err(SubmitError::Unavailable)
         );
         d.now = crash_at + Duration::from_millis(4_999);
@@ -808,7 +897,7 @@ mod tests {
         assert_eq!(d.step(), None);
         assert_eq!(d.model.health(), Health::Healthy);
         assert!(d.events.contains(&Event::Restarted));
-        d.model.submit(100, 10, 2, d.now).unwrap();
+        d.model.submit(100, 10, 2, d.now, Vec::new()).unwrap();
         d.run_until_idle();
         assert_eq!(d.model.stats().completed, 1);
     }
@@ -824,7 +913,9 @@ mod tests {
         p.max_running_seqs = 2;
         let mut d = Driver::new(p);
         for id in 0..16 {
-            d.model.submit(id, 50, 100, Duration::ZERO).unwrap();
+            d.model
+                .submit(id, 50, 100, Duration::ZERO, Vec::new())
+                .unwrap();
         }
         d.run_until_idle();
         assert_eq!(d.model.stats().crashes, 0);
@@ -836,8 +927,12 @@ mod tests {
         let mut p = params();
         p.max_running_seqs = 1;
         let mut d = Driver::new(p);
-        d.model.submit(1, 100, 1000 - 100, Duration::ZERO).unwrap();
-        d.model.submit(2, 10, 5, Duration::ZERO).unwrap();
+        d.model
+            .submit(1, 100, 1000 - 100, Duration::ZERO, Vec::new())
+            .unwrap();
+        d.model
+            .submit(2, 10, 5, Duration::ZERO, Vec::new())
+            .unwrap();
         d.step();
         assert_eq!(d.model.stats().running, 1);
         assert_eq!(d.model.stats().waiting, 1);
@@ -855,7 +950,7 @@ mod tests {
         d.run_until_idle();
         assert_eq!(d.model.stats().completed, 1);
         // Cancelling a waiting request removes it from the queue.
-        d.model.submit(3, 10, 5, d.now).unwrap();
+        d.model.submit(3, 10, 5, d.now, Vec::new()).unwrap();
         assert!(d.model.cancel(3));
         assert_eq!(d.model.stats().waiting, 0);
     }
@@ -866,7 +961,9 @@ mod tests {
         p.max_batched_prefill_tokens = 100;
         let mut d = Driver::new(p);
         for id in 0..3 {
-            d.model.submit(id, 60, 5, Duration::ZERO).unwrap();
+            d.model
+                .submit(id, 60, 5, Duration::ZERO, Vec::new())
+                .unwrap();
         }
         d.step();
         assert_eq!(d.model.stats().running, 1);
@@ -878,15 +975,15 @@ mod tests {
     fn rejects_requests_longer_than_max_model_len() {
         let mut m = GpuModel::new(params());
         assert_eq!(
-            m.submit(1, 900, 101, Duration::ZERO),
+            m.submit(1, 900, 101, Duration::ZERO, Vec::new()),
             Err(SubmitError::TooLong {
                 requested: 1001,
                 max_model_len: 1000
             })
         );
-        m.submit(1, 900, 100, Duration::ZERO).unwrap();
+        m.submit(1, 900, 100, Duration::ZERO, Vec::new()).unwrap();
         assert_eq!(
-            m.submit(1, 1, 1, Duration::ZERO),
+            m.submit(1, 1, 1, Duration::ZERO, Vec::new()),
             Err(SubmitError::DuplicateId)
         );
     }
@@ -894,7 +991,9 @@ mod tests {
     #[test]
     fn injected_crash_fails_in_flight_requests() {
         let mut d = Driver::new(params());
-        d.model.submit(1, 10, 50, Duration::ZERO).unwrap();
+        d.model
+            .submit(1, 10, 50, Duration::ZERO, Vec::new())
+            .unwrap();
         d.step();
         let mut ev = Vec::new();
         d.model.crash(d.now, &mut ev);
@@ -908,14 +1007,18 @@ mod tests {
     #[test]
     fn zero_profile_steps_take_no_time() {
         let mut d = Driver::new(EngineConfig::zero().gpu);
-        d.model.submit(1, 1000, 4, Duration::ZERO).unwrap();
+        d.model
+            .submit(1, 1000, 4, Duration::ZERO, Vec::new())
+            .unwrap();
         assert_eq!(d.step(), Some(Duration::ZERO));
     }
 
     #[test]
     fn a_sequence_holds_whole_blocks() {
         let mut d = Driver::new(params());
-        d.model.submit(1, 20, 14, Duration::ZERO).unwrap();
+        d.model
+            .submit(1, 20, 14, Duration::ZERO, Vec::new())
+            .unwrap();
         // Admitted with its prompt and first token: 21 tokens, 2 blocks.
         d.step();
         let s = d.model.stats();
@@ -944,7 +1047,9 @@ mod tests {
         p.max_model_len = 64;
         let mut d = Driver::new(p);
         for id in 0..3 {
-            d.model.submit(id, 17, 3, Duration::ZERO).unwrap();
+            d.model
+                .submit(id, 17, 3, Duration::ZERO, Vec::new())
+                .unwrap();
         }
         d.step();
         let s = d.model.stats();
@@ -964,7 +1069,9 @@ mod tests {
         p.overload = OverloadMode::Crash;
         let mut d = Driver::new(p);
         for id in 0..2 {
-            d.model.submit(id, 15, 10, Duration::ZERO).unwrap();
+            d.model
+                .submit(id, 15, 10, Duration::ZERO, Vec::new())
+                .unwrap();
         }
         d.step();
         assert_eq!(d.model.stats().kv_used_blocks, 2);
@@ -976,7 +1083,9 @@ mod tests {
         p.max_model_len = 48;
         let mut d = Driver::new(p);
         for id in 0..2 {
-            d.model.submit(id, 15, 10, Duration::ZERO).unwrap();
+            d.model
+                .submit(id, 15, 10, Duration::ZERO, Vec::new())
+                .unwrap();
         }
         d.run_until_idle();
         let s = d.model.stats();
@@ -984,9 +1093,162 @@ mod tests {
         assert_eq!((s.completed, s.crashes), (2, 0));
     }
 
+    /// Block hashes of a request whose prompt and completion are `tokens` tokens of the
+    /// conversation `conv` (equal conversations share every block).
+    fn conv(conv: u64, tokens: u32) -> Vec<u64> {
+        (0..u64::from(tokens / KV_BLOCK_SIZE))
+            .map(|k| conv * 1_000 + k)
+            .collect()
+    }
+
+    fn caching() -> GpuParams {
+        let mut p = params();
+        p.prefix_caching = true;
+        p
+    }
+
+    #[test]
+    fn a_cached_prefix_skips_its_prefill_and_is_reported() {
+        let mut d = Driver::new(caching());
+        // Cold: 100 prompt tokens prefilled (10 ms) + decode (11 ms).
+        d.model
+            .submit(1, 100, 20, Duration::ZERO, conv(7, 120))
+            .unwrap();
+        assert_eq!(d.step(), Some(Duration::from_millis(21)));
+        d.run_until_idle();
+        // Its 7 full blocks (112 tokens of prompt and completion) stay cached.
+        let s = d.model.stats();
+        assert_eq!((s.kv_used_blocks, s.kv_cached_blocks), (0, 7));
+        // The next turn: the same 120 tokens and 60 more. Its first 7 blocks are hits: 112
+        // tokens cached, 68 computed (6.8 ms).
+        d.events.clear();
+        d.model.submit(2, 180, 5, d.now, conv(7, 185)).unwrap();
+        assert_eq!(d.step(), Some(Duration::from_micros(6_800 + 11_000)));
+        assert!(d.events.contains(&Event::Admitted {
+            id: 2,
+            prefill_tokens: 68,
+            cached_tokens: 112,
+            first: true,
+        }));
+        let s = d.model.stats();
+        assert_eq!(
+            (s.prefix_cache_queries, s.prefix_cache_hits),
+            (100 + 180, 112)
+        );
+        // Another conversation misses.
+        d.run_until_idle();
+        d.events.clear();
+        d.model.submit(3, 180, 5, d.now, conv(8, 185)).unwrap();
+        d.step();
+        assert!(d.events.iter().any(|e| matches!(
+            e,
+            Event::Admitted {
+                id: 3,
+                cached_tokens: 0,
+                prefill_tokens: 180,
+                ..
+            }
+        )));
+    }
+
+    #[test]
+    fn at_least_one_token_is_computed_and_cached_tokens_may_cost_a_fraction() {
+        let mut p = caching();
+        p.cached_prefill_cost = 0.5;
+        let mut d = Driver::new(p);
+        d.model
+            .submit(1, 64, 16, Duration::ZERO, conv(1, 80))
+            .unwrap();
+        d.run_until_idle();
+        // The same 64-token prompt again: 3 of its 4 blocks hit (the last token is always
+        // computed): 48 cached at half cost + 16 computed = 40 token-costs (4 ms).
+        d.events.clear();
+        d.model.submit(2, 64, 16, d.now, conv(1, 80)).unwrap();
+        assert_eq!(d.step(), Some(Duration::from_micros(4_000 + 11_000)));
+        assert!(d.events.iter().any(|e| matches!(
+            e,
+            Event::Admitted {
+                id: 2,
+                cached_tokens: 48,
+                prefill_tokens: 16,
+                ..
+            }
+        )));
+    }
+
+    #[test]
+    fn cached_blocks_are_free_for_admission_and_evicted_least_recently_released_first() {
+        // 8 blocks. Two conversations of 3 blocks each finish: 6 cached, 0 in use.
+        let mut p = caching();
+        p.kv_capacity_tokens = 128;
+        p.max_model_len = 128;
+        let mut d = Driver::new(p);
+        d.model
+            .submit(1, 40, 8, Duration::ZERO, conv(1, 48))
+            .unwrap();
+        d.run_until_idle();
+        d.model.submit(2, 40, 8, d.now, conv(2, 48)).unwrap();
+        d.run_until_idle();
+        assert_eq!(d.model.stats().kv_cached_blocks, 6);
+        // A new 40-token prompt needs 3 blocks: only 2 are free, but cached ones count as
+        // free, so it is admitted and evicts the least recently released one: conversation
+        // 1's first block.
+        d.model.submit(3, 40, 1, d.now, conv(3, 41)).unwrap();
+        d.step();
+        assert_eq!(d.model.stats().completed, 3);
+        // Conversation 2 still hits (2 blocks: its last token is computed); conversation 1
+        // misses, its first block gone.
+        d.events.clear();
+        d.model.submit(4, 47, 1, d.now, conv(2, 48)).unwrap();
+        d.model.submit(5, 47, 1, d.now, conv(1, 48)).unwrap();
+        d.run_until_idle();
+        let cached = |id| {
+            d.events.iter().find_map(|e| match e {
+                Event::Admitted {
+                    id: i,
+                    cached_tokens,
+                    ..
+                } if *i == id => Some(*cached_tokens),
+                _ => None,
+            })
+        };
+        assert_eq!((cached(4), cached(5)), (Some(32), Some(0)));
+    }
+
+    #[test]
+    fn a_preempted_sequence_finds_its_own_blocks_again_and_a_crash_wipes_the_cache() {
+        let mut p = caching();
+        p.kv_capacity_tokens = 320;
+        p.max_model_len = 300;
+        p.max_running_seqs = 16;
+        let mut d = Driver::new(p);
+        for id in 0..8 {
+            d.model
+                .submit(id, 50, 100, Duration::ZERO, conv(id, 150))
+                .unwrap();
+        }
+        d.run_until_idle();
+        let s = d.model.stats();
+        assert!(s.preemptions > 0, "{s:?}");
+        assert_eq!(s.completed, 8);
+        // A recomputed sequence took back some of the blocks it had left.
+        assert!(d.events.iter().any(|e| matches!(
+            e,
+            Event::Admitted { first: false, cached_tokens, .. } if *cached_tokens > 0
+        )));
+        assert!(s.kv_cached_blocks > 0);
+        let mut ev = Vec::new();
+        d.model.crash(d.now, &mut ev);
+        assert_eq!(d.model.stats().kv_cached_blocks, 0);
+    }
+
     #[derive(Debug, Clone)]
     enum Op {
-        Submit { prompt: u32, target: u32 },
+        Submit {
+            prompt: u32,
+            target: u32,
+            family: u64,
+        },
         Cancel(u64),
         Step,
         Crash,
@@ -995,7 +1257,8 @@ mod tests {
     fn op() -> impl proptest::strategy::Strategy<Value = Op> {
         use proptest::prelude::*;
         prop_oneof![
-            10 => (1u32..120, 1u32..80).prop_map(|(prompt, target)| Op::Submit { prompt, target }),
+            10 => (1u32..120, 1u32..80, 0u64..4)
+                .prop_map(|(prompt, target, family)| Op::Submit { prompt, target, family }),
             3 => (0u64..60).prop_map(Op::Cancel),
             26 => Just(Op::Step),
             1 => Just(Op::Crash),
@@ -1016,9 +1279,11 @@ mod tests {
             max_seqs in 1u32..12,
             crash_mode in proptest::bool::ANY,
             first_token_next_step in proptest::bool::ANY,
+            caching in proptest::bool::ANY,
         ) {
             let mut p = params();
             p.first_token_next_step = first_token_next_step;
+            p.prefix_caching = caching;
             p.kv_capacity_tokens = capacity;
             p.max_model_len = 200;
             p.max_running_seqs = max_seqs;
@@ -1030,8 +1295,12 @@ mod tests {
             let mut injected_crashes = 0;
             for op in ops {
                 match op {
-                    Op::Submit { prompt, target } => {
-                        if d.model.submit(next, prompt, target, d.now).is_ok() {
+                    Op::Submit { prompt, target, family } => {
+                        // Requests of one family share their leading blocks.
+                        let hashes = (0..u64::from((prompt + target) / KV_BLOCK_SIZE))
+                            .map(|k| family * 1000 + k)
+                            .collect();
+                        if d.model.submit(next, prompt, target, d.now, hashes).is_ok() {
                             next_index.insert(next, 0);
                         }
                         next += 1;

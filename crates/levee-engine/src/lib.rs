@@ -21,6 +21,7 @@
 
 pub mod config;
 pub mod gpu;
+mod kv;
 mod metrics;
 mod scheduler;
 mod server;

@@ -129,6 +129,12 @@ pub struct EngineStats {
     pub steps: u64,
     /// Sum of the configured (simulated) durations of those steps, in seconds.
     pub busy_secs: f64,
+    /// KV blocks kept by the prefix cache and held by no sequence (free for admission).
+    pub kv_cached_blocks: u64,
+    /// Prompt tokens looked up in the prefix cache at admissions.
+    pub prefix_cache_queries: u64,
+    /// Of those, tokens found (not computed).
+    pub prefix_cache_hits: u64,
     /// Steps whose wall-clock end came later than planned by more than 1 ms of real time
     /// (the host could not keep the simulated pace).
     pub late_steps: u64,
@@ -173,6 +179,9 @@ impl EngineStats {
             cancelled: gpu.cancelled,
             steps: gpu.steps,
             busy_secs: gpu.busy_secs,
+            kv_cached_blocks: gpu.kv_cached_blocks,
+            prefix_cache_queries: gpu.prefix_cache_queries,
+            prefix_cache_hits: gpu.prefix_cache_hits,
             late_steps: lag.late_steps,
             lag_secs: lag.lag.as_secs_f64(),
         }
@@ -188,6 +197,8 @@ struct LagStats {
 /// What a request's handler hears from the scheduler.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum SeqEvent {
+    /// First admitted: `cached` prompt tokens were found in the prefix cache.
+    Admitted { cached: u32 },
     /// Token number `index` is ready.
     Token(u32),
     /// All tokens were produced.
@@ -204,6 +215,8 @@ pub(crate) struct Submission {
     pub id: SeqId,
     pub prompt_tokens: u32,
     pub completion_tokens: u32,
+    /// Block hashes of prompt + completion (the prefix cache's keys).
+    pub hashes: Vec<u64>,
     /// `"length"` or `"stop"`, for the success counter.
     pub finish_reason: &'static str,
     /// Simulated arrival time (TTFT starts here).
@@ -484,6 +497,7 @@ impl Scheduler {
                     sub.prompt_tokens,
                     sub.completion_tokens,
                     sub.arrived,
+                    sub.hashes,
                 ) {
                     Ok(()) => {
                         self.senders.insert(
@@ -525,12 +539,24 @@ impl Scheduler {
         for event in self.events.drain(..) {
             match event {
                 Event::Admitted {
+                    id,
                     prefill_tokens,
+                    cached_tokens,
                     first,
-                    ..
                 } => {
+                    if self.model.params().prefix_caching {
+                        m.prefix_cache_queries
+                            .inc_by(u64::from(prefill_tokens + cached_tokens));
+                        m.prefix_cache_hits.inc_by(u64::from(cached_tokens));
+                    }
                     if first {
-                        m.prompt_tokens.inc_by(u64::from(prefill_tokens));
+                        m.prompt_tokens
+                            .inc_by(u64::from(prefill_tokens + cached_tokens));
+                        if let Some(c) = self.senders.get(&id) {
+                            let _ = c.events.send(SeqEvent::Admitted {
+                                cached: cached_tokens,
+                            });
+                        }
                     }
                 }
                 Event::Preempted { .. } => {

@@ -4,7 +4,7 @@ use crate::gpu::{FailReason, SubmitError};
 use crate::scheduler::{
     Command, EngineState, EngineStats, Faults, FaultsUpdate, SeqEvent, Shared, Submission,
 };
-use crate::tokenizer::Message;
+use crate::tokenizer::{Message, TokenId};
 use crate::tokens;
 use axum::body::{Body, Bytes};
 use axum::extract::State;
@@ -148,14 +148,15 @@ impl Sampling {
         self,
         kind: Kind,
         model: String,
-        prompt_tokens: u32,
+        prompt: Vec<TokenId>,
         seed: u64,
         max_tokens: Option<u32>,
     ) -> Generation {
         Generation {
             kind,
             model,
-            prompt_tokens,
+            prompt_tokens: u32::try_from(prompt.len()).unwrap_or(u32::MAX),
+            prompt,
             seed,
             max_tokens,
             min_tokens: self.min_tokens.unwrap_or(0),
@@ -181,6 +182,8 @@ struct Generation {
     kind: Kind,
     model: String,
     prompt_tokens: u32,
+    /// The prompt's token ids (the prefix cache's keys).
+    prompt: Vec<TokenId>,
     seed: u64,
     max_tokens: Option<u32>,
     min_tokens: u32,
@@ -235,12 +238,11 @@ async fn chat_completions(State(shared): State<Arc<Shared>>, body: Bytes) -> Res
         .config
         .tokenizer
         .render_chat(&messages, req.tools.as_ref(), true);
-    let prompt_tokens = u32::try_from(prompt.len()).unwrap_or(u32::MAX);
     let seed = chat_seed(&messages);
     let max_tokens = req.max_completion_tokens.or(req.sampling.max_tokens);
-    let generation =
-        req.sampling
-            .generation(Kind::Chat, req.model, prompt_tokens, seed, max_tokens);
+    let generation = req
+        .sampling
+        .generation(Kind::Chat, req.model, prompt, seed, max_tokens);
     generate(shared, generation).await
 }
 
@@ -254,12 +256,11 @@ async fn completions(State(shared): State<Arc<Shared>>, body: Bytes) -> Response
     }
     // A string, a one-string array, or a token-id array (counted as given).
     let tokenizer = shared.config.tokenizer;
-    let count = |s: &str| u32::try_from(tokenizer.encode_prompt(s).len()).unwrap_or(u32::MAX);
-    let (prompt_tokens, seed) = match &req.prompt {
-        Value::String(s) => (count(s), tokens::prompt_seed(s)),
+    let (prompt, seed) = match &req.prompt {
+        Value::String(s) => (tokenizer.encode_prompt(s), tokens::prompt_seed(s)),
         Value::Array(items) if items.len() == 1 && items[0].is_string() => {
             let s = items[0].as_str().unwrap_or_default();
-            (count(s), tokens::prompt_seed(s))
+            (tokenizer.encode_prompt(s), tokens::prompt_seed(s))
         }
         Value::Array(items) if !items.is_empty() && items.iter().all(Value::is_u64) => {
             let text = items
@@ -267,10 +268,12 @@ async fn completions(State(shared): State<Arc<Shared>>, body: Bytes) -> Response
                 .map(|v| v.to_string())
                 .collect::<Vec<_>>()
                 .join(",");
-            (
-                u32::try_from(items.len()).unwrap_or(u32::MAX),
-                tokens::prompt_seed(&text),
-            )
+            let ids = items
+                .iter()
+                .map(|v| v.as_u64().and_then(|id| TokenId::try_from(id).ok()))
+                .map(|id| id.unwrap_or(TokenId::MAX))
+                .collect();
+            (ids, tokens::prompt_seed(&text))
         }
         _ => {
             return ApiError::bad_request(
@@ -286,9 +289,9 @@ async fn completions(State(shared): State<Arc<Shared>>, body: Bytes) -> Response
             .max_tokens
             .unwrap_or(COMPLETIONS_DEFAULT_MAX_TOKENS),
     );
-    let generation =
-        req.sampling
-            .generation(Kind::Completion, req.model, prompt_tokens, seed, max_tokens);
+    let generation = req
+        .sampling
+        .generation(Kind::Completion, req.model, prompt, seed, max_tokens);
     generate(shared, generation).await
 }
 
@@ -383,6 +386,18 @@ async fn generate(shared: Arc<Shared>, g: Generation) -> Response {
     } else {
         "stop"
     };
+    // The prefix cache's keys: the blocks of prompt and completion, the completion's tokens
+    // being known in advance (the same prompt always yields the same text).
+    let hashes = if cfg.gpu.prefix_caching {
+        let mut ids = g.prompt;
+        ids.extend(
+            (0..completion_tokens)
+                .map(|i| cfg.tokenizer.generated_id(tokens::token_text(g.seed, i))),
+        );
+        crate::kv::block_hashes(&ids)
+    } else {
+        Vec::new()
+    };
     let (tx, mut rx) = mpsc::unbounded_channel();
     let mut guard = CancelGuard {
         id,
@@ -393,6 +408,7 @@ async fn generate(shared: Arc<Shared>, g: Generation) -> Response {
         id,
         prompt_tokens: g.prompt_tokens,
         completion_tokens,
+        hashes,
         finish_reason,
         arrived,
         events: tx,
@@ -403,25 +419,29 @@ async fn generate(shared: Arc<Shared>, g: Generation) -> Response {
     }
     // Answer only once the first token exists (or the request failed), so a request that
     // fails before its first token gets a proper error status.
-    let first = match rx.recv().await {
-        Some(SeqEvent::Token(index)) => index,
-        Some(SeqEvent::Finished) | None => {
-            guard.armed = false;
-            return ApiError::failed(FailReason::Shutdown).into_response();
-        }
-        Some(SeqEvent::Failed(reason)) => {
-            guard.armed = false;
-            return ApiError::failed(reason).into_response();
-        }
-        Some(SeqEvent::Rejected(e)) => {
-            guard.armed = false;
-            return match e {
-                SubmitError::Unavailable => ApiError::unavailable(),
-                SubmitError::TooLong { .. } | SubmitError::DuplicateId => {
-                    ApiError::bad_request("invalid_request", format!("rejected: {e:?}"))
-                }
+    let mut cached_tokens = 0;
+    let first = loop {
+        match rx.recv().await {
+            Some(SeqEvent::Admitted { cached }) => cached_tokens = cached,
+            Some(SeqEvent::Token(index)) => break index,
+            Some(SeqEvent::Finished) | None => {
+                guard.armed = false;
+                return ApiError::failed(FailReason::Shutdown).into_response();
             }
-            .into_response();
+            Some(SeqEvent::Failed(reason)) => {
+                guard.armed = false;
+                return ApiError::failed(reason).into_response();
+            }
+            Some(SeqEvent::Rejected(e)) => {
+                guard.armed = false;
+                return match e {
+                    SubmitError::Unavailable => ApiError::unavailable(),
+                    SubmitError::TooLong { .. } | SubmitError::DuplicateId => {
+                        ApiError::bad_request("invalid_request", format!("rejected: {e:?}"))
+                    }
+                }
+                .into_response();
+            }
         }
     };
     let reply = Reply {
@@ -434,6 +454,7 @@ async fn generate(shared: Arc<Shared>, g: Generation) -> Response {
         model: g.model,
         seed: g.seed,
         prompt_tokens: g.prompt_tokens,
+        cached_tokens,
         completion_tokens,
         finish_reason,
         include_usage: g.include_usage,
@@ -447,6 +468,7 @@ async fn generate(shared: Arc<Shared>, g: Generation) -> Response {
         loop {
             match rx.recv().await {
                 Some(SeqEvent::Token(index)) => last = index,
+                Some(SeqEvent::Admitted { .. }) => {}
                 Some(SeqEvent::Finished) => break,
                 Some(SeqEvent::Failed(reason)) => {
                     guard.armed = false;
@@ -479,6 +501,8 @@ struct Reply {
     model: String,
     seed: u64,
     prompt_tokens: u32,
+    /// Prompt tokens found in the prefix cache.
+    cached_tokens: u32,
     completion_tokens: u32,
     finish_reason: &'static str,
     include_usage: bool,
@@ -490,6 +514,7 @@ impl Reply {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         })
     }
 
@@ -616,6 +641,7 @@ impl StreamState {
     /// Renders one event; returns Err when the request failed mid-stream.
     fn render(&mut self, event: SeqEvent, out: &mut Vec<u8>) -> Result<(), std::io::Error> {
         match event {
+            SeqEvent::Admitted { .. } => Ok(()),
             SeqEvent::Token(index) => {
                 let text = tokens::token_text(self.reply.seed, index);
                 self.reply.chunk(out, Some(text), false, false);

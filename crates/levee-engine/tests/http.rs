@@ -1139,3 +1139,79 @@ async fn gauges_show_the_engine_as_of_the_last_refresh() {
     assert_eq!(running().await, 0.0);
     engine.shutdown().await.unwrap();
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_conversation_resent_with_its_history_hits_the_prefix_cache() {
+    let (engine, client) = start(EngineConfig::tiny_fast()).await;
+    let model = engine.config().model.clone();
+    let send = |messages: Value| {
+        let (client, url, model) = (client.clone(), engine.base_url(), model.clone());
+        async move {
+            let r: Value = client
+                .post(format!("{url}/v1/chat/completions"))
+                .json(&json!({"model": model, "messages": messages, "max_tokens": 12}))
+                .send()
+                .await
+                .unwrap()
+                .json()
+                .await
+                .unwrap();
+            r
+        }
+    };
+    let question = "How high does the river rise in a wet spring, and how quickly? ".repeat(4);
+    let first = send(json!([{"role": "user", "content": question}])).await;
+    let p1 = first["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert_eq!(first["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    let answer = first["choices"][0]["message"]["content"].as_str().unwrap();
+    // The next turn resends the first question and the answer, then asks again: the
+    // first turn's prompt and answer are a prefix of it, cached in whole blocks.
+    let second = send(json!([
+        {"role": "user", "content": question},
+        {"role": "assistant", "content": answer},
+        {"role": "user", "content": "And in a dry one?"},
+    ]))
+    .await;
+    let cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    // The first turn's prompt and 12 answer tokens, less the partial last block.
+    assert_eq!(cached, (p1 + 12) / 16 * 16, "{second}");
+    // A different conversation misses.
+    let other = send(json!([{"role": "user", "content": "Something else entirely."}])).await;
+    assert_eq!(other["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    let m = get(&client, &engine, "/metrics")
+        .await
+        .text()
+        .await
+        .unwrap();
+    let p2 = second["usage"]["prompt_tokens"].as_u64().unwrap();
+    let p3 = other["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert_eq!(
+        metric(&m, "vllm:prefix_cache_queries_total", ""),
+        (p1 + p2 + p3) as f64
+    );
+    assert_eq!(
+        metric(&m, "vllm:prefix_cache_hits_total", ""),
+        cached as f64
+    );
+    // With the prefix cache off nothing is cached.
+    engine.shutdown().await.unwrap();
+    let mut config = EngineConfig::tiny_fast();
+    config.gpu.prefix_caching = false;
+    let (engine, client) = start(config).await;
+    for _ in 0..2 {
+        let r: Value = client
+            .post(format!("{}/v1/chat/completions", engine.base_url()))
+            .json(&json!({"model": model, "max_tokens": 2,
+                "messages": [{"role": "user", "content": question}]}))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        assert_eq!(r["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    }
+    engine.shutdown().await.unwrap();
+}
