@@ -132,8 +132,18 @@ struct Ctx {
     end_ns: u64,
 }
 
+/// One earlier message of a session, resent with every later turn.
+#[derive(Debug, Clone)]
+struct Said {
+    /// The assistant's answer (else the user's question).
+    assistant: bool,
+    text: String,
+    /// Its tokens as the simulated engine counts them.
+    tokens: u32,
+}
+
 /// One logical request (all its attempts).
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct Req {
     intended_ns: u64,
     tenant: u16,
@@ -143,6 +153,9 @@ struct Req {
     turns_left: u16,
     /// Seeds the session's own generator, so later turns are repeatable too.
     session_seed: u64,
+    /// A later turn's earlier messages (question, answer, question, ...), oldest first;
+    /// `prompt_tokens` is then the new question's.
+    history: Option<Arc<Vec<Said>>>,
 }
 
 /// Mixed into a request's seed for its prompt text.
@@ -171,8 +184,17 @@ impl Ctx {
         let prompt = self.prompt(req);
         let mut out = Vec::with_capacity(head.len() + prompt.len() + 160);
         out.extend_from_slice(head);
-        out.extend_from_slice(b"{\"role\":\"user\",\"content\":");
         // Writing a string into a Vec cannot fail.
+        for said in req.history.iter().flat_map(|h| h.iter()) {
+            out.extend_from_slice(if said.assistant {
+                b"{\"role\":\"assistant\",\"content\":"
+            } else {
+                b"{\"role\":\"user\",\"content\":"
+            });
+            let _ = serde_json::to_writer(&mut out, &said.text);
+            out.extend_from_slice(b"},");
+        }
+        out.extend_from_slice(b"{\"role\":\"user\",\"content\":");
         let _ = serde_json::to_writer(&mut out, &prompt);
         // An async client's task is never streamed.
         let stream = self.stream.get(class).copied().unwrap_or(false)
@@ -407,6 +429,7 @@ fn to_req(a: &Arrival, seed: u64) -> Req {
         max_tokens: a.max_tokens,
         turns_left: a.turns.saturating_sub(1),
         session_seed: seed ^ a.at_ns.rotate_left(17),
+        history: None,
     }
 }
 
@@ -512,10 +535,9 @@ fn build_ctx(
 
 async fn run_request(ctx: Arc<Ctx>, req: Req, permit: Option<OwnedSemaphorePermit>) {
     ctx.counters.scheduled.fetch_add(1, Ordering::Relaxed);
-    let record = execute(&ctx, &req, permit).await;
+    let (record, answer) = execute(&ctx, &req, permit).await;
     let ok = record.kind == Kind::Ok;
     let done_ns = record.done_ns;
-    let tokens = record.tokens;
     ctx.counters.done.fetch_add(1, Ordering::Relaxed);
     if ok {
         ctx.counters.ok.fetch_add(1, Ordering::Relaxed);
@@ -526,19 +548,18 @@ async fn run_request(ctx: Arc<Ctx>, req: Req, permit: Option<OwnedSemaphorePermi
     // while it matters.
     let _ = ctx.tx.send(record);
     if ok && req.turns_left > 0 {
-        schedule_next_turn(&ctx, &req, done_ns, tokens);
+        schedule_next_turn(&ctx, &req, done_ns, answer);
     }
 }
 
-/// Tokens a one-message chat costs beyond its content in the simulated engine's chat
-/// template (per message and per prompt).
-const CHAT_FORMAT_TOKENS: u32 = levee_engine::tokenizer::CHAT_TOKENS_PER_MESSAGE
-    + levee_engine::tokenizer::CHAT_TOKENS_PER_PROMPT;
+/// Template tokens per chat message and per chat prompt in the simulated engine.
+const PER_MESSAGE: u32 = levee_engine::tokenizer::CHAT_TOKENS_PER_MESSAGE;
+const PER_PROMPT: u32 = levee_engine::tokenizer::CHAT_TOKENS_PER_PROMPT;
 
-/// A session's next turn: after a think time, with the history (previous prompt and answer)
-/// plus a new question as its prompt. Turns that would start after the run ends are dropped
-/// before they are scheduled (they were never offered).
-fn schedule_next_turn(ctx: &Arc<Ctx>, req: &Req, done_ns: u64, tokens: u32) {
+/// A session's next turn: after a think time, the history (every earlier question and
+/// answer, as separate messages) and a new question. Turns that would start after the run
+/// ends are dropped before they are scheduled (they were never offered).
+fn schedule_next_turn(ctx: &Arc<Ctx>, req: &Req, done_ns: u64, answer: String) {
     let mut rng = SmallRng::seed_from_u64(req.session_seed);
     let think = ctx.scenario.sessions.think_time_s.sample(&mut rng);
     let intended_ns = done_ns.saturating_add((think * 1e9) as u64);
@@ -548,29 +569,44 @@ fn schedule_next_turn(ctx: &Arc<Ctx>, req: &Req, done_ns: u64, tokens: u32) {
     let class = &ctx.scenario.classes[usize::from(req.class).min(ctx.scenario.classes.len() - 1)];
     let question = class.prompt_tokens.sample(&mut rng).round().max(1.0) as u32;
     let max_tokens = class.max_tokens.sample(&mut rng).round().max(1.0) as u32;
-    let mut prompt_tokens = req
-        .prompt_tokens
-        .saturating_add(tokens)
-        .saturating_add(question);
+    let mut history: Vec<Said> = req.history.as_deref().cloned().unwrap_or_default();
+    history.push(Said {
+        assistant: false,
+        text: ctx.prompt(req),
+        tokens: req.prompt_tokens,
+    });
+    history.push(Said {
+        assistant: true,
+        tokens: levee_engine::tokenizer::count_text(&answer),
+        text: answer,
+    });
     if let Some(window) = ctx.scenario.sessions.context_tokens {
-        // Drop the oldest history (never the new question) until prompt + answer fit, less
-        // the chat template's own tokens (the history is sent as one message).
-        let room = window
-            .saturating_sub(max_tokens)
-            .saturating_sub(CHAT_FORMAT_TOKENS)
-            .max(question.min(window));
-        prompt_tokens = prompt_tokens.min(room);
+        // Drop the oldest question and its answer, then the next, until the history, the
+        // new question, the template's tokens and the answer fit in the window.
+        let fixed = PER_PROMPT + PER_MESSAGE + question + max_tokens;
+        let mut total: u32 = history.iter().map(|m| m.tokens + PER_MESSAGE).sum();
+        let mut dropped = 0;
+        while fixed + total > window && dropped < history.len() {
+            total -= history[dropped].tokens + PER_MESSAGE;
+            dropped += 1;
+            if history.get(dropped).is_some_and(|m| m.assistant) {
+                total -= history[dropped].tokens + PER_MESSAGE;
+                dropped += 1;
+            }
+        }
+        history.drain(..dropped);
     }
     let next = Req {
         intended_ns,
-        prompt_tokens,
+        prompt_tokens: question,
         max_tokens,
         turns_left: req.turns_left - 1,
         session_seed: req
             .session_seed
             .wrapping_mul(0x9e37_79b9_7f4a_7c15)
             .wrapping_add(1),
-        ..*req
+        history: (!history.is_empty()).then(|| Arc::new(history)),
+        ..req.clone()
     };
     let task_ctx = ctx.clone();
     // The tracker may already be closed (the dispatcher finished); spawning on a closed
@@ -609,14 +645,31 @@ fn cancelled(req: &Req, first_sent_ns: Option<u64>, now: u64) -> Record {
 
 /// All attempts of one request, with the client behaviour's retries. `first_permit` is the
 /// send slot the dispatcher already took for the first attempt, if any.
-async fn execute(ctx: &Ctx, req: &Req, mut first_permit: Option<OwnedSemaphorePermit>) -> Record {
+/// Also returns the answer's text when the request is a session turn with turns after it
+/// (empty otherwise).
+async fn execute(
+    ctx: &Ctx,
+    req: &Req,
+    first_permit: Option<OwnedSemaphorePermit>,
+) -> (Record, String) {
+    let mut answer = String::new();
+    let record = attempts(ctx, req, first_permit, &mut answer).await;
+    (record, answer)
+}
+
+async fn attempts(
+    ctx: &Ctx,
+    req: &Req,
+    mut first_permit: Option<OwnedSemaphorePermit>,
+    answer: &mut String,
+) -> Record {
     let behaviour = ctx
         .behaviours
         .get(usize::from(req.class))
         .copied()
         .unwrap_or(Behaviour::None);
     if behaviour == Behaviour::Async {
-        return execute_task(ctx, req, first_permit).await;
+        return execute_task(ctx, req, first_permit, answer).await;
     }
     let body = ctx.body(req);
     let tenant = usize::from(req.tenant);
@@ -663,7 +716,8 @@ async fn execute(ctx: &Ctx, req: &Req, mut first_permit: Option<OwnedSemaphorePe
         };
         ctx.counters.in_flight.fetch_add(1, Ordering::Relaxed);
         let got_2xx = AtomicBool::new(false);
-        let exchange = exchange::attempt(&ctx.client, request, ctx.start, &got_2xx);
+        let keep = req.turns_left > 0;
+        let exchange = exchange::attempt(&ctx.client, request, ctx.start, &got_2xx, keep);
         let result = tokio::select! {
             r = tokio::time::timeout(ctx.timeout, exchange) => r.ok(),
             _ = ctx.cancel.cancelled() => {
@@ -685,6 +739,7 @@ async fn execute(ctx: &Ctx, req: &Req, mut first_permit: Option<OwnedSemaphorePe
             tokens: 0,
             itl_us: Vec::new(),
             retry_after: None,
+            content: String::new(),
         });
         admitted |= result.admitted || got_2xx.load(Ordering::Relaxed);
         let outcome = match &result.kind {
@@ -738,6 +793,7 @@ async fn execute(ctx: &Ctx, req: &Req, mut first_permit: Option<OwnedSemaphorePe
                 }
             }
             None => {
+                *answer = result.content;
                 return Record {
                     intended_ns: req.intended_ns,
                     first_sent_ns,
@@ -753,7 +809,7 @@ async fn execute(ctx: &Ctx, req: &Req, mut first_permit: Option<OwnedSemaphorePe
                     tenant: req.tenant,
                     class: req.class,
                     task: None,
-                }
+                };
             }
         }
     }
@@ -762,7 +818,12 @@ async fn execute(ctx: &Ctx, req: &Req, mut first_permit: Option<OwnedSemaphorePe
 /// Calls the fault schedule's URLs at their times.
 /// An async client: submit to `/v1/tasks`, poll at the advised interval until the task is
 /// final (or the run ends), take the result.
-async fn execute_task(ctx: &Ctx, req: &Req, first_permit: Option<OwnedSemaphorePermit>) -> Record {
+async fn execute_task(
+    ctx: &Ctx,
+    req: &Req,
+    first_permit: Option<OwnedSemaphorePermit>,
+    answer: &mut String,
+) -> Record {
     let mut record = cancelled(req, None, ns_since(ctx.start));
     let permit = match first_permit {
         Some(p) => Some(p),
@@ -872,6 +933,11 @@ async fn execute_task(ctx: &Ctx, req: &Req, first_permit: Option<OwnedSemaphoreP
         record.tokens = last["result"]["usage"]["completion_tokens"]
             .as_u64()
             .map_or(0, |t| u32::try_from(t).unwrap_or(u32::MAX));
+        if req.turns_left > 0 {
+            if let Some(text) = last["result"]["choices"][0]["message"]["content"].as_str() {
+                *answer = text.to_string();
+            }
+        }
     } else {
         record.kind = Kind::Task(outcome.state);
     }
