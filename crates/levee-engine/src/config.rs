@@ -237,7 +237,8 @@ impl EngineConfig {
     }
 
     /// No simulated delay and practically unlimited memory: for benchmarking what sits in
-    /// front of the engine (the gateway), where the engine must cost nothing.
+    /// front of the engine (the gateway), where the engine must cost nothing. No prefix
+    /// cache (a cache that never fills would keep every block of every request).
     pub fn zero() -> Self {
         Self {
             profile: "zero".into(),
@@ -259,7 +260,9 @@ impl EngineConfig {
                 decode_ms_by_batch: Vec::new(),
                 prefill_base_ms: 0.0,
                 first_token_next_step: false,
-                prefix_caching: true,
+                // Its cache never fills, so nothing would ever be evicted: every block of every
+                // request would stay in memory.
+                prefix_caching: false,
                 cached_prefill_cost: 0.0,
                 overload: OverloadMode::Preempt,
                 restart_secs: 0.0,
@@ -433,6 +436,16 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("time_scale"), "{err}");
+    }
+
+    #[test]
+    fn the_shipped_profile_files_load() {
+        let c = EngineConfig::from_toml_str(include_str!(
+            "../../../profiles/llamacpp-gemma3-270m-2core.toml"
+        ))
+        .unwrap();
+        assert_eq!(c.tokenizer, TokenizerKind::Engine);
+        assert!(c.gpu.prefix_caching);
     }
 
     #[test]
