@@ -1,5 +1,6 @@
 //! Engine configuration: the GPU model's parameters, named profiles, and validation.
 
+use crate::tokenizer::TokenizerKind;
 use serde::{Deserialize, Serialize};
 
 /// What the engine does when the running sequences need more KV cache than it has.
@@ -62,6 +63,16 @@ pub struct GpuParams {
     /// sets it when a second request sent during the first one's prefill delays the first
     /// one's first token. Default false.
     pub first_token_next_step: bool,
+    /// Keep the KV blocks of sequences that left the batch, keyed by their token prefix,
+    /// until the cache needs them (evicted least recently released first); a prompt that
+    /// starts with cached blocks prefills only the rest (vLLM's automatic prefix caching,
+    /// on by default since its V1 engine). Default true.
+    pub prefix_caching: bool,
+    /// What a prompt token found in the prefix cache still costs, as a fraction of
+    /// `prefill_us_per_token`: 0 (the default) is vLLM (cached tokens are not computed);
+    /// `levee sim calibrate` measures it on a real server from the TTFT of a repeated
+    /// prompt against a new one.
+    pub cached_prefill_cost: f64,
     /// What happens when KV demand passes capacity.
     pub overload: OverloadMode,
     /// How long a crashed engine stays down, in simulated seconds.
@@ -108,6 +119,15 @@ pub struct EngineConfig {
     pub output_tokens_min: u32,
     /// Longest natural completion length (tokens) before `max_tokens` caps it.
     pub output_tokens_max: u32,
+    /// How prompt tokens are counted: `"engine"` (default), the engine's own tokenizer
+    /// (`crate::tokenizer`), which levee does not reproduce; or `"levee-rule"`, levee's
+    /// fallback rule exactly, for tests that need levee and the engine to agree.
+    pub tokenizer: TokenizerKind,
+    /// How often the `/metrics` gauges (`vllm:num_requests_running`,
+    /// `vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc`) are refreshed, in simulated
+    /// seconds: between refreshes they show the value as of the last one, as a real
+    /// engine's gauges lag behind it. 0 = live (refreshed after every step). Default 2.
+    pub metrics_refresh_secs: f64,
     /// The GPU model.
     pub gpu: GpuParams,
 }
@@ -117,6 +137,10 @@ impl Default for EngineConfig {
         Self::small()
     }
 }
+
+/// Default of [`EngineConfig::metrics_refresh_secs`]: a real engine's gauges lag a few
+/// seconds (vLLM's logging interval is of that order).
+pub const DEFAULT_METRICS_REFRESH_SECS: f64 = 2.0;
 
 /// Names accepted by [`EngineConfig::profile`].
 pub const PROFILE_NAMES: &[&str] = &["small", "a100-7b", "tiny-fast", "zero"];
@@ -131,6 +155,8 @@ impl EngineConfig {
             time_scale: 1.0,
             output_tokens_min: 64,
             output_tokens_max: 256,
+            tokenizer: TokenizerKind::Engine,
+            metrics_refresh_secs: DEFAULT_METRICS_REFRESH_SECS,
             gpu: GpuParams {
                 kv_capacity_tokens: 16_384,
                 max_running_seqs: 64,
@@ -142,6 +168,8 @@ impl EngineConfig {
                 decode_ms_by_batch: Vec::new(),
                 prefill_base_ms: 0.0,
                 first_token_next_step: false,
+                prefix_caching: true,
+                cached_prefill_cost: 0.0,
                 overload: OverloadMode::Preempt,
                 restart_secs: 30.0,
             },
@@ -157,6 +185,8 @@ impl EngineConfig {
             time_scale: 1.0,
             output_tokens_min: 64,
             output_tokens_max: 512,
+            tokenizer: TokenizerKind::Engine,
+            metrics_refresh_secs: DEFAULT_METRICS_REFRESH_SECS,
             gpu: GpuParams {
                 kv_capacity_tokens: 110_000,
                 max_running_seqs: 256,
@@ -168,6 +198,8 @@ impl EngineConfig {
                 decode_ms_by_batch: Vec::new(),
                 prefill_base_ms: 0.0,
                 first_token_next_step: false,
+                prefix_caching: true,
+                cached_prefill_cost: 0.0,
                 overload: OverloadMode::Preempt,
                 restart_secs: 60.0,
             },
@@ -183,6 +215,8 @@ impl EngineConfig {
             time_scale: 1.0,
             output_tokens_min: 8,
             output_tokens_max: 16,
+            tokenizer: TokenizerKind::Engine,
+            metrics_refresh_secs: DEFAULT_METRICS_REFRESH_SECS,
             gpu: GpuParams {
                 kv_capacity_tokens: 2048,
                 max_running_seqs: 8,
@@ -194,6 +228,8 @@ impl EngineConfig {
                 decode_ms_by_batch: Vec::new(),
                 prefill_base_ms: 0.0,
                 first_token_next_step: false,
+                prefix_caching: true,
+                cached_prefill_cost: 0.0,
                 overload: OverloadMode::Preempt,
                 restart_secs: 5.0,
             },
@@ -201,7 +237,8 @@ impl EngineConfig {
     }
 
     /// No simulated delay and practically unlimited memory: for benchmarking what sits in
-    /// front of the engine (the gateway), where the engine must cost nothing.
+    /// front of the engine (the gateway), where the engine must cost nothing. No prefix
+    /// cache (a cache that never fills would keep every block of every request).
     pub fn zero() -> Self {
         Self {
             profile: "zero".into(),
@@ -209,6 +246,8 @@ impl EngineConfig {
             time_scale: 1.0,
             output_tokens_min: 16,
             output_tokens_max: 16,
+            tokenizer: TokenizerKind::Engine,
+            metrics_refresh_secs: DEFAULT_METRICS_REFRESH_SECS,
             gpu: GpuParams {
                 // The largest whole number of blocks in u32::MAX / 2.
                 kv_capacity_tokens: (u32::MAX / 2) / KV_BLOCK_SIZE * KV_BLOCK_SIZE,
@@ -221,6 +260,10 @@ impl EngineConfig {
                 decode_ms_by_batch: Vec::new(),
                 prefill_base_ms: 0.0,
                 first_token_next_step: false,
+                // Its cache never fills, so nothing would ever be evicted: every block of every
+                // request would stay in memory.
+                prefix_caching: false,
+                cached_prefill_cost: 0.0,
                 overload: OverloadMode::Preempt,
                 restart_secs: 0.0,
             },
@@ -271,10 +314,16 @@ impl EngineConfig {
         finite_non_negative("gpu.decode_base_ms", g.decode_base_ms)?;
         finite_non_negative("gpu.decode_per_seq_ms", g.decode_per_seq_ms)?;
         finite_non_negative("gpu.prefill_base_ms", g.prefill_base_ms)?;
+        anyhow::ensure!(
+            (0.0..=1.0).contains(&g.cached_prefill_cost),
+            "engine config: gpu.cached_prefill_cost must be between 0 and 1, got {}",
+            g.cached_prefill_cost
+        );
         for (i, &ms) in g.decode_ms_by_batch.iter().enumerate() {
             finite_non_negative(&format!("gpu.decode_ms_by_batch[{i}]"), ms)?;
         }
         finite_non_negative("gpu.restart_secs", g.restart_secs)?;
+        finite_non_negative("metrics_refresh_secs", self.metrics_refresh_secs)?;
         anyhow::ensure!(
             self.time_scale.is_finite() && self.time_scale > 0.0,
             "engine config: time_scale must be a finite number > 0, got {}",
@@ -387,6 +436,16 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("time_scale"), "{err}");
+    }
+
+    #[test]
+    fn the_shipped_profile_files_load() {
+        let c = EngineConfig::from_toml_str(include_str!(
+            "../../../profiles/llamacpp-gemma3-270m-2core.toml"
+        ))
+        .unwrap();
+        assert_eq!(c.tokenizer, TokenizerKind::Engine);
+        assert!(c.gpu.prefix_caching);
     }
 
     #[test]

@@ -21,14 +21,17 @@
 
 pub mod config;
 pub mod gpu;
+mod kv;
 mod metrics;
 mod scheduler;
 mod server;
+pub mod tokenizer;
 pub mod tokens;
 
 pub use config::{EngineConfig, GpuParams, OverloadMode, KV_BLOCK_SIZE, PROFILE_NAMES};
 pub use scheduler::{EngineState, EngineStats, Faults, FaultsUpdate};
 pub use server::AdminState;
+pub use tokenizer::TokenizerKind;
 pub use tokens::{estimate_chat_prompt_tokens, estimate_prompt_tokens};
 
 use anyhow::Context as _;
@@ -52,6 +55,8 @@ pub struct EngineHandle {
     stop_server: Option<tokio::sync::oneshot::Sender<()>>,
     server: Option<JoinHandle<()>>,
     scheduler: Option<JoinHandle<()>>,
+    /// The `/metrics` gauges' refresher ([`EngineConfig::metrics_refresh_secs`]).
+    refresher: JoinHandle<()>,
 }
 
 impl std::fmt::Debug for EngineHandle {
@@ -75,6 +80,7 @@ pub async fn spawn(config: EngineConfig, bind: SocketAddr) -> anyhow::Result<Eng
         .context("levee engine: cannot read the bound address")?;
     let (shared, scheduler) = scheduler::start(config);
     let scheduler = tokio::spawn(scheduler);
+    let refresher = tokio::spawn(scheduler::refresh_gauges(shared.clone()));
     let app = server::router(shared.clone());
     let (stop_server, stopped) = tokio::sync::oneshot::channel::<()>();
     let server = tokio::spawn(async move {
@@ -91,6 +97,7 @@ pub async fn spawn(config: EngineConfig, bind: SocketAddr) -> anyhow::Result<Eng
         stop_server: Some(stop_server),
         server: Some(server),
         scheduler: Some(scheduler),
+        refresher,
     })
 }
 
@@ -187,6 +194,7 @@ impl EngineHandle {
 
     /// Stops the engine: in-flight requests fail, connections close, tasks end.
     pub async fn shutdown(mut self) -> anyhow::Result<()> {
+        self.refresher.abort();
         let _ = self.shared.commands.send(Command::Shutdown);
         if let Some(stop) = self.stop_server.take() {
             let _ = stop.send(());
@@ -210,6 +218,7 @@ impl EngineHandle {
 
 impl Drop for EngineHandle {
     fn drop(&mut self) {
+        self.refresher.abort();
         let _ = self.shared.commands.send(Command::Shutdown);
         if let Some(stop) = self.stop_server.take() {
             let _ = stop.send(());
@@ -239,6 +248,13 @@ pub struct EngineArgs {
     /// Simulated seconds per real second.
     #[arg(long)]
     pub time_scale: Option<f64>,
+    /// How prompt tokens are counted: the engine's own tokenizer, or levee's fallback
+    /// rule exactly (for tests).
+    #[arg(long, value_enum)]
+    pub tokenizer: Option<TokenizerKind>,
+    /// Simulated seconds between refreshes of the `/metrics` gauges (0 = live).
+    #[arg(long)]
+    pub metrics_refresh_secs: Option<f64>,
     /// What happens when KV demand passes capacity.
     #[arg(long, value_enum)]
     pub overload: Option<OverloadMode>,
@@ -288,6 +304,8 @@ impl EngineArgs {
         set! {
             c.model => self.model,
             c.time_scale => self.time_scale,
+            c.tokenizer => self.tokenizer,
+            c.metrics_refresh_secs => self.metrics_refresh_secs,
             c.output_tokens_min => self.output_tokens_min,
             c.output_tokens_max => self.output_tokens_max,
             g.overload => self.overload,
@@ -350,7 +368,12 @@ mod tests {
     fn flags_override_the_profile() {
         let c = args(&[]).unwrap();
         assert_eq!(c, EngineConfig::small());
+        assert_eq!(c.tokenizer, TokenizerKind::Engine);
         let c = args(&[
+            "--tokenizer",
+            "levee-rule",
+            "--metrics-refresh-secs",
+            "0",
             "--profile",
             "a100-7b",
             "--overload",
@@ -368,6 +391,8 @@ mod tests {
         ])
         .unwrap();
         assert_eq!(c.profile, "a100-7b");
+        assert_eq!(c.tokenizer, TokenizerKind::LeveeRule);
+        assert_eq!(c.metrics_refresh_secs, 0.0);
         assert_eq!(c.gpu.overload, OverloadMode::Crash);
         assert_eq!(c.gpu.restart_secs, 12.0);
         assert_eq!(c.time_scale, 10.0);

@@ -53,6 +53,8 @@ pub(crate) struct Metrics {
     pub e2e: Histogram,
     pub prompt_tokens: Counter,
     pub generation_tokens: Counter,
+    pub prefix_cache_queries: Counter,
+    pub prefix_cache_hits: Counter,
     pub preemptions: Counter,
     pub crashes: Counter,
     pub cancelled: Counter,
@@ -76,6 +78,8 @@ impl Metrics {
             e2e: Histogram::new(E2E_BUCKETS),
             prompt_tokens: Counter::default(),
             generation_tokens: Counter::default(),
+            prefix_cache_queries: Counter::default(),
+            prefix_cache_hits: Counter::default(),
             preemptions: Counter::default(),
             crashes: Counter::default(),
             cancelled: Counter::default(),
@@ -130,13 +134,23 @@ impl Metrics {
         // The encoder appends `_total` to counters.
         registry.register(
             "vllm:prompt_tokens",
-            "Prompt tokens prefilled (first admission of each request)",
+            "Prompt tokens of each request at its first admission (cached ones included)",
             m.prompt_tokens.clone(),
         );
         registry.register(
             "vllm:generation_tokens",
             "Tokens generated",
             m.generation_tokens.clone(),
+        );
+        registry.register(
+            "vllm:prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache",
+            m.prefix_cache_queries.clone(),
+        );
+        registry.register(
+            "vllm:prefix_cache_hits",
+            "Prompt tokens found in the prefix cache",
+            m.prefix_cache_hits.clone(),
         );
         registry.register(
             "vllm:num_preemptions",
@@ -171,6 +185,16 @@ impl Metrics {
         let mut out = String::with_capacity(4096);
         prometheus_client::encoding::text::encode(&mut out, &self.registry)?;
         Ok(out)
+    }
+
+    /// Sets the gauges that describe the engine's state (running, waiting, KV usage).
+    pub fn set_gauges(&self, stats: &crate::scheduler::EngineStats) {
+        self.running
+            .set(i64::try_from(stats.running).unwrap_or(i64::MAX));
+        self.waiting
+            .set(i64::try_from(stats.waiting).unwrap_or(i64::MAX));
+        self.kv_usage.set(stats.kv_usage);
+        self.gpu_cache_usage.set(stats.kv_usage);
     }
 
     /// Counts a request that failed for `reason`.

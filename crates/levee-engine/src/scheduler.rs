@@ -105,11 +105,15 @@ pub struct EngineStats {
     pub running: usize,
     /// Requests waiting in the engine's queue (including preempted ones).
     pub waiting: usize,
-    /// KV tokens in use.
+    /// KV blocks in use (of 16 tokens each).
+    pub kv_used_blocks: u64,
+    /// KV blocks in the cache.
+    pub kv_blocks: u64,
+    /// KV tokens in use, in whole blocks (`kv_used_blocks × 16`).
     pub kv_used_tokens: u64,
     /// KV capacity in tokens.
     pub kv_capacity_tokens: u64,
-    /// `kv_used_tokens / kv_capacity_tokens`, 0..=1.
+    /// `kv_used_blocks / kv_blocks`, 0..=1.
     pub kv_usage: f64,
     /// Crashes so far.
     pub crashes: u64,
@@ -125,6 +129,12 @@ pub struct EngineStats {
     pub steps: u64,
     /// Sum of the configured (simulated) durations of those steps, in seconds.
     pub busy_secs: f64,
+    /// KV blocks kept by the prefix cache and held by no sequence (free for admission).
+    pub kv_cached_blocks: u64,
+    /// Prompt tokens looked up in the prefix cache at admissions.
+    pub prefix_cache_queries: u64,
+    /// Of those, tokens found (not computed).
+    pub prefix_cache_hits: u64,
     /// Steps whose wall-clock end came later than planned by more than 1 ms of real time
     /// (the host could not keep the simulated pace).
     pub late_steps: u64,
@@ -157,6 +167,8 @@ impl EngineStats {
             sim_time_secs: now_secs,
             running: gpu.running,
             waiting: gpu.waiting,
+            kv_used_blocks: gpu.kv_used_blocks,
+            kv_blocks: gpu.kv_blocks,
             kv_used_tokens: gpu.kv_used_tokens,
             kv_capacity_tokens: gpu.kv_capacity_tokens,
             kv_usage: gpu.kv_usage(),
@@ -167,6 +179,9 @@ impl EngineStats {
             cancelled: gpu.cancelled,
             steps: gpu.steps,
             busy_secs: gpu.busy_secs,
+            kv_cached_blocks: gpu.kv_cached_blocks,
+            prefix_cache_queries: gpu.prefix_cache_queries,
+            prefix_cache_hits: gpu.prefix_cache_hits,
             late_steps: lag.late_steps,
             lag_secs: lag.lag.as_secs_f64(),
         }
@@ -182,6 +197,8 @@ struct LagStats {
 /// What a request's handler hears from the scheduler.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum SeqEvent {
+    /// First admitted: `cached` prompt tokens were found in the prefix cache.
+    Admitted { cached: u32 },
     /// Token number `index` is ready.
     Token(u32),
     /// All tokens were produced.
@@ -198,6 +215,8 @@ pub(crate) struct Submission {
     pub id: SeqId,
     pub prompt_tokens: u32,
     pub completion_tokens: u32,
+    /// Block hashes of prompt + completion (the prefix cache's keys).
+    pub hashes: Vec<u64>,
     /// `"length"` or `"stop"`, for the success counter.
     pub finish_reason: &'static str,
     /// Simulated arrival time (TTFT starts here).
@@ -348,6 +367,28 @@ pub(crate) fn start(
     (shared, scheduler.run())
 }
 
+/// Copies the engine's state into the `/metrics` gauges every
+/// [`EngineConfig::metrics_refresh_secs`] (simulated), so that between refreshes they show
+/// the engine as it was at the last one. Ends when the engine stops. Not used when the
+/// interval is 0 (the scheduler then sets the gauges after every step).
+pub(crate) async fn refresh_gauges(shared: Arc<Shared>) {
+    let secs = shared.config.metrics_refresh_secs;
+    if secs <= 0.0 {
+        return;
+    }
+    let period = shared.clock.real(Duration::from_secs_f64(secs));
+    let mut tick = tokio::time::interval_at(Instant::now() + period, period);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let stats = shared.stats.borrow().clone();
+        if stats.state == EngineState::Stopped {
+            return;
+        }
+        shared.metrics.set_gauges(&stats);
+    }
+}
+
 struct Client {
     events: mpsc::UnboundedSender<SeqEvent>,
     finish_reason: &'static str,
@@ -456,6 +497,7 @@ impl Scheduler {
                     sub.prompt_tokens,
                     sub.completion_tokens,
                     sub.arrived,
+                    sub.hashes,
                 ) {
                     Ok(()) => {
                         self.senders.insert(
@@ -497,12 +539,24 @@ impl Scheduler {
         for event in self.events.drain(..) {
             match event {
                 Event::Admitted {
+                    id,
                     prefill_tokens,
+                    cached_tokens,
                     first,
-                    ..
                 } => {
+                    if self.model.params().prefix_caching {
+                        m.prefix_cache_queries
+                            .inc_by(u64::from(prefill_tokens + cached_tokens));
+                        m.prefix_cache_hits.inc_by(u64::from(cached_tokens));
+                    }
                     if first {
-                        m.prompt_tokens.inc_by(u64::from(prefill_tokens));
+                        m.prompt_tokens
+                            .inc_by(u64::from(prefill_tokens + cached_tokens));
+                        if let Some(c) = self.senders.get(&id) {
+                            let _ = c.events.send(SeqEvent::Admitted {
+                                cached: cached_tokens,
+                            });
+                        }
                     }
                 }
                 Event::Preempted { .. } => {
@@ -556,12 +610,6 @@ impl Scheduler {
             }
         }
         let gpu = self.model.stats();
-        m.running
-            .set(i64::try_from(gpu.running).unwrap_or(i64::MAX));
-        m.waiting
-            .set(i64::try_from(gpu.waiting).unwrap_or(i64::MAX));
-        m.kv_usage.set(gpu.kv_usage());
-        m.gpu_cache_usage.set(gpu.kv_usage());
         let stats = EngineStats::new(
             &gpu,
             self.model.health(),
@@ -569,6 +617,9 @@ impl Scheduler {
             self.shared.clock.now(),
             &self.lag,
         );
+        if self.shared.config.metrics_refresh_secs <= 0.0 {
+            m.set_gauges(&stats);
+        }
         self.stats_tx.send_replace(stats);
     }
 

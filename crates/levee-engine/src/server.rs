@@ -4,6 +4,7 @@ use crate::gpu::{FailReason, SubmitError};
 use crate::scheduler::{
     Command, EngineState, EngineStats, Faults, FaultsUpdate, SeqEvent, Shared, Submission,
 };
+use crate::tokenizer::{Message, TokenId};
 use crate::tokens;
 use axum::body::{Body, Bytes};
 use axum::extract::State;
@@ -23,6 +24,7 @@ pub(crate) fn router(shared: Arc<Shared>) -> Router {
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
+        .route("/tokenize", post(tokenize))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .route("/admin/state", get(admin_state))
@@ -103,15 +105,12 @@ struct StreamOptions {
 }
 
 #[derive(Debug, Deserialize)]
-struct ChatMessage {
-    #[serde(default)]
-    content: Option<Value>,
-}
-
-#[derive(Debug, Deserialize)]
 struct ChatRequest {
     model: String,
-    messages: Vec<ChatMessage>,
+    messages: Vec<serde_json::Map<String, Value>>,
+    /// Tool definitions: the template renders them into the prompt.
+    #[serde(default)]
+    tools: Option<Value>,
     #[serde(default)]
     max_completion_tokens: Option<u32>,
     #[serde(flatten)]
@@ -149,14 +148,15 @@ impl Sampling {
         self,
         kind: Kind,
         model: String,
-        prompt_tokens: u32,
+        prompt: Vec<TokenId>,
         seed: u64,
         max_tokens: Option<u32>,
     ) -> Generation {
         Generation {
             kind,
             model,
-            prompt_tokens,
+            prompt_tokens: u32::try_from(prompt.len()).unwrap_or(u32::MAX),
+            prompt,
             seed,
             max_tokens,
             min_tokens: self.min_tokens.unwrap_or(0),
@@ -182,6 +182,8 @@ struct Generation {
     kind: Kind,
     model: String,
     prompt_tokens: u32,
+    /// The prompt's token ids (the prefix cache's keys).
+    prompt: Vec<TokenId>,
     seed: u64,
     max_tokens: Option<u32>,
     min_tokens: u32,
@@ -190,17 +192,18 @@ struct Generation {
     include_usage: bool,
 }
 
-/// The text of a chat message's content: a string, or the `text` of its parts.
-fn content_text(content: &Option<Value>) -> String {
-    match content {
-        Some(Value::String(s)) => s.clone(),
-        Some(Value::Array(parts)) => parts
-            .iter()
-            .filter_map(|p| p.get("text").and_then(Value::as_str))
-            .collect::<Vec<_>>()
-            .join("\n"),
-        _ => String::new(),
-    }
+/// The messages of a chat request as the template reads them.
+fn chat_messages(messages: Vec<serde_json::Map<String, Value>>) -> Vec<Message> {
+    messages
+        .into_iter()
+        .map(|m| Message::from_json(&Value::Object(m)))
+        .collect()
+}
+
+/// The completion seed of a chat: a hash of its messages' text.
+fn chat_seed(messages: &[Message]) -> u64 {
+    let texts: Vec<String> = messages.iter().map(Message::text).collect();
+    tokens::prompt_seed(&texts.join("\n"))
 }
 
 fn parse<T: serde::de::DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
@@ -230,17 +233,16 @@ async fn chat_completions(State(shared): State<Arc<Shared>>, body: Bytes) -> Res
     if let Err(e) = check_n(req.sampling.n) {
         return e.into_response();
     }
-    let texts: Vec<String> = req
-        .messages
-        .iter()
-        .map(|m| content_text(&m.content))
-        .collect();
-    let prompt_tokens = tokens::estimate_chat_prompt_tokens(texts.iter().map(String::as_str));
-    let seed = tokens::prompt_seed(&texts.join("\n"));
+    let messages = chat_messages(req.messages);
+    let prompt = shared
+        .config
+        .tokenizer
+        .render_chat(&messages, req.tools.as_ref(), true);
+    let seed = chat_seed(&messages);
     let max_tokens = req.max_completion_tokens.or(req.sampling.max_tokens);
-    let generation =
-        req.sampling
-            .generation(Kind::Chat, req.model, prompt_tokens, seed, max_tokens);
+    let generation = req
+        .sampling
+        .generation(Kind::Chat, req.model, prompt, seed, max_tokens);
     generate(shared, generation).await
 }
 
@@ -253,11 +255,12 @@ async fn completions(State(shared): State<Arc<Shared>>, body: Bytes) -> Response
         return e.into_response();
     }
     // A string, a one-string array, or a token-id array (counted as given).
-    let (prompt_tokens, seed) = match &req.prompt {
-        Value::String(s) => (tokens::estimate_prompt_tokens(s), tokens::prompt_seed(s)),
+    let tokenizer = shared.config.tokenizer;
+    let (prompt, seed) = match &req.prompt {
+        Value::String(s) => (tokenizer.encode_prompt(s), tokens::prompt_seed(s)),
         Value::Array(items) if items.len() == 1 && items[0].is_string() => {
             let s = items[0].as_str().unwrap_or_default();
-            (tokens::estimate_prompt_tokens(s), tokens::prompt_seed(s))
+            (tokenizer.encode_prompt(s), tokens::prompt_seed(s))
         }
         Value::Array(items) if !items.is_empty() && items.iter().all(Value::is_u64) => {
             let text = items
@@ -265,10 +268,12 @@ async fn completions(State(shared): State<Arc<Shared>>, body: Bytes) -> Response
                 .map(|v| v.to_string())
                 .collect::<Vec<_>>()
                 .join(",");
-            (
-                u32::try_from(items.len()).unwrap_or(u32::MAX),
-                tokens::prompt_seed(&text),
-            )
+            let ids = items
+                .iter()
+                .map(|v| v.as_u64().and_then(|id| TokenId::try_from(id).ok()))
+                .map(|id| id.unwrap_or(TokenId::MAX))
+                .collect();
+            (ids, tokens::prompt_seed(&text))
         }
         _ => {
             return ApiError::bad_request(
@@ -284,9 +289,9 @@ async fn completions(State(shared): State<Arc<Shared>>, body: Bytes) -> Response
             .max_tokens
             .unwrap_or(COMPLETIONS_DEFAULT_MAX_TOKENS),
     );
-    let generation =
-        req.sampling
-            .generation(Kind::Completion, req.model, prompt_tokens, seed, max_tokens);
+    let generation = req
+        .sampling
+        .generation(Kind::Completion, req.model, prompt, seed, max_tokens);
     generate(shared, generation).await
 }
 
@@ -320,16 +325,7 @@ async fn generate(shared: Arc<Shared>, g: Generation) -> Response {
     let arrived = shared.clock.now();
     let cfg = &shared.config;
     if g.model != cfg.model {
-        return ApiError {
-            status: StatusCode::NOT_FOUND,
-            kind: "invalid_request_error",
-            code: "model_not_found",
-            message: format!(
-                "the model `{}` does not exist; this engine serves `{}`",
-                g.model, cfg.model
-            ),
-        }
-        .into_response();
+        return model_not_found(&g.model, &cfg.model);
     }
     let max_model_len = cfg.gpu.max_model_len;
     let max_tokens = match g.max_tokens {
@@ -390,6 +386,18 @@ async fn generate(shared: Arc<Shared>, g: Generation) -> Response {
     } else {
         "stop"
     };
+    // The prefix cache's keys: the blocks of prompt and completion, the completion's tokens
+    // being known in advance (the same prompt always yields the same text).
+    let hashes = if cfg.gpu.prefix_caching {
+        let mut ids = g.prompt;
+        ids.extend(
+            (0..completion_tokens)
+                .map(|i| cfg.tokenizer.generated_id(tokens::token_text(g.seed, i))),
+        );
+        crate::kv::block_hashes(&ids)
+    } else {
+        Vec::new()
+    };
     let (tx, mut rx) = mpsc::unbounded_channel();
     let mut guard = CancelGuard {
         id,
@@ -400,6 +408,7 @@ async fn generate(shared: Arc<Shared>, g: Generation) -> Response {
         id,
         prompt_tokens: g.prompt_tokens,
         completion_tokens,
+        hashes,
         finish_reason,
         arrived,
         events: tx,
@@ -410,25 +419,29 @@ async fn generate(shared: Arc<Shared>, g: Generation) -> Response {
     }
     // Answer only once the first token exists (or the request failed), so a request that
     // fails before its first token gets a proper error status.
-    let first = match rx.recv().await {
-        Some(SeqEvent::Token(index)) => index,
-        Some(SeqEvent::Finished) | None => {
-            guard.armed = false;
-            return ApiError::failed(FailReason::Shutdown).into_response();
-        }
-        Some(SeqEvent::Failed(reason)) => {
-            guard.armed = false;
-            return ApiError::failed(reason).into_response();
-        }
-        Some(SeqEvent::Rejected(e)) => {
-            guard.armed = false;
-            return match e {
-                SubmitError::Unavailable => ApiError::unavailable(),
-                SubmitError::TooLong { .. } | SubmitError::DuplicateId => {
-                    ApiError::bad_request("invalid_request", format!("rejected: {e:?}"))
-                }
+    let mut cached_tokens = 0;
+    let first = loop {
+        match rx.recv().await {
+            Some(SeqEvent::Admitted { cached }) => cached_tokens = cached,
+            Some(SeqEvent::Token(index)) => break index,
+            Some(SeqEvent::Finished) | None => {
+                guard.armed = false;
+                return ApiError::failed(FailReason::Shutdown).into_response();
             }
-            .into_response();
+            Some(SeqEvent::Failed(reason)) => {
+                guard.armed = false;
+                return ApiError::failed(reason).into_response();
+            }
+            Some(SeqEvent::Rejected(e)) => {
+                guard.armed = false;
+                return match e {
+                    SubmitError::Unavailable => ApiError::unavailable(),
+                    SubmitError::TooLong { .. } | SubmitError::DuplicateId => {
+                        ApiError::bad_request("invalid_request", format!("rejected: {e:?}"))
+                    }
+                }
+                .into_response();
+            }
         }
     };
     let reply = Reply {
@@ -441,6 +454,7 @@ async fn generate(shared: Arc<Shared>, g: Generation) -> Response {
         model: g.model,
         seed: g.seed,
         prompt_tokens: g.prompt_tokens,
+        cached_tokens,
         completion_tokens,
         finish_reason,
         include_usage: g.include_usage,
@@ -454,6 +468,7 @@ async fn generate(shared: Arc<Shared>, g: Generation) -> Response {
         loop {
             match rx.recv().await {
                 Some(SeqEvent::Token(index)) => last = index,
+                Some(SeqEvent::Admitted { .. }) => {}
                 Some(SeqEvent::Finished) => break,
                 Some(SeqEvent::Failed(reason)) => {
                     guard.armed = false;
@@ -486,6 +501,8 @@ struct Reply {
     model: String,
     seed: u64,
     prompt_tokens: u32,
+    /// Prompt tokens found in the prefix cache.
+    cached_tokens: u32,
     completion_tokens: u32,
     finish_reason: &'static str,
     include_usage: bool,
@@ -497,6 +514,7 @@ impl Reply {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         })
     }
 
@@ -623,6 +641,7 @@ impl StreamState {
     /// Renders one event; returns Err when the request failed mid-stream.
     fn render(&mut self, event: SeqEvent, out: &mut Vec<u8>) -> Result<(), std::io::Error> {
         match event {
+            SeqEvent::Admitted { .. } => Ok(()),
             SeqEvent::Token(index) => {
                 let text = tokens::token_text(self.reply.seed, index);
                 self.reply.chunk(out, Some(text), false, false);
@@ -725,9 +744,73 @@ async fn not_found(uri: axum::http::Uri) -> Response {
         code: "not_found",
         message: format!(
             "no route {}: the engine serves /v1/chat/completions, /v1/completions, \
-             /v1/models, /health, /metrics and /admin/*",
+             /v1/models, /tokenize, /health, /metrics and /admin/*",
             uri.path()
         ),
+    }
+    .into_response()
+}
+
+/// The body of `POST /tokenize`, in vLLM's shape: a plain `prompt`, or chat `messages`
+/// (with optional `tools`) rendered through the template.
+#[derive(Debug, Deserialize)]
+struct TokenizeRequest {
+    #[serde(default)]
+    model: Option<String>,
+    #[serde(default)]
+    prompt: Option<String>,
+    #[serde(default)]
+    messages: Option<Vec<serde_json::Map<String, Value>>>,
+    #[serde(default)]
+    tools: Option<Value>,
+    /// Whether the reply header ends the rendered chat (vLLM's default: true).
+    #[serde(default)]
+    add_generation_prompt: Option<bool>,
+}
+
+/// `POST /tokenize`: the prompt's token ids as this engine counts them, so a gateway can ask
+/// for exact counts. `{"count", "max_model_len", "tokens"}`.
+async fn tokenize(State(shared): State<Arc<Shared>>, body: Bytes) -> Response {
+    let req: TokenizeRequest = match parse(&body) {
+        Ok(r) => r,
+        Err(e) => return e.into_response(),
+    };
+    let cfg = &shared.config;
+    if let Some(model) = req.model.as_deref().filter(|m| *m != cfg.model) {
+        return model_not_found(model, &cfg.model);
+    }
+    if shared.stats.borrow().state == EngineState::Crashed {
+        return ApiError::unavailable().into_response();
+    }
+    let ids = match (req.prompt, req.messages) {
+        (Some(prompt), None) => cfg.tokenizer.encode_prompt(&prompt),
+        (None, Some(messages)) => cfg.tokenizer.render_chat(
+            &chat_messages(messages),
+            req.tools.as_ref(),
+            req.add_generation_prompt.unwrap_or(true),
+        ),
+        _ => {
+            return ApiError::bad_request(
+                "invalid_request",
+                "send either `prompt` (a string) or `messages` (a chat), not both",
+            )
+            .into_response()
+        }
+    };
+    Json(json!({
+        "count": ids.len(),
+        "max_model_len": cfg.gpu.max_model_len,
+        "tokens": ids,
+    }))
+    .into_response()
+}
+
+fn model_not_found(asked: &str, served: &str) -> Response {
+    ApiError {
+        status: StatusCode::NOT_FOUND,
+        kind: "invalid_request_error",
+        code: "model_not_found",
+        message: format!("the model `{asked}` does not exist; this engine serves `{served}`"),
     }
     .into_response()
 }

@@ -159,10 +159,9 @@ async fn chat_and_completions_follow_the_openai_shapes_with_exact_usage() {
     let completion = usage["completion_tokens"].as_u64().unwrap();
     assert!((8..=16).contains(&completion), "{usage}");
     assert_eq!(content.split_whitespace().count() as u64, completion);
-    assert_eq!(
-        usage["prompt_tokens"].as_u64().unwrap(),
-        u64::from(levee_engine::estimate_chat_prompt_tokens([prompt]))
-    );
+    // The engine's own count: "Why", " do", " rivers", " need", " levees", "?", plus 4
+    // per prompt and 5 per message (levee's rule would say 7 + 6 = 13).
+    assert_eq!(usage["prompt_tokens"], 6 + 4 + 5);
     assert_eq!(body["choices"][0]["finish_reason"], "stop");
 
     // max_tokens caps the length and makes the finish reason "length".
@@ -207,7 +206,8 @@ async fn chat_and_completions_follow_the_openai_shapes_with_exact_usage() {
     .await;
     let body: Value = resp.json().await.unwrap();
     assert_eq!(body["object"], "text_completion");
-    assert_eq!(body["usage"]["prompt_tokens"], 2);
+    // A begin-of-sequence token, "abcdef", "gh".
+    assert_eq!(body["usage"]["prompt_tokens"], 3);
     assert_eq!(body["usage"]["completion_tokens"], 5);
     let resp = post(
         &client,
@@ -608,7 +608,10 @@ async fn a_disconnected_stream_frees_its_slot_and_kv_at_once() {
 
 #[tokio::test(start_paused = true)]
 async fn metrics_match_what_the_engine_did() {
-    let (engine, client) = start(EngineConfig::tiny_fast()).await;
+    let mut config = EngineConfig::tiny_fast();
+    // Live gauges: this test reads them right after the last request.
+    config.metrics_refresh_secs = 0.0;
+    let (engine, client) = start(config).await;
     let model = engine.config().model.clone();
     let (mut prompt_total, mut completion_total) = (0u64, 0u64);
     let mut lengths = 0;
@@ -919,5 +922,296 @@ async fn a_crash_while_hung_restarts_on_time_and_clears_the_hang() {
         .await
         .unwrap();
     assert!(!engine.admin_state().faults.hang);
+    engine.shutdown().await.unwrap();
+}
+
+#[tokio::test(start_paused = true)]
+async fn tokenize_answers_the_count_that_usage_reports() {
+    let (engine, client) = start(EngineConfig::tiny_fast()).await;
+    let model = engine.config().model.clone();
+    let messages = json!([
+        {"role": "system", "content": "You answer questions about flood defences."},
+        {"role": "user", "content": "堤坝为什么会渗水？"},
+    ]);
+    let tools = json!([{"type": "function", "function": {"name": "gauge_level",
+        "description": "Water level at a gauge, in millimetres",
+        "parameters": {"type": "object", "properties": {"gauge": {"type": "string"}}}}}]);
+    let t: Value = post(
+        &client,
+        &engine,
+        "/tokenize",
+        json!({"model": model, "messages": messages, "tools": tools}),
+    )
+    .await
+    .json()
+    .await
+    .unwrap();
+    let count = t["count"].as_u64().unwrap();
+    assert_eq!(t["tokens"].as_array().unwrap().len() as u64, count);
+    assert_eq!(t["max_model_len"], 1024);
+    // The same chat sent for completion reports the same prompt tokens.
+    let body: Value = post(
+        &client,
+        &engine,
+        "/v1/chat/completions",
+        json!({"model": model, "messages": messages, "tools": tools, "max_tokens": 2}),
+    )
+    .await
+    .json()
+    .await
+    .unwrap();
+    assert_eq!(body["usage"]["prompt_tokens"].as_u64().unwrap(), count);
+    // Without the reply header: 3 tokens fewer. A plain prompt: BOS and its tokens.
+    let t: Value = post(
+        &client,
+        &engine,
+        "/tokenize",
+        json!({"messages": messages, "tools": tools, "add_generation_prompt": false}),
+    )
+    .await
+    .json()
+    .await
+    .unwrap();
+    assert_eq!(t["count"].as_u64().unwrap(), count - 3);
+    let t: Value = post(
+        &client,
+        &engine,
+        "/tokenize",
+        json!({"prompt": "river 2024"}),
+    )
+    .await
+    .json()
+    .await
+    .unwrap();
+    // BOS, "river", " ", "202", "4".
+    assert_eq!(t["count"], 5);
+    // Another model, or neither prompt nor messages: errors in OpenAI's shape.
+    let r = post(
+        &client,
+        &engine,
+        "/tokenize",
+        json!({"model": "x", "prompt": "a"}),
+    )
+    .await;
+    assert_eq!(r.status(), 404);
+    let r = post(&client, &engine, "/tokenize", json!({"model": model})).await;
+    assert_eq!(r.status(), 400);
+    engine.shutdown().await.unwrap();
+}
+
+#[tokio::test(start_paused = true)]
+async fn usage_counts_text_parts_tools_tool_calls_and_images() {
+    let (engine, client) = start(EngineConfig::tiny_fast()).await;
+    let model = engine.config().model.clone();
+    let prompt_tokens = |body: Value| {
+        let (client, url) = (client.clone(), engine.base_url());
+        async move {
+            let r: Value = client
+                .post(format!("{url}/v1/chat/completions"))
+                .json(&body)
+                .send()
+                .await
+                .unwrap()
+                .json()
+                .await
+                .unwrap();
+            r["usage"]["prompt_tokens"].as_u64().unwrap()
+        }
+    };
+    let user = |content: Value| {
+        json!({"model": model, "max_tokens": 1,
+        "messages": [{"role": "user", "content": content}]})
+    };
+    let text = prompt_tokens(user(json!("Check the gauge"))).await;
+    assert_eq!(text, 3 + 4 + 5);
+    // The same text as an array of parts counts the same; a second part adds itself and a
+    // newline.
+    let parts = prompt_tokens(user(json!([{"type": "text", "text": "Check the gauge"}]))).await;
+    assert_eq!(parts, text);
+    let two = prompt_tokens(user(json!([{"type": "text", "text": "Check the gauge"},
+        {"type": "text", "text": "now"}])))
+    .await;
+    assert_eq!(two, text + 2);
+    // An image part costs a fixed 256 tokens, whatever its URL.
+    let image = prompt_tokens(user(json!([{"type": "text", "text": "Check the gauge"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}])))
+    .await;
+    assert_eq!(
+        image,
+        text + u64::from(levee_engine::tokenizer::IMAGE_TOKENS)
+    );
+    // Tool definitions are rendered into the prompt.
+    let mut with_tools = user(json!("Check the gauge"));
+    with_tools["tools"] = json!([{"type": "function", "function": {"name": "gauge_level",
+        "parameters": {"type": "object", "properties": {"gauge": {"type": "string"}}}}}]);
+    let tools = prompt_tokens(with_tools).await;
+    assert!(tools > text + 10, "{tools} vs {text}");
+    // An assistant's tool call counts its name and arguments.
+    let call = json!({"model": model, "max_tokens": 1, "messages": [
+        {"role": "user", "content": "Check the gauge"},
+        {"role": "assistant", "content": null, "tool_calls": [{"id": "c1", "type": "function",
+            "function": {"name": "gauge_level", "arguments": "{\"gauge\":\"A-17\"}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "4125"},
+    ]});
+    let with_call = prompt_tokens(call).await;
+    let call_tokens = levee_engine::tokenizer::count_text("gauge_level")
+        + levee_engine::tokenizer::count_text("{\"gauge\":\"A-17\"}")
+        + 2;
+    assert_eq!(with_call, text + 5 + u64::from(call_tokens) + 5 + 2);
+    // levee's rule on request counts exactly as levee's fallback does: text only.
+    engine.shutdown().await.unwrap();
+    let mut config = EngineConfig::tiny_fast();
+    config.tokenizer = levee_engine::TokenizerKind::LeveeRule;
+    let (engine, client) = start(config).await;
+    let r: Value = client
+        .post(format!("{}/v1/chat/completions", engine.base_url()))
+        .json(
+            &json!({"model": model, "max_tokens": 1, "messages": [{"role": "user",
+            "content": [{"type": "text", "text": "水水水水水"},
+                {"type": "image_url", "image_url": {"url": "x"}}]}]}),
+        )
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(
+        r["usage"]["prompt_tokens"],
+        levee_engine::estimate_chat_prompt_tokens(["水水水水水"])
+    );
+    engine.shutdown().await.unwrap();
+}
+
+#[tokio::test(start_paused = true)]
+async fn gauges_show_the_engine_as_of_the_last_refresh() {
+    let mut config = EngineConfig::tiny_fast();
+    config.metrics_refresh_secs = 2.0;
+    config.gpu.max_model_len = 1024;
+    let (engine, client) = start(config).await;
+    let model = engine.config().model.clone();
+    let running = || {
+        let (client, url) = (client.clone(), engine.base_url());
+        async move {
+            let text = client
+                .get(format!("{url}/metrics"))
+                .send()
+                .await
+                .unwrap()
+                .text()
+                .await
+                .unwrap();
+            metric(&text, "vllm:num_requests_running", "")
+        }
+    };
+    let t0 = Instant::now();
+    // 500 tokens at ~11 ms a step: running for about 5.5 s.
+    let body = chat(&model, "a long answer please", 500, true);
+    let stream = tokio::spawn({
+        let (client, url) = (client.clone(), engine.base_url());
+        async move {
+            client
+                .post(format!("{url}/v1/chat/completions"))
+                .json(&body)
+                .send()
+                .await
+                .unwrap()
+                .text()
+                .await
+                .unwrap()
+        }
+    });
+    engine.wait_for(|s| s.running == 1).await.unwrap();
+    // Running now, but the gauges were last refreshed at start: still 0.
+    assert!(t0.elapsed() < Duration::from_secs(2));
+    assert_eq!(running().await, 0.0);
+    // After the refresh at 2 s they show it.
+    tokio::time::sleep_until(t0 + Duration::from_millis(2_001)).await;
+    assert_eq!(running().await, 1.0);
+    // It finishes before 6 s; the gauge says 1 until the refresh after that.
+    let text = stream.await.unwrap();
+    assert!(text.ends_with("data: [DONE]\n\n"));
+    let done = t0.elapsed();
+    assert!(done < Duration::from_secs(6), "{done:?}");
+    assert_eq!(engine.stats().running, 0);
+    assert_eq!(running().await, 1.0);
+    tokio::time::sleep_until(t0 + Duration::from_millis(6_001)).await;
+    assert_eq!(running().await, 0.0);
+    engine.shutdown().await.unwrap();
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_conversation_resent_with_its_history_hits_the_prefix_cache() {
+    let (engine, client) = start(EngineConfig::tiny_fast()).await;
+    let model = engine.config().model.clone();
+    let send = |messages: Value| {
+        let (client, url, model) = (client.clone(), engine.base_url(), model.clone());
+        async move {
+            let r: Value = client
+                .post(format!("{url}/v1/chat/completions"))
+                .json(&json!({"model": model, "messages": messages, "max_tokens": 12}))
+                .send()
+                .await
+                .unwrap()
+                .json()
+                .await
+                .unwrap();
+            r
+        }
+    };
+    let question = "How high does the river rise in a wet spring, and how quickly? ".repeat(4);
+    let first = send(json!([{"role": "user", "content": question}])).await;
+    let p1 = first["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert_eq!(first["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    let answer = first["choices"][0]["message"]["content"].as_str().unwrap();
+    // The next turn resends the first question and the answer, then asks again: the
+    // first turn's prompt and answer are a prefix of it, cached in whole blocks.
+    let second = send(json!([
+        {"role": "user", "content": question},
+        {"role": "assistant", "content": answer},
+        {"role": "user", "content": "And in a dry one?"},
+    ]))
+    .await;
+    let cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    // The first turn's prompt and 12 answer tokens, less the partial last block.
+    assert_eq!(cached, (p1 + 12) / 16 * 16, "{second}");
+    // A different conversation misses.
+    let other = send(json!([{"role": "user", "content": "Something else entirely."}])).await;
+    assert_eq!(other["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    let m = get(&client, &engine, "/metrics")
+        .await
+        .text()
+        .await
+        .unwrap();
+    let p2 = second["usage"]["prompt_tokens"].as_u64().unwrap();
+    let p3 = other["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert_eq!(
+        metric(&m, "vllm:prefix_cache_queries_total", ""),
+        (p1 + p2 + p3) as f64
+    );
+    assert_eq!(
+        metric(&m, "vllm:prefix_cache_hits_total", ""),
+        cached as f64
+    );
+    // With the prefix cache off nothing is cached.
+    engine.shutdown().await.unwrap();
+    let mut config = EngineConfig::tiny_fast();
+    config.gpu.prefix_caching = false;
+    let (engine, client) = start(config).await;
+    for _ in 0..2 {
+        let r: Value = client
+            .post(format!("{}/v1/chat/completions", engine.base_url()))
+            .json(&json!({"model": model, "max_tokens": 2,
+                "messages": [{"role": "user", "content": question}]}))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        assert_eq!(r["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    }
     engine.shutdown().await.unwrap();
 }

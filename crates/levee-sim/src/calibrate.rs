@@ -3,7 +3,8 @@
 //! The sweep is closed loop: at each concurrency level `c` (1, 2, 4, 8, 16 by default), `c`
 //! workers each send a streaming chat request, wait for its end, and send the next, until
 //! the level's time or request budget runs out. Every prompt is new text (a unique id first,
-//! then seeded random words), so no prefix cache makes the server look faster than it is.
+//! then seeded English prose), so no prefix cache makes the server look faster than it is,
+//! except in the warm probe, which measures that cache on purpose.
 //! Per level it records requests per second, time to first token, inter-token latency and
 //! output tokens per second. A second, short series at concurrency 1 measures TTFT against
 //! prompt length: the prefill cost; a third, whether a prompt arriving during another's
@@ -26,21 +27,27 @@
 //!   tokens, tokenizing): the sweep's TTFT at concurrency 1 less its prompt's tokens at that
 //!   slope and one decode step of one sequence, two with `first_token_next_step` (without a
 //!   level 1, the prefill line at zero tokens less the steps);
+//! - `prefix_caching`, `cached_prefill_cost`: the warm probe (the longest prompt of the
+//!   prefill series sent twice, the same text): the TTFT the repeat saved over what skipping
+//!   every token the simulated engine would find cached would save; a repeat that saves less
+//!   than a tenth of that is no prefix cache;
 //! - `max_running_seqs`: the slots the server reports (llama.cpp's `/props`), else the
 //!   level at which throughput stops growing;
 //! - KV capacity and `max_model_len`: what the server reports (`/props` for llama.cpp,
 //!   `/v1/models` and `vllm:cache_config_info` for vLLM), else a default.
 //!
-//! Token counts are in the simulated engine's units (`ceil(chars / 4)` per message, see
-//! [`levee_engine::estimate_chat_prompt_tokens`]): the profile exists to make the simulator
-//! reproduce the server's timing for the same request text.
+//! Token counts are in the simulated engine's units (its own tokenizer and chat template,
+//! [`levee_engine::tokenizer`]; the prompts are English prose): the profile exists to make
+//! the simulator reproduce the server's timing for the same request text, whatever the
+//! server's own tokenizer.
 
 use crate::exchange::{attempt, http_client, HttpClient};
 use crate::recorder::Kind;
+use crate::text::{self, TextKind};
 use anyhow::Context as _;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full, Limited};
-use levee_engine::{EngineConfig, KV_BLOCK_SIZE};
+use levee_engine::{tokenizer, EngineConfig, KV_BLOCK_SIZE};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
@@ -177,6 +184,35 @@ impl PairProbe {
     }
 }
 
+/// A prompt sent twice in a row, the same text both times, at concurrency 1: how much of
+/// its prefill the server's prefix cache saves.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct WarmProbe {
+    /// Prompt tokens (simulated-engine units).
+    pub prompt_tokens: u32,
+    /// Median TTFT of the first send, ms.
+    pub cold_ttft_p50_ms: f64,
+    /// Median TTFT of the repeat, ms.
+    pub warm_ttft_p50_ms: f64,
+}
+
+impl WarmProbe {
+    /// What a cached prompt token still costs, as a fraction of a computed one, given the
+    /// prefill cost per token (µs): the TTFT the repeat saved, over what skipping every
+    /// token the simulated engine would find cached (all but the last block's worth: at most
+    /// `prompt − 1` tokens, in whole 16-token blocks) would save. 0 = a cached token is
+    /// free (vLLM), 1 = no saving; `None` without a prefill cost to compare with.
+    pub fn cached_prefill_cost(&self, prefill_us_per_token: f64) -> Option<f64> {
+        let cached =
+            f64::from(self.prompt_tokens.saturating_sub(1) / KV_BLOCK_SIZE * KV_BLOCK_SIZE);
+        let full_saving_ms = cached * prefill_us_per_token / 1000.0;
+        (full_saving_ms > 0.0).then(|| {
+            let saved = self.cold_ttft_p50_ms - self.warm_ttft_p50_ms;
+            (1.0 - saved / full_saving_ms).clamp(0.0, 1.0)
+        })
+    }
+}
+
 /// Everything one calibration run measured.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Sweep {
@@ -197,6 +233,9 @@ pub struct Sweep {
     /// The staggered pair (absent with `--no-prefill`, and in sweeps written before it).
     #[serde(default)]
     pub pair: Option<PairProbe>,
+    /// The repeated prompt (absent with `--no-prefill`, and in sweeps written before it).
+    #[serde(default)]
+    pub warm: Option<WarmProbe>,
 }
 
 /// Runs `levee sim calibrate`.
@@ -308,10 +347,13 @@ pub async fn measure(args: &CalibrateArgs) -> anyhow::Result<Sweep> {
             });
         }
     }
-    let pair = if args.no_prefill {
-        None
+    let (pair, warm) = if args.no_prefill {
+        (None, None)
     } else {
-        Some(pair_probe(&client, &base, &model, &prompts, args).await?)
+        (
+            Some(pair_probe(&client, &base, &model, &prompts, args).await?),
+            Some(warm_probe(&client, &base, &model, &prompts, args).await?),
+        )
     };
     // Each level runs in `rounds` slices, the levels taking turns, so that a change in the
     // machine's load (other work on the same cores) spreads over every level instead of
@@ -348,6 +390,43 @@ pub async fn measure(args: &CalibrateArgs) -> anyhow::Result<Sweep> {
         levels,
         prefill,
         pair,
+        warm,
+    })
+}
+
+/// Measures [`WarmProbe`] with the longest prompt of the prefill series: a new prompt, then
+/// the same body again, `prefill_repeats` times (a new prompt each time).
+async fn warm_probe(
+    client: &HttpClient,
+    base: &str,
+    model: &str,
+    prompts: &PromptMaker,
+    args: &CalibrateArgs,
+) -> anyhow::Result<WarmProbe> {
+    let len = args
+        .prefill_lengths
+        .iter()
+        .copied()
+        .max()
+        .unwrap_or(args.prompt_tokens);
+    let (mut cold, mut warm) = (Vec::new(), Vec::new());
+    for _ in 0..args.prefill_repeats.max(1) {
+        let body = prompts.body(model, len, 2);
+        let first = one_request(client, base, body.clone()).await;
+        let again = one_request(client, base, body).await;
+        if let (Some(c), Some(w)) = (first.ttft_ms, again.ttft_ms) {
+            cold.push(c);
+            warm.push(w);
+        }
+    }
+    anyhow::ensure!(
+        !cold.is_empty(),
+        "calibrate: every pair of the repeated-prompt probe to {base} failed"
+    );
+    Ok(WarmProbe {
+        prompt_tokens: len,
+        cold_ttft_p50_ms: quantile(&mut cold, 0.5),
+        warm_ttft_p50_ms: quantile(&mut warm, 0.5),
     })
 }
 
@@ -439,7 +518,8 @@ async fn one_request(client: &HttpClient, base: &str, body: String) -> Timed {
         };
         let admitted = AtomicBool::new(false);
         let Ok(result) =
-            tokio::time::timeout_at(deadline, attempt(client, request, start, &admitted)).await
+            tokio::time::timeout_at(deadline, attempt(client, request, start, &admitted, false))
+                .await
         else {
             return failed("timeout");
         };
@@ -549,22 +629,15 @@ fn quantile(values: &mut [f64], q: f64) -> f64 {
     values[rank.clamp(1, values.len()) - 1]
 }
 
-/// Words the prompts are made of: common, so any tokenizer splits them into few tokens.
-const WORDS: &[&str] = &[
-    "river", "water", "stone", "bank", "field", "storm", "rain", "cloud", "wind", "town", "road",
-    "bridge", "light", "night", "morning", "summer", "winter", "green", "blue", "small", "large",
-    "quick", "slow", "old", "new", "house", "door", "window", "garden", "tree", "leaf", "bird",
-    "song", "story", "letter", "paper", "table", "chair", "market", "bread", "apple", "salt",
-    "ship", "harbor", "island", "mountain", "valley", "forest", "path", "fire", "iron", "gold",
-    "silver", "clock", "hour", "minute", "number", "question", "answer", "reason", "friend",
-    "family", "child", "teacher",
-];
-
 /// Makes unique prompts of a given length (simulated-engine tokens).
 struct PromptMaker {
     rng: std::sync::Mutex<SmallRng>,
     next_id: std::sync::atomic::AtomicU64,
 }
+
+/// Template tokens of a one-message chat in the simulated engine.
+const CHAT_TEMPLATE_TOKENS: u32 =
+    tokenizer::CHAT_TOKENS_PER_PROMPT + tokenizer::CHAT_TOKENS_PER_MESSAGE;
 
 impl PromptMaker {
     fn new(seed: u64) -> Self {
@@ -574,29 +647,31 @@ impl PromptMaker {
         }
     }
 
-    /// Text of exactly `chars` characters: a unique id, then random words.
-    fn text(&self, chars: usize) -> String {
+    /// Text of exactly `tokens` simulated-engine tokens (at least the id's): a unique id,
+    /// then English prose.
+    fn text(&self, tokens: u32) -> String {
         let id = self
             .next_id
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let mut out = format!("Request {id}: tell a story about");
-        let mut rng = match self.rng.lock() {
-            Ok(g) => g,
-            Err(poisoned) => poisoned.into_inner(),
+        // The id line ends in a newline, which merges with nothing after it.
+        let mut out = format!("Request {id}:\n");
+        let seed = match self.rng.lock() {
+            Ok(mut g) => g.gen(),
+            Err(poisoned) => poisoned.into_inner().gen(),
         };
-        while out.len() < chars {
-            out.push(' ');
-            out.push_str(WORDS[rng.gen_range(0..WORDS.len())]);
-        }
-        out.truncate(chars);
+        let rest = tokens.saturating_sub(tokenizer::count_text(&out));
+        text::write(
+            TextKind::English,
+            rest,
+            &mut SmallRng::seed_from_u64(seed),
+            &mut out,
+        );
         out
     }
 
     /// A streaming chat body whose prompt is `prompt_tokens` simulated-engine tokens.
     fn body(&self, model: &str, prompt_tokens: u32, output_tokens: u32) -> String {
-        // One user message costs 2 + 4 + ceil(chars / 4) tokens.
-        let chars = 4 * prompt_tokens.saturating_sub(6).max(8) as usize;
-        let content = self.text(chars);
+        let content = self.text(prompt_tokens.saturating_sub(CHAT_TEMPLATE_TOKENS).max(8));
         serde_json::json!({
             "model": model,
             "messages": [{"role": "user", "content": content}],
@@ -712,6 +787,9 @@ fn throughput_knee(levels: &[LevelResult]) -> Option<u32> {
         .min()
 }
 
+/// A measured cached-token cost at or above this is no prefix cache at all.
+const NO_PREFIX_CACHE: f64 = 0.9;
+
 /// Context length assumed when the server does not say.
 const DEFAULT_MAX_MODEL_LEN: u32 = 4096;
 
@@ -780,6 +858,12 @@ pub fn fit(sweep: &Sweep, name: &str) -> anyhow::Result<EngineConfig> {
         - prefill_us_per_token * f64::from(sweep.prompt_tokens) / 1000.0
         - steps_in_ttft * one_step_ms)
         .max(0.0);
+    // Prefix cache: how much of a repeated prompt's prefill the server skipped. Saving
+    // less than a tenth of what skipping the cached tokens would save is no prefix cache.
+    let cached_cost = sweep
+        .warm
+        .as_ref()
+        .and_then(|w| w.cached_prefill_cost(prefill_us_per_token));
     let max_model_len = sweep.server.max_model_len.unwrap_or(DEFAULT_MAX_MODEL_LEN);
     let kv = sweep
         .server
@@ -798,6 +882,10 @@ pub fn fit(sweep: &Sweep, name: &str) -> anyhow::Result<EngineConfig> {
     g.decode_ms_by_batch = decode_ms_by_batch;
     g.prefill_base_ms = round_to(prefill_base_ms, 2);
     g.first_token_next_step = first_token_next_step;
+    if let Some(cost) = cached_cost {
+        g.prefix_caching = cost < NO_PREFIX_CACHE;
+        g.cached_prefill_cost = round_to(cost, 2);
+    }
     g.max_running_seqs = slots;
     g.kv_capacity_tokens = kv_capacity_tokens;
     g.max_model_len = max_model_len.min(kv_capacity_tokens);
@@ -840,7 +928,7 @@ fn profile_toml(profile: &EngineConfig, sweep: &Sweep, command: &str) -> anyhow:
         "# Engine profile fitted by `levee sim calibrate` against {} (model {}).\n\
          # Written by: {command}\n\
          # Load it with `levee engine --profile-file FILE`. Token counts are the simulated\n\
-         # engine's (ceil(chars / 4) per message), so the same request text takes the same time.\n\
+         # engine's (its own tokenizer), so the same request text takes the same time.\n\
          {body}",
         sweep.target, sweep.model
     ))
@@ -868,6 +956,12 @@ pub fn sweep_table(sweep: &Sweep) -> String {
             ));
         }
         out.push('\n');
+    }
+    if let Some(w) = &sweep.warm {
+        out.push_str(&format!(
+            "repeated prompt ({} tok): TTFT {:.1} ms new, {:.1} ms again\n",
+            w.prompt_tokens, w.cold_ttft_p50_ms, w.warm_ttft_p50_ms
+        ));
     }
     if let Some(p) = &sweep.pair {
         out.push_str(&format!(
@@ -1034,6 +1128,7 @@ mod tests {
                 },
             ],
             pair: None,
+            warm: None,
         }
     }
 
@@ -1081,6 +1176,51 @@ mod tests {
         let c = fit(&sweep(levels, ServerInfo::default()), "t").unwrap();
         assert_eq!(c.gpu.max_running_seqs, 4);
         assert_eq!(c.gpu.max_model_len, DEFAULT_MAX_MODEL_LEN);
+    }
+
+    #[test]
+    fn a_repeated_prompt_gives_the_cost_of_a_cached_token() {
+        // Prefill 300 µs a token (the sweep() helper's series). A 257-token prompt: the
+        // simulated engine would find 256 of its tokens cached, saving 76.8 ms.
+        let levels = vec![level(1, 2.0, 39.2, 12.0), level(2, 3.5, 31.0, 14.0)];
+        let mut s = sweep(levels, ServerInfo::default());
+        let warm = |cold, warm| WarmProbe {
+            prompt_tokens: 257,
+            cold_ttft_p50_ms: cold,
+            warm_ttft_p50_ms: warm,
+        };
+        // Saved all of it: cached tokens are free.
+        s.warm = Some(warm(100.0, 23.2));
+        let g = fit(&s, "t").unwrap().gpu;
+        assert!(g.prefix_caching);
+        assert_eq!(g.cached_prefill_cost, 0.0);
+        // Saved a quarter: a cached token still costs three quarters.
+        s.warm = Some(warm(100.0, 80.8));
+        let g = fit(&s, "t").unwrap().gpu;
+        assert!(g.prefix_caching);
+        assert_eq!(g.cached_prefill_cost, 0.75);
+        // Saved nothing (or the repeat was slower): no prefix cache.
+        s.warm = Some(warm(100.0, 104.0));
+        let g = fit(&s, "t").unwrap().gpu;
+        assert!(!g.prefix_caching);
+        assert_eq!(g.cached_prefill_cost, 1.0);
+        // Not measured: the engine's defaults.
+        s.warm = None;
+        let g = fit(&s, "t").unwrap().gpu;
+        assert_eq!(
+            (g.prefix_caching, g.cached_prefill_cost),
+            (EngineConfig::small().gpu.prefix_caching, 0.0)
+        );
+        // A prompt of one block or less has nothing to find cached.
+        assert_eq!(
+            WarmProbe {
+                prompt_tokens: 16,
+                cold_ttft_p50_ms: 10.0,
+                warm_ttft_p50_ms: 5.0
+            }
+            .cached_prefill_cost(300.0),
+            None
+        );
     }
 
     #[test]
@@ -1164,7 +1304,13 @@ mod tests {
         );
         assert_ne!(ta, tb);
         assert_ne!(ta[..12], tb[..12], "the id comes first: no shared prefix");
-        let tokens = levee_engine::estimate_chat_prompt_tokens([ta]);
+        let tokens = levee_engine::TokenizerKind::Engine
+            .render_chat(
+                &[tokenizer::Message::from_json(&a["messages"][0])],
+                None,
+                true,
+            )
+            .len();
         assert_eq!(tokens, 64);
         assert_eq!(a["ignore_eos"], true);
         assert_eq!(a["max_tokens"], 8);

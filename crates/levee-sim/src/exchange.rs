@@ -71,6 +71,9 @@ pub(crate) struct AttemptResult {
     pub itl_us: Vec<u32>,
     /// The server's requested wait (Retry-After / retry-after-ms).
     pub retry_after: Option<Duration>,
+    /// The answer's text, when the caller asked to keep it (a session's next turn resends
+    /// it); empty otherwise.
+    pub content: String,
 }
 
 impl AttemptResult {
@@ -82,6 +85,7 @@ impl AttemptResult {
             tokens: 0,
             itl_us: Vec::new(),
             retry_after: None,
+            content: String::new(),
         }
     }
 }
@@ -134,6 +138,17 @@ struct Delta {
 struct Completion {
     #[serde(default)]
     usage: Option<Usage>,
+    #[serde(default)]
+    choices: Vec<CompletionChoice>,
+}
+
+#[derive(Deserialize)]
+struct CompletionChoice {
+    #[serde(default)]
+    message: Option<Delta>,
+    /// `/v1/completions` answers carry `text` instead of a message.
+    #[serde(default)]
+    text: Option<String>,
 }
 
 /// Largest error body read: enough for any OpenAI-style error, small enough that a
@@ -147,12 +162,13 @@ fn ns_since(start: Instant) -> u64 {
 /// Sends one request and reads the whole answer. The caller applies the timeout (dropping
 /// this future closes the connection: the client disconnects). `admitted` is set as soon as
 /// a 2xx status arrives, so that a caller whose timeout cut a stream still knows the
-/// server had accepted it.
+/// server had accepted it. With `keep_content` the answer's text is kept in the result.
 pub(crate) async fn attempt(
     client: &HttpClient,
     request: http::Request<Full<Bytes>>,
     start: Instant,
     admitted: &AtomicBool,
+    keep_content: bool,
 ) -> AttemptResult {
     let response = match client.request(request).await {
         Ok(r) => r,
@@ -212,11 +228,17 @@ pub(crate) async fn attempt(
                 }
             }
         };
-        let tokens = serde_json::from_slice::<Completion>(&bytes)
-            .ok()
-            .and_then(|c| c.usage)
+        let completion = serde_json::from_slice::<Completion>(&bytes).ok();
+        let tokens = completion
+            .as_ref()
+            .and_then(|c| c.usage.as_ref())
             .and_then(|u| u.completion_tokens)
             .unwrap_or(0);
+        let content = completion
+            .filter(|_| keep_content)
+            .and_then(|c| c.choices.into_iter().next())
+            .and_then(|c| c.message.and_then(|m| m.content).or(c.text))
+            .unwrap_or_default();
         return AttemptResult {
             kind: Kind::Ok,
             admitted: true,
@@ -224,10 +246,14 @@ pub(crate) async fn attempt(
             tokens,
             itl_us: Vec::new(),
             retry_after: None,
+            content,
         };
     }
 
-    let mut sse = SseState::default();
+    let mut sse = SseState {
+        keep_content,
+        ..SseState::default()
+    };
     loop {
         match body.frame().await {
             None => break,
@@ -260,6 +286,7 @@ pub(crate) async fn attempt(
         tokens: sse.usage_tokens.unwrap_or(sse.chunks),
         itl_us: sse.itl_us,
         retry_after: None,
+        content: sse.content,
     }
 }
 
@@ -276,6 +303,9 @@ struct SseState {
     done: bool,
     /// A `finish_reason` seen (some servers omit `[DONE]`).
     finished: bool,
+    /// Whether to keep the streamed text in `content`.
+    keep_content: bool,
+    content: String,
 }
 
 impl SseState {
@@ -316,6 +346,9 @@ impl SseState {
                 .and_then(|d| d.content.as_deref())
                 .or(choice.text.as_deref());
             has_content |= text.is_some_and(|t| !t.is_empty());
+            if self.keep_content {
+                self.content.push_str(text.unwrap_or_default());
+            }
             self.finished |= choice.finish_reason.is_some();
         }
         if has_content {

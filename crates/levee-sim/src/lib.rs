@@ -23,6 +23,7 @@ mod runner;
 pub mod scenario;
 pub mod scenarios;
 pub mod scrape;
+pub mod text;
 
 pub use report::Report;
 pub use runner::{run, RunOptions, Target};

@@ -11,6 +11,7 @@ use crate::recorder::{Kind, Record, Recorder, ReportHeader, TaskOutcome};
 use crate::report::{FaultRecord, MetricSeries, Report};
 use crate::scenario::{Behaviour, Scenario};
 use crate::scrape;
+use crate::text::{self, TextKind, TextMix};
 use anyhow::Context;
 use bytes::Bytes;
 use http::header::{HeaderValue, AUTHORIZATION, CONTENT_TYPE};
@@ -108,16 +109,15 @@ struct Ctx {
     start: Instant,
     /// One `Authorization` header per tenant, built once.
     auth: Vec<HeaderValue>,
-    /// Body before the prompt, per class: `{"model":...,"messages":[{"role":"user","content":"`.
+    /// Body before the messages, per class: `{"model":...,"messages":[`.
     body_head: Vec<Vec<u8>>,
+    /// What each `(tenant, class)` writes its prompts in: `texts[tenant][class]`.
+    texts: Vec<Vec<TextMix>>,
     stream: Vec<bool>,
     /// Each class's client behaviour (its own, or the scenario's).
     behaviours: Vec<Behaviour>,
     /// The target's base URL (async clients' `/v1/tasks`).
     base: String,
-    /// "tok tok tok …": one token per word and per four characters, whichever rule the
-    /// server uses to count.
-    filler: String,
     timeout: Duration,
     max_attempts: u32,
     policy: RetryPolicy,
@@ -132,8 +132,18 @@ struct Ctx {
     end_ns: u64,
 }
 
+/// One earlier message of a session, resent with every later turn.
+#[derive(Debug, Clone)]
+struct Said {
+    /// The assistant's answer (else the user's question).
+    assistant: bool,
+    text: String,
+    /// Its tokens as the simulated engine counts them.
+    tokens: u32,
+}
+
 /// One logical request (all its attempts).
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct Req {
     intended_ns: u64,
     tenant: u16,
@@ -143,34 +153,53 @@ struct Req {
     turns_left: u16,
     /// Seeds the session's own generator, so later turns are repeatable too.
     session_seed: u64,
+    /// A later turn's earlier messages (question, answer, question, ...), oldest first;
+    /// `prompt_tokens` is then the new question's.
+    history: Option<Arc<Vec<Said>>>,
 }
 
-const FILLER_TOKENS: usize = 32 * 1024;
+/// Mixed into a request's seed for its prompt text.
+const TEXT_SEED: u64 = 0x7465_7874;
 
 fn ns_since(start: Instant) -> u64 {
     u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX)
 }
 
 impl Ctx {
+    /// The prompt of `req`: `prompt_tokens` tokens (as the simulated engine counts them)
+    /// of its tenant's or class's text, seeded by the request.
+    fn prompt(&self, req: &Req) -> String {
+        let mut rng = SmallRng::seed_from_u64(req.session_seed ^ TEXT_SEED);
+        let kind = self
+            .texts
+            .get(usize::from(req.tenant))
+            .and_then(|t| t.get(usize::from(req.class)))
+            .map_or(TextKind::English, |mix| mix.draw(&mut rng));
+        text::generate(kind, req.prompt_tokens, &mut rng)
+    }
+
     fn body(&self, req: &Req) -> Bytes {
         let class = usize::from(req.class);
         let head = self.body_head.get(class).map_or(&[][..], |h| &h[..]);
-        let n = req.prompt_tokens as usize;
-        let mut out = Vec::with_capacity(head.len() + n * 4 + 128);
+        let prompt = self.prompt(req);
+        let mut out = Vec::with_capacity(head.len() + prompt.len() + 160);
         out.extend_from_slice(head);
-        let mut left = n;
-        while left > 0 {
-            let take = left.min(FILLER_TOKENS);
-            out.extend_from_slice(&self.filler.as_bytes()[..take * 4 - 1]);
-            left -= take;
-            if left > 0 {
-                out.push(b' ');
-            }
+        // Writing a string into a Vec cannot fail.
+        for said in req.history.iter().flat_map(|h| h.iter()) {
+            out.extend_from_slice(if said.assistant {
+                b"{\"role\":\"assistant\",\"content\":"
+            } else {
+                b"{\"role\":\"user\",\"content\":"
+            });
+            let _ = serde_json::to_writer(&mut out, &said.text);
+            out.extend_from_slice(b"},");
         }
+        out.extend_from_slice(b"{\"role\":\"user\",\"content\":");
+        let _ = serde_json::to_writer(&mut out, &prompt);
         // An async client's task is never streamed.
         let stream = self.stream.get(class).copied().unwrap_or(false)
             && self.behaviours.get(class) != Some(&Behaviour::Async);
-        out.extend_from_slice(b"\"}],\"max_tokens\":");
+        out.extend_from_slice(b"}],\"max_tokens\":");
         out.extend_from_slice(req.max_tokens.to_string().as_bytes());
         if stream {
             out.extend_from_slice(b",\"stream\":true,\"stream_options\":{\"include_usage\":true}}");
@@ -400,6 +429,7 @@ fn to_req(a: &Arrival, seed: u64) -> Req {
         max_tokens: a.max_tokens,
         turns_left: a.turns.saturating_sub(1),
         session_seed: seed ^ a.at_ns.rotate_left(17),
+        history: None,
     }
 }
 
@@ -435,7 +465,7 @@ fn build_ctx(
             .context("cannot serialise the request body")?;
         // Reopen the object to append the messages and the per-request fields.
         text.pop();
-        text.push_str(",\"messages\":[{\"role\":\"user\",\"content\":\"");
+        text.push_str(",\"messages\":[");
         body_head.push(text.into_bytes());
     }
     let c = &scenario.client;
@@ -468,7 +498,22 @@ fn build_ctx(
             .map(|c| c.behaviour.unwrap_or(c_behaviour))
             .collect(),
         base: base.to_string(),
-        filler: "tok ".repeat(FILLER_TOKENS),
+        texts: scenario
+            .tenants
+            .iter()
+            .map(|t| {
+                scenario
+                    .classes
+                    .iter()
+                    .map(|c| {
+                        t.text
+                            .clone()
+                            .or_else(|| c.text.clone())
+                            .unwrap_or_else(|| TextMix::one(TextKind::English))
+                    })
+                    .collect()
+            })
+            .collect(),
         timeout: Duration::from_secs_f64(c.timeout_s),
         max_attempts: c.max_attempts,
         policy,
@@ -490,10 +535,9 @@ fn build_ctx(
 
 async fn run_request(ctx: Arc<Ctx>, req: Req, permit: Option<OwnedSemaphorePermit>) {
     ctx.counters.scheduled.fetch_add(1, Ordering::Relaxed);
-    let record = execute(&ctx, &req, permit).await;
+    let (record, answer) = execute(&ctx, &req, permit).await;
     let ok = record.kind == Kind::Ok;
     let done_ns = record.done_ns;
-    let tokens = record.tokens;
     ctx.counters.done.fetch_add(1, Ordering::Relaxed);
     if ok {
         ctx.counters.ok.fetch_add(1, Ordering::Relaxed);
@@ -504,17 +548,18 @@ async fn run_request(ctx: Arc<Ctx>, req: Req, permit: Option<OwnedSemaphorePermi
     // while it matters.
     let _ = ctx.tx.send(record);
     if ok && req.turns_left > 0 {
-        schedule_next_turn(&ctx, &req, done_ns, tokens);
+        schedule_next_turn(&ctx, &req, done_ns, answer);
     }
 }
 
-/// Tokens a one-message chat costs beyond its content (4 for the message, 2 for the prompt).
-const CHAT_FORMAT_TOKENS: u32 = 6;
+/// Template tokens per chat message and per chat prompt in the simulated engine.
+const PER_MESSAGE: u32 = levee_engine::tokenizer::CHAT_TOKENS_PER_MESSAGE;
+const PER_PROMPT: u32 = levee_engine::tokenizer::CHAT_TOKENS_PER_PROMPT;
 
-/// A session's next turn: after a think time, with the history (previous prompt and answer)
-/// plus a new question as its prompt. Turns that would start after the run ends are dropped
-/// before they are scheduled (they were never offered).
-fn schedule_next_turn(ctx: &Arc<Ctx>, req: &Req, done_ns: u64, tokens: u32) {
+/// A session's next turn: after a think time, the history (every earlier question and
+/// answer, as separate messages) and a new question. Turns that would start after the run
+/// ends are dropped before they are scheduled (they were never offered).
+fn schedule_next_turn(ctx: &Arc<Ctx>, req: &Req, done_ns: u64, answer: String) {
     let mut rng = SmallRng::seed_from_u64(req.session_seed);
     let think = ctx.scenario.sessions.think_time_s.sample(&mut rng);
     let intended_ns = done_ns.saturating_add((think * 1e9) as u64);
@@ -524,30 +569,44 @@ fn schedule_next_turn(ctx: &Arc<Ctx>, req: &Req, done_ns: u64, tokens: u32) {
     let class = &ctx.scenario.classes[usize::from(req.class).min(ctx.scenario.classes.len() - 1)];
     let question = class.prompt_tokens.sample(&mut rng).round().max(1.0) as u32;
     let max_tokens = class.max_tokens.sample(&mut rng).round().max(1.0) as u32;
-    let mut prompt_tokens = req
-        .prompt_tokens
-        .saturating_add(tokens)
-        .saturating_add(question);
+    let mut history: Vec<Said> = req.history.as_deref().cloned().unwrap_or_default();
+    history.push(Said {
+        assistant: false,
+        text: ctx.prompt(req),
+        tokens: req.prompt_tokens,
+    });
+    history.push(Said {
+        assistant: true,
+        tokens: levee_engine::tokenizer::count_text(&answer),
+        text: answer,
+    });
     if let Some(window) = ctx.scenario.sessions.context_tokens {
-        // Drop the oldest history (never the new question) until prompt + answer fit, less
-        // the chat format's own tokens (4 per message and 2 per prompt, as OpenAI counts
-        // them: the history is sent as one message).
-        let room = window
-            .saturating_sub(max_tokens)
-            .saturating_sub(CHAT_FORMAT_TOKENS)
-            .max(question.min(window));
-        prompt_tokens = prompt_tokens.min(room);
+        // Drop the oldest question and its answer, then the next, until the history, the
+        // new question, the template's tokens and the answer fit in the window.
+        let fixed = PER_PROMPT + PER_MESSAGE + question + max_tokens;
+        let mut total: u32 = history.iter().map(|m| m.tokens + PER_MESSAGE).sum();
+        let mut dropped = 0;
+        while fixed + total > window && dropped < history.len() {
+            total -= history[dropped].tokens + PER_MESSAGE;
+            dropped += 1;
+            if history.get(dropped).is_some_and(|m| m.assistant) {
+                total -= history[dropped].tokens + PER_MESSAGE;
+                dropped += 1;
+            }
+        }
+        history.drain(..dropped);
     }
     let next = Req {
         intended_ns,
-        prompt_tokens,
+        prompt_tokens: question,
         max_tokens,
         turns_left: req.turns_left - 1,
         session_seed: req
             .session_seed
             .wrapping_mul(0x9e37_79b9_7f4a_7c15)
             .wrapping_add(1),
-        ..*req
+        history: (!history.is_empty()).then(|| Arc::new(history)),
+        ..req.clone()
     };
     let task_ctx = ctx.clone();
     // The tracker may already be closed (the dispatcher finished); spawning on a closed
@@ -586,14 +645,31 @@ fn cancelled(req: &Req, first_sent_ns: Option<u64>, now: u64) -> Record {
 
 /// All attempts of one request, with the client behaviour's retries. `first_permit` is the
 /// send slot the dispatcher already took for the first attempt, if any.
-async fn execute(ctx: &Ctx, req: &Req, mut first_permit: Option<OwnedSemaphorePermit>) -> Record {
+/// Also returns the answer's text when the request is a session turn with turns after it
+/// (empty otherwise).
+async fn execute(
+    ctx: &Ctx,
+    req: &Req,
+    first_permit: Option<OwnedSemaphorePermit>,
+) -> (Record, String) {
+    let mut answer = String::new();
+    let record = attempts(ctx, req, first_permit, &mut answer).await;
+    (record, answer)
+}
+
+async fn attempts(
+    ctx: &Ctx,
+    req: &Req,
+    mut first_permit: Option<OwnedSemaphorePermit>,
+    answer: &mut String,
+) -> Record {
     let behaviour = ctx
         .behaviours
         .get(usize::from(req.class))
         .copied()
         .unwrap_or(Behaviour::None);
     if behaviour == Behaviour::Async {
-        return execute_task(ctx, req, first_permit).await;
+        return execute_task(ctx, req, first_permit, answer).await;
     }
     let body = ctx.body(req);
     let tenant = usize::from(req.tenant);
@@ -640,7 +716,8 @@ async fn execute(ctx: &Ctx, req: &Req, mut first_permit: Option<OwnedSemaphorePe
         };
         ctx.counters.in_flight.fetch_add(1, Ordering::Relaxed);
         let got_2xx = AtomicBool::new(false);
-        let exchange = exchange::attempt(&ctx.client, request, ctx.start, &got_2xx);
+        let keep = req.turns_left > 0;
+        let exchange = exchange::attempt(&ctx.client, request, ctx.start, &got_2xx, keep);
         let result = tokio::select! {
             r = tokio::time::timeout(ctx.timeout, exchange) => r.ok(),
             _ = ctx.cancel.cancelled() => {
@@ -662,6 +739,7 @@ async fn execute(ctx: &Ctx, req: &Req, mut first_permit: Option<OwnedSemaphorePe
             tokens: 0,
             itl_us: Vec::new(),
             retry_after: None,
+            content: String::new(),
         });
         admitted |= result.admitted || got_2xx.load(Ordering::Relaxed);
         let outcome = match &result.kind {
@@ -715,6 +793,7 @@ async fn execute(ctx: &Ctx, req: &Req, mut first_permit: Option<OwnedSemaphorePe
                 }
             }
             None => {
+                *answer = result.content;
                 return Record {
                     intended_ns: req.intended_ns,
                     first_sent_ns,
@@ -730,7 +809,7 @@ async fn execute(ctx: &Ctx, req: &Req, mut first_permit: Option<OwnedSemaphorePe
                     tenant: req.tenant,
                     class: req.class,
                     task: None,
-                }
+                };
             }
         }
     }
@@ -739,7 +818,12 @@ async fn execute(ctx: &Ctx, req: &Req, mut first_permit: Option<OwnedSemaphorePe
 /// Calls the fault schedule's URLs at their times.
 /// An async client: submit to `/v1/tasks`, poll at the advised interval until the task is
 /// final (or the run ends), take the result.
-async fn execute_task(ctx: &Ctx, req: &Req, first_permit: Option<OwnedSemaphorePermit>) -> Record {
+async fn execute_task(
+    ctx: &Ctx,
+    req: &Req,
+    first_permit: Option<OwnedSemaphorePermit>,
+    answer: &mut String,
+) -> Record {
     let mut record = cancelled(req, None, ns_since(ctx.start));
     let permit = match first_permit {
         Some(p) => Some(p),
@@ -849,6 +933,11 @@ async fn execute_task(ctx: &Ctx, req: &Req, first_permit: Option<OwnedSemaphoreP
         record.tokens = last["result"]["usage"]["completion_tokens"]
             .as_u64()
             .map_or(0, |t| u32::try_from(t).unwrap_or(u32::MAX));
+        if req.turns_left > 0 {
+            if let Some(text) = last["result"]["choices"][0]["message"]["content"].as_str() {
+                *answer = text.to_string();
+            }
+        }
     } else {
         record.kind = Kind::Task(outcome.state);
     }

@@ -5,6 +5,7 @@
 //! documented field by field in `docs/sim.md`.
 
 use crate::dist::Dist;
+use crate::text::TextMix;
 use anyhow::Context;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -563,6 +564,10 @@ pub struct Class {
     /// This class's client behaviour instead of `client.behaviour` (e.g. `async` long jobs
     /// beside interactive chat).
     pub behaviour: Option<Behaviour>,
+    /// What this class's prompts are written in (`"english"`, `"cjk"`, `"code"`, `"mixed"`,
+    /// or weights such as `{ cjk = 0.8, english = 0.2 }`); a tenant's own `text` wins.
+    /// Default: English.
+    pub text: Option<TextMix>,
 }
 
 impl Default for Class {
@@ -578,6 +583,7 @@ impl Default for Class {
             slow_max_tokens: Dist::Constant { value: 1000.0 },
             model: None,
             behaviour: None,
+            text: None,
         }
     }
 }
@@ -605,6 +611,9 @@ pub struct Tenant {
     /// tenant's own generator: adding or removing such a tenant leaves everyone else's
     /// requests exactly as they were (e.g. async long jobs beside interactive traffic).
     pub class: Option<String>,
+    /// What this tenant's prompts are written in, whatever their class (see
+    /// [`Class::text`]); e.g. a tenant whose users write Chinese.
+    pub text: Option<TextMix>,
 }
 
 impl Default for Tenant {
@@ -617,6 +626,7 @@ impl Default for Tenant {
             group: None,
             phases: None,
             class: None,
+            text: None,
         }
     }
 }

@@ -46,6 +46,8 @@ async fn a_sweep_against_the_simulated_engine_completes_and_fits_a_loadable_prof
         "{sweep:?}"
     );
     assert_eq!(sweep.prefill.len(), 2);
+    // The repeated prompt is the prefill series' longest.
+    assert_eq!(sweep.warm.as_ref().map(|w| w.prompt_tokens), Some(256));
     // The engine describes itself like vLLM: context from /v1/models, KV from the metrics.
     assert_eq!(sweep.server.max_model_len, Some(known.gpu.max_model_len));
     assert_eq!(
@@ -56,5 +58,6 @@ async fn a_sweep_against_the_simulated_engine_completes_and_fits_a_loadable_prof
     assert_eq!(fitted.model, "known");
     assert_eq!(fitted.gpu.kv_capacity_tokens, known.gpu.kv_capacity_tokens);
     fitted.validate().unwrap();
+    assert!((0.0..=1.0).contains(&fitted.gpu.cached_prefill_cost));
     engine.shutdown().await.unwrap();
 }

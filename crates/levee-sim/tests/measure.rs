@@ -44,9 +44,15 @@ async fn completions(
         .unwrap_or("")
         .trim_start_matches("Bearer ")
         .to_string();
-    let words = body["messages"][0]["content"]
-        .as_str()
-        .map_or(0, |c| c.split(' ').count());
+    // Prompt tokens of every message's text as the simulated engine counts them (the
+    // simulator sizes by it).
+    let words = body["messages"]
+        .as_array()
+        .map_or(&[][..], |m| m.as_slice())
+        .iter()
+        .filter_map(|m| m["content"].as_str())
+        .map(|c| levee_engine::tokenizer::count_text(c) as usize)
+        .sum();
     s.seen
         .lock()
         .unwrap()
@@ -534,11 +540,12 @@ async fn sessions_grow_prompts_and_metrics_and_faults_are_recorded() {
     // Six sessions of three turns.
     assert_eq!(r.totals.scheduled, 18);
     assert_eq!(r.totals.ok, 18);
-    // Turn n's prompt = previous prompt + 5 answer tokens + 10 new ones: 10, 25, 40 words.
+    // Turn n resends every earlier question (10 tokens) and answer ("hi", 1 token) and asks
+    // a new question: 10, 21, 32 tokens of text.
     let mut sizes: Vec<usize> = server.seen.lock().unwrap().iter().map(|s| s.1).collect();
     sizes.sort();
     sizes.dedup();
-    assert_eq!(sizes, vec![10, 25, 40]);
+    assert_eq!(sizes, vec![10, 21, 32]);
 
     let waiting = r
         .metrics
