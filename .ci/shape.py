@@ -181,9 +181,10 @@ def duplicate_blocks(files):
             # (`#[derive(..)]` on every type) say nothing.
             if s.startswith("#") or not re.search(r"[A-Za-z]", s.replace("else", "")):
                 continue
-            # Declarations and data are not logic: a field of a type (`pub name: Type,`) or
-            # of a literal (`name: 5,`) is the same shape in every struct.
-            if re.fullmatch(r"(pub(\([^)]*\))?)?I:[^=]*,", s):
+            # Declarations and data are not logic: a field of a type (`pub name: Type,`), of
+            # a literal (`name: 5,`) or an enum's variant (`Name,`) is the same shape in
+            # every type.
+            if re.fullmatch(r"(pub(\([^)]*\))?)?I:[^=]*,|I(\(.*\))?,", s):
                 continue
             kept.append((no, s))
         for i in range(len(kept) - DUP_LINES + 1):

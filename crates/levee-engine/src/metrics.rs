@@ -187,14 +187,13 @@ impl Metrics {
         Ok(out)
     }
 
-    /// Sets the gauges that describe the engine's state (running, waiting, KV usage).
-    pub fn set_gauges(&self, stats: &crate::scheduler::EngineStats) {
-        self.running
-            .set(i64::try_from(stats.running).unwrap_or(i64::MAX));
-        self.waiting
-            .set(i64::try_from(stats.waiting).unwrap_or(i64::MAX));
-        self.kv_usage.set(stats.kv_usage);
-        self.gpu_cache_usage.set(stats.kv_usage);
+    /// Sets the gauges that describe the engine's state: sequences running and waiting,
+    /// and the KV cache's use (0..=1).
+    pub fn set_gauges(&self, running: usize, waiting: usize, kv_usage: f64) {
+        self.running.set(i64::try_from(running).unwrap_or(i64::MAX));
+        self.waiting.set(i64::try_from(waiting).unwrap_or(i64::MAX));
+        self.kv_usage.set(kv_usage);
+        self.gpu_cache_usage.set(kv_usage);
     }
 
     /// Counts a request that failed for `reason`.

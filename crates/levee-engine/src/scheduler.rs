@@ -385,7 +385,9 @@ pub(crate) async fn refresh_gauges(shared: Arc<Shared>) {
         if stats.state == EngineState::Stopped {
             return;
         }
-        shared.metrics.set_gauges(&stats);
+        shared
+            .metrics
+            .set_gauges(stats.running, stats.waiting, stats.kv_usage);
     }
 }
 
@@ -618,7 +620,7 @@ impl Scheduler {
             &self.lag,
         );
         if self.shared.config.metrics_refresh_secs <= 0.0 {
-            m.set_gauges(&stats);
+            m.set_gauges(stats.running, stats.waiting, stats.kv_usage);
         }
         self.stats_tx.send_replace(stats);
     }

@@ -1053,6 +1053,18 @@ impl Config {
     /// Semantic checks; one line per problem, each starting with the field's path.
     pub fn validate(&self) -> Vec<String> {
         let mut errs = Vec::new();
+        self.check_tiers(&mut errs);
+        self.check_state(&mut errs);
+        self.check_tenants(&mut errs);
+        self.check_models(&mut errs);
+        self.check_limits(&mut errs);
+        self.check_server(&mut errs);
+        self.check_tasks(&mut errs);
+        errs
+    }
+
+    /// Tiers: at least one, each with its own priority and a wait.
+    fn check_tiers(&self, errs: &mut Vec<String>) {
         if self.tiers.is_empty() {
             errs.push("tiers: at least one tier is required".to_string());
         }
@@ -1071,6 +1083,10 @@ impl Config {
                 ));
             }
         }
+    }
+
+    /// The shared store's settings, when there is one.
+    fn check_state(&self, errs: &mut Vec<String>) {
         if self.state.backend == StateBackend::Redis {
             if !self.state.url.starts_with("redis://") {
                 errs.push(format!(
@@ -1085,6 +1101,10 @@ impl Config {
                 errs.push("state.heartbeat_ms: must be at least 50".to_string());
             }
         }
+    }
+
+    /// Tenants: names, tiers, weights, keys.
+    fn check_tenants(&self, errs: &mut Vec<String>) {
         let mut tenant_names = HashSet::new();
         let mut seen_keys: BTreeMap<String, String> = BTreeMap::new();
         for (i, t) in self.tenants.iter().enumerate() {
@@ -1138,6 +1158,10 @@ impl Config {
                 }
             }
         }
+    }
+
+    /// Models and their backends.
+    fn check_models(&self, errs: &mut Vec<String>) {
         let model_names: HashSet<&str> = self.models.iter().map(|m| m.name.as_str()).collect();
         let mut seen_models = HashSet::new();
         for (i, m) in self.models.iter().enumerate() {
@@ -1197,6 +1221,10 @@ impl Config {
                 }
             }
         }
+    }
+
+    /// Watermarks, the per-IP guard, breaker, degradation, KV headroom, outlier ejection.
+    fn check_limits(&self, errs: &mut Vec<String>) {
         let q = &self.queue;
         if !(q.safe < q.soft && q.soft < q.hard) {
             errs.push(format!(
@@ -1226,6 +1254,10 @@ impl Config {
                 o.base_ejection_ms, o.max_ejection_ms
             ));
         }
+    }
+
+    /// Server timeouts and sizes, admin token, autoscaling, observability.
+    fn check_server(&self, errs: &mut Vec<String>) {
         let sv = &self.server;
         if sv.request_timeout_ms == 0 {
             errs.push("server.request_timeout_ms: must be > 0".to_string());
@@ -1269,6 +1301,14 @@ impl Config {
         if self.server.max_body_bytes == 0 {
             errs.push("server.max_body_bytes: must be > 0".to_string());
         }
+        if self.server.max_header_bytes < 8192 {
+            // hyper refuses smaller read buffers; say so here rather than at bind time.
+            errs.push("server.max_header_bytes: must be >= 8192".to_string());
+        }
+    }
+
+    /// Async tasks and callback secrets.
+    fn check_tasks(&self, errs: &mut Vec<String>) {
         let tk = &self.tasks;
         if tk.enabled {
             if !self.tiers.contains_key(&tk.tier) {
@@ -1307,11 +1347,6 @@ impl Config {
                 }
             }
         }
-        if self.server.max_header_bytes < 8192 {
-            // hyper refuses smaller read buffers; say so here rather than at bind time.
-            errs.push("server.max_header_bytes: must be >= 8192".to_string());
-        }
-        errs
     }
 
     /// A short human summary for `levee config check`.
