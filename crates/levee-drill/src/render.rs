@@ -121,6 +121,12 @@ fn failure_rows(scenario: &Scenario, runs: &[(Contender, Outcome)]) -> Vec<Row> 
         }
     });
     row("5xx", &|o| o.report.server_errors().to_string());
+    row("invalid requests (engine 4xx)", &|o| {
+        verdicts::engine_client_errors(&o.report.errors).to_string()
+    });
+    row("levee's own 4xx (not 429)", &|o| {
+        verdicts::levee_client_errors(&o.report.errors).to_string()
+    });
     row("timeouts", &|o| {
         o.report
             .errors

@@ -43,8 +43,10 @@ pub struct Report {
     pub rates: Rates,
     /// Latency distributions.
     pub latency: Latency,
-    /// Failed requests by kind: `429:<code>`, `5xx:<status>`, `4xx:<status>`, `timeout`,
-    /// `connect`, `broken_stream`, `cancelled`.
+    /// Failed requests by kind: `429:<code>`, `5xx:<status>`, `4xx:<status>` (relayed from
+    /// the server behind the target, or answered by a target that is not levee),
+    /// `4xx:<status>:levee` (a levee gateway's own refusal: its answer carried
+    /// `x-levee-error-origin`), `timeout`, `connect`, `broken_stream`, `cancelled`.
     pub errors: BTreeMap<String, u64>,
     /// Breakdown by tenant tier label.
     pub per_tier: BTreeMap<String, Group>,
@@ -232,6 +234,10 @@ pub struct Group {
     pub goodput_rps: f64,
     /// TTFT from intended send time, successful requests.
     pub ttft: Percentiles,
+    /// The slowest successful requests' TTFTs (ms, slowest first): the `requests / 100 + 1`
+    /// largest, enough to place a 99th percentile that counts failures as infinitely late.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub ttft_slowest_ms: Vec<f64>,
     /// End to end from intended send time, successful requests.
     pub e2e: Percentiles,
     /// Failures by kind (same keys as `Report::errors`).
