@@ -1,27 +1,32 @@
-//! `levee drill`: the whole story in one command.
+//! `levee drill`: the whole story in one command — runs the drill: capacity sweep,
+//! contenders, verdicts, report.
 //!
-//! 1. **Capacity, without levee.** A saturating sweep straight at fresh simulated engines
-//!    (through the plain round-robin proxy, no limit anywhere): open-loop steps of rising
-//!    rate with the scenario's own request mix (classes, sessions), no retries. Each step
-//!    runs on freshly started engines; its goodput is the requests meeting the scenario's
-//!    SLO per second after a warm-up. A step in which an engine crashes ends the sweep and
-//!    does not count; so does the first step that adds less than 2% over the best. The
-//!    knee — the best goodput of a crash-free step — is the reference, and the scenario's
-//!    `1x` is set to it. Against running servers (`--backend`, e.g. real llama-servers) the
-//!    steps are longer, each waits until the servers are idle, and the sweep ends after two
-//!    flat steps in a row (a real server's speed follows the machine's load).
-//! 2. **Three contenders, same flood, same seed, fresh engines each**: a plain round-robin
-//!    pass-through (unprotected), a capped pass-through (each engine capped at its sequence
-//!    capacity, one FIFO queue: nginx `max_conns` + `queue`), and levee with one fixed
-//!    operator configuration (`drill-gateway.toml`, or `--gateway-config FILE`).
+//! 1. **Capacity: the best a protected fleet achieves** ([`capacity`]). A short low-rate
+//!    sample of the scenario's mix gives the prompt sizes the servers report; the operator
+//!    formula caps each engine at ⌊KV tokens ÷ p95(prompt + max_tokens)⌋ (at most its
+//!    `max_num_seqs`); open-loop steps of rising rate go through that competent capped proxy
+//!    on fresh engines, past flat steps, until goodput falls or plateaus. The knee — the best
+//!    goodput of a crash-free step — is the reference and the scenario's `1x`.
+//! 2. **The contenders, same flood, same seed, fresh engines each**: a plain round-robin
+//!    pass-through (unprotected); the competent capped pass-through (the formula's cap, a
+//!    FIFO queue with a wait budget, passive health, one retry); HAProxy configured the same
+//!    way when `haproxy` is on the PATH; and levee with one fixed operator configuration
+//!    (`drill-gateway.toml`, or `--gateway-config FILE`), as one gateway or `--replicas N`
+//!    sharing Redis.
 //! 3. **Calm runs** when a tenant floods: the same traffic with the flooder at its normal
-//!    rate, through the capped pass-through and through levee, the reference of isolation.
+//!    rate, through every contender, the references of isolation.
 //! 4. **Verdicts** ([`verdicts`]) side by side, a report page, JSON reports, and the logs of
-//!    the in-process gateway and engines in `drill.log`.
+//!    the in-process gateways and engines in `drill.log`. If a contender's flood goodput
+//!    beats the knee by more than 5%, the drill says the reference is suspect.
+//!
+//! `--overload preempt` runs every contender on engines that preempt and recompute instead
+//! of crashing; `--calibrate-config` measures the capacity and prints a gateway
+//! configuration for the fleet by the shipped configuration's formula ([`operator`]).
 
 mod capacity;
 mod contender;
 mod fleet;
+mod haproxy;
 mod operator;
 mod passthrough;
 mod render;
@@ -34,8 +39,9 @@ use anyhow::Context;
 use capacity::{Sweep, Timing};
 use contender::{Contender, Outcome, Setup};
 use levee_engine::{EngineConfig, OverloadMode};
-use levee_sim::report::{Marker, Page, Report};
+use levee_sim::report::{Marker, Report};
 use levee_sim::{RunOptions, Scenario};
+use passthrough::Cap;
 use render::VerdictRow;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -87,6 +93,28 @@ pub struct DrillArgs {
     /// design's target for a real engine is 0.90).
     #[arg(long, default_value_t = verdicts::GOODPUT_TARGET)]
     pub goodput_target: f64,
+    /// What the simulated engines do when their KV cache overflows: `crash` (a CUDA
+    /// out-of-memory: everything in flight fails, the engine restarts) or `preempt` (vLLM's
+    /// preempt-and-recompute: slower, never crashes). Every contender runs on the same kind.
+    #[arg(long, value_enum, default_value = "crash")]
+    pub overload: OverloadMode,
+    /// Run levee as this many in-process gateway replicas sharing Redis (`[state] backend =
+    /// "redis"`, a key prefix of its own per run, deleted after) behind a plain round-robin
+    /// front.
+    #[arg(long, default_value_t = 1)]
+    pub replicas: usize,
+    /// The Redis the replicas share (with `--replicas` above 1).
+    #[arg(long, default_value = "redis://127.0.0.1:6379")]
+    pub redis_url: String,
+    /// Measure the fleet's capacity (the drill's own method) and print a gateway
+    /// configuration for it by the formula in the shipped configuration's comments, then
+    /// stop. With `--backend`, for those servers.
+    #[arg(long)]
+    pub calibrate_config: bool,
+    /// The `kind` of the `--backend` servers in the configuration `--calibrate-config`
+    /// prints.
+    #[arg(long, default_value = "llamacpp", value_parser = ["llamacpp", "vllm"])]
+    pub backend_kind: String,
 }
 
 /// The gateway configuration shipped for the drill's fleet; its comments give the formula
@@ -122,11 +150,15 @@ struct Plan {
     engine: EngineConfig,
     engines: usize,
     flooders: Vec<String>,
+    contenders: Vec<Contender>,
+    /// The capped baselines' limits, once the capacity is measured.
+    cap: Option<Cap>,
 }
 
 impl Plan {
     fn new(args: DrillArgs) -> anyhow::Result<Self> {
         anyhow::ensure!(args.engines >= 1, "--engines must be at least 1");
+        anyhow::ensure!(args.replicas >= 1, "--replicas must be at least 1");
         anyhow::ensure!(
             args.goodput_target > 0.0 && args.goodput_target <= 1.0,
             "--goodput-target must be in (0, 1], e.g. 0.9 (got {})",
@@ -160,11 +192,8 @@ impl Plan {
              cannot take them",
             scenario.name
         );
-        let placeholder: Vec<String> = (0..engines)
-            .map(|i| format!("http://127.0.0.1:{}", 1 + i))
-            .collect();
         // Fail before any run if the configuration does not fit the scenario.
-        let gateway = gateway_config(&gateway_text, &scenario, &placeholder)?;
+        let gateway = gateway_config(&gateway_text, &scenario, &placeholders(engines))?;
         let mut engine = engine_of(&args)?;
         engine.gpu.restart_secs *= timing.time_scale;
         let flooders = scenario
@@ -182,6 +211,8 @@ impl Plan {
             engine,
             engines,
             flooders,
+            contenders: contenders(),
+            cap: None,
         })
     }
 
@@ -200,6 +231,10 @@ impl Plan {
                 drain: Some(Duration::from_secs_f64(self.timing.drain_s)),
                 ..RunOptions::default()
             },
+            cap: self.cap,
+            out: self.args.out.clone(),
+            replicas: self.args.replicas,
+            redis_url: self.args.redis_url.clone(),
         }
     }
 
@@ -214,9 +249,14 @@ impl Plan {
             )
         } else {
             format!(
-                "{} simulated engines ({} KV tokens, {} sequences each, crash on KV \
-                 overflow)",
-                self.engines, self.engine.gpu.kv_capacity_tokens, self.engine.gpu.max_running_seqs
+                "{} simulated engines ({} KV tokens, {} sequences each, {} on KV overflow)",
+                self.engines,
+                self.engine.gpu.kv_capacity_tokens,
+                self.engine.gpu.max_running_seqs,
+                match self.engine.gpu.overload {
+                    OverloadMode::Crash => "crash",
+                    OverloadMode::Preempt => "preempt and recompute",
+                }
             )
         };
         eprintln!(
@@ -225,10 +265,35 @@ impl Plan {
             self.scenario.name,
             self.args.out.join("drill.log").display(),
         );
+        if !self.contenders.contains(&Contender::Haproxy) {
+            eprintln!("      haproxy is not on the PATH: the HAProxy contender is skipped");
+        }
+    }
+
+    fn method(&self) -> String {
+        capacity::method(&self.timing, capacity::wait_budget(&self.scenario))
     }
 }
 
-/// The engine every run uses: the drill's simulated GPU, or the `--backend-profile`.
+/// `http://127.0.0.1:1`, `:2`, …: backends for checking a configuration before any run.
+fn placeholders(n: usize) -> Vec<String> {
+    (0..n)
+        .map(|i| format!("http://127.0.0.1:{}", 1 + i))
+        .collect()
+}
+
+/// Who runs the flood: HAProxy only where it is installed.
+fn contenders() -> Vec<Contender> {
+    let mut c = vec![Contender::Unprotected, Contender::Capped];
+    if haproxy::available() {
+        c.push(Contender::Haproxy);
+    }
+    c.push(Contender::Levee);
+    c
+}
+
+/// The engine every run uses: the drill's simulated GPU (with `--overload`), or the
+/// `--backend-profile`.
 fn engine_of(args: &DrillArgs) -> anyhow::Result<EngineConfig> {
     Ok(match &args.backend_profile {
         Some(path) => {
@@ -239,7 +304,11 @@ fn engine_of(args: &DrillArgs) -> anyhow::Result<EngineConfig> {
             profile.output_tokens_max = u32::MAX;
             profile
         }
-        None => drill_engine_config(),
+        None => {
+            let mut e = drill_engine_config();
+            e.gpu.overload = args.overload;
+            e
+        }
     })
 }
 
@@ -250,11 +319,11 @@ struct Runs {
     calm: Vec<(Contender, Outcome)>,
 }
 
-/// The capacity sweep, then every contender, then the calm references.
-async fn run_all(plan: &mut Plan) -> anyhow::Result<Runs> {
-    let total_steps = 4 + if plan.flooders.is_empty() { 0 } else { 2 };
+/// Step 1: the capacity; sets the scenario's `1x` and the baselines' cap.
+async fn measure(plan: &mut Plan, total_steps: usize) -> anyhow::Result<Sweep> {
     eprintln!(
-        "[1/{total_steps}] capacity without levee: open-loop steps straight at {}",
+        "[1/{total_steps}] capacity: the best goodput through the competent capped proxy, \
+         steps of rising rate on {}",
         if plan.external() {
             "the servers"
         } else {
@@ -263,14 +332,27 @@ async fn run_all(plan: &mut Plan) -> anyhow::Result<Runs> {
     );
     let sweep = capacity::measure_knee(&plan.scenario, &plan.setup(), &plan.timing).await?;
     plan.scenario.capacity_rps = sweep.knee_rps;
+    plan.cap = Some(capacity::competent_cap(
+        &sweep.cap,
+        plan.engines,
+        capacity::wait_budget(&plan.scenario),
+    ));
     eprintln!(
         "      knee: {:.1} req/s within the SLO (1x from here on)",
         sweep.knee_rps
     );
+    Ok(sweep)
+}
+
+/// The capacity, then every contender, then the calm references.
+async fn run_all(plan: &mut Plan) -> anyhow::Result<Runs> {
+    let n = plan.contenders.len();
+    let total_steps = 1 + n + if plan.flooders.is_empty() { 0 } else { n };
+    let sweep = measure(plan, total_steps).await?;
     let setup = plan.setup();
     let mut step = 1;
     let mut outcomes = Vec::new();
-    for who in Contender::ALL {
+    for &who in &plan.contenders {
         step += 1;
         eprintln!(
             "[{step}/{total_steps}] {}: {}",
@@ -285,7 +367,7 @@ async fn run_all(plan: &mut Plan) -> anyhow::Result<Runs> {
     let mut calm = Vec::new();
     if !plan.flooders.is_empty() {
         let calm_scenario = tenants::calm_flooders(&plan.scenario);
-        for who in [Contender::Capped, Contender::Levee] {
+        for &who in &plan.contenders {
             step += 1;
             eprintln!(
                 "[{step}/{total_steps}] calm reference ({} at its normal rate): {}",
@@ -312,26 +394,27 @@ pub async fn run_cli(args: DrillArgs) -> anyhow::Result<()> {
     let out = plan.args.out.clone();
     std::fs::create_dir_all(&out)
         .with_context(|| format!("cannot create the output directory {}", out.display()))?;
+    if plan.args.calibrate_config {
+        return calibrate(&mut plan).await;
+    }
     let gw_copy = out.join("gateway.toml");
     std::fs::write(&gw_copy, &plan.gateway_text)
         .with_context(|| format!("cannot write {}", gw_copy.display()))?;
     plan.announce();
     let runs = run_all(&mut plan).await?;
     let judged = judge(&plan, &runs);
+    let labels: Vec<&str> = plan.contenders.iter().map(|c| c.label()).collect();
     let table = render::side_by_side(&plan.scenario, &runs.sweep, &runs.outcomes);
-    let mut verdict_text = render::render_verdicts(&judged.rows);
+    let mut verdict_text = render::render_verdicts(&judged.rows, &labels);
     if let Some(warning) = &judged.suspect {
         verdict_text.push_str(&format!("WARNING: {warning}\n"));
     }
-    let sweep_at = if plan.external() {
-        "the running servers (a plain round-robin proxy)"
-    } else {
-        "fresh engines"
-    };
-    let sweep_text = capacity::render_sweep(&runs.sweep, &plan.timing, sweep_at);
-    println!("{sweep_text}\n{table}\n{verdict_text}");
-    let texts = [verdict_text, table, sweep_text];
-    let html = write_page(&plan, &runs, &texts)?;
+    let sweep_text = capacity::render_sweep(&runs.sweep, &plan.method());
+    println!(
+        "{sweep_text}\n\n{}\n{verdict_text}",
+        render::text_table(&table)
+    );
+    let html = write_page(&plan, &runs, &judged, &table)?;
     let summary_path = out.join("drill.json");
     let summary = summary_json(&plan, &runs, &judged);
     std::fs::write(&summary_path, serde_json::to_string_pretty(&summary)?)
@@ -345,14 +428,63 @@ pub async fn run_cli(args: DrillArgs) -> anyhow::Result<()> {
         out.join("drill.log").display(),
         started.elapsed().as_secs_f64()
     );
+    let levee_at = plan.contenders.iter().position(|&c| c == Contender::Levee);
     let levee_missed = judged
         .rows
         .iter()
-        .any(|r| r.checks.get(2).and_then(|c| c.met) == Some(false));
+        .any(|r| levee_at.and_then(|i| r.checks.get(i)).and_then(|c| c.met) == Some(false));
     if plan.args.strict && levee_missed {
         anyhow::bail!("levee missed a drill target (see the verdicts above)");
     }
     Ok(())
+}
+
+/// `--calibrate-config`: the capacity, then a configuration for the fleet by the formula.
+async fn calibrate(plan: &mut Plan) -> anyhow::Result<()> {
+    plan.announce();
+    let sweep = measure(plan, 1).await?;
+    eprintln!("{}", capacity::render_sweep(&sweep, &plan.method()));
+    let urls = if plan.external() {
+        plan.args.backends.clone()
+    } else {
+        placeholders(plan.engines)
+    };
+    let fleet = operator::Fleet {
+        urls,
+        kind: if plan.external() {
+            plan.args.backend_kind.clone()
+        } else {
+            "vllm".into()
+        },
+        max_in_flight: plan.engine.gpu.max_running_seqs,
+    };
+    let e2e_ms = sweep.knee_step().map_or(0.0, |s| s.e2e_p99_ms);
+    let text = operator::calibrated_config(
+        &fleet,
+        &operator::Basis {
+            capacity_rps: sweep.knee_rps,
+            ttft_slo_ms: plan.scenario.slo.ttft_ms.unwrap_or(2000.0),
+            e2e_p99_ms: e2e_ms,
+            model: plan.scenario.request.model.clone(),
+            measured: format!(
+                "levee drill --calibrate-config, scenario {:?}, {}",
+                plan.scenario.name,
+                today()
+            ),
+        },
+        &plan.scenario,
+    );
+    let path = plan.args.out.join("calibrated-gateway.toml");
+    std::fs::write(&path, &text).with_context(|| format!("cannot write {}", path.display()))?;
+    print!("{text}");
+    eprintln!("written to {}", path.display());
+    Ok(())
+}
+
+/// Today's date as an HTTP date without the time, e.g. `Tue, 01 Dec 2026`.
+fn today() -> String {
+    let full = httpdate::fmt_http_date(std::time::SystemTime::now());
+    full.get(..16).unwrap_or(&full).to_string()
 }
 
 /// The verdicts and the window they were judged over.
@@ -381,65 +513,81 @@ fn per_contender(
     })
 }
 
-fn judge(plan: &Plan, runs: &Runs) -> Judged {
+/// The seconds of the flood over which goodput is judged.
+fn flood_window(plan: &Plan, knee: f64) -> Vec<u32> {
     let scenario = &plan.scenario;
-    let knee = runs.sweep.knee_rps;
     let down: Vec<(f64, f64)> = scenario
         .faults
         .iter()
         .filter(|f| f.action == levee_sim::scenario::FaultAction::Crash)
         .map(|f| (f.at_s, f.at_s + plan.engine.gpu.restart_secs + 1.0))
         .collect();
-    let window = verdicts::flood_window(
+    verdicts::flood_window(
         scenario.duration_s(),
         &|t| scenario.offered_rps_at(t),
         knee,
         plan.timing.flood_warm_s,
         &down,
-    );
+    )
+}
+
+fn judge(plan: &Plan, runs: &Runs) -> Judged {
+    let knee = runs.sweep.knee_rps;
+    let window = flood_window(plan, knee);
     let outcomes = &runs.outcomes;
     let mut rows: Vec<VerdictRow> = Vec::new();
+    let mut push = |target: String, checks: Option<Vec<Check>>| {
+        if let Some(checks) = checks {
+            rows.push(VerdictRow { target, checks });
+        }
+    };
     let target = plan.args.goodput_target;
-    if let Some(checks) = per_contender(outcomes, &|o| {
-        verdicts::goodput(&o.report, &window, knee, target)
-    }) {
-        rows.push(VerdictRow {
-            target: format!(
-                "goodput in the flood ≥ {:.0}% of the knee ({knee:.1} req/s, {} s window)",
-                target * 100.0,
-                window.len()
+    push(
+        format!(
+            "goodput in the flood ≥ {:.0}% of the knee ({knee:.1} req/s, {} s window)",
+            target * 100.0,
+            window.len()
+        ),
+        per_contender(outcomes, &|o| {
+            verdicts::goodput(&o.report, &window, knee, target)
+        }),
+    );
+    let preempt = plan.engine.gpu.overload == OverloadMode::Preempt && !plan.external();
+    if preempt {
+        let slo = plan.scenario.slo.ttft_ms;
+        push(
+            format!(
+                "p99 TTFT of served requests ≤ the SLO ({} ms)",
+                slo.map_or("-".into(), |s| format!("{s:.0}"))
             ),
-            checks,
-        });
-    }
-    if let Some(checks) = per_contender(outcomes, &|o| {
-        Some(verdicts::crashes(o.fleet.crashes, o.fleet.injected_crashes))
-    }) {
-        rows.push(VerdictRow {
-            target: "0 overload crashes (injected ones stated apart)".into(),
-            checks,
-        });
+            per_contender(outcomes, &|o| verdicts::ttft_within_slo(&o.report, slo?)),
+        );
+    } else {
+        push(
+            "0 overload crashes (injected ones stated apart)".into(),
+            per_contender(outcomes, &|o| {
+                Some(verdicts::crashes(o.fleet.crashes, o.fleet.injected_crashes))
+            }),
+        );
     }
     let over_quota = |o: &Outcome| {
-        operator::premium_over_quota(&o.report.first_sends_ms, scenario, &plan.gateway)
+        operator::premium_over_quota(&o.report.first_sends_ms, &plan.scenario, &plan.gateway)
     };
-    if let Some(checks) = per_contender(outcomes, &|o| verdicts::premium(&o.report, over_quota(o)))
-    {
-        rows.push(VerdictRow {
-            target: format!(
-                "premium ≥ {:.1}% of its in-quota requests",
-                verdicts::PREMIUM_TARGET * 100.0
-            ),
-            checks,
-        });
-    }
+    push(
+        format!(
+            "premium ≥ {:.1}% of its in-quota requests (engine-refused invalid requests apart)",
+            verdicts::PREMIUM_TARGET * 100.0
+        ),
+        per_contender(outcomes, &|o| verdicts::premium(&o.report, over_quota(o))),
+    );
     rows.extend(isolation_rows(plan, runs));
-    if let Some(checks) = per_contender(outcomes, &|o| Some(verdicts::amplification(&o.report))) {
-        rows.push(VerdictRow {
-            target: "retry amplification (attempts / scheduled)".into(),
-            checks,
-        });
-    }
+    rows.push(VerdictRow {
+        target: "retry amplification (attempts / scheduled)".into(),
+        checks: outcomes
+            .iter()
+            .map(|(_, o)| verdicts::amplification(&o.report))
+            .collect(),
+    });
     let flood: Vec<(&str, Option<f64>)> = outcomes
         .iter()
         .map(|(who, o)| (who.label(), verdicts::window_goodput(&o.report, &window)))
@@ -452,59 +600,87 @@ fn judge(plan: &Plan, runs: &Runs) -> Judged {
     }
 }
 
-/// One isolation row per quiet group: each contender against its own calm run.
+/// One contender's isolation check against its own calm run and the capped one.
+fn isolation_check(group: &tenants::QuietGroup, runs: &Runs, who: Contender, o: &Outcome) -> Check {
+    let calm_of = |c: Contender| {
+        let run = runs.calm.iter().find(|(w, _)| *w == c)?;
+        group.of(&run.1.report)
+    };
+    let Some(flood) = group.of(&o.report) else {
+        return Check {
+            measured: "- (no such tenants)".into(),
+            met: None,
+        };
+    };
+    let own = calm_of(who).map(|calm| verdicts::isolation(calm, flood));
+    let capped = calm_of(Contender::Capped).map(|calm| verdicts::isolation(calm, flood));
+    match (own, capped) {
+        (Some(own), Some(capped)) => Check {
+            measured: format!(
+                "vs its own calm run: {}; vs the capped calm run: {}",
+                own.measured, capped.measured
+            ),
+            met: Some(own.met == Some(true) && capped.met == Some(true)),
+        },
+        _ => Check {
+            measured: "- (no calm run)".into(),
+            met: None,
+        },
+    }
+}
+
+/// One isolation row per quiet group.
 fn isolation_rows(plan: &Plan, runs: &Runs) -> Vec<VerdictRow> {
     tenants::quiet_groups(&plan.scenario)
         .iter()
-        .map(|who_group| {
-            let checks = runs
+        .map(|group| VerdictRow {
+            target: format!(
+                "{} vs calm (its own and the capped one): success −≤1 pt, p99 TTFT +≤10% \
+                 (failures last) while {} floods",
+                group.name,
+                plan.flooders.join(", ")
+            ),
+            checks: runs
                 .outcomes
                 .iter()
-                .map(|(who, o)| {
-                    let calm_of = |c: Contender| {
-                        let run = runs.calm.iter().find(|(w, _)| *w == c)?;
-                        who_group.of(&run.1.report)
-                    };
-                    let Some(flood) = who_group.of(&o.report) else {
-                        return Check {
-                            measured: "- (no such tenants)".into(),
-                            met: None,
-                        };
-                    };
-                    let own = calm_of(*who).map(|calm| verdicts::isolation(calm, flood));
-                    let capped =
-                        calm_of(Contender::Capped).map(|calm| verdicts::isolation(calm, flood));
-                    match (own, capped) {
-                        (Some(own), Some(capped)) => Check {
-                            measured: format!(
-                                "vs its own calm run: {}; vs the capped calm run: {}",
-                                own.measured, capped.measured
-                            ),
-                            met: Some(own.met == Some(true) && capped.met == Some(true)),
-                        },
-                        _ => Check {
-                            measured: "- (no calm run)".into(),
-                            met: None,
-                        },
-                    }
-                })
-                .collect();
-            VerdictRow {
-                target: format!(
-                    "{} vs calm (its own and the capped one): success −≤1 pt, p99 TTFT +≤10% \
-                     (failures last) while {} floods",
-                    who_group.name,
-                    plan.flooders.join(", ")
-                ),
-                checks,
-            }
+                .map(|(who, o)| isolation_check(group, runs, *who, o))
+                .collect(),
         })
         .collect()
 }
 
+/// The page's markers: the offered-load phases and injected faults.
+fn page_markers(scenario: &Scenario, knee: f64) -> Vec<Marker> {
+    let mut markers: Vec<Marker> = scenario
+        .phase_changes()
+        .into_iter()
+        .map(|at_s| Marker {
+            at_s,
+            label: format!("{:.1}x", scenario.offered_rps_at(at_s + 1e-6) / knee),
+            fault: false,
+        })
+        .collect();
+    for f in &scenario.faults {
+        markers.push(Marker {
+            at_s: f.at_s,
+            label: format!(
+                "{} engine {} (injected)",
+                levee_sim::faults::action_name(f.action),
+                f.engine
+            ),
+            fault: true,
+        });
+    }
+    markers
+}
+
 /// Writes every run's JSON report and `report.html`; returns the page's path.
-fn write_page(plan: &Plan, runs: &Runs, texts: &[String; 3]) -> anyhow::Result<PathBuf> {
-    let scenario = &plan.scenario;
+fn write_page(
+    plan: &Plan,
+    runs: &Runs,
+    judged: &Judged,
+    table: &render::Table,
+) -> anyhow::Result<PathBuf> {
     let mut pages: Vec<(String, &Report)> = Vec::new();
     let mut run_markers: Vec<Vec<Marker>> = Vec::new();
     for (who, o) in &runs.outcomes {
@@ -522,44 +698,21 @@ fn write_page(plan: &Plan, runs: &Runs, texts: &[String; 3]) -> anyhow::Result<P
             .join(format!("{}.json", label.replace([' ', '(', ')'], "")));
         levee_sim::report::write_json(report, &file)?;
     }
-    let mut markers: Vec<Marker> = scenario
-        .phase_changes()
-        .into_iter()
-        .map(|at_s| Marker {
-            at_s,
-            label: format!(
-                "{:.1}x",
-                scenario.offered_rps_at(at_s + 1e-6) / runs.sweep.knee_rps
-            ),
-            fault: false,
-        })
-        .collect();
-    for f in &scenario.faults {
-        markers.push(Marker {
-            at_s: f.at_s,
-            label: format!(
-                "{} engine {} (injected)",
-                levee_sim::faults::action_name(f.action),
-                f.engine
-            ),
-            fault: true,
-        });
-    }
-    let esc = levee_sim::report::escape_html;
-    let [verdict_text, table, sweep_text] = texts;
-    let lead_html = format!(
-        "<h2>Verdicts</h2><pre>{}</pre><h2>Side by side</h2><pre>{}</pre>\
-         <h2>Capacity without levee</h2><pre>{}</pre>\
-         <p>Dashed lines: grey where the offered load changes (as a multiple of the knee), red \
-         where an engine crashed. In-process logs: drill.log.</p>",
-        esc(verdict_text),
-        esc(table),
-        esc(sweep_text)
-    );
-    let page = Page {
-        title: Some(format!("levee drill: {}", scenario.name)),
-        lead_html,
-        markers,
+    let labels: Vec<&str> = plan.contenders.iter().map(|c| c.label()).collect();
+    let page = levee_sim::report::Page {
+        title: Some(format!("levee drill: {}", plan.scenario.name)),
+        lead_html: render::lead_html(
+            &render::Lead {
+                labels: &labels,
+                rows: &judged.rows,
+                suspect: judged.suspect.as_deref(),
+                table,
+                sweep_text: &capacity::render_sweep(&runs.sweep, &plan.method()),
+            },
+            &plan.scenario,
+            runs.sweep.knee_rps,
+        ),
+        markers: page_markers(&plan.scenario, runs.sweep.knee_rps),
         run_markers,
     };
     let page_runs: Vec<(&str, &Report)> = pages.iter().map(|(l, r)| (l.as_str(), *r)).collect();
@@ -573,18 +726,23 @@ fn summary_json(plan: &Plan, runs: &Runs, judged: &Judged) -> serde_json::Value 
     let over_quota = |o: &Outcome| {
         operator::premium_over_quota(&o.report.first_sends_ms, &plan.scenario, &plan.gateway)
     };
+    let op = &runs.sweep.cap;
     serde_json::json!({
         "scenario": plan.scenario.name,
         "quick": plan.args.quick,
         "engines": plan.engines,
+        "overload": format!("{:?}", plan.engine.gpu.overload).to_lowercase(),
+        "replicas": plan.args.replicas,
         "backends": plan.args.backends,
+        "contenders": plan.contenders.iter().map(|c| c.label()).collect::<Vec<_>>(),
         "goodput_target": plan.args.goodput_target,
         "capacity": {
-            "method": "open-loop steps straight at the fleet (fresh simulated engines per \
-                       step, or the --backend servers once idle) through a plain round-robin \
-                       proxy, \
-                       the scenario's mix without retries; goodput = requests meeting the SLO \
-                       per second after the warm-up; crashed steps do not count",
+            "method": plan.method(),
+            "operator_cap": {
+                "samples": op.samples, "p95_prompt_plus_max_tokens": op.p95_tokens,
+                "kv_tokens": op.kv_tokens, "max_num_seqs": op.max_num_seqs,
+                "per_engine": op.per_engine,
+            },
             "knee_rps": runs.sweep.knee_rps,
             "steps": runs.sweep.steps.iter().map(|s| serde_json::json!({
                 "offered_rps": s.offered_rps,
@@ -612,7 +770,7 @@ fn summary_json(plan: &Plan, runs: &Runs, judged: &Judged) -> serde_json::Value 
         })).collect::<Vec<_>>(),
         "verdicts": judged.rows.iter().map(|r| serde_json::json!({
             "target": r.target,
-            "results": Contender::ALL.iter().zip(&r.checks).map(|(who, c)| serde_json::json!({
+            "results": plan.contenders.iter().zip(&r.checks).map(|(who, c)| serde_json::json!({
                 "contender": who.label(), "measured": c.measured, "met": c.met,
             })).collect::<Vec<_>>(),
         })).collect::<Vec<_>>(),

@@ -2,37 +2,59 @@
 //!
 //! - Plain ([`Passthrough::start`]): no limits, no queue, no breaker — what many fleets run
 //!   today (an nginx `upstream` block). Every request goes to the next backend.
-//! - Capped ([`Passthrough::start_capped`]): what a careful operator adds without levee, nginx
-//!   `max_conns` plus `queue`: at most [`Cap::per_backend`] requests in flight on each backend,
-//!   the rest wait in one FIFO queue (bounded in length and in time, 503 beyond either) for
-//!   the first free slot. No tenants, no priorities, no token accounting.
+//! - Capped ([`Passthrough::start_capped`]): what a careful operator builds without levee
+//!   (nginx `max_conns` + `queue` + `max_fails`/`fail_timeout` + `proxy_next_upstream`): at
+//!   most [`Cap::per_backend`] requests in flight on each backend, the rest wait in one FIFO
+//!   queue (bounded in length and in time, 503 beyond either) for the first free slot;
+//!   passive health — a backend that failed [`Cap::fail_after`] times in a row (no answer,
+//!   or a 5xx) is skipped for [`Cap::skip_for`]; one retry on another backend when the
+//!   connection fails. No tenants, no priorities, no token accounting.
 //!
 //! Both stream the answer back, and a client that goes away drops the upstream request, as
-//! nginx does. A slot is held until the answer's last byte has been passed on.
+//! nginx does. A slot is held until the answer's last byte has been passed on. A proxy
+//! started with a [`Sample`] log also notes, for each answered request, the prompt tokens
+//! the server reported (`usage.prompt_tokens`) and the request's `max_tokens`: what an
+//! operator reads from access logs to size the cap.
 
-use axum::body::Body;
+use axum::body::{Body, Bytes};
 use axum::extract::{Request, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use futures::StreamExt;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 use tokio::net::TcpListener;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 
-/// The capped baseline's limits: nginx `max_conns` on every upstream server and a `queue`.
+/// Largest request body the proxy buffers (it keeps the body to retry it).
+const BODY_LIMIT: usize = 16 * 1024 * 1024;
+
+/// The capped baseline's limits.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Cap {
-    /// Most requests in flight on one backend (what the engine can hold: vLLM's
-    /// `max_num_seqs`).
+    /// Most requests in flight on one backend (the operator formula's cap).
     pub per_backend: u32,
     /// Most requests waiting for a slot; more get 503 at once.
     pub queue_len: usize,
     /// Longest wait for a slot; past it the request gets 503.
     pub queue_timeout: Duration,
+    /// Failures in a row (no answer, or a 5xx) after which a backend is skipped.
+    pub fail_after: u32,
+    /// How long a failing backend is skipped.
+    pub skip_for: Duration,
+}
+
+/// One request's sizes as the server reported them: `(usage.prompt_tokens, max_tokens)`.
+pub type Sample = Arc<Mutex<Vec<(u32, Option<u32>)>>>;
+
+/// Passive health of one backend.
+#[derive(Default)]
+struct Health {
+    failures_in_a_row: u32,
+    skipped_until: Option<Instant>,
 }
 
 /// The slots of a capped proxy: one fair (FIFO) semaphore over all backends' slots, so that
@@ -42,6 +64,31 @@ struct Slots {
     any: Arc<Semaphore>,
     in_flight: Vec<AtomicU32>,
     waiting: AtomicUsize,
+    health: Vec<Mutex<Health>>,
+}
+
+impl Slots {
+    fn live(&self, index: usize, now: Instant) -> bool {
+        self.health[index]
+            .lock()
+            .map_or(true, |h| h.skipped_until.is_none_or(|t| now >= t))
+    }
+
+    /// Notes an answer (or its absence) from backend `index`.
+    fn note(&self, index: usize, failed: bool) {
+        let Ok(mut h) = self.health[index].lock() else {
+            return;
+        };
+        if failed {
+            h.failures_in_a_row += 1;
+            if h.failures_in_a_row >= self.cap.fail_after {
+                h.skipped_until = Some(Instant::now() + self.cap.skip_for);
+                h.failures_in_a_row = 0;
+            }
+        } else {
+            h.failures_in_a_row = 0;
+        }
+    }
 }
 
 /// One taken slot on backend `index`, given back on drop (when the answer has been sent).
@@ -64,10 +111,13 @@ struct Shared {
     next: AtomicUsize,
     client: reqwest::Client,
     slots: Option<Slots>,
+    sample: Option<Sample>,
 }
 
 /// A running pass-through proxy.
 pub struct Passthrough {
+    #[cfg(test)]
+    shared: Arc<Shared>,
     addr: SocketAddr,
     stop: CancellationToken,
     task: tokio::task::JoinHandle<()>,
@@ -76,19 +126,28 @@ pub struct Passthrough {
 impl Passthrough {
     /// Starts a plain proxy on 127.0.0.1 (ephemeral port) in front of `backends` (base URLs).
     pub async fn start(backends: Vec<String>) -> anyhow::Result<Self> {
-        Self::start_with(backends, None).await
+        Self::start_with(backends, None, None).await
+    }
+
+    /// A plain proxy that also notes each answer's reported sizes into `sample`.
+    pub async fn start_sampling(backends: Vec<String>, sample: Sample) -> anyhow::Result<Self> {
+        Self::start_with(backends, None, Some(sample)).await
     }
 
     /// Starts a capped proxy (see the module documentation) in front of `backends`.
     pub async fn start_capped(backends: Vec<String>, cap: Cap) -> anyhow::Result<Self> {
         anyhow::ensure!(
-            cap.per_backend >= 1,
-            "the capped pass-through needs at least one slot per backend"
+            cap.per_backend >= 1 && cap.fail_after >= 1,
+            "the capped pass-through needs at least one slot per backend and fail_after ≥ 1"
         );
-        Self::start_with(backends, Some(cap)).await
+        Self::start_with(backends, Some(cap), None).await
     }
 
-    async fn start_with(backends: Vec<String>, cap: Option<Cap>) -> anyhow::Result<Self> {
+    async fn start_with(
+        backends: Vec<String>,
+        cap: Option<Cap>,
+        sample: Option<Sample>,
+    ) -> anyhow::Result<Self> {
         anyhow::ensure!(
             !backends.is_empty(),
             "the pass-through proxy needs at least one backend URL"
@@ -102,18 +161,22 @@ impl Passthrough {
             any: Arc::new(Semaphore::new(cap.per_backend as usize * backends.len())),
             in_flight: backends.iter().map(|_| AtomicU32::new(0)).collect(),
             waiting: AtomicUsize::new(0),
+            health: backends.iter().map(|_| Mutex::default()).collect(),
         });
         let shared = Arc::new(Shared {
             backends,
             next: AtomicUsize::new(0),
             client,
             slots,
+            sample,
         });
         let listener = TcpListener::bind("127.0.0.1:0")
             .await
             .map_err(|e| anyhow::anyhow!("cannot bind the pass-through proxy on loopback: {e}"))?;
         let addr = listener.local_addr()?;
-        let app = axum::Router::new().fallback(forward).with_state(shared);
+        let app = axum::Router::new()
+            .fallback(forward)
+            .with_state(shared.clone());
         let stop = CancellationToken::new();
         let stopped = stop.clone();
         let task = tokio::spawn(async move {
@@ -123,7 +186,13 @@ impl Passthrough {
                 tracing::warn!("pass-through proxy stopped with an error: {e}");
             }
         });
-        Ok(Self { addr, stop, task })
+        Ok(Self {
+            #[cfg(test)]
+            shared,
+            addr,
+            stop,
+            task,
+        })
     }
 
     /// Base URL clients should use, e.g. `http://127.0.0.1:41234`.
@@ -139,10 +208,10 @@ impl Passthrough {
     }
 }
 
-/// A 503 in OpenAI's error shape, as the capped proxy's queue gives when full or too slow.
-fn unavailable(message: &str, code: &str) -> Response {
+/// An error in OpenAI's shape.
+fn refusal(status: StatusCode, message: &str, code: &str) -> Response {
     (
-        StatusCode::SERVICE_UNAVAILABLE,
+        status,
         axum::Json(serde_json::json!({"error": {
             "message": message,
             "type": "server_error",
@@ -153,111 +222,206 @@ fn unavailable(message: &str, code: &str) -> Response {
         .into_response()
 }
 
-/// Waits in the FIFO queue for a slot and takes one on the first backend (in round-robin
-/// order) that has one free.
-async fn take_slot(shared: &Arc<Shared>, slots: &Slots) -> Result<Slot, Response> {
-    let permit = match slots.any.clone().try_acquire_owned() {
-        Ok(p) => p,
-        Err(_) => {
-            if slots.waiting.fetch_add(1, Ordering::AcqRel) >= slots.cap.queue_len {
-                slots.waiting.fetch_sub(1, Ordering::AcqRel);
-                return Err(unavailable(
-                    "every backend is at its connection cap and the queue is full; retry later",
-                    "queue_full",
-                ));
-            }
-            let waited =
-                tokio::time::timeout(slots.cap.queue_timeout, slots.any.clone().acquire_owned())
-                    .await;
-            slots.waiting.fetch_sub(1, Ordering::AcqRel);
-            match waited {
-                Ok(Ok(p)) => p,
-                Ok(Err(_)) | Err(_) => {
-                    return Err(unavailable(
-                        "no backend slot freed up within the queue timeout; retry later",
-                        "queue_timeout",
-                    ))
-                }
-            }
-        }
-    };
+/// A 503 in OpenAI's error shape, as the capped proxy's queue gives when full or too slow.
+fn unavailable(message: &str, code: &str) -> Response {
+    refusal(StatusCode::SERVICE_UNAVAILABLE, message, code)
+}
+
+/// A permit from the FIFO queue, or the 503 the queue gives when full or too slow.
+async fn queue_permit(slots: &Slots) -> Result<OwnedSemaphorePermit, Response> {
+    if let Ok(p) = slots.any.clone().try_acquire_owned() {
+        return Ok(p);
+    }
+    if slots.waiting.fetch_add(1, Ordering::AcqRel) >= slots.cap.queue_len {
+        slots.waiting.fetch_sub(1, Ordering::AcqRel);
+        return Err(unavailable(
+            "every backend is at its connection cap and the queue is full; retry later",
+            "queue_full",
+        ));
+    }
+    let waited =
+        tokio::time::timeout(slots.cap.queue_timeout, slots.any.clone().acquire_owned()).await;
+    slots.waiting.fetch_sub(1, Ordering::AcqRel);
+    match waited {
+        Ok(Ok(p)) => Ok(p),
+        Ok(Err(_)) | Err(_) => Err(unavailable(
+            "no backend slot freed up within the queue timeout; retry later",
+            "queue_timeout",
+        )),
+    }
+}
+
+/// A slot on the first live backend (in round-robin order, `not` excepted) with one free;
+/// `None` when every free slot is on a backend being skipped for its failures (or, for a
+/// retry, on the one that just failed).
+fn place(
+    shared: &Arc<Shared>,
+    slots: &Slots,
+    permit: OwnedSemaphorePermit,
+    not: Option<usize>,
+) -> Option<Slot> {
     let n = shared.backends.len();
     let start = shared.next.fetch_add(1, Ordering::Relaxed);
+    let now = Instant::now();
     for k in 0..n {
         let index = (start + k) % n;
+        if Some(index) == not || !slots.live(index, now) {
+            continue;
+        }
         let taken = slots.in_flight[index].fetch_update(Ordering::AcqRel, Ordering::Acquire, |c| {
             (c < slots.cap.per_backend).then_some(c + 1)
         });
         if taken.is_ok() {
-            return Ok(Slot {
+            return Some(Slot {
                 shared: shared.clone(),
                 index,
                 _permit: permit,
             });
         }
     }
-    // Unreachable while every slot holder also holds a permit: the permits equal the slots.
-    Err(unavailable(
-        "no backend slot is free although the queue granted one; retry",
-        "no_slot",
-    ))
+    None
+}
+
+/// The backend for one attempt, with its slot when capped.
+async fn pick(shared: &Arc<Shared>, not: Option<usize>) -> Result<(usize, Option<Slot>), Response> {
+    match &shared.slots {
+        Some(slots) => {
+            let permit = match not {
+                // A retry does not queue again: it takes a free slot or fails.
+                Some(_) => slots.any.clone().try_acquire_owned().map_err(|_| {
+                    unavailable("no backend slot is free for a retry", "queue_full")
+                })?,
+                None => queue_permit(slots).await?,
+            };
+            // nginx's "no live upstreams".
+            let slot = place(shared, slots, permit, not).ok_or_else(|| {
+                refusal(
+                    StatusCode::BAD_GATEWAY,
+                    "no live backend has a free slot (the others failed repeatedly); retry later",
+                    "no_live_backend",
+                )
+            })?;
+            Ok((slot.index, Some(slot)))
+        }
+        None => {
+            let i = shared.next.fetch_add(1, Ordering::Relaxed) % shared.backends.len();
+            Ok((i, None))
+        }
+    }
 }
 
 async fn forward(State(shared): State<Arc<Shared>>, req: Request) -> Response {
-    let slot = match &shared.slots {
-        Some(slots) => match take_slot(&shared, slots).await {
-            Ok(slot) => Some(slot),
-            Err(refused) => return refused,
-        },
-        None => None,
-    };
-    let i = match &slot {
-        Some(s) => s.index,
-        None => shared.next.fetch_add(1, Ordering::Relaxed) % shared.backends.len(),
-    };
     let path = req
         .uri()
         .path_and_query()
         .map(|p| p.as_str().to_string())
         .unwrap_or_else(|| "/".to_string());
-    let url = format!("{}{}", shared.backends[i], path);
     let method = req.method().clone();
     let mut headers = req.headers().clone();
     strip_hop_headers(&mut headers);
-    let body = reqwest::Body::wrap_stream(req.into_body().into_data_stream());
-    let upstream = shared
-        .client
-        .request(method, url)
-        .headers(headers)
-        .body(body)
-        .send()
-        .await;
-    match upstream {
-        Ok(resp) => {
-            let status = resp.status();
-            let mut headers = resp.headers().clone();
-            strip_hop_headers(&mut headers);
-            // The slot goes back when the body is done (or the client left and dropped it).
-            let body = resp.bytes_stream().map(move |chunk| {
-                let _held = &slot;
-                chunk
-            });
-            let mut out = Response::new(Body::from_stream(body));
-            *out.status_mut() = status;
-            *out.headers_mut() = headers;
-            out
+    let Ok(body) = axum::body::to_bytes(req.into_body(), BODY_LIMIT).await else {
+        return refusal(
+            StatusCode::BAD_REQUEST,
+            "request body unreadable",
+            "bad_body",
+        );
+    };
+    let (mut i, mut slot) = match pick(&shared, None).await {
+        Ok(p) => p,
+        Err(refused) => return refused,
+    };
+    let mut retried = false;
+    loop {
+        let url = format!("{}{}", shared.backends[i], path);
+        let sent = shared
+            .client
+            .request(method.clone(), url)
+            .headers(headers.clone())
+            .body(body.clone())
+            .send()
+            .await;
+        let failed = sent.as_ref().map_or(true, |r| r.status().is_server_error());
+        if let Some(slots) = &shared.slots {
+            slots.note(i, failed);
         }
-        Err(e) => (
-            StatusCode::BAD_GATEWAY,
-            axum::Json(serde_json::json!({"error": {
-                "message": format!("upstream failed: {e}"),
-                "type": "upstream_error",
-                "code": "bad_gateway",
-                "param": null,
-            }})),
-        )
-            .into_response(),
+        match sent {
+            Ok(resp) => return relay(&shared, &body, resp, slot).await,
+            Err(e) if e.is_connect() && shared.slots.is_some() && !retried => {
+                // One retry on another backend, as nginx's proxy_next_upstream does.
+                retried = true;
+                drop(slot);
+                match pick(&shared, Some(i)).await {
+                    Ok((j, s)) => (i, slot) = (j, s),
+                    Err(refused) => return refused,
+                }
+            }
+            Err(e) => {
+                return refusal(
+                    StatusCode::BAD_GATEWAY,
+                    &format!("upstream failed: {e}"),
+                    "bad_gateway",
+                )
+            }
+        }
     }
+}
+
+/// Passes a backend's answer on, holding `slot` until its last byte.
+async fn relay(
+    shared: &Arc<Shared>,
+    request: &Bytes,
+    resp: reqwest::Response,
+    slot: Option<Slot>,
+) -> Response {
+    let status = resp.status();
+    let mut headers = resp.headers().clone();
+    strip_hop_headers(&mut headers);
+    let body = match &shared.sample {
+        // A sampling proxy reads the whole answer first (it serves a low-rate sample run).
+        Some(sample) => {
+            let bytes = resp.bytes().await.unwrap_or_default();
+            if let Some(prompt) = reported_prompt_tokens(&bytes) {
+                if let Ok(mut s) = sample.lock() {
+                    s.push((prompt, requested_max_tokens(request)));
+                }
+            }
+            Body::from(bytes)
+        }
+        None => Body::from_stream(resp.bytes_stream().map(move |chunk| {
+            let _held = &slot;
+            chunk
+        })),
+    };
+    let mut out = Response::new(body);
+    *out.status_mut() = status;
+    *out.headers_mut() = headers;
+    out
+}
+
+/// `usage.prompt_tokens` of an answer: a JSON body, or the SSE event that carries usage.
+fn reported_prompt_tokens(body: &[u8]) -> Option<u32> {
+    let of = |v: serde_json::Value| {
+        v.get("usage")?
+            .get("prompt_tokens")?
+            .as_u64()
+            .and_then(|n| u32::try_from(n).ok())
+    };
+    if let Ok(v) = serde_json::from_slice::<serde_json::Value>(body) {
+        return of(v);
+    }
+    String::from_utf8_lossy(body).lines().find_map(|line| {
+        let data = line.strip_prefix("data:")?.trim();
+        of(serde_json::from_str(data).ok()?)
+    })
+}
+
+/// The request's `max_tokens` (or `max_completion_tokens`), if it set one.
+fn requested_max_tokens(body: &[u8]) -> Option<u32> {
+    let v: serde_json::Value = serde_json::from_slice(body).ok()?;
+    let n = v
+        .get("max_tokens")
+        .or_else(|| v.get("max_completion_tokens"))?;
+    n.as_u64().and_then(|n| u32::try_from(n).ok())
 }
 
 fn strip_hop_headers(h: &mut HeaderMap) {
@@ -345,6 +509,8 @@ mod tests {
             per_backend: 1,
             queue_len: 0,
             queue_timeout: Duration::from_secs(30),
+            fail_after: 3,
+            skip_for: Duration::from_secs(5),
         };
         let proxy = Passthrough::start_capped(vec![engine.base_url()], cap)
             .await
@@ -394,6 +560,91 @@ mod tests {
         });
         first.text().await.unwrap();
         assert_eq!(queued.await.unwrap(), 200);
+        proxy.shutdown().await;
+        engine.shutdown().await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn the_capped_proxy_retries_a_refused_connection_elsewhere_and_skips_a_failing_one() {
+        let cfg = levee_engine::EngineConfig::profile("tiny-fast").unwrap();
+        let model = cfg.model.clone();
+        let engine = levee_engine::spawn(cfg, "127.0.0.1:0".parse().unwrap())
+            .await
+            .unwrap();
+        let cap = Cap {
+            per_backend: 4,
+            queue_len: 8,
+            queue_timeout: Duration::from_secs(5),
+            fail_after: 3,
+            skip_for: Duration::from_secs(600),
+        };
+        // Port 1 on loopback refuses connections: a dead backend first in turn.
+        let proxy =
+            Passthrough::start_capped(vec!["http://127.0.0.1:1".into(), engine.base_url()], cap)
+                .await
+                .unwrap();
+        let client = reqwest::Client::new();
+        for _ in 0..6 {
+            let resp = client
+                .post(format!("{}/v1/chat/completions", proxy.base_url()))
+                .json(&serde_json::json!({
+                    "model": model,
+                    "messages": [{"role": "user", "content": "hi"}],
+                    "max_tokens": 4,
+                }))
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(resp.status(), 200);
+            resp.text().await.unwrap();
+        }
+        assert_eq!(engine.stats().completed, 6);
+        let Some(slots) = &proxy.shared.slots else {
+            panic!("capped")
+        };
+        // Three refusals in a row: the dead backend is skipped now.
+        assert!(!slots.live(0, Instant::now()));
+        assert!(slots.live(1, Instant::now()));
+        proxy.shutdown().await;
+        engine.shutdown().await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_sampling_proxy_notes_the_servers_prompt_tokens_and_max_tokens() {
+        let cfg = levee_engine::EngineConfig::profile("tiny-fast").unwrap();
+        let model = cfg.model.clone();
+        let engine = levee_engine::spawn(cfg, "127.0.0.1:0".parse().unwrap())
+            .await
+            .unwrap();
+        let sample = Sample::default();
+        let proxy = Passthrough::start_sampling(vec![engine.base_url()], sample.clone())
+            .await
+            .unwrap();
+        let client = reqwest::Client::new();
+        for stream in [false, true] {
+            let body = client
+                .post(format!("{}/v1/chat/completions", proxy.base_url()))
+                .json(&serde_json::json!({
+                    "model": model,
+                    "messages": [{"role": "user", "content": "x".repeat(400)}],
+                    "max_tokens": 8,
+                    "stream": stream,
+                    "stream_options": {"include_usage": true},
+                }))
+                .send()
+                .await
+                .unwrap()
+                .text()
+                .await
+                .unwrap();
+            assert!(body.contains("prompt_tokens"), "{body}");
+        }
+        let noted = sample.lock().unwrap().clone();
+        assert_eq!(noted.len(), 2);
+        for (prompt, max) in noted {
+            assert!(prompt >= 100, "{prompt}");
+            assert_eq!(max, Some(8));
+        }
         proxy.shutdown().await;
         engine.shutdown().await.unwrap();
     }

@@ -1,4 +1,4 @@
-//! The drill's tables as text.
+//! The drill's tables, as text for the terminal and as HTML for the report page.
 
 use crate::capacity::Sweep;
 use crate::contender::{Contender, Outcome};
@@ -13,17 +13,18 @@ pub(crate) struct VerdictRow {
     pub checks: Vec<Check>,
 }
 
-pub(crate) fn render_verdicts(rows: &[VerdictRow]) -> String {
+/// The verdicts as text: each target, then each contender's mark and figure.
+pub(crate) fn render_verdicts(rows: &[VerdictRow], labels: &[&str]) -> String {
     let mut s = String::from("targets (MET / MISS per contender):\n");
     for r in rows {
         let _ = writeln!(s, "  {}", r.target);
-        for (who, c) in Contender::ALL.iter().zip(&r.checks) {
+        for (who, c) in labels.iter().zip(&r.checks) {
             let mark = match c.met {
                 Some(true) => "MET ",
                 Some(false) => "MISS",
                 None => "    ",
             };
-            let _ = writeln!(s, "    [{mark}] {:<12} {}", who.label(), c.measured);
+            let _ = writeln!(s, "    [{mark}] {who:<12} {}", c.measured);
         }
     }
     s
@@ -150,33 +151,133 @@ fn failure_rows(scenario: &Scenario, runs: &[(Contender, Outcome)]) -> Vec<Row> 
     rows
 }
 
-/// The contenders side by side, as text.
+/// The contenders side by side: a title, the contenders, and the rows.
+pub(crate) struct Table {
+    pub title: String,
+    pub labels: Vec<String>,
+    pub rows: Vec<Row>,
+}
+
+/// The contenders side by side.
 pub(crate) fn side_by_side(
     scenario: &Scenario,
     sweep: &Sweep,
     runs: &[(Contender, Outcome)],
-) -> String {
+) -> Table {
     let mut rows = served_rows(runs);
     rows.extend(failure_rows(scenario, runs));
+    Table {
+        title: format!(
+            "{}: {} (1x = the knee, {:.1} req/s)",
+            scenario.name, scenario.description, sweep.knee_rps
+        ),
+        labels: runs.iter().map(|(w, _)| w.label().to_string()).collect(),
+        rows,
+    }
+}
+
+/// The side-by-side table as text.
+pub(crate) fn text_table(t: &Table) -> String {
     let mut s = String::new();
-    let _ = writeln!(
-        s,
-        "levee drill — {}: {} (1x = the knee, {:.1} req/s)\n",
-        scenario.name, scenario.description, sweep.knee_rps
-    );
-    let _ = write!(s, "{:<24}", "");
-    for (who, _) in runs {
-        let _ = write!(s, "{:>14}", who.label());
+    let _ = writeln!(s, "{}\n", t.title);
+    let _ = write!(s, "{:<30}", "");
+    for label in &t.labels {
+        let _ = write!(s, "{label:>14}");
     }
     let _ = writeln!(s);
-    for (name, cells) in rows {
-        let _ = write!(s, "{name:<24}");
+    for (name, cells) in &t.rows {
+        let _ = write!(s, "{name:<30}");
         for c in cells {
             let _ = write!(s, "{c:>14}");
         }
         let _ = writeln!(s);
     }
     s
+}
+
+/// What the report page leads with.
+pub(crate) struct Lead<'a> {
+    pub labels: &'a [&'a str],
+    pub rows: &'a [VerdictRow],
+    pub suspect: Option<&'a str>,
+    pub table: &'a Table,
+    pub sweep_text: &'a str,
+}
+
+/// The verdicts as an HTML table: targets down, contenders across, each cell MET or MISS in
+/// colour with its figure.
+fn verdict_html(labels: &[&str], rows: &[VerdictRow]) -> String {
+    let esc = levee_sim::report::escape_html;
+    let mut h = String::from("<table class=\"verdicts\"><thead><tr><th>target</th>");
+    for l in labels {
+        let _ = write!(h, "<th>{}</th>", esc(l));
+    }
+    h.push_str("</tr></thead><tbody>");
+    for r in rows {
+        let _ = write!(h, "<tr><th>{}</th>", esc(&r.target));
+        for c in &r.checks {
+            let (class, mark) = match c.met {
+                Some(true) => ("met", "MET"),
+                Some(false) => ("miss", "MISS"),
+                None => ("info", ""),
+            };
+            let _ = write!(
+                h,
+                "<td class=\"{class}\"><b>{mark}</b> {}</td>",
+                esc(&c.measured)
+            );
+        }
+        h.push_str("</tr>");
+    }
+    h.push_str("</tbody></table>");
+    h
+}
+
+/// The side-by-side table as HTML.
+fn table_html(t: &Table) -> String {
+    let esc = levee_sim::report::escape_html;
+    let mut h = String::from("<table class=\"side\"><thead><tr><th></th>");
+    for l in &t.labels {
+        let _ = write!(h, "<th>{}</th>", esc(l));
+    }
+    h.push_str("</tr></thead><tbody>");
+    for (name, cells) in &t.rows {
+        let _ = write!(h, "<tr><th>{}</th>", esc(name.trim()));
+        for c in cells {
+            let _ = write!(h, "<td>{}</td>", esc(c));
+        }
+        h.push_str("</tr>");
+    }
+    h.push_str("</tbody></table>");
+    h
+}
+
+/// The page's lead: verdicts, the suspect-reference warning, the side-by-side table, the
+/// capacity measurement.
+pub(crate) fn lead_html(lead: &Lead<'_>, scenario: &Scenario, knee: f64) -> String {
+    let esc = levee_sim::report::escape_html;
+    let style = "<style>table.verdicts,table.side{border-collapse:collapse;margin:0.5em 0 \
+                 1.5em}table.verdicts th,table.verdicts td,table.side th,table.side td{border:\
+                 1px solid #ccc;padding:4px 8px;text-align:left;vertical-align:top}\
+                 table.side td{text-align:right;font-variant-numeric:tabular-nums}\
+                 td.met{background:#e3f6e3}td.met b{color:#17731f}td.miss{background:#fde4e4}\
+                 td.miss b{color:#b3141a}.suspect{background:#fff3cd;border:1px solid #e0b100;\
+                 padding:8px;font-weight:bold}</style>";
+    let warning = lead.suspect.map_or(String::new(), |w| {
+        format!("<p class=\"suspect\">Warning: {}</p>", esc(w))
+    });
+    format!(
+        "{style}<p>{}: {} — 1x = the knee, {knee:.1} req/s.</p><h2>Verdicts</h2>{warning}{}\
+         <h2>Side by side</h2>{}<h2>Capacity</h2><pre>{}</pre>\
+         <p>Dashed lines: grey where the offered load changes (as a multiple of the knee), red \
+         where an engine crashed. A line stops where its run has no data. In-process logs: \
+         drill.log.</p>",
+        esc(&scenario.name),
+        esc(&scenario.description),
+        verdict_html(lead.labels, lead.rows),
+        table_html(lead.table),
+        esc(lead.sweep_text)
+    )
 }
 
 /// The most requests the engines held waiting inside themselves at one scrape, summed over

@@ -108,13 +108,13 @@ fn the_sweep_sends_the_mix_without_retries_tenants_or_faults() {
     assert_eq!(s.classes, base.classes);
     assert_eq!(s.sessions, base.sessions);
     assert!((s.offered_rps_at(5.0) - 12.0).abs() < 1e-9);
-    assert!(estimated_capacity(&base, 2, &drill_engine_config()) > 1.0);
+    assert!(estimated_capacity(&base, 2, &drill_engine_config(), 64) > 1.0);
 }
 
 #[test]
 fn premium_over_quota_counts_only_what_exceeds_the_configured_rate() {
     let mut s = levee_sim::scenarios::builtin("flash-crowd").unwrap();
-    s.capacity_rps = 30.0;
+    s.capacity_rps = stated("C");
     let cfg = gateway_config(SHIPPED_GATEWAY_CONFIG, &s, &urls(2)).unwrap();
     // What a client sends on the schedule: first turns at their arrival times.
     let sends = |s: &Scenario| {
@@ -128,8 +128,19 @@ fn premium_over_quota_counts_only_what_exceeds_the_configured_rate() {
         }
         out
     };
-    // Each premium tenant peaks at 0.3x = 9 req/s, under its 15 req/s quota.
-    assert_eq!(premium_over_quota(&sends(&s), &s, &cfg), 0);
+    // Each premium tenant peaks at 0.3x of the stated capacity, under its 0.5x quota: only
+    // the odd burst of the bursty arrivals goes past 2 s of it (2 of 178 first turns).
+    let premium_sends: usize = s
+        .tenants
+        .iter()
+        .filter(|t| t.tier == "premium")
+        .map(|t| sends(&s).get(&t.name).map_or(0, Vec::len))
+        .sum();
+    let over = premium_over_quota(&sends(&s), &s, &cfg);
+    assert!(
+        over * 20 <= premium_sends as u64,
+        "{over} of {premium_sends}"
+    );
     // At 10x the capacity, most of their traffic is over quota.
     s.capacity_rps = 300.0;
     let over = premium_over_quota(&sends(&s), &s, &cfg);
@@ -174,4 +185,82 @@ fn every_shipped_flood_has_sessions_a_heavy_tail_and_both_stream_kinds() {
     let c = levee_sim::scenarios::builtin("crash-mid-flood").unwrap();
     let f = &c.faults[0];
     assert!(c.offered_rps_at(f.at_s) >= 5.0 * c.capacity_rps);
+}
+
+/// A number the shipped configuration's comments state, e.g. `# C = 9.8 req/s`.
+fn stated(key: &str) -> f64 {
+    let prefix = format!("# {key} = ");
+    SHIPPED_GATEWAY_CONFIG
+        .lines()
+        .find_map(|l| l.strip_prefix(&prefix))
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("drill-gateway.toml states no {key}"))
+}
+
+#[test]
+fn the_shipped_config_follows_its_formula_from_its_stated_capacity() {
+    use crate::operator::{contract, watermarks, Basis};
+    let basis = Basis {
+        capacity_rps: stated("C"),
+        ttft_slo_ms: stated("T"),
+        e2e_p99_ms: stated("E"),
+        model: String::new(),
+        measured: String::new(),
+    };
+    let slots = stated("S") as u32;
+    let cfg = levee_gateway::Config::from_toml_str(SHIPPED_GATEWAY_CONFIG).unwrap();
+    let e = drill_engine_config();
+    assert_eq!(slots, 2 * e.gpu.max_running_seqs);
+    let (safe, soft, hard) = watermarks(&basis, slots);
+    assert_eq!(
+        (cfg.queue.safe, cfg.queue.soft, cfg.queue.hard),
+        (safe, soft, hard)
+    );
+    for (i, tier) in ["premium", "standard", "free"].iter().enumerate() {
+        let k = contract(i, &basis, slots);
+        let t = &cfg.tiers[*tier];
+        assert_eq!(
+            (t.queue_wait_ms, t.soft_queue_wait_ms),
+            (k.queue_wait_ms, k.soft_queue_wait_ms),
+            "{tier}"
+        );
+        for tenant in cfg.tenants.iter().filter(|t| t.tier == *tier) {
+            assert_eq!(
+                (
+                    tenant.requests_per_minute,
+                    tenant.requests_burst,
+                    tenant.max_concurrency
+                ),
+                (k.requests_per_minute, k.requests_burst, k.max_concurrency),
+                "{}",
+                tenant.name
+            );
+        }
+    }
+    // The drill's calibrated output parses as a configuration and states the same formula.
+    let s = levee_sim::scenarios::builtin("noisy-neighbor").unwrap();
+    let fleet = crate::operator::Fleet {
+        urls: vec![
+            "http://127.0.0.1:8001".into(),
+            "http://127.0.0.1:8002".into(),
+        ],
+        kind: "vllm".into(),
+        max_in_flight: e.gpu.max_running_seqs,
+    };
+    let standard = contract(1, &basis, slots);
+    let text = crate::operator::calibrated_config(
+        &fleet,
+        &Basis {
+            model: s.request.model.clone(),
+            ..basis
+        },
+        &s,
+    );
+    let out =
+        levee_gateway::Config::from_toml_str(&text).unwrap_or_else(|e| panic!("{e:?}\n{text}"));
+    assert_eq!(out.queue.hard, cfg.queue.hard);
+    let noisy = out.tenants.iter().find(|t| t.name == "noisy").unwrap();
+    assert_eq!(noisy.requests_per_minute, standard.requests_per_minute);
+    assert!(gateway_config(&text, &s, &fleet.urls).is_ok());
 }

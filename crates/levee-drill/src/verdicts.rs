@@ -255,6 +255,19 @@ pub fn levee_client_errors(errors: &std::collections::BTreeMap<String, u64>) -> 
         .sum()
 }
 
+/// With engines that preempt instead of crashing, overload shows as slowness: the p99 TTFT
+/// of the requests served against the scenario's TTFT objective. `None` when nothing was
+/// served.
+pub fn ttft_within_slo(report: &Report, slo_ms: f64) -> Option<Check> {
+    let t = report.latency.ttft;
+    (t.count > 0).then(|| {
+        Check::judged(
+            format!("{:.0} ms (of {} served)", t.p99, t.count),
+            t.p99 <= slo_ms,
+        )
+    })
+}
+
 /// Attempts per scheduled request (1.0 = no retry).
 pub fn amplification(report: &Report) -> Check {
     let a = if report.totals.scheduled > 0 {
@@ -488,6 +501,17 @@ mod tests {
         assert_eq!(c.met, Some(false), "{}", c.measured);
         assert_eq!(levee_client_errors(&g.errors), 10);
         assert_eq!(engine_client_errors(&g.errors), 0);
+    }
+
+    #[test]
+    fn the_preempt_latency_verdict_fails_past_the_slo() {
+        let mut r = report_with(Vec::new());
+        assert!(ttft_within_slo(&r, 2000.0).is_none());
+        r.latency.ttft.count = 100;
+        r.latency.ttft.p99 = 1900.0;
+        assert_eq!(ttft_within_slo(&r, 2000.0).unwrap().met, Some(true));
+        r.latency.ttft.p99 = 2100.0;
+        assert_eq!(ttft_within_slo(&r, 2000.0).unwrap().met, Some(false));
     }
 
     #[test]
