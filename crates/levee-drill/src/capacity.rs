@@ -12,7 +12,9 @@
 //!    the competent capped proxy ([`crate::passthrough`]: that cap, a FIFO queue with the
 //!    wait budget, passive health, one retry on connect failure), each on fresh engines.
 //!    A step's goodput is the requests meeting the SLO per second after its warm-up. The
-//!    sweep goes on past flat steps until goodput falls (10% below the best), or until
+//!    first step (half the first estimate) is halved, up to three times, while it is far
+//!    past the knee (a crash, or under half its offer within the SLO); from there the
+//!    sweep rises and goes on past flat steps until goodput falls (10% below the best), or until
 //!    [`Timing::flat_steps_to_stop`] steps in a row add nothing (2% over the best): a
 //!    plateau. A step in which an engine crashed does not count.
 //! 4. **The knee** is the best goodput of the sweep: the best a protected fleet achieved.
@@ -87,8 +89,8 @@ pub(crate) const QUICK: Timing = Timing {
     time_scale: 0.2,
     sample_s: 8.0,
     sample_share: 0.3,
-    step_s: 6.0,
-    step_warm_s: 2.0,
+    step_s: 8.0,
+    step_warm_s: 3.0,
     first_step: 0.5,
     rise: 0.2,
     flat_steps_to_stop: 2,
@@ -351,32 +353,30 @@ pub(crate) async fn measure_knee(
     let cap = competent_cap(&op, setup.engines, wait_budget(scenario));
     let estimate = estimated_capacity(scenario, setup.engines, engine, op.per_engine);
     let window: Vec<u32> = (timing.step_warm_s as u32..timing.step_s as u32).collect();
+    let run = |rps: f64| sweep_step(scenario, setup, timing, cap, rps, &window);
     let mut steps: Vec<SweepStep> = Vec::new();
-    let mut first = timing.first_step;
-    let mut k = 0;
-    while (steps.len() as u32) < timing.max_steps {
-        let rps = estimate * (first + timing.rise * f64::from(k));
-        let step = sweep_step(scenario, setup, timing, cap, rps, &window).await?;
-        eprintln!(
-            "      {rps:>6.1} req/s offered → {:>6.1} req/s within the SLO{}",
-            step.goodput_rps,
-            if step.crashed {
-                "  (an engine crashed: not counted)"
-            } else {
-                ""
-            }
-        );
-        let saturated = step.crashed || step.goodput_rps < 0.8 * rps;
+    // The first step: halved (up to three times) while it is far past the knee (an engine
+    // crashed, or under half its offer met the SLO).
+    let mut first = estimate * timing.first_step;
+    for halvings in 0.. {
+        let step = run(first).await?;
+        print_step(&step);
         steps.push(step);
-        if k == 0 && saturated && first > timing.first_step / 8.0 {
-            // The first step was already past the knee: start lower.
-            first /= 2.0;
-            continue;
-        }
-        if sweep_done(&steps, timing.flat_steps_to_stop) {
+        if (!step.crashed && step.goodput_rps >= 0.5 * first) || halvings == 3 {
             break;
         }
-        k += 1;
+        first /= 2.0;
+    }
+    // The climb, from the first step kept, in rises of the same share of it.
+    let climb_from = steps.len() - 1;
+    let mut k = 1.0;
+    while !sweep_done(&steps[climb_from..], timing.flat_steps_to_stop)
+        && (steps.len() as u32) < timing.max_steps
+    {
+        let step = run(first * (1.0 + k * timing.rise / timing.first_step)).await?;
+        print_step(&step);
+        steps.push(step);
+        k += 1.0;
     }
     let knee = steps
         .iter()
@@ -395,6 +395,19 @@ pub(crate) async fn measure_knee(
     })
 }
 
+fn print_step(step: &SweepStep) {
+    eprintln!(
+        "      {:>6.1} req/s offered → {:>6.1} req/s within the SLO{}",
+        step.offered_rps,
+        step.goodput_rps,
+        if step.crashed {
+            "  (an engine crashed: not counted)"
+        } else {
+            ""
+        }
+    );
+}
+
 /// How the knee was measured, in one paragraph (terminal, JSON and page).
 pub(crate) fn method(timing: &Timing, wait: Duration) -> String {
     format!(
@@ -404,8 +417,8 @@ pub(crate) fn method(timing: &Timing, wait: Duration) -> String {
          max_tokens)⌋ at most max_num_seqs, prompts as the server reported them in a {:.0} s \
          sample; one FIFO queue with a {:.1} s wait; a backend failing {FAIL_AFTER} times in \
          a row skipped for {:.0} s; one retry on connect failure — each step on a fresh fleet, \
-         rising until goodput falls 10% below the best or {} steps in a row add under 2%; \
-         crashed steps do not count",
+         the first halved while far past the knee, then rising until goodput falls 10% below \
+         the best or {} steps in a row add under 2%; crashed steps do not count",
         timing.step_s,
         timing.step_warm_s,
         timing.sample_s,
@@ -415,12 +428,17 @@ pub(crate) fn method(timing: &Timing, wait: Duration) -> String {
     )
 }
 
-/// The sweep as text.
+/// The sweep as text, headed by its method.
 pub(crate) fn render_sweep(sweep: &Sweep, method: &str) -> String {
+    format!("capacity (the knee): {method}\n{}", render_steps(sweep))
+}
+
+/// The operator cap and the sweep's steps as text.
+pub(crate) fn render_steps(sweep: &Sweep) -> String {
     let op = &sweep.cap;
     let mut s = format!(
-        "capacity (the knee): {method}\n  operator cap per engine: {} KV tokens ÷ p95 {} \
-         tokens ({} sampled answers) = {} (max_num_seqs {})\n",
+        "  operator cap per engine: {} KV tokens ÷ p95 {} tokens ({} sampled answers) = {} \
+         (max_num_seqs {})\n",
         op.kv_tokens, op.p95_tokens, op.samples, op.per_engine, op.max_num_seqs
     );
     for st in &sweep.steps {

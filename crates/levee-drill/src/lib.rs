@@ -593,6 +593,16 @@ fn judge(plan: &Plan, runs: &Runs) -> Judged {
         .map(|(who, o)| (who.label(), verdicts::window_goodput(&o.report, &window)))
         .collect();
     let suspect = verdicts::suspect_reference(knee, &flood);
+    if suspect.is_some() {
+        // Against a knee a contender beat, a goodput share proves nothing: no MET, no MISS.
+        if let Some(row) = rows.first_mut().filter(|r| r.target.starts_with("goodput")) {
+            row.target
+                .push_str(" — no verdict: the reference is suspect");
+            for c in &mut row.checks {
+                c.met = None;
+            }
+        }
+    }
     Judged {
         window,
         rows,
@@ -707,7 +717,8 @@ fn write_page(
                 rows: &judged.rows,
                 suspect: judged.suspect.as_deref(),
                 table,
-                sweep_text: &capacity::render_sweep(&runs.sweep, &plan.method()),
+                method: &plan.method(),
+                steps: &capacity::render_steps(&runs.sweep),
             },
             &plan.scenario,
             runs.sweep.knee_rps,

@@ -201,7 +201,9 @@ pub(crate) struct Lead<'a> {
     pub rows: &'a [VerdictRow],
     pub suspect: Option<&'a str>,
     pub table: &'a Table,
-    pub sweep_text: &'a str,
+    /// How the knee was measured, and the steps.
+    pub method: &'a str,
+    pub steps: &'a str,
 }
 
 /// The verdicts as an HTML table: targets down, contenders across, each cell MET or MISS in
@@ -268,7 +270,7 @@ pub(crate) fn lead_html(lead: &Lead<'_>, scenario: &Scenario, knee: f64) -> Stri
     });
     format!(
         "{style}<p>{}: {} — 1x = the knee, {knee:.1} req/s.</p><h2>Verdicts</h2>{warning}{}\
-         <h2>Side by side</h2>{}<h2>Capacity</h2><pre>{}</pre>\
+         <h2>Side by side</h2>{}<h2>Capacity (the knee)</h2><p>{}</p><pre>{}</pre>\
          <p>Dashed lines: grey where the offered load changes (as a multiple of the knee), red \
          where an engine crashed. A line stops where its run has no data. In-process logs: \
          drill.log.</p>",
@@ -276,7 +278,8 @@ pub(crate) fn lead_html(lead: &Lead<'_>, scenario: &Scenario, knee: f64) -> Stri
         esc(&scenario.description),
         verdict_html(lead.labels, lead.rows),
         table_html(lead.table),
-        esc(lead.sweep_text)
+        esc(lead.method),
+        esc(lead.steps)
     )
 }
 
@@ -304,4 +307,51 @@ fn engine_queue_peak(report: &Report) -> Option<f64> {
 
 fn pct(x: f64) -> String {
     format!("{:.2}%", x * 100.0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_verdict_table_has_a_coloured_cell_per_contender_and_target() {
+        let rows = [VerdictRow {
+            target: "goodput <≥ 95%>".into(),
+            checks: vec![
+                Check {
+                    measured: "1.0 req/s".into(),
+                    met: Some(false),
+                },
+                Check {
+                    measured: "9.9 req/s".into(),
+                    met: Some(true),
+                },
+                Check {
+                    measured: "2.0×".into(),
+                    met: None,
+                },
+            ],
+        }];
+        let h = verdict_html(&["unprotected", "capped", "levee"], &rows);
+        assert!(
+            h.contains("<th>unprotected</th><th>capped</th><th>levee</th>"),
+            "{h}"
+        );
+        assert!(
+            h.contains("<td class=\"miss\"><b>MISS</b> 1.0 req/s</td>"),
+            "{h}"
+        );
+        assert!(
+            h.contains("<td class=\"met\"><b>MET</b> 9.9 req/s</td>"),
+            "{h}"
+        );
+        assert!(h.contains("<td class=\"info\"><b></b> 2.0×</td>"), "{h}");
+        assert!(h.contains("goodput &lt;≥ 95%&gt;"), "{h}");
+        let t = Table {
+            title: String::new(),
+            labels: vec!["a".into()],
+            rows: vec![("  429s".into(), vec!["3".into()])],
+        };
+        assert!(table_html(&t).contains("<tr><th>429s</th><td>3</td></tr>"));
+    }
 }

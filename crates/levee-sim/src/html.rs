@@ -366,3 +366,19 @@ pub fn write_page(runs: &[(&str, &Report)], page: &Page, path: &Path) -> anyhow:
     }
     std::fs::write(path, out).with_context(|| format!("cannot write {}", path.display()))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_series_is_split_where_it_has_no_data() {
+        let points = [(0.0, 1.0), (1.0, 2.0), (2.0, 2.0), (6.0, 3.0), (7.0, 1.0)];
+        let s = stretches(&points);
+        assert_eq!(s.len(), 2);
+        assert_eq!(s[0].len(), 3);
+        assert_eq!(s[1], vec![(6.0, 3.0), (7.0, 1.0)]);
+        assert_eq!(stretches(&[(0.0, 1.0)]).len(), 1);
+        assert!(stretches(&[]).is_empty());
+    }
+}
