@@ -192,8 +192,13 @@ impl Plan {
              cannot take them",
             scenario.name
         );
-        // Fail before any run if the configuration does not fit the scenario.
-        let gateway = gateway_config(&gateway_text, &scenario, &placeholders(engines))?;
+        // Fail before any run if the configuration does not fit the scenario (unless the
+        // drill only measures the capacity to write a configuration).
+        let gateway = if args.calibrate_config {
+            levee_gateway::Config::default()
+        } else {
+            gateway_config(&gateway_text, &scenario, &placeholders(engines))?
+        };
         let mut engine = engine_of(&args)?;
         engine.gpu.restart_secs *= timing.time_scale;
         let flooders = scenario
