@@ -4,14 +4,18 @@
 #     first time) and builds levee (release);
 #  2. starts two llama-servers on free loopback ports, 4 slots and one CPU thread each (the
 #     why is in bench/llama-servers.sh);
-#  3. `levee drill` against them (--backend): measures their capacity WITHOUT levee
-#     (open-loop steps of rising rate through a plain round-robin proxy, the flood's request
-#     mix, no retries; the knee is the best goodput), then floods them with
-#     bench/real-backend-flood.toml (5x the knee for 30 s, naive retries) three times:
-#     unprotected round-robin, a capped pass-through (4 per server + FIFO queue), and levee
-#     configured by bench/real-backend-gateway.toml; prints the side-by-side table and the
-#     verdicts (goodput >= 90% of the knee, premium >= 99.9%, 0 crashes).
-# Every process it starts is killed at the end (by PID). About 6 to 10 minutes after the
+#  3. `levee drill --calibrate-config` against them (--backend): measures their capacity on
+#     THIS machine by the drill's own method (a low-rate sample for the servers' prompt
+#     sizes, then open-loop steps of rising rate through the competent capped proxy, the
+#     flood's request mix, no retries; the knee is the best goodput) and derives levee's
+#     configuration from it by the formula in crates/levee-drill/drill-gateway.toml's
+#     comments, written to target/real-backend/gateway.toml;
+#  4. `levee drill` with that configuration: measures the knee again, then floods the
+#     servers with bench/real-backend-flood.toml (5x the knee for 30 s, naive retries)
+#     through every contender: unprotected round-robin, the capped pass-through, HAProxy
+#     (when installed) and levee; prints the side-by-side table and the verdicts (goodput
+#     >= 90% of the knee, premium >= 99.9%, 0 crashes).
+# Every process it starts is killed at the end (by PID). About 15 to 25 minutes after the
 # build. Reports in target/real-backend/.
 #
 #   bench/real-backend.sh [--quick] [more levee drill options]
@@ -31,10 +35,14 @@ BACKENDS=()
 for url in "${LLAMA_URLS[@]}"; do
   BACKENDS+=(--backend "$url")
 done
-# A bound on the whole run: the drill stops by itself, this only guards against a hang.
-timeout 1800 "${CARGO_TARGET_DIR:-target}/release/levee" drill \
-  --scenario bench/real-backend-flood.toml \
-  --gateway-config bench/real-backend-gateway.toml \
-  --backend-profile profiles/llamacpp-gemma3-270m-2core.toml \
+LEVEE="${CARGO_TARGET_DIR:-target}/release/levee"
+COMMON=(--scenario bench/real-backend-flood.toml
+        --backend-profile profiles/llamacpp-gemma3-270m-2core.toml "${BACKENDS[@]}")
+# Bounds on each step: the drill stops by itself, these only guard against a hang.
+timeout 1800 "$LEVEE" drill --calibrate-config "${COMMON[@]}" --out "$OUT/calibrate" \
+  > "$OUT/gateway.toml"
+echo "levee's configuration for these servers, derived on this machine: $OUT/gateway.toml"
+timeout 2400 "$LEVEE" drill "${COMMON[@]}" \
+  --gateway-config "$OUT/gateway.toml" \
   --goodput-target 0.90 \
-  "${BACKENDS[@]}" --out "$OUT" "$@"
+  --out "$OUT" "$@"

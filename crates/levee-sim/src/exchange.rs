@@ -186,6 +186,7 @@ pub(crate) async fn attempt(
             get("retry-after-ms"),
             std::time::SystemTime::now(),
         );
+        let levee_origin = headers.contains_key("x-levee-error-origin");
         let body = Limited::new(response.into_body(), ERROR_BODY_LIMIT)
             .collect()
             .await
@@ -204,6 +205,8 @@ pub(crate) async fn attempt(
                 })
                 .unwrap_or_else(|| "unknown".into());
             Kind::RateLimited(code)
+        } else if levee_origin {
+            Kind::LeveeStatus(status.as_u16())
         } else {
             Kind::Status(status.as_u16())
         };

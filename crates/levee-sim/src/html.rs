@@ -1,7 +1,7 @@
 //! The self-contained HTML report: tables and inline SVG charts (drawn with plotters), no
 //! script, no external resource, so it opens offline and can be attached to an incident.
 
-use crate::report::{compare_table, Report};
+use crate::report::Report;
 use anyhow::Context;
 use plotters::prelude::*;
 use std::fmt::Write as _;
@@ -99,20 +99,18 @@ fn line_chart(
                 .map_err(|e| err(&e))?;
         }
         for (i, (name, points)) in series.iter().enumerate() {
-            if points.is_empty() {
-                continue;
-            }
             let color = Palette99::pick(i).to_rgba();
-            chart
-                .draw_series(LineSeries::new(
-                    points.iter().copied(),
-                    color.stroke_width(2),
-                ))
-                .map_err(|e| err(&e))?
-                .label(name.as_str())
-                .legend(move |(x, y)| {
-                    PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2))
-                });
+            // One line per stretch with data: no straight line across a gap.
+            for (k, stretch) in stretches(points).into_iter().enumerate() {
+                let drawn = chart
+                    .draw_series(LineSeries::new(stretch, color.stroke_width(2)))
+                    .map_err(|e| err(&e))?;
+                if k == 0 {
+                    drawn.label(name.as_str()).legend(move |(x, y)| {
+                        PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2))
+                    });
+                }
+            }
         }
         chart
             .configure_series_labels()
@@ -124,6 +122,23 @@ fn line_chart(
         root.present().map_err(|e| err(&e))?;
     }
     Ok(svg)
+}
+
+/// The points split where the series has no data: wherever the step to the next point is
+/// over 1.5 times the series' usual step (its median).
+fn stretches(points: &[(f64, f64)]) -> Vec<Vec<(f64, f64)>> {
+    let mut steps: Vec<f64> = points.windows(2).map(|w| w[1].0 - w[0].0).collect();
+    steps.sort_by(f64::total_cmp);
+    let usual = steps.get(steps.len() / 2).copied().unwrap_or(1.0);
+    let mut out: Vec<Vec<(f64, f64)>> = Vec::new();
+    for (i, &p) in points.iter().enumerate() {
+        let gap = i > 0 && p.0 - points[i - 1].0 > 1.5 * usual;
+        match out.last_mut() {
+            Some(last) if !gap => last.push(p),
+            _ => out.push(vec![p]),
+        }
+    }
+    out
 }
 
 fn per_second(r: &Report, f: fn(&crate::report::Second) -> f64) -> Vec<(f64, f64)> {
@@ -259,6 +274,24 @@ fn run_section(
     Ok(())
 }
 
+/// The runs' headline figures as an HTML table (the rows of [`compare_table`]).
+fn compare_html(runs: &[(&str, &Report)]) -> String {
+    let mut h = String::from("<table><tr><th></th>");
+    for (label, _) in runs {
+        let _ = write!(h, "<th>{}</th>", escape(label));
+    }
+    h.push_str("</tr>");
+    for (name, cells) in crate::report::compare_rows(runs) {
+        let _ = write!(h, "<tr><th>{}</th>", escape(&name));
+        for c in cells {
+            let _ = write!(h, "<td>{}</td>", escape(&c));
+        }
+        h.push_str("</tr>");
+    }
+    h.push_str("</table>");
+    h
+}
+
 /// Writes an HTML page for one or more runs. With several runs, the page starts with the
 /// side-by-side table and charts that overlay the runs' goodput and p99 TTFT, then shows
 /// each run in full.
@@ -277,26 +310,28 @@ pub fn write_page(runs: &[(&str, &Report)], page: &Page, path: &Path) -> anyhow:
     let markers = &page.markers[..];
     let title = match &page.title {
         Some(t) => escape(t),
-        None => runs
-            .iter()
-            .map(|(l, _)| escape(l))
-            .collect::<Vec<_>>()
-            .join(" vs "),
+        None => format!(
+            "levee sim: {}",
+            runs.iter()
+                .map(|(l, _)| escape(l))
+                .collect::<Vec<_>>()
+                .join(" vs ")
+        ),
     };
     let _ = write!(
         out,
-        "<!doctype html><html><head><meta charset=\"utf-8\"><title>levee sim: {title}</title>\
+        "<!doctype html><html><head><meta charset=\"utf-8\"><title>{title}</title>\
          <style>body{{font-family:sans-serif;max-width:960px;margin:2em auto;color:#222}}\
          pre{{background:#f6f6f6;padding:1em;overflow-x:auto;font-size:12px}}\
          table{{border-collapse:collapse}}td,th{{border:1px solid #ccc;padding:2px 8px;text-align:right}}\
-         svg{{display:block;margin:1em 0}}</style></head><body><h1>levee sim: {title}</h1>"
+         svg{{display:block;margin:1em 0}}</style></head><body><h1>{title}</h1>"
     );
     out.push_str(&page.lead_html);
     if runs.len() > 1 {
         let _ = writeln!(
             out,
-            "<h2>Side by side</h2><pre>{}</pre>",
-            escape(&compare_table(runs))
+            "<h2>Side by side: every run</h2>{}",
+            compare_html(runs)
         );
         let overlay = |f: fn(&crate::report::Second) -> f64| -> Vec<Series> {
             runs.iter()
@@ -330,4 +365,20 @@ pub fn write_page(runs: &[(&str, &Report)], page: &Page, path: &Path) -> anyhow:
             .with_context(|| format!("cannot create directory {}", dir.display()))?;
     }
     std::fs::write(path, out).with_context(|| format!("cannot write {}", path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_series_is_split_where_it_has_no_data() {
+        let points = [(0.0, 1.0), (1.0, 2.0), (2.0, 2.0), (6.0, 3.0), (7.0, 1.0)];
+        let s = stretches(&points);
+        assert_eq!(s.len(), 2);
+        assert_eq!(s[0].len(), 3);
+        assert_eq!(s[1], vec![(6.0, 3.0), (7.0, 1.0)]);
+        assert_eq!(stretches(&[(0.0, 1.0)]).len(), 1);
+        assert!(stretches(&[]).is_empty());
+    }
 }

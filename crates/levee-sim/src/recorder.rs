@@ -18,6 +18,9 @@ pub(crate) enum Kind {
     RateLimited(String),
     /// Another non-2xx status.
     Status(u16),
+    /// A non-2xx status other than 429 that a levee gateway produced itself (its answer
+    /// carries `x-levee-error-origin`), not one it relayed from the server behind it.
+    LeveeStatus(u16),
     /// The client gave up waiting.
     Timeout,
     /// No response: refused, reset, or failed before the status line.
@@ -39,6 +42,8 @@ impl Kind {
             Kind::RateLimited(code) => format!("429:{code}"),
             Kind::Status(s) if *s >= 500 => format!("5xx:{s}"),
             Kind::Status(s) => format!("4xx:{s}"),
+            Kind::LeveeStatus(s) if *s >= 500 => format!("5xx:{s}"),
+            Kind::LeveeStatus(s) => format!("4xx:{s}:levee"),
             Kind::Timeout => "timeout".into(),
             Kind::Connect => "connect".into(),
             Kind::BrokenStream => "broken_stream".into(),
@@ -134,10 +139,40 @@ impl GroupAcc {
             },
             goodput_rps: self.good as f64 / duration_s.max(1e-9),
             ttft: p(&self.ttft),
+            ttft_slowest_ms: self
+                .ttft
+                .as_ref()
+                .map(|h| slowest_ms(h, self.requests / 100 + 1))
+                .unwrap_or_default(),
             e2e: p(&self.e2e),
             errors: self.errors.clone(),
         }
     }
+}
+
+/// The `n` largest values of a histogram of microseconds, in milliseconds, largest first.
+fn slowest_ms(h: &Histogram<u64>, n: u64) -> Vec<f64> {
+    let recorded: Vec<(u64, u64)> = h
+        .iter_recorded()
+        .map(|v| {
+            (
+                h.highest_equivalent(v.value_iterated_to()),
+                v.count_at_value(),
+            )
+        })
+        .collect();
+    let mut out = Vec::new();
+    for &(value, count) in recorded.iter().rev() {
+        let left = n.saturating_sub(out.len() as u64);
+        if left == 0 {
+            break;
+        }
+        out.extend(std::iter::repeat_n(
+            value as f64 / 1000.0,
+            count.min(left) as usize,
+        ));
+    }
+    out
 }
 
 fn second(seconds: &mut Vec<SecondAcc>, ns: u64) -> &mut SecondAcc {
@@ -361,10 +396,12 @@ impl Recorder {
                 }
             }
             Kind::RateLimited(_) => sec.s.rate_limited += 1,
-            Kind::Status(s) if *s >= 500 => sec.s.server_errors += 1,
+            Kind::Status(s) | Kind::LeveeStatus(s) if *s >= 500 => sec.s.server_errors += 1,
             Kind::Timeout => sec.s.timeouts += 1,
             Kind::Connect | Kind::BrokenStream => sec.s.connect_errors += 1,
-            Kind::Status(_) | Kind::Cancelled | Kind::Task(_) => sec.s.other_errors += 1,
+            Kind::Status(_) | Kind::LeveeStatus(_) | Kind::Cancelled | Kind::Task(_) => {
+                sec.s.other_errors += 1
+            }
         }
         if let Some(v) = ttft_us {
             record_into(&mut sec.ttft, v, coarse);
@@ -534,4 +571,32 @@ fn label_index<'a>(
         .map(|l| l.and_then(|l| names.iter().position(|n| n == l)))
         .collect();
     (names, index)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_slowest_values_come_largest_first_and_stop_at_n() {
+        let mut h = Histogram::<u64>::new_with_bounds(1, 3_600_000_000, 3).unwrap();
+        for us in [1_000, 2_000, 2_000, 9_000] {
+            h.record(us).unwrap();
+        }
+        let s = slowest_ms(&h, 3);
+        assert_eq!(s.len(), 3);
+        assert!(
+            (s[0] - 9.0).abs() < 0.01 && (s[1] - 2.0).abs() < 0.01,
+            "{s:?}"
+        );
+        assert!((s[2] - 2.0).abs() < 0.01, "{s:?}");
+        assert_eq!(slowest_ms(&h, 10).len(), 4);
+    }
+
+    #[test]
+    fn a_levee_refusal_is_keyed_apart_from_a_relayed_one() {
+        assert_eq!(Kind::Status(400).error_key().unwrap(), "4xx:400");
+        assert_eq!(Kind::LeveeStatus(400).error_key().unwrap(), "4xx:400:levee");
+        assert_eq!(Kind::LeveeStatus(503).error_key().unwrap(), "5xx:503");
+    }
 }

@@ -43,8 +43,10 @@ pub struct Report {
     pub rates: Rates,
     /// Latency distributions.
     pub latency: Latency,
-    /// Failed requests by kind: `429:<code>`, `5xx:<status>`, `4xx:<status>`, `timeout`,
-    /// `connect`, `broken_stream`, `cancelled`.
+    /// Failed requests by kind: `429:<code>`, `5xx:<status>`, `4xx:<status>` (relayed from
+    /// the server behind the target, or answered by a target that is not levee),
+    /// `4xx:<status>:levee` (a levee gateway's own refusal: its answer carried
+    /// `x-levee-error-origin`), `timeout`, `connect`, `broken_stream`, `cancelled`.
     pub errors: BTreeMap<String, u64>,
     /// Breakdown by tenant tier label.
     pub per_tier: BTreeMap<String, Group>,
@@ -232,6 +234,10 @@ pub struct Group {
     pub goodput_rps: f64,
     /// TTFT from intended send time, successful requests.
     pub ttft: Percentiles,
+    /// The slowest successful requests' TTFTs (ms, slowest first): the `requests / 100 + 1`
+    /// largest, enough to place a 99th percentile that counts failures as infinitely late.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub ttft_slowest_ms: Vec<f64>,
     /// End to end from intended send time, successful requests.
     pub e2e: Percentiles,
     /// Failures by kind (same keys as `Report::errors`).
@@ -460,9 +466,9 @@ impl Report {
     }
 }
 
-/// The headline figures of several runs side by side, as a text table (`levee sim
-/// compare`). The last column is the ratio of the last run to the first.
-pub fn compare_table(runs: &[(&str, &Report)]) -> String {
+/// The headline figures of several runs side by side: per row, its name and one cell per
+/// run (`None` where the run has no such figure, e.g. a tier it did not see).
+pub fn compare_figures(runs: &[(&str, &Report)]) -> Vec<(String, Vec<Option<f64>>)> {
     type Row = (&'static str, fn(&Report) -> f64);
     let rows: &[Row] = &[
         ("offered req/s", |r| r.rates.offered_rps),
@@ -489,6 +495,47 @@ pub fn compare_table(runs: &[(&str, &Report)]) -> String {
         ("cancelled", |r| r.errors_with_prefix("cancelled") as f64),
         ("retries", |r| r.totals.retries as f64),
     ];
+    let mut out: Vec<(String, Vec<Option<f64>>)> = rows
+        .iter()
+        .map(|(name, f)| {
+            (
+                name.to_string(),
+                runs.iter().map(|(_, r)| Some(f(r))).collect(),
+            )
+        })
+        .collect();
+    // Per-tier success, which is what an operator asks first after an incident.
+    let mut tiers: Vec<&String> = runs.iter().flat_map(|(_, r)| r.per_tier.keys()).collect();
+    tiers.sort();
+    tiers.dedup();
+    for tier in tiers {
+        out.push((
+            format!("success {tier} %"),
+            runs.iter()
+                .map(|(_, r)| r.per_tier.get(tier).map(|g| g.success_rate * 100.0))
+                .collect(),
+        ));
+    }
+    out
+}
+
+/// [`compare_figures`] with each cell as text (`-` where a run has no such figure).
+pub fn compare_rows(runs: &[(&str, &Report)]) -> Vec<(String, Vec<String>)> {
+    compare_figures(runs)
+        .into_iter()
+        .map(|(name, cells)| {
+            let cells = cells
+                .into_iter()
+                .map(|c| c.map_or_else(|| "-".to_string(), |v| format!("{v:.2}")))
+                .collect();
+            (name, cells)
+        })
+        .collect()
+}
+
+/// The headline figures of several runs side by side, as a text table (`levee sim
+/// compare`). The last column is the ratio of the last run to the first.
+pub fn compare_table(runs: &[(&str, &Report)]) -> String {
     let mut s = String::new();
     let _ = write!(s, "{:<22}", "");
     for (label, _) in runs {
@@ -499,37 +546,25 @@ pub fn compare_table(runs: &[(&str, &Report)]) -> String {
         let _ = write!(s, "{:>12}", "last/first");
     }
     let _ = writeln!(s);
-    for (name, f) in rows {
+    for (name, cells) in compare_figures(runs) {
         let _ = write!(s, "{name:<22}");
-        for (_, r) in runs {
-            let _ = write!(s, "{:>16.2}", f(r));
-        }
-        if let (Some((_, first)), Some((_, last))) = (runs.first(), runs.last()) {
-            if runs.len() >= 2 {
-                let (a, b) = (f(first), f(last));
-                if a != 0.0 {
-                    let _ = write!(s, "{:>12.3}", b / a);
-                } else {
-                    let _ = write!(s, "{:>12}", "-");
-                }
-            }
-        }
-        let _ = writeln!(s);
-    }
-    // Per-tier success, which is what an operator asks first after an incident.
-    let mut tiers: Vec<&String> = runs.iter().flat_map(|(_, r)| r.per_tier.keys()).collect();
-    tiers.sort();
-    tiers.dedup();
-    for tier in tiers {
-        let _ = write!(s, "{:<22}", format!("success {tier} %"));
-        for (_, r) in runs {
-            match r.per_tier.get(tier) {
-                Some(g) => {
-                    let _ = write!(s, "{:>16.3}", g.success_rate * 100.0);
+        for c in &cells {
+            match c {
+                Some(v) => {
+                    let _ = write!(s, "{v:>16.2}");
                 }
                 None => {
                     let _ = write!(s, "{:>16}", "-");
                 }
+            }
+        }
+        // The ratio of the last run to the first, except on the per-tier rows.
+        let tier_row = name.starts_with("success ") && name != "success %";
+        if let (false, [Some(a), .., Some(b)]) = (tier_row, cells.as_slice()) {
+            if *a != 0.0 {
+                let _ = write!(s, "{:>12.3}", b / a);
+            } else {
+                let _ = write!(s, "{:>12}", "-");
             }
         }
         let _ = writeln!(s);

@@ -745,7 +745,7 @@ async fn attempts(
         let outcome = match &result.kind {
             Kind::Ok => None,
             Kind::RateLimited(_) => Some(Outcome::Status(429)),
-            Kind::Status(s) => Some(Outcome::Status(*s)),
+            Kind::Status(s) | Kind::LeveeStatus(s) => Some(Outcome::Status(*s)),
             Kind::Timeout => Some(Outcome::Timeout),
             Kind::Connect | Kind::BrokenStream => Some(Outcome::Connect),
             Kind::Cancelled | Kind::Task(_) => None,

@@ -1,8 +1,6 @@
 //! The `levee` binary: a thin command-line layer over the levee crates.
 
 mod drain;
-mod drill;
-mod passthrough;
 
 use clap::{Parser, Subcommand};
 use std::path::PathBuf;
@@ -48,7 +46,7 @@ enum Command {
     /// Drain a running gateway and wait for its in-flight requests (a preStop hook).
     Drain(drain::DrainArgs),
     /// The whole story in one command: simulated engines, a flood, unprotected versus levee.
-    Drill(drill::DrillArgs),
+    Drill(levee_drill::DrillArgs),
     /// Configuration tools.
     Config {
         #[command(subcommand)]
@@ -172,7 +170,7 @@ fn main() -> ExitCode {
             Command::Serve(args) => levee_gateway::serve_cli(args).await,
             Command::Engine(args) => levee_engine::run_cli(args).await,
             Command::Sim(args) => levee_sim::run_cli(*args).await,
-            Command::Drill(args) => drill::run_cli(args).await,
+            Command::Drill(args) => levee_drill::run_cli(args).await,
             Command::Drain(args) => drain::run_cli(args).await,
             Command::Config { .. } => Ok(()),
         }

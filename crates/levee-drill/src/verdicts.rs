@@ -10,10 +10,18 @@
 //!   quota: met at ≥ 99.9%. A request refused as over quota (429 `rate_limit_exceeded`) is
 //!   excused only up to the number a client-side rate check of the schedule finds over the
 //!   configured quota, so a gateway cannot excuse its own failures by calling them over quota.
-//! - **isolation**: the quiet tenants' success within 1 point of the calm run (the same
-//!   traffic with the flooder at its normal rate, through the same contender) and their p99
-//!   TTFT at most 10% above it. A failed request counts as an infinitely late first token:
-//!   when more than 1% failed, the p99 is infinite and the verdict fails.
+//!   A 4xx other than 429 that the engine itself returned for an invalid request (e.g. a
+//!   context overflow) leaves the denominator; a 4xx levee produced (its answer carries
+//!   `x-levee-error-origin`, recorded as `4xx:<status>:levee`) is never excused.
+//! - **isolation**: the quiet tenants' success within 1 point of a calm run (the same
+//!   traffic with the flooder at its normal rate) and their p99 TTFT at most 10% above it,
+//!   against two calm runs: through the same contender and through the capped baseline. A
+//!   failed request counts as an infinitely late first token: with `k` failures in `n`, the
+//!   p99 is the request at rank `ceil(0.99 n)` with the failures placed last, infinite when
+//!   that rank falls among them.
+//! - **suspect reference**: when a contender's flood goodput exceeds the knee by more than
+//!   [`SUSPECT_MARGIN`], the knee is not the best a protected fleet achieves, and the drill
+//!   says so instead of printing a triumph.
 //! - **retry amplification**: attempts per scheduled request, stated for every contender.
 
 use levee_sim::report::{Group, Report};
@@ -134,7 +142,9 @@ pub fn premium(report: &Report, over_quota_estimate: u64) -> Option<Check> {
         .copied()
         .unwrap_or(0);
     let excused = refused_as_over_quota.min(over_quota_estimate);
-    let in_quota = g.requests - excused;
+    // An invalid request the engine itself refused is the client's fault, not the fleet's.
+    let invalid = engine_client_errors(&g.errors);
+    let in_quota = g.requests.saturating_sub(excused + invalid);
     let rate = if in_quota == 0 {
         1.0
     } else {
@@ -147,29 +157,41 @@ pub fn premium(report: &Report, over_quota_estimate: u64) -> Option<Check> {
 }
 
 /// The p99 TTFT of a group where a failed request counts as an infinitely late first
-/// token: infinite when more than 1% failed or nothing succeeded. With at most 1% failed,
-/// the successful requests' p99 is an upper bound of it.
+/// token. With `k` failures among `n` requests, the failures are placed last and the p99 is
+/// the request at rank `ceil(0.99 n)` (from 1) of all `n`: infinite when that rank falls
+/// among the failures, else the success at that rank, read from the group's slowest
+/// successes (`ttft_slowest_ms`; a report without them gives the slowest success, an upper
+/// bound).
 pub fn p99_ttft_counting_failures(g: &Group) -> f64 {
-    if g.requests == 0 || g.ttft.count == 0 {
+    let n = g.requests;
+    let successes = g.ttft.count.min(n);
+    let rank = (99 * n).div_ceil(100);
+    if n == 0 || rank > successes {
         return f64::INFINITY;
     }
-    let failed = 1.0 - g.ok as f64 / g.requests as f64;
-    if failed > 0.01 {
-        f64::INFINITY
-    } else {
-        g.ttft.p99
-    }
+    let from_top = (successes - rank) as usize;
+    g.ttft_slowest_ms
+        .get(from_top)
+        .copied()
+        .unwrap_or(g.ttft.max)
 }
 
-/// Whether the quiet tenants (`flood`) kept the success and p99 TTFT of the `calm` run.
+/// Whether the quiet tenants (`flood`) kept the success and p99 TTFT of a `calm` run (both
+/// p99s counting failures as infinitely late).
 pub fn isolation(calm: &Group, flood: &Group) -> Check {
-    let before = calm.ttft.p99;
+    let before = p99_ttft_counting_failures(calm);
     let after = p99_ttft_counting_failures(flood);
+    if !before.is_finite() || before <= 0.0 {
+        return Check::judged(
+            format!(
+                "no calm reference (the calm run's p99 is ∞: {:.1}% succeeded)",
+                calm.success_rate * 100.0
+            ),
+            false,
+        );
+    }
     let fell = calm.success_rate - flood.success_rate;
     let success_ok = fell <= ISOLATION_SUCCESS_POINTS + 1e-12;
-    if calm.ttft.count == 0 || before <= 0.0 {
-        return Check::judged("no calm reference (nothing succeeded)".into(), false);
-    }
     let ttft_ok = after <= before * (1.0 + ISOLATION_TTFT_RISE);
     let after_text = if after.is_finite() {
         format!("{after:.0} ms ({:+.0}%)", (after / before - 1.0) * 100.0)
@@ -184,6 +206,66 @@ pub fn isolation(calm: &Group, flood: &Group) -> Check {
         ),
         success_ok && ttft_ok,
     )
+}
+
+/// A contender whose flood goodput beats the knee by more than this is evidence that the
+/// knee is not the best a protected fleet achieves.
+pub const SUSPECT_MARGIN: f64 = 0.05;
+
+/// The warning the drill prints instead of a triumph when a contender's flood goodput
+/// exceeds the knee by more than [`SUSPECT_MARGIN`]; `None` when every contender is within
+/// it. `flood` holds each contender's label and flood goodput (req/s).
+pub fn suspect_reference(knee_rps: f64, flood: &[(&str, Option<f64>)]) -> Option<String> {
+    let over: Vec<String> = flood
+        .iter()
+        .filter_map(|&(who, g)| {
+            let g = g?;
+            (g > knee_rps * (1.0 + SUSPECT_MARGIN))
+                .then(|| format!("{who} {g:.1} req/s = {:.0}%", 100.0 * g / knee_rps))
+        })
+        .collect();
+    (!over.is_empty()).then(|| {
+        format!(
+            "the reference is suspect: {} of the knee ({knee_rps:.1} req/s) in the flood, more \
+             than {:.0}% above the best the capped sweep found; the knee understates this \
+             fleet's capacity, so goodput percentages against it overstate",
+            over.join(", "),
+            SUSPECT_MARGIN * 100.0
+        )
+    })
+}
+
+/// Requests that failed with a 4xx other than 429 which the server behind the target
+/// returned for an invalid request (e.g. a context overflow): the key `4xx:<status>`. A 4xx
+/// levee produced itself (`4xx:<status>:levee`) is not among them.
+pub fn engine_client_errors(errors: &std::collections::BTreeMap<String, u64>) -> u64 {
+    errors
+        .iter()
+        .filter(|(k, _)| k.starts_with("4xx:") && !k.ends_with(":levee"))
+        .map(|(_, v)| *v)
+        .sum()
+}
+
+/// 4xx answers other than 429 that levee produced itself; never excused.
+pub fn levee_client_errors(errors: &std::collections::BTreeMap<String, u64>) -> u64 {
+    errors
+        .iter()
+        .filter(|(k, _)| k.starts_with("4xx:") && k.ends_with(":levee"))
+        .map(|(_, v)| *v)
+        .sum()
+}
+
+/// With engines that preempt instead of crashing, overload shows as slowness: the p99 TTFT
+/// of the requests served against the scenario's TTFT objective. `None` when nothing was
+/// served.
+pub fn ttft_within_slo(report: &Report, slo_ms: f64) -> Option<Check> {
+    let t = report.latency.ttft;
+    (t.count > 0).then(|| {
+        Check::judged(
+            format!("{:.0} ms (of {} served)", t.p99, t.count),
+            t.p99 <= slo_ms,
+        )
+    })
 }
 
 /// Attempts per scheduled request (1.0 = no retry).
@@ -249,8 +331,10 @@ mod tests {
             ttft: Percentiles {
                 count: ok,
                 p99,
+                max: p99,
                 ..Percentiles::default()
             },
+            ttft_slowest_ms: vec![p99; (requests / 100 + 1).min(ok) as usize],
             ..Group::default()
         }
     }
@@ -357,6 +441,77 @@ mod tests {
             isolation(&group(10, 0, 0.0), &group(10, 10, 1.0)).met,
             Some(false)
         );
+    }
+
+    #[test]
+    fn the_isolation_p99_places_failures_last_at_rank_ceil_99_percent() {
+        // 1000 requests, 9 failed (under 1%): rank 990 of 1000 is the success at rank 990
+        // of the 991 successes, the second slowest. Their own p99 (200 ms) must not pass for it.
+        let mut flood = group(1000, 991, 200.0);
+        flood.ttft_slowest_ms = vec![6000.0, 5000.0, 210.0, 205.0, 200.0];
+        assert_eq!(p99_ttft_counting_failures(&flood), 5000.0);
+        let calm = group(1000, 1000, 200.0);
+        let c = isolation(&calm, &flood);
+        assert_eq!(c.met, Some(false), "{}", c.measured);
+        // 11 failures of 1000: rank 990 falls among the failures (successes end at 989).
+        let g = group(1000, 989, 100.0);
+        assert_eq!(p99_ttft_counting_failures(&g), f64::INFINITY);
+        // 10 failures of 1000: rank 990 is the slowest success.
+        let mut g = group(1000, 990, 100.0);
+        g.ttft_slowest_ms = vec![300.0, 120.0];
+        assert_eq!(p99_ttft_counting_failures(&g), 300.0);
+        // No failures, 1000 requests: rank 990 is the 11th slowest.
+        let mut g = group(1000, 1000, 100.0);
+        g.ttft_slowest_ms = (0..11).map(|i| 500.0 - f64::from(i)).collect();
+        assert_eq!(p99_ttft_counting_failures(&g), 490.0);
+        // A calm reference that itself failed cannot vouch for anything.
+        let c = isolation(&group(100, 50, 100.0), &group(100, 100, 100.0));
+        assert_eq!(c.met, Some(false), "{}", c.measured);
+    }
+
+    #[test]
+    fn a_contender_above_the_knee_by_more_than_5_percent_makes_the_reference_suspect() {
+        assert!(suspect_reference(10.0, &[("capped", Some(9.8)), ("levee", Some(10.5))]).is_none());
+        let w = suspect_reference(10.0, &[("capped", Some(9.8)), ("levee", Some(12.0))]).unwrap();
+        assert!(
+            w.contains("suspect") && w.contains("levee 12.0 req/s = 120%"),
+            "{w}"
+        );
+        assert!(!w.contains("capped 9.8"), "{w}");
+        // No flood window: no figure, no warning.
+        assert!(suspect_reference(10.0, &[("levee", None)]).is_none());
+    }
+
+    #[test]
+    fn an_engines_invalid_request_leaves_the_premium_denominator_and_levees_own_does_not() {
+        let mut r = report_with(Vec::new());
+        let mut g = group(1000, 990, 100.0);
+        // The engine refused 10 requests as too long for its context: the client's fault.
+        g.errors.insert("4xx:400".into(), 10);
+        r.per_tier.insert("premium".into(), g.clone());
+        let c = premium(&r, 0).unwrap();
+        assert_eq!(c.met, Some(true), "{}", c.measured);
+        assert!(c.measured.ends_with("of 990"), "{}", c.measured);
+        assert_eq!(engine_client_errors(&g.errors), 10);
+        // The same 10 refused by levee itself: failures of the gateway, never excused.
+        g.errors.clear();
+        g.errors.insert("4xx:400:levee".into(), 10);
+        r.per_tier.insert("premium".into(), g.clone());
+        let c = premium(&r, 0).unwrap();
+        assert_eq!(c.met, Some(false), "{}", c.measured);
+        assert_eq!(levee_client_errors(&g.errors), 10);
+        assert_eq!(engine_client_errors(&g.errors), 0);
+    }
+
+    #[test]
+    fn the_preempt_latency_verdict_fails_past_the_slo() {
+        let mut r = report_with(Vec::new());
+        assert!(ttft_within_slo(&r, 2000.0).is_none());
+        r.latency.ttft.count = 100;
+        r.latency.ttft.p99 = 1900.0;
+        assert_eq!(ttft_within_slo(&r, 2000.0).unwrap().met, Some(true));
+        r.latency.ttft.p99 = 2100.0;
+        assert_eq!(ttft_within_slo(&r, 2000.0).unwrap().met, Some(false));
     }
 
     #[test]

@@ -1,0 +1,513 @@
+//! The fleet's capacity: the reference every goodput verdict is judged against, and the
+//! operator formula that caps the competent baseline.
+//!
+//! 1. **A sample of traffic.** The scenario's mix at a low rate for a short while through a
+//!    plain proxy that notes, per answered request, the prompt tokens the *server* reported
+//!    (`usage.prompt_tokens`) and the request's `max_tokens` — what an operator reads from
+//!    access logs.
+//! 2. **The operator formula.** Per engine, cap = ⌊KV tokens ÷ p95(prompt + max_tokens)⌋ of
+//!    the sample, at most the engine's `max_num_seqs` (at least 1): at the cap, even a batch
+//!    of 95th-percentile requests fits the KV cache.
+//! 3. **The sweep.** Open-loop steps of rising rate (the scenario's mix, no retries) through
+//!    the competent capped proxy ([`crate::passthrough`]: that cap, a FIFO queue with the
+//!    wait budget, passive health, one retry on connect failure), each on fresh engines.
+//!    A step's goodput is the requests meeting the SLO per second after its warm-up. The
+//!    first step (half the first estimate) is halved, up to three times, while it is far
+//!    past the knee (a crash, or under half its offer within the SLO); from there the
+//!    sweep rises and goes on past flat steps until goodput falls (10% below the best), or until
+//!    [`Timing::flat_steps_to_stop`] steps in a row add nothing (2% over the best): a
+//!    plateau. A step in which an engine crashed does not count.
+//! 4. **The knee** is the best goodput of the sweep: the best a protected fleet achieved.
+
+use crate::contender::Setup;
+use crate::fleet::Fleet;
+use crate::passthrough::{Cap, Passthrough, Sample};
+use crate::verdicts;
+use levee_engine::EngineConfig;
+use levee_sim::scenario::{Behaviour, Phase, Rate, Scenario, Tenant};
+use levee_sim::RunOptions;
+use rand::SeedableRng;
+use std::fmt::Write as _;
+use std::time::Duration;
+
+/// How long things last: the full drill, `--quick`, or running servers.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Timing {
+    /// Factor on the scenario's timeline and the engines' restart time.
+    pub time_scale: f64,
+    /// Sample run: its length, and its rate as a share of the first capacity estimate.
+    pub sample_s: f64,
+    pub sample_share: f64,
+    /// Sweep: length of one step, and the first seconds of it left out.
+    pub step_s: f64,
+    pub step_warm_s: f64,
+    /// Sweep: the first step's rate and each rise, as shares of the first estimate.
+    pub first_step: f64,
+    pub rise: f64,
+    /// Sweep: it ends after this many steps in a row add less than 2% over the best.
+    pub flat_steps_to_stop: u32,
+    /// Sweep: most steps.
+    pub max_steps: u32,
+    /// After a run's last scheduled send, how long requests still in flight may finish.
+    pub drain_s: f64,
+    /// First seconds of a flood stretch left out of the goodput window.
+    pub flood_warm_s: f64,
+}
+
+pub(crate) const FULL: Timing = Timing {
+    time_scale: 1.0,
+    sample_s: 20.0,
+    sample_share: 0.3,
+    step_s: 15.0,
+    step_warm_s: 5.0,
+    first_step: 0.5,
+    rise: 0.1,
+    flat_steps_to_stop: 3,
+    max_steps: 16,
+    drain_s: 6.0,
+    flood_warm_s: 2.0,
+};
+
+/// Real servers (`--backend`) on CPUs serve a few requests per second, each lasting
+/// seconds, at a speed that follows the machine's load: longer steps, so that a step's
+/// goodput counts enough requests.
+pub(crate) const EXTERNAL: Timing = Timing {
+    time_scale: 1.0,
+    sample_s: 40.0,
+    sample_share: 0.3,
+    step_s: 30.0,
+    step_warm_s: 8.0,
+    first_step: 0.5,
+    rise: 0.15,
+    flat_steps_to_stop: 3,
+    max_steps: 12,
+    drain_s: 10.0,
+    flood_warm_s: 2.0,
+};
+
+pub(crate) const QUICK: Timing = Timing {
+    time_scale: 0.2,
+    sample_s: 8.0,
+    sample_share: 0.3,
+    step_s: 8.0,
+    step_warm_s: 3.0,
+    first_step: 0.5,
+    rise: 0.2,
+    flat_steps_to_stop: 2,
+    max_steps: 8,
+    drain_s: 2.0,
+    flood_warm_s: 1.0,
+};
+
+/// Passive health of the capped baseline: a backend that failed this many times in a row
+/// (no answer, or a 5xx) is skipped for [`SKIP_FOR`].
+pub(crate) const FAIL_AFTER: u32 = 3;
+pub(crate) const SKIP_FOR: Duration = Duration::from_secs(5);
+
+/// The operator formula's inputs and result.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct OperatorCap {
+    /// Requests in the sample with a reported prompt size.
+    pub samples: usize,
+    /// p95 of prompt (as the server reported it) + `max_tokens`, in tokens.
+    pub p95_tokens: u32,
+    /// One engine's KV cache, in tokens.
+    pub kv_tokens: u32,
+    /// One engine's `max_num_seqs`.
+    pub max_num_seqs: u32,
+    /// The cap: ⌊kv_tokens ÷ p95_tokens⌋, within 1..=max_num_seqs.
+    pub per_engine: u32,
+}
+
+/// The operator formula (see the module documentation) over `sample`: per request, the
+/// prompt tokens the server reported and the request's `max_tokens` (absent: the rest of
+/// the context, as the engine assumes).
+pub(crate) fn operator_cap(
+    engine: &EngineConfig,
+    sample: &[(u32, Option<u32>)],
+) -> anyhow::Result<OperatorCap> {
+    let mut sizes: Vec<u32> = sample
+        .iter()
+        .map(|&(prompt, max)| {
+            let max = max.unwrap_or(engine.gpu.max_model_len.saturating_sub(prompt));
+            prompt.saturating_add(max)
+        })
+        .collect();
+    anyhow::ensure!(
+        !sizes.is_empty(),
+        "the sample run got no answer that reported usage.prompt_tokens; the operator formula \
+         needs the server's own prompt sizes"
+    );
+    sizes.sort_unstable();
+    // Nearest rank: the smallest size with at least 95% of the sample at or below it.
+    let rank = (95 * sizes.len()).div_ceil(100).max(1);
+    let p95 = sizes[rank - 1].max(1);
+    let g = &engine.gpu;
+    Ok(OperatorCap {
+        samples: sizes.len(),
+        p95_tokens: p95,
+        kv_tokens: g.kv_capacity_tokens,
+        max_num_seqs: g.max_running_seqs,
+        per_engine: (g.kv_capacity_tokens / p95).clamp(1, g.max_running_seqs.max(1)),
+    })
+}
+
+/// The competent capped baseline's limits: the operator formula's cap per engine, a FIFO
+/// queue as long as the fleet's slots with a wait budget of `wait`, passive health.
+pub(crate) fn competent_cap(op: &OperatorCap, engines: usize, wait: Duration) -> Cap {
+    Cap {
+        per_backend: op.per_engine,
+        queue_len: op.per_engine as usize * engines,
+        queue_timeout: wait,
+        fail_after: FAIL_AFTER,
+        skip_for: SKIP_FOR,
+    }
+}
+
+/// The wait budget of every queue in the drill's baselines: three quarters of the
+/// scenario's TTFT objective (1.5 s of a 2 s objective), what levee's premium tier waits
+/// in the calibrated configuration.
+pub(crate) fn wait_budget(scenario: &Scenario) -> Duration {
+    Duration::from_secs_f64(0.75 * scenario.slo.ttft_ms.unwrap_or(2000.0) / 1000.0)
+}
+
+/// One step of the capacity sweep.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct SweepStep {
+    pub offered_rps: f64,
+    pub goodput_rps: f64,
+    pub crashed: bool,
+    /// 99th-percentile end to end of the step's successful requests, ms.
+    pub e2e_p99_ms: f64,
+}
+
+/// The capacity measurement's result.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Sweep {
+    pub cap: OperatorCap,
+    pub steps: Vec<SweepStep>,
+    pub knee_rps: f64,
+}
+
+impl Sweep {
+    /// The step that reached the knee.
+    pub(crate) fn knee_step(&self) -> Option<&SweepStep> {
+        self.steps
+            .iter()
+            .filter(|s| !s.crashed)
+            .max_by(|a, b| a.goodput_rps.total_cmp(&b.goodput_rps))
+    }
+}
+
+/// The scenario's request mix offered steadily at `rps` for `secs`: its classes and sessions
+/// from one tenant, no retries, no faults.
+pub(crate) fn sweep_scenario(base: &Scenario, rps: f64, secs: f64) -> Scenario {
+    let mut s = base.clone();
+    s.name = format!("{} (capacity sweep at {rps:.1} req/s)", base.name);
+    s.phases = vec![Phase::Steady {
+        duration_s: secs,
+        rps: Rate::Rps(rps),
+    }];
+    s.rate_scale = 1.0;
+    s.tenants = vec![Tenant::default()];
+    s.faults.clear();
+    s.client.behaviour = Behaviour::None;
+    s.client.max_attempts = 1;
+    s
+}
+
+/// A first guess of the fleet's capacity for the scenario's mix, only to place the sample
+/// and the sweep's steps: per engine, `seqs` sequences at once (at most those whose prompt
+/// and output fit 60% of the KV cache), each producing its output at one decode step per
+/// token.
+pub(crate) fn estimated_capacity(
+    scenario: &Scenario,
+    engines: usize,
+    engine: &EngineConfig,
+    seqs: u32,
+) -> f64 {
+    let mut rng = rand::rngs::SmallRng::seed_from_u64(scenario.seed);
+    let total_weight: f64 = scenario.classes.iter().map(|c| c.weight.max(0.0)).sum();
+    let (mut prompt, mut output) = (0.0, 0.0);
+    let natural = f64::from(
+        engine.output_tokens_min + (engine.output_tokens_max - engine.output_tokens_min) / 2,
+    );
+    for c in &scenario.classes {
+        let w = c.weight.max(0.0) / total_weight.max(1e-9);
+        let n = 500;
+        let (mut p, mut o) = (0.0, 0.0);
+        for _ in 0..n {
+            p += c.prompt_tokens.sample(&mut rng);
+            o += c.max_tokens.sample(&mut rng).min(natural);
+        }
+        prompt += w * p / f64::from(n);
+        output += w * o / f64::from(n);
+    }
+    let g = &engine.gpu;
+    let per_seq = (prompt + output).max(1.0);
+    let seqs = (0.6 * f64::from(g.kv_capacity_tokens) / per_seq).min(f64::from(seqs.max(1)));
+    let step_s = (g.decode_base_ms + g.decode_per_seq_ms * seqs) / 1000.0;
+    engines as f64 * seqs / (output.max(1.0) * step_s)
+}
+
+/// The sample run: the scenario's mix at `rps` for the timing's sample length on a fresh
+/// fleet, through a proxy that notes the server's reported sizes.
+async fn sample_sizes(
+    scenario: &Scenario,
+    setup: &Setup<'_>,
+    timing: &Timing,
+    rps: f64,
+) -> anyhow::Result<Vec<(u32, Option<u32>)>> {
+    let mut s = sweep_scenario(scenario, rps, timing.sample_s);
+    s.name = format!("{} (sample at {rps:.1} req/s)", scenario.name);
+    let fleet = Fleet::start(setup).await?;
+    let sample = Sample::default();
+    let proxy = Passthrough::start_sampling(fleet.urls(), sample.clone()).await?;
+    let opts = RunOptions {
+        drain: Some(Duration::from_secs_f64(timing.drain_s)),
+        ..setup.opts.clone()
+    };
+    let run = fleet.run(&s, &fleet.target(proxy.base_url()), &opts).await;
+    proxy.shutdown().await;
+    fleet.stop().await;
+    run?;
+    let sizes = sample
+        .lock()
+        .map_err(|_| anyhow::anyhow!("the sample log was poisoned"))?
+        .clone();
+    Ok(sizes)
+}
+
+/// One step of the sweep: `rps` of the scenario's mix on a fresh fleet behind the capped
+/// proxy; goodput over `window` (seconds of the step).
+async fn sweep_step(
+    scenario: &Scenario,
+    setup: &Setup<'_>,
+    timing: &Timing,
+    cap: Cap,
+    rps: f64,
+    window: &[u32],
+) -> anyhow::Result<SweepStep> {
+    let s = sweep_scenario(scenario, rps, timing.step_s);
+    let opts = RunOptions {
+        drain: Some(Duration::from_millis(500)),
+        ..setup.opts.clone()
+    };
+    let fleet = Fleet::start(setup).await?;
+    let proxy = Passthrough::start_capped(fleet.urls(), cap).await?;
+    let target = fleet.target(proxy.base_url());
+    let run = fleet.run(&s, &target, &opts).await;
+    proxy.shutdown().await;
+    let crashed = fleet.stop().await.crashes > 0;
+    let (report, _) = run?;
+    Ok(SweepStep {
+        offered_rps: rps,
+        goodput_rps: verdicts::window_goodput(&report, window).unwrap_or(0.0),
+        crashed,
+        e2e_p99_ms: report.latency.e2e.p99,
+    })
+}
+
+/// Whether the sweep has seen enough: goodput fell 10% below the best, or the last
+/// `flat` steps each added less than 2% over the best before them.
+fn sweep_done(steps: &[SweepStep], flat: u32) -> bool {
+    let good: Vec<f64> = steps
+        .iter()
+        .map(|s| if s.crashed { 0.0 } else { s.goodput_rps })
+        .collect();
+    let best = good.iter().copied().fold(0.0, f64::max);
+    let Some(&last) = good.last() else {
+        return false;
+    };
+    if best > 0.0 && last < 0.9 * best {
+        return true;
+    }
+    let flat = flat as usize;
+    good.len() > flat
+        && (good.len() - flat..good.len()).all(|i| {
+            let before = good[..i].iter().copied().fold(0.0, f64::max);
+            good[i] < before * 1.02
+        })
+}
+
+/// Measures the knee (see the module documentation); `progress` prints each step.
+pub(crate) async fn measure_knee(
+    scenario: &Scenario,
+    setup: &Setup<'_>,
+    timing: &Timing,
+) -> anyhow::Result<Sweep> {
+    let engine = &setup.engine;
+    let rough = estimated_capacity(scenario, setup.engines, engine, engine.gpu.max_running_seqs);
+    let sample_rps = (rough * timing.sample_share).max(0.2);
+    eprintln!(
+        "      sample: {sample_rps:.1} req/s for {:.0} s, sizes as the server reports them",
+        timing.sample_s
+    );
+    let sizes = sample_sizes(scenario, setup, timing, sample_rps).await?;
+    let op = operator_cap(engine, &sizes)?;
+    eprintln!(
+        "      operator cap: {} KV tokens ÷ p95 {} tokens (prompt + max_tokens, {} answers) = \
+         {} per engine (max_num_seqs {})",
+        op.kv_tokens, op.p95_tokens, op.samples, op.per_engine, op.max_num_seqs
+    );
+    let cap = competent_cap(&op, setup.engines, wait_budget(scenario));
+    let estimate = estimated_capacity(scenario, setup.engines, engine, op.per_engine);
+    let window: Vec<u32> = (timing.step_warm_s as u32..timing.step_s as u32).collect();
+    let run = |rps: f64| sweep_step(scenario, setup, timing, cap, rps, &window);
+    let mut steps: Vec<SweepStep> = Vec::new();
+    // The first step: halved (up to three times) while it is far past the knee (an engine
+    // crashed, or under half its offer met the SLO).
+    let mut first = estimate * timing.first_step;
+    for halvings in 0.. {
+        let step = run(first).await?;
+        print_step(&step);
+        steps.push(step);
+        if (!step.crashed && step.goodput_rps >= 0.5 * first) || halvings == 3 {
+            break;
+        }
+        first /= 2.0;
+    }
+    // The climb, from the first step kept, in rises of the same share of it.
+    let climb_from = steps.len() - 1;
+    let mut k = 1.0;
+    while !sweep_done(&steps[climb_from..], timing.flat_steps_to_stop)
+        && (steps.len() as u32) < timing.max_steps
+    {
+        let step = run(first * (1.0 + k * timing.rise / timing.first_step)).await?;
+        print_step(&step);
+        steps.push(step);
+        k += 1.0;
+    }
+    let knee = steps
+        .iter()
+        .filter(|s| !s.crashed)
+        .map(|s| s.goodput_rps)
+        .fold(0.0, f64::max);
+    anyhow::ensure!(
+        knee > 0.0,
+        "the capacity sweep found no crash-free step with goodput (steps: {steps:?}); the \
+         engines cannot serve this scenario's mix within its SLO"
+    );
+    Ok(Sweep {
+        cap: op,
+        steps,
+        knee_rps: knee,
+    })
+}
+
+fn print_step(step: &SweepStep) {
+    eprintln!(
+        "      {:>6.1} req/s offered → {:>6.1} req/s within the SLO{}",
+        step.offered_rps,
+        step.goodput_rps,
+        if step.crashed {
+            "  (an engine crashed: not counted)"
+        } else {
+            ""
+        }
+    );
+}
+
+/// How the knee was measured, in one paragraph (terminal, JSON and page).
+pub(crate) fn method(timing: &Timing, wait: Duration) -> String {
+    format!(
+        "the best goodput a protected fleet achieves: open-loop steps of {:.0} s (goodput = \
+         requests within the SLO per second after {:.0} s) of the scenario's mix without \
+         retries, through the competent capped proxy — per engine ⌊KV tokens ÷ p95(prompt + \
+         max_tokens)⌋ at most max_num_seqs, prompts as the server reported them in a {:.0} s \
+         sample; one FIFO queue with a {:.1} s wait; a backend failing {FAIL_AFTER} times in \
+         a row skipped for {:.0} s; one retry on connect failure — each step on a fresh fleet, \
+         the first halved while far past the knee, then rising until goodput falls 10% below \
+         the best or {} steps in a row add under 2%; crashed steps do not count",
+        timing.step_s,
+        timing.step_warm_s,
+        timing.sample_s,
+        wait.as_secs_f64(),
+        SKIP_FOR.as_secs_f64(),
+        timing.flat_steps_to_stop
+    )
+}
+
+/// The sweep as text, headed by its method.
+pub(crate) fn render_sweep(sweep: &Sweep, method: &str) -> String {
+    format!("capacity (the knee): {method}\n{}", render_steps(sweep))
+}
+
+/// The operator cap and the sweep's steps as text.
+pub(crate) fn render_steps(sweep: &Sweep) -> String {
+    let op = &sweep.cap;
+    let mut s = format!(
+        "  operator cap per engine: {} KV tokens ÷ p95 {} tokens ({} sampled answers) = {} \
+         (max_num_seqs {})\n",
+        op.kv_tokens, op.p95_tokens, op.samples, op.per_engine, op.max_num_seqs
+    );
+    for st in &sweep.steps {
+        let _ = writeln!(
+            s,
+            "  offered {:>6.1} req/s → goodput {:>6.1} req/s{}",
+            st.offered_rps,
+            st.goodput_rps,
+            if st.crashed {
+                "  (a server crashed: not counted)"
+            } else {
+                ""
+            }
+        );
+    }
+    let _ = write!(s, "  knee: {:.1} req/s", sweep.knee_rps);
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_operator_cap_is_kv_over_the_p95_size_within_max_num_seqs() {
+        let mut e = crate::drill_engine_config();
+        e.gpu.kv_capacity_tokens = 24_576;
+        e.gpu.max_running_seqs = 64;
+        // 100 requests: 95 of 1,000 tokens (prompt 800 + max_tokens 200), 5 of 4,000.
+        let mut sample = vec![(800, Some(200)); 95];
+        sample.extend(vec![(3800, Some(200)); 5]);
+        let op = operator_cap(&e, &sample).unwrap();
+        assert_eq!(op.p95_tokens, 1000);
+        assert_eq!(op.per_engine, 24);
+        // One more long one moves the 95th percentile to 4,000 tokens: 6 per engine.
+        sample.push((3800, Some(200)));
+        assert_eq!(operator_cap(&e, &sample).unwrap().per_engine, 6);
+        // Short requests: capped at max_num_seqs.
+        assert_eq!(operator_cap(&e, &[(10, Some(10))]).unwrap().per_engine, 64);
+        // No max_tokens: the rest of the context.
+        let op = operator_cap(&e, &[(100, None)]).unwrap();
+        assert_eq!(op.p95_tokens, e.gpu.max_model_len);
+        assert!(operator_cap(&e, &[]).is_err());
+    }
+
+    #[test]
+    fn the_sweep_goes_past_flat_steps_until_goodput_falls_or_a_plateau() {
+        let step = |g: f64| SweepStep {
+            offered_rps: 0.0,
+            goodput_rps: g,
+            crashed: false,
+            e2e_p99_ms: 0.0,
+        };
+        let steps: Vec<SweepStep> = [5.0, 7.0, 9.0, 9.1].map(step).to_vec();
+        // One flat step does not end it.
+        assert!(!sweep_done(&steps, 3));
+        let mut more = steps.clone();
+        more.extend([9.15, 9.0].map(step));
+        assert!(sweep_done(&more, 3));
+        // A fall of 10% ends it at once.
+        let mut fell = steps.clone();
+        fell.push(step(8.0));
+        assert!(sweep_done(&fell, 3));
+        // A crashed step counts as no goodput.
+        let mut crashed = steps;
+        crashed.push(SweepStep {
+            crashed: true,
+            ..step(12.0)
+        });
+        assert!(sweep_done(&crashed, 3));
+    }
+}

@@ -1,0 +1,266 @@
+//! Tests of the drill's pieces that need no run.
+
+use crate::capacity::{estimated_capacity, sweep_scenario};
+use crate::operator::premium_over_quota;
+use crate::tenants::{calm_flooders, is_flooder, quiet_groups};
+use crate::{drill_engine_config, gateway_config, SHIPPED_GATEWAY_CONFIG};
+use levee_sim::scenario::Behaviour;
+use levee_sim::Scenario;
+
+fn urls(n: usize) -> Vec<String> {
+    (0..n)
+        .map(|i| format!("http://127.0.0.1:{}", 1 + i))
+        .collect()
+}
+
+#[test]
+fn the_flooders_are_found_from_the_scenario_not_from_the_gateway_config() {
+    let mut s = levee_sim::scenarios::builtin("noisy-neighbor").unwrap();
+    s.capacity_rps = 20.0;
+    let flooders: Vec<&str> = s
+        .tenants
+        .iter()
+        .filter(|t| is_flooder(&s, t))
+        .map(|t| t.name.as_str())
+        .collect();
+    assert_eq!(flooders, ["noisy"]);
+    // flash-crowd's premium tenants have their own schedules but never flood.
+    let fc = levee_sim::scenarios::builtin("flash-crowd").unwrap();
+    assert!(fc.tenants.iter().all(|t| !is_flooder(&fc, t)));
+    // The calm variant keeps the flooder at its starting rate all along.
+    let calm = calm_flooders(&s);
+    let n = calm.tenants.iter().find(|t| t.name == "noisy").unwrap();
+    assert!(!is_flooder(&calm, n));
+    let groups = quiet_groups(&s);
+    assert_eq!(groups.len(), 1);
+    assert_eq!(groups[0].group.as_deref(), Some("quiet"));
+}
+
+#[test]
+fn the_noisy_neighbour_floods_inside_the_quiet_tenants_tier() {
+    let s = levee_sim::scenarios::builtin("noisy-neighbor").unwrap();
+    let noisy = s.tenants.iter().find(|t| t.name == "noisy").unwrap();
+    assert!(s
+        .tenants
+        .iter()
+        .filter(|t| t.name.starts_with("quiet"))
+        .all(|t| t.tier == noisy.tier));
+}
+
+#[test]
+fn the_shipped_config_fits_every_shipped_scenario_without_knowing_the_flooder() {
+    for name in levee_sim::scenarios::names() {
+        let s = levee_sim::scenarios::builtin(name).unwrap();
+        let cfg = gateway_config(SHIPPED_GATEWAY_CONFIG, &s, &urls(2))
+            .unwrap_or_else(|e| panic!("{name}: {e:#}"));
+        assert_eq!(cfg.models[0].backends.len(), 2);
+        assert_eq!(cfg.models[0].backends[1].url, "http://127.0.0.1:2");
+        // Every backend is capped at the engine's sequence capacity.
+        for b in &cfg.models[0].backends {
+            assert_eq!(b.max_in_flight, drill_engine_config().gpu.max_running_seqs);
+        }
+        // Quotas depend on the tier alone: the flooder gets the same as its peers.
+        for t in &cfg.tenants {
+            let peer = cfg.tenants.iter().find(|p| p.tier == t.tier).unwrap();
+            assert_eq!(
+                (t.requests_per_minute, t.requests_burst, t.max_concurrency),
+                (
+                    peer.requests_per_minute,
+                    peer.requests_burst,
+                    peer.max_concurrency
+                ),
+                "{name}/{}",
+                t.name
+            );
+        }
+    }
+}
+
+#[test]
+fn unknown_keys_get_their_tiers_quotas_and_more_engines_copy_the_first_backend() {
+    let mut s = levee_sim::scenarios::builtin("steady").unwrap();
+    s.tenants[0].api_key = "sk-somebody-new".into();
+    s.tenants[0].tier = "free".into();
+    let cfg = gateway_config(SHIPPED_GATEWAY_CONFIG, &s, &urls(3)).unwrap();
+    let added = cfg
+        .tenants
+        .iter()
+        .find(|t| t.key_sha256 == [levee_gateway::hash_key("sk-somebody-new")])
+        .unwrap();
+    let free = cfg.tenants.iter().find(|t| t.tier == "free").unwrap();
+    assert_eq!(added.requests_per_minute, free.requests_per_minute);
+    assert_eq!(cfg.models[0].backends.len(), 3);
+    // A tier the configuration lacks is an error that says what to do.
+    s.tenants[0].tier = "platinum".into();
+    let e = gateway_config(SHIPPED_GATEWAY_CONFIG, &s, &urls(2)).unwrap_err();
+    assert!(
+        format!("{e:#}").contains("add it to the configuration"),
+        "{e:#}"
+    );
+}
+
+#[test]
+fn the_sweep_sends_the_mix_without_retries_tenants_or_faults() {
+    let base = levee_sim::scenarios::builtin("crash-mid-flood").unwrap();
+    let s = sweep_scenario(&base, 12.0, 10.0);
+    assert!(s.faults.is_empty());
+    assert_eq!(s.client.behaviour, Behaviour::None);
+    assert_eq!(s.classes, base.classes);
+    assert_eq!(s.sessions, base.sessions);
+    assert!((s.offered_rps_at(5.0) - 12.0).abs() < 1e-9);
+    assert!(estimated_capacity(&base, 2, &drill_engine_config(), 64) > 1.0);
+}
+
+#[test]
+fn premium_over_quota_counts_only_what_exceeds_the_configured_rate() {
+    let mut s = levee_sim::scenarios::builtin("flash-crowd").unwrap();
+    s.capacity_rps = stated("C");
+    let cfg = gateway_config(SHIPPED_GATEWAY_CONFIG, &s, &urls(2)).unwrap();
+    // What a client sends on the schedule: first turns at their arrival times.
+    let sends = |s: &Scenario| {
+        let schedule = levee_sim::arrivals::build(s).unwrap();
+        let mut out = std::collections::BTreeMap::<String, Vec<u64>>::new();
+        for a in &schedule.arrivals {
+            let name = &s.tenants[usize::from(a.tenant)].name;
+            out.entry(name.clone())
+                .or_default()
+                .push(a.at_ns / 1_000_000);
+        }
+        out
+    };
+    // Each premium tenant peaks at 0.3x of the stated capacity, under its 0.5x quota: only
+    // the odd burst of the bursty arrivals goes past 2 s of it (2 of 178 first turns).
+    let premium_sends: usize = s
+        .tenants
+        .iter()
+        .filter(|t| t.tier == "premium")
+        .map(|t| sends(&s).get(&t.name).map_or(0, Vec::len))
+        .sum();
+    let over = premium_over_quota(&sends(&s), &s, &cfg);
+    assert!(
+        over * 20 <= premium_sends as u64,
+        "{over} of {premium_sends}"
+    );
+    // At 10x the capacity, most of their traffic is over quota.
+    s.capacity_rps = 300.0;
+    let over = premium_over_quota(&sends(&s), &s, &cfg);
+    assert!(over > 1000, "{over}");
+}
+
+#[test]
+fn every_shipped_flood_has_sessions_a_heavy_tail_and_both_stream_kinds() {
+    for name in [
+        "flash-crowd",
+        "noisy-neighbor",
+        "heavy-tail",
+        "crash-mid-flood",
+    ] {
+        let s = levee_sim::scenarios::builtin(name).unwrap();
+        assert!(s.sessions.share > 0.0, "{name}");
+        assert!(s.classes.iter().any(|c| c.stream), "{name}");
+        assert!(s.classes.iter().any(|c| !c.stream), "{name}");
+        assert!(
+            s.classes
+                .iter()
+                .any(|c| matches!(c.prompt_tokens, levee_sim::dist::Dist::Lognormal { .. })),
+            "{name}"
+        );
+    }
+    // heavy-tail: about 10% of requests at >= 3,000 prompt tokens, all within context.
+    let s = levee_sim::scenarios::builtin("heavy-tail").unwrap();
+    let sched = levee_sim::arrivals::build(&s).unwrap();
+    let long = sched
+        .arrivals
+        .iter()
+        .filter(|a| a.prompt_tokens >= 3000)
+        .count() as f64;
+    let share = long / sched.arrivals.len() as f64;
+    assert!((0.08..0.13).contains(&share), "{share}");
+    let ctx = drill_engine_config().gpu.max_model_len;
+    assert!(sched
+        .arrivals
+        .iter()
+        .all(|a| a.prompt_tokens + a.max_tokens <= ctx));
+    // crash-mid-flood crashes an engine while the flood is on.
+    let c = levee_sim::scenarios::builtin("crash-mid-flood").unwrap();
+    let f = &c.faults[0];
+    assert!(c.offered_rps_at(f.at_s) >= 5.0 * c.capacity_rps);
+}
+
+/// A number the shipped configuration's comments state, e.g. `# C = 9.8 req/s`.
+fn stated(key: &str) -> f64 {
+    let prefix = format!("# {key} = ");
+    SHIPPED_GATEWAY_CONFIG
+        .lines()
+        .find_map(|l| l.strip_prefix(&prefix))
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("drill-gateway.toml states no {key}"))
+}
+
+#[test]
+fn the_shipped_config_follows_its_formula_from_its_stated_capacity() {
+    use crate::operator::{contract, watermarks, Basis};
+    let basis = Basis {
+        capacity_rps: stated("C"),
+        ttft_slo_ms: stated("T"),
+        e2e_p99_ms: stated("E"),
+        model: String::new(),
+        measured: String::new(),
+    };
+    let slots = stated("S") as u32;
+    let cfg = levee_gateway::Config::from_toml_str(SHIPPED_GATEWAY_CONFIG).unwrap();
+    let e = drill_engine_config();
+    assert_eq!(slots, 2 * e.gpu.max_running_seqs);
+    let (safe, soft, hard) = watermarks(&basis, slots);
+    assert_eq!(
+        (cfg.queue.safe, cfg.queue.soft, cfg.queue.hard),
+        (safe, soft, hard)
+    );
+    for (i, tier) in ["premium", "standard", "free"].iter().enumerate() {
+        let k = contract(i, &basis, slots);
+        let t = &cfg.tiers[*tier];
+        assert_eq!(
+            (t.queue_wait_ms, t.soft_queue_wait_ms),
+            (k.queue_wait_ms, k.soft_queue_wait_ms),
+            "{tier}"
+        );
+        for tenant in cfg.tenants.iter().filter(|t| t.tier == *tier) {
+            assert_eq!(
+                (
+                    tenant.requests_per_minute,
+                    tenant.requests_burst,
+                    tenant.max_concurrency
+                ),
+                (k.requests_per_minute, k.requests_burst, k.max_concurrency),
+                "{}",
+                tenant.name
+            );
+        }
+    }
+    // The drill's calibrated output parses as a configuration and states the same formula.
+    let s = levee_sim::scenarios::builtin("noisy-neighbor").unwrap();
+    let fleet = crate::operator::Fleet {
+        urls: vec![
+            "http://127.0.0.1:8001".into(),
+            "http://127.0.0.1:8002".into(),
+        ],
+        kind: "vllm".into(),
+        max_in_flight: e.gpu.max_running_seqs,
+    };
+    let standard = contract(1, &basis, slots);
+    let text = crate::operator::calibrated_config(
+        &fleet,
+        &Basis {
+            model: s.request.model.clone(),
+            ..basis
+        },
+        &s,
+    );
+    let out =
+        levee_gateway::Config::from_toml_str(&text).unwrap_or_else(|e| panic!("{e:?}\n{text}"));
+    assert_eq!(out.queue.hard, cfg.queue.hard);
+    let noisy = out.tenants.iter().find(|t| t.name == "noisy").unwrap();
+    assert_eq!(noisy.requests_per_minute, standard.requests_per_minute);
+    assert!(gateway_config(&text, &s, &fleet.urls).is_ok());
+}
