@@ -3,12 +3,11 @@
 use crate::fleet::{Fleet, FleetStats};
 use crate::haproxy::Haproxy;
 use crate::operator::gateway_config;
-use crate::passthrough::{Cap, Passthrough};
+use crate::passthrough::Passthrough;
+pub(crate) use crate::setup::Setup;
 use anyhow::Context;
-use levee_engine::EngineConfig;
 use levee_sim::report::{Marker, Report};
-use levee_sim::{RunOptions, Scenario};
-use std::path::PathBuf;
+use levee_sim::Scenario;
 
 /// The contenders.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -50,30 +49,6 @@ pub(crate) struct Outcome {
     pub report: Report,
     pub fleet: FleetStats,
     pub crash_markers: Vec<Marker>,
-}
-
-/// Everything a run needs besides the scenario.
-pub(crate) struct Setup<'a> {
-    pub engines: usize,
-    /// External servers (`--backend`); empty for simulated engines.
-    pub backends: Vec<String>,
-    pub engine: EngineConfig,
-    pub gateway_text: &'a str,
-    pub opts: RunOptions,
-    /// The capped baselines' limits (set once the capacity is measured).
-    pub cap: Option<Cap>,
-    /// Where HAProxy's generated configuration is written.
-    pub out: PathBuf,
-    /// levee replicas sharing Redis behind a round-robin front (1: one gateway, no Redis).
-    pub replicas: usize,
-    pub redis_url: String,
-}
-
-impl Setup<'_> {
-    fn cap(&self) -> anyhow::Result<Cap> {
-        self.cap
-            .context("the capped baselines run after the capacity measurement sets their cap")
-    }
 }
 
 /// Runs `scenario` through `who` on a fresh fleet.
@@ -277,7 +252,7 @@ mod tests {
             backends: Vec::new(),
             engine: crate::drill_engine_config(),
             gateway_text: crate::SHIPPED_GATEWAY_CONFIG,
-            opts: RunOptions::default(),
+            opts: levee_sim::RunOptions::default(),
             cap: None,
             out: std::env::temp_dir(),
             replicas: 2,

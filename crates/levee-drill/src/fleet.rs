@@ -1,6 +1,6 @@
 //! The servers a run floods: fresh simulated engines, or running servers (`--backend`).
 
-use crate::contender::Setup;
+use crate::setup::Setup;
 use anyhow::Context;
 use levee_engine::EngineHandle;
 use levee_sim::report::{Marker, Report};

@@ -30,6 +30,7 @@ mod haproxy;
 mod operator;
 mod passthrough;
 mod render;
+mod setup;
 mod tenants;
 #[cfg(test)]
 mod tests;

@@ -642,7 +642,7 @@ mod tests {
         let noted = sample.lock().unwrap().clone();
         assert_eq!(noted.len(), 2);
         for (prompt, max) in noted {
-            assert!(prompt >= 100, "{prompt}");
+            assert!(prompt > 60, "{prompt}: the text was not counted");
             assert_eq!(max, Some(8));
         }
         proxy.shutdown().await;

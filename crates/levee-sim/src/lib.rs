@@ -16,7 +16,6 @@ pub mod calibrate;
 pub mod dist;
 mod exchange;
 pub mod faults;
-mod html;
 mod recorder;
 pub mod report;
 mod runner;

@@ -342,7 +342,9 @@ pub fn read_json(path: &Path) -> anyhow::Result<Report> {
     Ok(report)
 }
 
-pub use crate::html::{escape_html, write_html, write_page, Marker, Page};
+mod html;
+
+pub use html::{escape_html, write_html, write_page, Marker, Page};
 
 fn pct(x: f64) -> String {
     format!("{:.2}%", x * 100.0)
