@@ -17,7 +17,13 @@
 //!    sweep rises and goes on past flat steps until goodput falls (10% below the best), or until
 //!    [`Timing::flat_steps_to_stop`] steps in a row add nothing (2% over the best): a
 //!    plateau. A step in which an engine crashed does not count.
-//! 4. **The knee** is the best goodput of the sweep: the best a protected fleet achieved.
+//! 4. **Higher caps.** The formula keeps even a batch of 95th-percentile requests in the KV
+//!    cache, so on a heavy-tailed mix it leaves most of the cache idle. An operator who
+//!    measured would raise it: the sweep goes on at caps of 1.5×, 2.25×, … the formula's (up
+//!    to `max_num_seqs`), one step each, offered 1.5× the best goodput so far, until a cap
+//!    crashes an engine or two caps in a row add under 2%.
+//! 5. **The knee** is the best goodput of any crash-free step, at any cap: the best a
+//!    protected fleet achieved.
 
 use crate::contender::Setup;
 use crate::fleet::Fleet;
@@ -174,6 +180,8 @@ pub(crate) fn wait_budget(scenario: &Scenario) -> Duration {
 /// One step of the capacity sweep.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub(crate) struct SweepStep {
+    /// The proxy's cap per engine in this step.
+    pub cap: u32,
     pub offered_rps: f64,
     pub goodput_rps: f64,
     pub crashed: bool,
@@ -301,6 +309,7 @@ async fn sweep_step(
     let crashed = fleet.stop().await.crashes > 0;
     let (report, _) = run?;
     Ok(SweepStep {
+        cap: cap.per_backend,
         offered_rps: rps,
         goodput_rps: verdicts::window_goodput(&report, window).unwrap_or(0.0),
         crashed,
@@ -350,10 +359,10 @@ pub(crate) async fn measure_knee(
          {} per engine (max_num_seqs {})",
         op.kv_tokens, op.p95_tokens, op.samples, op.per_engine, op.max_num_seqs
     );
-    let cap = competent_cap(&op, setup.engines, wait_budget(scenario));
+    let competent = competent_cap(&op, setup.engines, wait_budget(scenario));
     let estimate = estimated_capacity(scenario, setup.engines, engine, op.per_engine);
     let window: Vec<u32> = (timing.step_warm_s as u32..timing.step_s as u32).collect();
-    let run = |rps: f64| sweep_step(scenario, setup, timing, cap, rps, &window);
+    let run = |rps: f64| sweep_step(scenario, setup, timing, competent, rps, &window);
     let mut steps: Vec<SweepStep> = Vec::new();
     // The first step: halved (up to three times) while it is far past the knee (an engine
     // crashed, or under half its offer met the SLO).
@@ -378,11 +387,16 @@ pub(crate) async fn measure_knee(
         steps.push(step);
         k += 1.0;
     }
-    let knee = steps
-        .iter()
-        .filter(|s| !s.crashed)
-        .map(|s| s.goodput_rps)
-        .fold(0.0, f64::max);
+    raise_cap(&mut steps, &op, timing, |cap, rps| {
+        let cap = Cap {
+            per_backend: cap,
+            queue_len: cap as usize * setup.engines,
+            ..competent
+        };
+        sweep_step(scenario, setup, timing, cap, rps, &window)
+    })
+    .await?;
+    let knee = best_goodput(&steps);
     anyhow::ensure!(
         knee > 0.0,
         "the capacity sweep found no crash-free step with goodput (steps: {steps:?}); the \
@@ -395,9 +409,71 @@ pub(crate) async fn measure_knee(
     })
 }
 
+/// The best goodput of a crash-free step (0 when none).
+fn best_goodput(steps: &[SweepStep]) -> f64 {
+    steps
+        .iter()
+        .filter(|s| !s.crashed)
+        .map(|s| s.goodput_rps)
+        .fold(0.0, f64::max)
+}
+
+/// The caps above the operator's that the knee tries: 1.5× the last, rounded, distinct, up
+/// to `max_num_seqs`.
+fn higher_caps(op: &OperatorCap) -> Vec<u32> {
+    let mut caps = Vec::new();
+    let mut c = f64::from(op.per_engine);
+    loop {
+        c *= 1.5;
+        let last = caps.last().map_or(op.per_engine, |&l| l);
+        let next = (c.round() as u32).max(last + 1).min(op.max_num_seqs);
+        if last >= next {
+            return caps;
+        }
+        caps.push(next);
+    }
+}
+
+/// The higher caps' steps (see the module documentation), each offered 1.5× the best
+/// goodput so far; `step(cap, rps)` runs one.
+async fn raise_cap<F, Fut>(
+    steps: &mut Vec<SweepStep>,
+    op: &OperatorCap,
+    timing: &Timing,
+    step: F,
+) -> anyhow::Result<()>
+where
+    F: Fn(u32, f64) -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<SweepStep>>,
+{
+    let mut flat = 0;
+    for cap in higher_caps(op) {
+        if (steps.len() as u32) >= timing.max_steps + 6 {
+            break;
+        }
+        let best = best_goodput(steps);
+        let s = step(cap, (best * 1.5).max(0.2)).await?;
+        print_step(&s);
+        steps.push(s);
+        if s.crashed {
+            break;
+        }
+        flat = if s.goodput_rps < best * 1.02 {
+            flat + 1
+        } else {
+            0
+        };
+        if flat == 2 {
+            break;
+        }
+    }
+    Ok(())
+}
+
 fn print_step(step: &SweepStep) {
     eprintln!(
-        "      {:>6.1} req/s offered → {:>6.1} req/s within the SLO{}",
+        "      cap {:>3}: {:>6.1} req/s offered → {:>6.1} req/s within the SLO{}",
+        step.cap,
         step.offered_rps,
         step.goodput_rps,
         if step.crashed {
@@ -418,7 +494,10 @@ pub(crate) fn method(timing: &Timing, wait: Duration) -> String {
          sample; one FIFO queue with a {:.1} s wait; a backend failing {FAIL_AFTER} times in \
          a row skipped for {:.0} s; one retry on connect failure — each step on a fresh fleet, \
          the first halved while far past the knee, then rising until goodput falls 10% below \
-         the best or {} steps in a row add under 2%; crashed steps do not count",
+         the best or {} steps in a row add under 2%; then at caps of 1.5×, 2.25×, … the \
+         formula's (up to max_num_seqs), one step each offered 1.5× the best so far, until a \
+         cap crashes an engine or two caps add under 2%; the knee is the best crash-free step \
+         at any cap",
         timing.step_s,
         timing.step_warm_s,
         timing.sample_s,
@@ -444,7 +523,8 @@ pub(crate) fn render_steps(sweep: &Sweep) -> String {
     for st in &sweep.steps {
         let _ = writeln!(
             s,
-            "  offered {:>6.1} req/s → goodput {:>6.1} req/s{}",
+            "  cap {:>3}: offered {:>6.1} req/s → goodput {:>6.1} req/s{}",
+            st.cap,
             st.offered_rps,
             st.goodput_rps,
             if st.crashed {
@@ -485,8 +565,61 @@ mod tests {
     }
 
     #[test]
+    fn higher_caps_rise_by_half_to_max_num_seqs() {
+        let op = |per_engine, max_num_seqs| OperatorCap {
+            samples: 1,
+            p95_tokens: 1,
+            kv_tokens: 1,
+            max_num_seqs,
+            per_engine,
+        };
+        assert_eq!(higher_caps(&op(6, 64)), vec![9, 14, 20, 30, 46, 64]);
+        assert_eq!(higher_caps(&op(64, 64)), Vec::<u32>::new());
+        assert_eq!(higher_caps(&op(1, 3)), vec![2, 3]);
+    }
+
+    #[test]
+    fn the_cap_rises_until_a_crash_and_the_knee_skips_crashed_steps() {
+        let op = OperatorCap {
+            samples: 1,
+            p95_tokens: 1,
+            kv_tokens: 1,
+            max_num_seqs: 64,
+            per_engine: 6,
+        };
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let mut steps = vec![SweepStep {
+            cap: 6,
+            offered_rps: 4.0,
+            goodput_rps: 3.0,
+            crashed: false,
+            e2e_p99_ms: 0.0,
+        }];
+        // Goodput grows with the cap until 20, which crashes.
+        rt.block_on(raise_cap(&mut steps, &op, &FULL, |cap, rps| async move {
+            Ok(SweepStep {
+                cap,
+                offered_rps: rps,
+                goodput_rps: f64::from(cap) / 2.0,
+                crashed: cap >= 20,
+                e2e_p99_ms: 0.0,
+            })
+        }))
+        .unwrap();
+        let caps: Vec<u32> = steps.iter().map(|s| s.cap).collect();
+        assert_eq!(caps, vec![6, 9, 14, 20]);
+        assert_eq!(best_goodput(&steps), 7.0);
+        // Each offered 1.5× the best before it.
+        assert_eq!(steps[1].offered_rps, 4.5);
+        assert_eq!(steps[2].offered_rps, 6.75);
+    }
+
+    #[test]
     fn the_sweep_goes_past_flat_steps_until_goodput_falls_or_a_plateau() {
         let step = |g: f64| SweepStep {
+            cap: 8,
             offered_rps: 0.0,
             goodput_rps: g,
             crashed: false,

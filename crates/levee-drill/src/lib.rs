@@ -762,6 +762,7 @@ fn summary_json(plan: &Plan, runs: &Runs, judged: &Judged) -> serde_json::Value 
             },
             "knee_rps": runs.sweep.knee_rps,
             "steps": runs.sweep.steps.iter().map(|s| serde_json::json!({
+                "cap_per_engine": s.cap,
                 "offered_rps": s.offered_rps,
                 "goodput_rps": s.goodput_rps,
                 "crashed": s.crashed,
