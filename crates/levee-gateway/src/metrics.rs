@@ -640,24 +640,46 @@ impl Metrics {
     }
 
     /// Records an admitted request's times (and abandonment) under its model and tenant.
-    pub fn request_times(&self, model: &str, tenant: &str, tier: &str, t: &RequestTimes) {
-        let labels = ModelTenantLabels {
-            model: model.to_string(),
-            tenant: self.tenant_label(tenant),
-        };
+    pub fn request_times(
+        &self,
+        h: &TenantMetrics,
+        model: &str,
+        tenant: &str,
+        tier: &str,
+        t: &RequestTimes,
+    ) {
         let queued = t.queued.as_secs_f64();
-        self.request_queue.get_or_create(&labels).observe(queued);
+        let record = |[queue, ttft, duration]: &[Histogram; 3]| {
+            queue.observe(queued);
+            if let Some(x) = t.ttft {
+                ttft.observe(x.as_secs_f64());
+            }
+            duration.observe(t.total.as_secs_f64());
+        };
+        let found = |v: &[(Box<str>, [Histogram; 3])]| {
+            v.iter()
+                .find(|(m, _)| **m == *model)
+                .map(|(_, hs)| record(hs))
+        };
+        if found(&h.times.read()).is_none() {
+            let mut v = h.times.write();
+            if found(&v).is_none() {
+                let labels = ModelTenantLabels {
+                    model: model.to_string(),
+                    tenant: self.tenant_label(tenant),
+                };
+                let hs = [
+                    self.request_queue.get_or_create(&labels).clone(),
+                    self.request_ttft.get_or_create(&labels).clone(),
+                    self.request_duration.get_or_create(&labels).clone(),
+                ];
+                record(&hs);
+                v.push((model.into(), hs));
+            }
+        }
         self.queue_wait
             .get_or_create(&TierLabel { tier: tier.into() })
             .observe(queued);
-        if let Some(ttft) = t.ttft {
-            self.request_ttft
-                .get_or_create(&labels)
-                .observe(ttft.as_secs_f64());
-        }
-        self.request_duration
-            .get_or_create(&labels)
-            .observe(t.total.as_secs_f64());
         if t.abandoned {
             self.abandon(tenant, "dispatched");
         }
@@ -770,6 +792,8 @@ pub struct TenantMetrics {
     completion_tokens: OnceLock<Counter>,
     /// `levee_requests_total` by (model, outcome).
     requests: RwLock<Vec<(Box<str>, &'static str, Counter)>>,
+    /// `levee_request_{queue,ttft,duration}_seconds` by model.
+    times: RwLock<Vec<(Box<str>, [Histogram; 3])>>,
 }
 
 impl Metrics {

@@ -46,6 +46,21 @@ fn process_prefix() -> u64 {
     })
 }
 
+/// `{prefix:016x}-{seq:x}`, written into a stack buffer (this runs for every request).
+fn made_id(prefix: u64, seq: u64) -> HeaderValue {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    let mut buf = [0u8; 33];
+    for (i, b) in buf[..16].iter_mut().enumerate() {
+        *b = HEX[((prefix >> (60 - 4 * i)) & 0xf) as usize];
+    }
+    buf[16] = b'-';
+    let digits = (64 - seq.leading_zeros()).div_ceil(4).max(1) as usize;
+    for i in 0..digits {
+        buf[17 + i] = HEX[((seq >> (4 * (digits - 1 - i))) & 0xf) as usize];
+    }
+    HeaderValue::from_bytes(&buf[..17 + digits]).unwrap_or_else(|_| HeaderValue::from_static("-"))
+}
+
 fn plain_id(v: &HeaderValue) -> bool {
     let b = v.as_bytes();
     !b.is_empty()
@@ -62,8 +77,7 @@ impl RequestId {
             .get(REQUEST_ID_HEADER)
             .filter(|v| plain_id(v))
             .cloned()
-            .or_else(|| HeaderValue::from_str(&format!("{:016x}-{seq:x}", process_prefix())).ok())
-            .unwrap_or_else(|| HeaderValue::from_static("-"));
+            .unwrap_or_else(|| made_id(process_prefix(), seq));
         let traceparent = headers.get("traceparent").cloned();
         let tracestate = traceparent
             .as_ref()
@@ -177,6 +191,18 @@ pub fn ms(d: std::time::Duration) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn made_ids_are_the_prefix_and_the_sequence_in_hex() {
+        for (p, q) in [
+            (0u64, 0u64),
+            (0xdead_beef, 1),
+            (u64::MAX, u64::MAX),
+            (1 << 40, 0x10),
+        ] {
+            assert_eq!(made_id(p, q), format!("{p:016x}-{q:x}").as_str());
+        }
+    }
 
     #[test]
     fn sampling_is_exact_and_even() {

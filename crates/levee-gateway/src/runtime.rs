@@ -80,6 +80,20 @@ pub struct Runtime {
     pub models: HashMap<String, Arc<Model>>,
     /// Each tenant's scopes in the shared limit store (`[state] backend = "redis"` only).
     pub shared_scopes: HashMap<Key, Arc<[levee_store::ScopeLimits]>>,
+    /// Keys already matched → their tenant, so a known key costs a map lookup instead of a
+    /// SHA-256 per request. Only keys that matched a digest are kept, so it holds at most
+    /// as many entries as there are configured keys, whatever clients send.
+    matched: MatchedKeys,
+}
+
+/// Keys already matched (see [`Runtime::tenant_for_key`]); never printed.
+#[derive(Default)]
+struct MatchedKeys(parking_lot::RwLock<HashMap<Box<str>, Arc<Tenant>>>);
+
+impl std::fmt::Debug for MatchedKeys {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "MatchedKeys({} keys)", self.0.read().len())
+    }
 }
 
 fn decode_key(hex_digest: &str) -> Option<[u8; 32]> {
@@ -297,6 +311,7 @@ impl Runtime {
             tenants,
             models,
             shared_scopes,
+            matched: Default::default(),
         })
     }
 
@@ -317,10 +332,15 @@ impl Runtime {
     }
 
     /// The tenant owning `key`, if any.
-    pub fn tenant_for_key(&self, key: &str) -> Option<&Arc<Tenant>> {
+    pub fn tenant_for_key(&self, key: &str) -> Option<Arc<Tenant>> {
         use sha2::{Digest, Sha256};
+        if let Some(t) = self.matched.0.read().get(key) {
+            return Some(t.clone());
+        }
         let digest: [u8; 32] = Sha256::digest(key.as_bytes()).into();
-        self.keys.get(&digest)
+        let tenant = self.keys.get(&digest)?.clone();
+        self.matched.0.write().insert(key.into(), tenant.clone());
+        Some(tenant)
     }
 
     /// A model's admission settings: its own limits and the lane settings every model

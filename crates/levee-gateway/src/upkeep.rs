@@ -8,8 +8,8 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-/// Spawns the scraper, the degradation ticker, the autoscaling ticker and, with a shared
-/// store, the heartbeat; they end when the gateway stops.
+/// Spawns the scraper, the degradation ticker, the autoscaling and gauges ticker and, with a
+/// shared store, the heartbeat; they end when the gateway stops.
 pub(crate) fn spawn(gw: &Arc<Gateway>) {
     let stop = gw.stopped_token();
     if let Some(shared) = gw.shared().cloned() {
@@ -28,7 +28,10 @@ pub(crate) fn spawn(gw: &Arc<Gateway>) {
     every(gw, Duration::from_millis(250), |g| {
         g.update_degrade();
     });
-    every(gw, Duration::from_secs(1), Gateway::update_scaling);
+    every(gw, Duration::from_secs(1), |g| {
+        g.update_scaling();
+        g.refresh_backend_metrics();
+    });
 }
 
 /// Runs `tick` on the gateway every `period` until it stops.
@@ -69,9 +72,9 @@ async fn scrape_loop(weak: std::sync::Weak<Gateway>, stop: tokio_util::sync::Can
     }
 }
 
-/// One scrape of every backend of every lane, then the gauges and a wake of every lane (a
-/// backend that came back may have room for queued requests; one that went away may leave
-/// its lane unable to serve them).
+/// One scrape of every backend of every lane, then a wake of every lane (a backend that came
+/// back may have room for queued requests; one that went away may leave its lane unable to
+/// serve them). The gauges follow every second.
 async fn scrape_all(gw: &Gateway) {
     let cfg = gw.config();
     let timeout = Duration::from_millis(cfg.scrape.timeout_ms.max(10));
@@ -84,7 +87,6 @@ async fn scrape_all(gw: &Gateway) {
         })
     });
     futures::future::join_all(jobs).await;
-    gw.refresh_backend_metrics();
     for lane in lanes {
         lane.wake();
     }
@@ -138,11 +140,17 @@ impl Gateway {
         top
     }
 
-    /// Updates per-backend gauges from each lane's admission state.
+    /// Updates each lane's load gauge and its backends' gauges from its admission state.
     pub(crate) fn refresh_backend_metrics(&self) {
         let now = self.now();
         for lane in self.lanes() {
-            let stats = lane.view(|l| l.backend_stats(now));
+            let (stats, load) = lane.view(|l| (l.backend_stats(now), l.load()));
+            self.metrics()
+                .lane_load
+                .get_or_create(&ModelLabel {
+                    model: lane.model.to_string(),
+                })
+                .set(i64::try_from(load).unwrap_or(i64::MAX));
             for b in lane.backends() {
                 let st = stats.iter().find(|s| s.id == b.key);
                 backend_gauges(self, &b, st, now);

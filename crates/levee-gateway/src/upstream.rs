@@ -419,11 +419,15 @@ pub struct Backend {
     ),
 }
 
-/// The headers of `cfg` sent on every request to the backend: `Authorization: Bearer` with
-/// the key from `api_key_env` (marked sensitive), then the static `headers`. Values that
-/// cannot be headers were refused when the config was checked; here they are skipped.
+/// The headers of `cfg` sent on every request to the backend: `Host` (written once here
+/// rather than worked out from the URL on every request), `Authorization: Bearer` with the
+/// key from `api_key_env` (marked sensitive), then the static `headers`. Values that cannot
+/// be headers were refused when the config was checked; here they are skipped.
 fn fixed_headers(cfg: &BackendConfig) -> HeaderMap {
     let mut h = HeaderMap::new();
+    if let Some(host) = host_header(&cfg.url) {
+        h.insert(http::header::HOST, host);
+    }
     for (name, value) in &cfg.headers {
         if let (Ok(n), Ok(v)) = (
             http::HeaderName::from_bytes(name.as_bytes()),
@@ -440,6 +444,21 @@ fn fixed_headers(cfg: &BackendConfig) -> HeaderMap {
         }
     }
     h
+}
+
+/// The `Host` of requests to `url`: its host, and its port unless the scheme's default.
+fn host_header(url: &str) -> Option<http::HeaderValue> {
+    let uri: http::Uri = url.parse().ok()?;
+    let host = uri.host()?;
+    let default = match uri.scheme_str() {
+        Some("https") => 443,
+        _ => 80,
+    };
+    let value = match uri.port_u16() {
+        Some(p) if p != default => format!("{host}:{p}"),
+        _ => host.to_string(),
+    };
+    http::HeaderValue::from_str(&value).ok()
 }
 
 /// The request-scoped headers passed on to the backend: the request id levee answers with,
@@ -742,6 +761,25 @@ pub type BackendRef = Arc<Backend>;
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_host_header_is_the_urls_host_and_any_port_but_the_default() {
+        let h = |u: &str| host_header(u).map(|v| v.to_str().unwrap().to_string());
+        assert_eq!(
+            h("http://127.0.0.1:8000").as_deref(),
+            Some("127.0.0.1:8000")
+        );
+        assert_eq!(h("http://engine.local").as_deref(), Some("engine.local"));
+        assert_eq!(
+            h("https://llm.internal:443/v1").as_deref(),
+            Some("llm.internal")
+        );
+        assert_eq!(
+            h("https://llm.internal:8443").as_deref(),
+            Some("llm.internal:8443")
+        );
+        assert_eq!(h("http://[::1]:9000").as_deref(), Some("[::1]:9000"));
+    }
 
     #[test]
     fn parses_vllm_metrics() {

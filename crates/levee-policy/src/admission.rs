@@ -639,6 +639,13 @@ impl<T, K: Hash + Eq + Ord + Clone> LaneAdmission<T, K> {
         out
     }
 
+    /// Whether anything waits for the dispatcher: a queued request, or one that left the
+    /// queue unserved and is still to be answered. When nothing does, freed room has no one
+    /// to go to and the dispatcher need not run.
+    pub fn has_waiting(&self) -> bool {
+        self.lane.queued() > 0 || !self.expired.is_empty() || !self.displaced.is_empty()
+    }
+
     /// Whether it holds requests displaced from its queue, to be answered by
     /// [`LaneAdmission::expire`] at once.
     pub fn has_displaced(&self) -> bool {

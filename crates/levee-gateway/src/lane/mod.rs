@@ -18,7 +18,7 @@ pub(crate) use request::{admit, rate_info, Admitted, QueueSpot, Waiter};
 
 use crate::clock::TokioClock;
 use crate::error::GatewayError;
-use crate::metrics::{Metrics, ModelLabel, TierLabel};
+use crate::metrics::{Metrics, TierLabel};
 use crate::upstream::Backend;
 use levee_policy::{
     AdmissionConfig, BackendLimits, Clock, Key, LaneAdmission, LoadSignals, ModelSpec, Pending,
@@ -178,7 +178,7 @@ impl Lane {
     fn pump(self: &Arc<Self>) -> Option<tokio::time::Instant> {
         let ctx = &self.ctx;
         let now = ctx.clock.now();
-        let (gone, ready, next, load) = {
+        let (gone, ready, next) = {
             let mut adm = self.adm.lock();
             let mut gone = adm.expire(&ctx.limits, now);
             gone.extend(adm.fail_unservable(&ctx.limits, now));
@@ -186,14 +186,8 @@ impl Lane {
             while let Some(d) = adm.dequeue(&ctx.limits, now) {
                 ready.push(d);
             }
-            (gone, ready, adm.next_deadline(now), adm.lane().load())
+            (gone, ready, adm.next_deadline(now))
         };
-        ctx.metrics
-            .lane_load
-            .get_or_create(&ModelLabel {
-                model: self.model.to_string(),
-            })
-            .set(i64::try_from(load).unwrap_or(i64::MAX));
         for e in gone {
             self.left_queue(&e.item.tier);
             let err = expired_error(&self.model, &e);
@@ -201,13 +195,9 @@ impl Lane {
             e.item.answer(Err(err));
         }
         for d in ready {
+            // Its wait goes to `levee_queue_wait_seconds` when it settles, with every other
+            // admitted request's.
             self.left_queue(&d.item.tier);
-            ctx.metrics
-                .queue_wait
-                .get_or_create(&TierLabel {
-                    tier: d.item.tier.to_string(),
-                })
-                .observe(d.waited.as_secs_f64());
             let admitted = Admitted::new(self, d.grant, d.waited);
             // A receiver that went away returns the admission, whose drop refunds it and
             // wakes this lane again.

@@ -202,21 +202,29 @@ impl Admitted {
         if let Some(g) = self.grant.take() {
             let ctx = &self.lane.ctx;
             let now = ctx.clock.now();
-            self.lane.admission().complete(&ctx.limits, g, done, now);
+            let waiting = {
+                let mut adm = self.lane.admission();
+                adm.complete(&ctx.limits, g, done, now);
+                adm.has_waiting()
+            };
             if let Some(c) = self.charge.take() {
                 match done.actual_tokens {
                     Some(actual) => c.reconcile(actual),
                     None => c.keep(),
                 }
             }
-            self.finish();
+            self.finish(waiting);
         }
     }
 
-    fn finish(&self) {
+    /// Counts it out of flight; the dispatcher runs only if the room it freed may go to a
+    /// waiting request (waking it for nothing would cost a task switch per request).
+    fn finish(&self, waiting: bool) {
         self.lane.ctx.in_flight.fetch_sub(1, Ordering::AcqRel);
         self.lane.ctx.metrics.in_flight.dec();
-        self.lane.wake();
+        if waiting {
+            self.lane.wake();
+        }
     }
 }
 
@@ -225,23 +233,27 @@ impl Drop for Admitted {
         let Some(g) = self.grant.take() else { return };
         let ctx = &self.lane.ctx;
         let now = ctx.clock.now();
-        if self.sent {
+        let waiting = if self.sent {
             // Cut short (client gone, or the proxy gave up): the backend may have spent the
             // tokens, so the estimate stays charged.
             let done = Completion {
                 outcome: Outcome::Cancelled,
                 actual_tokens: None,
             };
-            self.lane.admission().complete(&ctx.limits, g, done, now);
+            let mut adm = self.lane.admission();
+            adm.complete(&ctx.limits, g, done, now);
             if let Some(c) = self.charge.take() {
                 c.keep();
             }
+            adm.has_waiting()
         } else {
-            self.lane.admission().refund(&ctx.limits, g, now);
+            let mut adm = self.lane.admission();
+            adm.refund(&ctx.limits, g, now);
             // Dropping the charge refunds it.
             self.charge = None;
-        }
-        self.finish();
+            adm.has_waiting()
+        };
+        self.finish(waiting);
     }
 }
 

@@ -126,12 +126,15 @@ async fn send_with_one_resend(
         ))
         .await;
         let verdict = match &sent {
-            Ok(r) => Verdict::of_response(
-                r.status(),
-                advised_retry(r.headers()),
-                backend.is_routable(),
-                outlier,
-            ),
+            Ok(r) => {
+                // Only backpressure has a Retry-After worth reading.
+                let status = r.status();
+                let advised = (status == http::StatusCode::TOO_MANY_REQUESTS
+                    || status == http::StatusCode::SERVICE_UNAVAILABLE)
+                    .then(|| advised_retry(r.headers()))
+                    .flatten();
+                Verdict::of_response(status, advised, backend.is_routable(), outlier)
+            }
             // Nothing listens: the request never reached the backend.
             Err(e) if e.code() == ErrorCode::UpstreamUnreachable => {
                 Verdict::Unavailable { advised: None }

@@ -267,7 +267,6 @@ pub(crate) fn tenant_of(gw: &Gateway, headers: &HeaderMap) -> Result<Arc<Tenant>
     }
     gw.runtime()
         .tenant_for_key(key)
-        .cloned()
         .ok_or_else(|| GatewayError::unauthorized(false))
 }
 

@@ -140,9 +140,13 @@ impl RequestSettle {
             total: self.queued + self.sent_at.elapsed(),
             abandoned: outcome.client_gone,
         };
-        self.gw
-            .metrics()
-            .request_times(&self.model, &self.tenant.name, &self.tenant.tier, &times);
+        self.gw.metrics().request_times(
+            &self.tenant.metrics,
+            &self.model,
+            &self.tenant.name,
+            &self.tenant.tier,
+            &times,
+        );
         if let Some(id) = &self.request {
             RequestLine {
                 request_id: id.as_str(),
