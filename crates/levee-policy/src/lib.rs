@@ -18,6 +18,7 @@ mod clock;
 mod concurrency;
 mod degrade;
 mod fasthash;
+mod fleet;
 mod gcra;
 mod key;
 mod keyed;
@@ -48,6 +49,9 @@ pub use clock::{Clock, ManualClock, StdClock, SystemClock, Timestamp};
 pub use concurrency::{ConcurrencyLimit, KeyedConcurrency, Permit, Saturated};
 pub use degrade::{
     DegradeConfig, DegradeLevel, DegradePlan, DegradePlanner, DegradeStep, LoadSignals,
+};
+pub use fleet::{
+    fair_split, slice_want, Budget, FleetLedger, SliceDemand, SliceGrant, MIN_MARGIN_SLOTS,
 };
 pub use gcra::{Gcra, KeyedGcra, NotUntil, Quota, RateLimitInfo};
 pub use key::Key;

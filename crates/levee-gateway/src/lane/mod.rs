@@ -271,6 +271,35 @@ impl Lane {
         }
     }
 
+    /// After a renewal of this replica's slice of `b` (a fleet): its limits and what the
+    /// other replicas hold there reach the admission state.
+    pub fn slice_changed(&self, b: &Backend) {
+        let (limits, view) = (b.limits(), b.fleet_view());
+        self.change(|l| {
+            l.set_backend_limits(&b.key, limits);
+            l.set_backend_fleet(&b.key, view);
+        });
+    }
+
+    /// What this replica has of backend `key` and waiting for it: its requests and KV
+    /// tokens in flight there, and its share of the lane's queue (split evenly over the
+    /// lane's backends).
+    pub fn demand(&self, key: &str) -> levee_policy::SliceDemand {
+        let now = self.ctx.clock.now();
+        self.view(|l| {
+            let stats = l.backend_stats(now);
+            let n = stats.len().max(1) as u64;
+            let q = l.queue_stats();
+            let mine = stats.iter().find(|s| &*s.id == key);
+            levee_policy::SliceDemand {
+                in_flight: mine.map_or(0, |s| s.in_flight as u64),
+                kv_in_flight: mine.map_or(0, |s| s.tokens_in_flight),
+                queued: (q.len as u64).div_ceil(n),
+                queued_kv: q.tokens.div_ceil(n),
+            }
+        })
+    }
+
     /// Ejects backend `key` until `until` (outlier detection).
     pub fn eject(&self, key: &str, until: Timestamp) {
         let now = self.ctx.clock.now();
@@ -429,6 +458,15 @@ impl Lane {
             "kv_tokens": st.kv_tokens,
             "learned": b.as_ref().map(|b| b.learned()),
             "adaptive_limit": b.as_ref().and_then(|b| b.adaptive_limit()),
+            "fleet_slice": b.as_ref().and_then(|b| b.fleet_slice()).map(|s| serde_json::json!({
+                "slots": s.allowed.slots,
+                "kv_tokens": s.allowed.kv_tokens,
+                "others_slots": s.others.slots,
+                "others_kv_tokens": s.others.kv_tokens,
+                "replicas": s.replicas,
+                "granted": s.granted,
+                "lapsed": s.lapsed,
+            })),
             "reported": b.as_ref().and_then(|b| b.reported()),
             "breaker": {
                 "state": st.breaker.state.as_str(),
