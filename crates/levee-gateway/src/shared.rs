@@ -385,6 +385,12 @@ impl Shared {
                 tracing::debug!(replica = %self.replica, backend = %key, "slice renewal timed out")
             }
         }
+        self.slice_now(key, budget, now)
+    }
+
+    /// The slice of backend `key`'s `budget` to admit against now: the last grant, or before
+    /// one an equal part over the replicas last counted.
+    pub fn slice_now(&self, key: &str, budget: Budget, now: Timestamp) -> FleetSlice {
         let ledger = self.ledger.lock();
         let grant = ledger.grant(key);
         FleetSlice {

@@ -16,6 +16,7 @@ mod autoscale;
 mod breaker;
 mod clock;
 mod concurrency;
+mod correction;
 mod degrade;
 mod fasthash;
 mod fleet;
@@ -47,6 +48,7 @@ pub use breaker::{
 };
 pub use clock::{Clock, ManualClock, StdClock, SystemClock, Timestamp};
 pub use concurrency::{ConcurrencyLimit, KeyedConcurrency, Permit, Saturated};
+pub use correction::PromptCorrection;
 pub use degrade::{
     DegradeConfig, DegradeLevel, DegradePlan, DegradePlanner, DegradeStep, LoadSignals,
 };
