@@ -402,6 +402,25 @@ impl Shared {
         }
     }
 
+    /// Publishes this replica's demand for `model` (arrivals per second, queued) and returns
+    /// the other live replicas' (and how many replicas published, this one included);
+    /// `None` when Redis did not answer within the decision timeout.
+    pub async fn fleet_demand(
+        &self,
+        model: &str,
+        rate: f64,
+        queued: u64,
+    ) -> Option<(f64, u64, u32)> {
+        let lifetime = self.heartbeat * 3;
+        let asked = self
+            .store
+            .fleet_demand(model, &self.replica, lifetime, rate, queued);
+        match tokio::time::timeout(self.timeout, asked).await {
+            Ok(Ok(d)) => Some(d),
+            _ => None,
+        }
+    }
+
     /// Forgets slices of backends no longer configured (their leases lapse in Redis).
     pub fn retain_slices(&self, keep: &[Arc<str>]) {
         self.ledger.lock().retain(keep);

@@ -19,7 +19,7 @@ pub(crate) fn spawn(gw: &Arc<Gateway>) {
             loop {
                 shared.beat().await;
                 let Some(gw) = weak.upgrade() else { break };
-                renew_slices(&gw, &shared).await;
+                futures::future::join(renew_slices(&gw, &shared), share_demand(&gw, &shared)).await;
                 drop(gw);
                 tokio::select! {
                     _ = stop.cancelled() => break,
@@ -59,6 +59,20 @@ async fn renew_slices(gw: &Gateway, shared: &crate::shared::Shared) {
         .flat_map(|l| l.backends().into_iter().map(|b| b.key.clone()))
         .collect();
     shared.retain_slices(&keys);
+}
+
+/// Publishes this replica's demand for every model to the fleet and takes the others': the
+/// replica recommendation is the fleet's (see `autoscale.rs`).
+async fn share_demand(gw: &Gateway, shared: &crate::shared::Shared) {
+    let lanes = gw.lanes();
+    let jobs = lanes.iter().filter_map(|lane| {
+        let (rate, queued) = gw.scaling().local_demand(&lane.model)?;
+        Some(async move {
+            let others = shared.fleet_demand(&lane.model, rate, queued).await;
+            gw.scaling().set_fleet_demand(&lane.model, others);
+        })
+    });
+    futures::future::join_all(jobs).await;
 }
 
 /// Runs `tick` on the gateway every `period` until it stops.

@@ -29,6 +29,7 @@ const HEARTBEAT: &str = include_str!("scripts/heartbeat.lua");
 const RENEW: &str = include_str!("scripts/renew.lua");
 const SLICE: &str = include_str!("scripts/slice.lua");
 const FLEET: &str = include_str!("scripts/fleet.lua");
+const DEMAND: &str = include_str!("scripts/demand.lua");
 
 /// The version of the backend-budget lease script, part of its keys' names.
 pub const FLEET_VERSION: u32 = 1;
@@ -45,6 +46,7 @@ pub struct RedisStore {
     renew: Script,
     slice: Script,
     fleet: Script,
+    demand: Script,
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -164,6 +166,7 @@ impl RedisStore {
             renew: Script::new(RENEW),
             slice: Script::new(SLICE),
             fleet: Script::new(FLEET),
+            demand: Script::new(DEMAND),
         })
     }
 
@@ -253,6 +256,38 @@ impl RedisStore {
             }),
             _ => Err(StoreError::Reply(reply)),
         }
+    }
+
+    /// Publishes replica `replica`'s demand for `model` — its arrivals per second and its
+    /// requests queued — for `lifetime`, and returns the other live replicas' sum:
+    /// arrivals per second, queued, and the replicas publishing (this one included).
+    pub async fn fleet_demand(
+        &self,
+        model: &str,
+        replica: &str,
+        lifetime: Duration,
+        rate: f64,
+        queued: u64,
+    ) -> Result<(f64, u64, u32), StoreError> {
+        let ms = u64::try_from(lifetime.as_millis())
+            .unwrap_or(u64::MAX)
+            .max(1);
+        let key = format!("{}demand:v{FLEET_VERSION}:{{{model}}}", self.prefix);
+        let rate = if rate.is_finite() { rate.max(0.0) } else { 0.0 };
+        let mut conn = self.conn.clone();
+        let (others, queued, n): (String, u64, u32) = self
+            .demand
+            .key(key)
+            .arg(replica)
+            .arg(ms)
+            .arg(format!("{rate:.6}"))
+            .arg(queued)
+            .invoke_async(&mut conn)
+            .await?;
+        let others: f64 = others
+            .parse()
+            .map_err(|_| StoreError::Reply(vec![queued as i64, i64::from(n)]))?;
+        Ok((others, queued, n))
     }
 
     /// Records that replica `id` is alive and returns how many replicas are (those whose

@@ -357,8 +357,29 @@ async fn three_replicas_hold_each_backend_budget_and_a_killed_one_frees_its_slic
         "{max_kv} KV tokens in flight over the budget {KV}"
     );
     assert!(slots.served.load(Ordering::SeqCst) > 0 && kv.served.load(Ordering::SeqCst) > 0);
-    // Every replica was served, not one holding the budget alone.
     assert!(ok > 0);
+    // Each replica's replica recommendation counts the fleet's arrivals: every replica
+    // published its demand through Redis and sees the three.
+    let admins: Vec<String> = replicas.iter().flatten().map(|r| r.admin.clone()).collect();
+    for admin in &admins {
+        let mut seen = Value::Null;
+        for _ in 0..200 {
+            let v: Value = c
+                .get(format!("{admin}/admin/state"))
+                .send()
+                .await
+                .unwrap()
+                .json()
+                .await
+                .unwrap();
+            seen = v["autoscale"]["s"].clone();
+            if seen["gateways"] == 3 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        assert_eq!(seen["gateways"], 3, "{admin}: {seen}");
+    }
 
     // 2. kill -9. Slices settle while idle (each replica wants its margin), then each
     //    replica sends as many held requests as its share, and the survivors more, which
