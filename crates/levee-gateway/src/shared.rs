@@ -397,6 +397,7 @@ impl Shared {
             allowed: ledger.allowance(key, budget, self.live_replicas()),
             others: grant.map(|g| g.others).unwrap_or_default(),
             replicas: grant.map_or(self.live_replicas(), |g| g.replicas),
+            budget,
             granted: grant.is_some(),
             lapsed: ledger.lapsed(key, now),
         }

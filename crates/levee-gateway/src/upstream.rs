@@ -379,6 +379,8 @@ pub struct FleetSlice {
     pub others: Budget,
     /// Live replicas holding a slice of it, this one included.
     pub replicas: u32,
+    /// The budget it was granted against (a KV budget of 0: not known then).
+    pub budget: Budget,
     /// Whether it was granted by the shared state (false: this replica's part before its
     /// first grant).
     pub granted: bool,
@@ -651,7 +653,15 @@ impl Backend {
             },
             Some(s) => BackendLimits {
                 max_in_flight: cap.min(usize::try_from(s.allowed.slots).unwrap_or(usize::MAX)),
-                kv_tokens: kv.map(|k| k.min(s.allowed.kv_tokens)),
+                // A KV budget learned since the slice was granted: an equal part of it until
+                // the next renewal shares it.
+                kv_tokens: kv.map(|k| {
+                    if s.budget.kv_tokens == 0 {
+                        k / u64::from(s.replicas.max(1))
+                    } else {
+                        k.min(s.allowed.kv_tokens)
+                    }
+                }),
             },
         }
     }
