@@ -147,6 +147,8 @@ pub struct Shared {
     decisions: Family<SourceLabel, Counter>,
     /// This replica's slices of the backends' budgets (see [`Shared::renew_slice`]).
     ledger: Mutex<FleetLedger>,
+    /// Set by [`Shared::leave`]: no slice is leased and no demand published after it.
+    left: AtomicBool,
 }
 
 impl std::fmt::Debug for Shared {
@@ -227,6 +229,7 @@ impl Shared {
             switches: metrics.state_switches.clone(),
             decisions: metrics.state_decisions.clone(),
             ledger: Mutex::new(FleetLedger::new(heartbeat * 3)),
+            left: AtomicBool::new(false),
         })
     }
 
@@ -373,6 +376,9 @@ impl Shared {
             kv_tokens: demand.kv_in_flight,
         };
         let lease = self.ledger.lock().lease();
+        if self.left.load(Ordering::Acquire) {
+            return self.slice_now(key, budget, now);
+        }
         let asked = self
             .store
             .lease_backend(key, &self.replica, lease, budget, want, in_flight);
@@ -412,6 +418,9 @@ impl Shared {
         rate: f64,
         queued: u64,
     ) -> Option<(f64, u64, u32)> {
+        if self.left.load(Ordering::Acquire) {
+            return None;
+        }
         let lifetime = self.heartbeat * 3;
         let asked = self
             .store
@@ -430,6 +439,7 @@ impl Shared {
     /// Leaves the live set at once, returns this replica's backend slices and gives unused
     /// limit slices back (clean shutdown), each within the decision timeout.
     pub async fn leave(&self) {
+        self.left.store(true, Ordering::Release);
         let _ = tokio::time::timeout(self.timeout, self.store.leave(&self.replica)).await;
         let (held, lease) = {
             let l = self.ledger.lock();
