@@ -39,6 +39,11 @@ struct DemandState {
     autoscaler: Autoscaler,
     last_service_rate: Option<f64>,
     last: Option<ScaleSnapshot>,
+    /// On a fleet: the other live replicas' arrivals per second and queued requests, and
+    /// how many replicas published them (this one included), from the shared state.
+    others: Option<(f64, u64, u32)>,
+    /// This replica's own arrival rate and queue at the last sample (what it publishes).
+    local: (f64, u64),
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -83,6 +88,9 @@ pub struct ScaleSnapshot {
     pub offered_load: f64,
     /// Slots per replica used.
     pub slots_per_replica: u32,
+    /// Gateway replicas whose arrivals and queues are counted (1 alone; on a fleet, those
+    /// that published theirs through the shared state lately).
+    pub gateways: u32,
 }
 
 impl DemandState {
@@ -159,6 +167,8 @@ impl Scaling {
                         autoscaler: Autoscaler::new(policy.clone()),
                         last_service_rate: None,
                         last: None,
+                        others: None,
+                        local: (0.0, 0),
                     }),
                 })
             })
@@ -189,11 +199,16 @@ impl Scaling {
             st.last_service_rate = service_rate;
         }
         let service_rate = service_rate.or(st.last_service_rate);
+        st.local = (arrival_rate, lane.queued);
+        // The fleet's demand: this replica's and what the others published.
+        let (others_rate, others_queued, gateways) = st.others.unwrap_or((0.0, 0, 1));
+        let arrival_rate = arrival_rate + others_rate;
+        let queued = lane.queued + others_queued;
         let rec = st.autoscaler.observe(
             &Demand {
                 arrival_rate,
                 service_rate,
-                queued: lane.queued,
+                queued,
             },
             now,
         );
@@ -204,13 +219,30 @@ impl Scaling {
             holding: rec.holding,
             arrival_rate,
             service_rate,
-            queued: lane.queued,
+            queued,
             busy_slots: busy,
             offered_load: rec.offered_load,
             slots_per_replica: lane.slots_per_replica,
+            gateways,
         };
         st.last = Some(snap);
         snap
+    }
+
+    /// This replica's own demand for `model` at its last sample: arrivals per second and
+    /// requests queued (what it publishes to the fleet).
+    pub fn local_demand(&self, model: &str) -> Option<(f64, u64)> {
+        self.model(model).map(|m| m.state.lock().local)
+    }
+
+    /// Sets what the other replicas of the fleet published for `model` (arrivals per
+    /// second, queued, replicas publishing including this one); the next sample adds it to
+    /// this replica's own. `None`: the shared state did not answer, this replica's alone
+    /// counts until it does.
+    pub fn set_fleet_demand(&self, model: &str, others: Option<(f64, u64, u32)>) {
+        if let Some(m) = self.model(model) {
+            m.state.lock().others = others;
+        }
     }
 
     /// The last recommendation of every model, by model name.
@@ -285,5 +317,40 @@ mod tests {
             4,
             "held by the scale-in hold"
         );
+    }
+
+    #[test]
+    fn a_fleet_counts_every_replicas_arrivals_and_queue() {
+        let s = Scaling::default();
+        let cfg = AutoscaleConfig {
+            min_replicas: 1,
+            warm_pool: 0,
+            window_ms: 10_000,
+            ..AutoscaleConfig::default()
+        };
+        let lane = LaneSample {
+            queued: 3,
+            busy_slots: 20,
+            slots_per_replica: 8,
+        };
+        s.observe("m", lane, &cfg, at(0));
+        for sec in 1..=10 {
+            for _ in 0..10 {
+                s.arrival("m");
+                s.completion("m");
+            }
+            s.observe("m", lane, &cfg, at(sec * 1000));
+        }
+        let alone = s.observe("m", lane, &cfg, at(10_000));
+        assert_eq!(alone.gateways, 1);
+        assert_eq!(s.local_demand("m"), Some((10.0, 3)));
+        // Two other replicas take as much again each.
+        s.set_fleet_demand("m", Some((20.0, 6, 3)));
+        let fleet = s.observe("m", lane, &cfg, at(10_000));
+        assert!((fleet.arrival_rate - 30.0).abs() < 1e-9, "{fleet:?}");
+        assert_eq!((fleet.queued, fleet.gateways), (9, 3));
+        assert!(fleet.replicas > alone.replicas, "{fleet:?} vs {alone:?}");
+        // What it publishes stays its own.
+        assert_eq!(s.local_demand("m"), Some((10.0, 3)));
     }
 }

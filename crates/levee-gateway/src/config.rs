@@ -151,8 +151,9 @@ pub struct StateConfig {
     pub timeout_ms: u64,
     /// `fail_open` (default) or `fail_closed`.
     pub on_failure: OnFailure,
-    /// How often this replica reports itself alive and probes Redis (milliseconds); a
-    /// replica silent for three intervals no longer counts as live.
+    /// How often this replica reports itself alive, probes Redis, renews its slice of every
+    /// backend's budget and publishes its demand (milliseconds); a replica silent for three
+    /// intervals no longer counts as live, and its leases and slices expire.
     pub heartbeat_ms: u64,
     /// This replica's name among its peers (empty: host name and process id).
     pub replica_id: String,

@@ -302,6 +302,14 @@ impl Gateway {
                         .unwrap_or_else(|| Arc::new(fresh))
                 })
                 .collect();
+            if let Some(shared) = &self.shared {
+                // On a fleet a backend never starts on the whole budget: until its first
+                // grant, an equal part over the replicas last counted.
+                let now = self.now();
+                for b in backends.iter().filter(|b| b.fleet_slice().is_none()) {
+                    b.set_fleet_slice(shared.slice_now(&b.key, b.budget(), now));
+                }
+            }
             lane.set_backends(backends);
         }
         // Models removed from the config: no new requests reach them (the model lookup

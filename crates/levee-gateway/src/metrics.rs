@@ -211,6 +211,9 @@ pub struct Metrics {
     pub recommended_replicas: Family<ModelLabel, Gauge>,
     /// `levee_offered_load{model}`: measured offered load in busy backend slots.
     pub offered_load: Family<ModelLabel, Gauge<f64, AtomicU64>>,
+    /// `levee_prompt_correction{model}`: the factor prompt estimates are scaled by (a high
+    /// quantile of the engine's count ÷ levee's estimate).
+    pub prompt_correction: Family<ModelLabel, Gauge<f64, AtomicU64>>,
     /// `levee_watermark{mark}`: the configured queue watermarks (load = queued + in flight).
     pub watermark: Family<MarkLabel, Gauge>,
     /// `levee_lane_load{model}`: each model's lane load (in flight + queued), what the
@@ -368,6 +371,7 @@ impl Metrics {
             degrade_changes: Family::default(),
             recommended_replicas: Family::default(),
             offered_load: Family::default(),
+            prompt_correction: Family::default(),
             watermark: Family::default(),
             lane_load: Family::default(),
             backend_max_in_flight: Family::default(),
@@ -515,6 +519,8 @@ impl Metrics {
         add(r, "recommended_replicas", help, &self.recommended_replicas);
         let help = "Measured offered load per model, in busy backend slots (arrival rate over service rate)";
         add(r, "offered_load", help, &self.offered_load);
+        let help = "Factor prompt estimates are scaled by per model: the 95th percentile of the engine's prompt count over levee's estimate, lately";
+        add(r, "prompt_correction", help, &self.prompt_correction);
     }
 
     /// Async tasks.

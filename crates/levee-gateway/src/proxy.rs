@@ -59,6 +59,9 @@ struct Head {
     prompt: Option<serde_json::Value>,
     n: Option<serde_json::Value>,
     best_of: Option<serde_json::Value>,
+    /// Tool (and legacy function) definitions: the engine renders them into the prompt.
+    tools: Option<serde_json::Value>,
+    functions: Option<serde_json::Value>,
 }
 
 enum HeadKey {
@@ -71,6 +74,8 @@ enum HeadKey {
     Prompt,
     N,
     BestOf,
+    Tools,
+    Functions,
     Other,
 }
 
@@ -93,6 +98,8 @@ impl<'de> Deserialize<'de> for HeadKey {
                     "prompt" => HeadKey::Prompt,
                     "n" => HeadKey::N,
                     "best_of" => HeadKey::BestOf,
+                    "tools" => HeadKey::Tools,
+                    "functions" => HeadKey::Functions,
                     _ => HeadKey::Other,
                 })
             }
@@ -122,6 +129,8 @@ impl<'de> Deserialize<'de> for Head {
                         HeadKey::Prompt => &mut h.prompt,
                         HeadKey::N => &mut h.n,
                         HeadKey::BestOf => &mut h.best_of,
+                        HeadKey::Tools => &mut h.tools,
+                        HeadKey::Functions => &mut h.functions,
                         HeadKey::Other => {
                             m.next_value::<serde::de::IgnoredAny>()?;
                             continue;
@@ -136,33 +145,83 @@ impl<'de> Deserialize<'de> for Head {
     }
 }
 
-/// The text of a chat message's `content`: a string, or the `text` of its text parts.
-fn content_text(content: &serde_json::Value) -> String {
+/// The text of a chat message's `content` — a string, or the `text` of its text parts —
+/// and how many image parts it has.
+fn content_text(content: &serde_json::Value) -> (String, u64) {
     match content {
-        serde_json::Value::String(s) => s.clone(),
-        serde_json::Value::Array(parts) => parts
-            .iter()
-            .filter_map(|p| p.get("text").and_then(|t| t.as_str()))
-            .collect::<Vec<_>>()
-            .join(""),
-        _ => String::new(),
+        serde_json::Value::String(s) => (s.clone(), 0),
+        serde_json::Value::Array(parts) => {
+            let text = parts
+                .iter()
+                .filter_map(|p| p.get("text").and_then(|t| t.as_str()))
+                .collect::<Vec<_>>()
+                .join("");
+            let images = parts
+                .iter()
+                .filter(|p| {
+                    matches!(
+                        p.get("type").and_then(|t| t.as_str()),
+                        Some("image_url" | "input_image" | "image")
+                    )
+                })
+                .count() as u64;
+            (text, images)
+        }
+        _ => (String::new(), 0),
     }
 }
 
-/// The prompt's text: each chat message's content, or each `prompt` string.
+/// One chat message's text: its content, and the name and arguments of each tool (or
+/// function) call it makes, which the engine renders into the prompt too.
+fn message_text(m: &serde_json::Value) -> (String, u64) {
+    let (mut text, images) = m.get("content").map(content_text).unwrap_or_default();
+    let calls = m
+        .get("tool_calls")
+        .and_then(|c| c.as_array())
+        .into_iter()
+        .flatten()
+        .filter_map(|c| c.get("function"))
+        .chain(m.get("function_call"));
+    for f in calls {
+        for key in ["name", "arguments"] {
+            if let Some(s) = f.get(key).and_then(|v| v.as_str()) {
+                text.push_str(s);
+            }
+        }
+    }
+    (text, images)
+}
+
+/// The prompt's text: each chat message's content and tool calls, and the tool definitions
+/// as their JSON (chat); or each `prompt` string.
 fn prompt_text(
     messages: Option<&serde_json::Value>,
     prompt: Option<&serde_json::Value>,
+    tools: &[Option<&serde_json::Value>],
 ) -> PromptText {
     use serde_json::Value;
     if let Some(Value::Array(msgs)) = messages {
+        let mut images = 0;
+        let parts: Vec<String> = msgs
+            .iter()
+            .map(|m| {
+                let (text, n) = message_text(m);
+                images += n;
+                text
+            })
+            .collect();
+        let tools: String = tools
+            .iter()
+            .flatten()
+            .filter(|t| !t.is_null())
+            .map(|t| t.to_string())
+            .collect();
         return PromptText {
-            parts: msgs
-                .iter()
-                .map(|m| m.get("content").map(content_text).unwrap_or_default())
-                .collect(),
+            tools: (!tools.is_empty()).then_some(tools),
+            parts,
             chat: true,
             token_ids: 0,
+            images,
         };
     }
     let mut out = PromptText::default();
@@ -245,7 +304,11 @@ impl ClientRequest {
             }
         };
         let choices = count(head.n, "n")?.max(count(head.best_of, "best_of")?);
-        let prompt = prompt_text(head.messages.as_ref(), head.prompt.as_ref());
+        let prompt = prompt_text(
+            head.messages.as_ref(),
+            head.prompt.as_ref(),
+            &[head.tools.as_ref(), head.functions.as_ref()],
+        );
         Ok((
             ClientRequest {
                 raw,
@@ -853,6 +916,40 @@ fn contains(h: &[u8], n: &[u8]) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn tools_tool_calls_and_images_are_counted() {
+        use crate::tokenize::{TokenCounter, TOKENS_PER_IMAGE};
+        let count = |body: serde_json::Value| {
+            let (_, p) = ClientRequest::parse(Bytes::from(body.to_string())).unwrap();
+            TokenCounter::CharsPerToken.count(&p)
+        };
+        let plain = count(serde_json::json!({"model": "m",
+            "messages": [{"role": "user", "content": "hi"}]}));
+        assert_eq!(plain, 2 + 4 + 1);
+        // 33 KB of tool definitions behind a 2-character message: about 8,250 tokens more.
+        let schema = "x".repeat(33_000);
+        let tools = serde_json::json!([{"type": "function", "function": {"name": "f",
+            "description": schema, "parameters": {"type": "object"}}}]);
+        let with_tools = count(serde_json::json!({"model": "m", "tools": tools,
+            "messages": [{"role": "user", "content": "hi"}]}));
+        let tools_chars = tools.to_string().chars().count() as u64;
+        assert_eq!(with_tools, plain + tools_chars.div_ceil(4));
+        assert!(with_tools > 8_000, "{with_tools}");
+        // A tool call's name and arguments.
+        let call = count(serde_json::json!({"model": "m", "messages": [
+            {"role": "assistant", "content": null, "tool_calls": [{"id": "c", "type": "function",
+                "function": {"name": "lookup", "arguments": "{\"city\": \"Paris\"}"}}]}]}));
+        assert_eq!(call, 2 + 4 + ("lookup".len() as u64 + 17).div_ceil(4));
+        // Image parts: a documented cost each, beside their text.
+        let images = count(
+            serde_json::json!({"model": "m", "messages": [{"role": "user",
+            "content": [{"type": "text", "text": "what is this"},
+                        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+                        {"type": "image_url", "image_url": {"url": "https://x/y.png"}}]}]}),
+        );
+        assert_eq!(images, 2 + 4 + 3 + 2 * TOKENS_PER_IMAGE);
+    }
 
     #[test]
     fn usage_chunk_is_recognised() {

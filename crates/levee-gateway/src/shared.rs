@@ -20,7 +20,10 @@ use crate::config::{OnFailure, StateConfig};
 use crate::error::{GatewayError, RateInfo};
 
 use crate::metrics::{Metrics, SourceLabel, SwitchLabel};
-use levee_policy::{Quota, RefusalReason, Scope, TokenQuota};
+use crate::upstream::FleetSlice;
+use levee_policy::{
+    Budget, FleetLedger, Quota, RefusalReason, Scope, SliceDemand, Timestamp, TokenQuota,
+};
 use levee_store::{
     Decision, Figures, LimitStore, Limited, MemoryStore, RedisStore, ScopeLimits, Settlement,
     SliceDecision,
@@ -142,6 +145,10 @@ pub struct Shared {
     replicas_gauge: Gauge,
     switches: Family<SwitchLabel, Counter>,
     decisions: Family<SourceLabel, Counter>,
+    /// This replica's slices of the backends' budgets (see [`Shared::renew_slice`]).
+    ledger: Mutex<FleetLedger>,
+    /// Set by [`Shared::leave`]: no slice is leased and no demand published after it.
+    left: AtomicBool,
 }
 
 impl std::fmt::Debug for Shared {
@@ -221,6 +228,8 @@ impl Shared {
             replicas_gauge: metrics.fleet_replicas.clone(),
             switches: metrics.state_switches.clone(),
             decisions: metrics.state_decisions.clone(),
+            ledger: Mutex::new(FleetLedger::new(heartbeat * 3)),
+            left: AtomicBool::new(false),
         })
     }
 
@@ -351,10 +360,98 @@ impl Shared {
         self.heartbeat
     }
 
-    /// Leaves the live set at once and gives unused slices back (clean shutdown), each
-    /// within the decision timeout.
+    /// Renews this replica's slice of backend `key`'s `budget` for what it has there and
+    /// waiting (`demand`), waiting at most the decision timeout; when Redis does not answer
+    /// in time it keeps its current slice. Returns the slice to admit against now.
+    pub async fn renew_slice(
+        &self,
+        key: &Arc<str>,
+        budget: Budget,
+        demand: SliceDemand,
+        now: Timestamp,
+    ) -> FleetSlice {
+        let want = levee_policy::slice_want(budget, demand);
+        let in_flight = Budget {
+            slots: demand.in_flight,
+            kv_tokens: demand.kv_in_flight,
+        };
+        let lease = self.ledger.lock().lease();
+        if self.left.load(Ordering::Acquire) {
+            return self.slice_now(key, budget, now);
+        }
+        let asked = self
+            .store
+            .lease_backend(key, &self.replica, lease, budget, want, in_flight);
+        match tokio::time::timeout(self.timeout, asked).await {
+            Ok(Ok(grant)) => self.ledger.lock().granted(key, grant, now),
+            Ok(Err(e)) => {
+                tracing::debug!(replica = %self.replica, backend = %key, "slice renewal failed: {e}")
+            }
+            Err(_) => {
+                tracing::debug!(replica = %self.replica, backend = %key, "slice renewal timed out")
+            }
+        }
+        self.slice_now(key, budget, now)
+    }
+
+    /// The slice of backend `key`'s `budget` to admit against now: the last grant, or before
+    /// one an equal part over the replicas last counted.
+    pub fn slice_now(&self, key: &str, budget: Budget, now: Timestamp) -> FleetSlice {
+        let ledger = self.ledger.lock();
+        let grant = ledger.grant(key);
+        FleetSlice {
+            allowed: ledger.allowance(key, budget, self.live_replicas()),
+            others: grant.map(|g| g.others).unwrap_or_default(),
+            replicas: grant.map_or(self.live_replicas(), |g| g.replicas),
+            budget,
+            granted: grant.is_some(),
+            lapsed: ledger.lapsed(key, now),
+        }
+    }
+
+    /// Publishes this replica's demand for `model` (arrivals per second, queued) and returns
+    /// the other live replicas' (and how many replicas published, this one included);
+    /// `None` when Redis did not answer within the decision timeout.
+    pub async fn fleet_demand(
+        &self,
+        model: &str,
+        rate: f64,
+        queued: u64,
+    ) -> Option<(f64, u64, u32)> {
+        if self.left.load(Ordering::Acquire) {
+            return None;
+        }
+        let lifetime = self.heartbeat * 3;
+        let asked = self
+            .store
+            .fleet_demand(model, &self.replica, lifetime, rate, queued);
+        match tokio::time::timeout(self.timeout, asked).await {
+            Ok(Ok(d)) => Some(d),
+            _ => None,
+        }
+    }
+
+    /// Forgets slices of backends no longer configured (their leases lapse in Redis).
+    pub fn retain_slices(&self, keep: &[Arc<str>]) {
+        self.ledger.lock().retain(keep);
+    }
+
+    /// Leaves the live set at once, returns this replica's backend slices and gives unused
+    /// limit slices back (clean shutdown), each within the decision timeout.
     pub async fn leave(&self) {
+        self.left.store(true, Ordering::Release);
         let _ = tokio::time::timeout(self.timeout, self.store.leave(&self.replica)).await;
+        let (held, lease) = {
+            let l = self.ledger.lock();
+            (l.backends(), l.lease())
+        };
+        for key in held {
+            let none = Budget::default();
+            let give_back = self
+                .store
+                .lease_backend(&key, &self.replica, lease, none, none, none);
+            let _ = tokio::time::timeout(self.timeout, give_back).await;
+        }
         let slices: Vec<LocalSlice> = self.slices.lock().drain().map(|(_, s)| s).collect();
         for s in slices {
             let unused = Settlement::unused(s.requests, s.tokens);

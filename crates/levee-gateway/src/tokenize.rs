@@ -26,7 +26,17 @@ pub struct PromptText {
     pub chat: bool,
     /// Tokens given as ids (a `prompt` of integers): counted as they are.
     pub token_ids: u64,
+    /// Tool definitions (`tools`, `functions`) as their JSON text: counted as text.
+    pub tools: Option<String>,
+    /// Image parts of chat messages: [`TOKENS_PER_IMAGE`] each.
+    pub images: u64,
 }
+
+/// Tokens counted per image part of a chat message. What an image costs depends on the
+/// model and the image (576 for a 336-pixel image in LLaVA-1.5, hundreds to thousands in
+/// models that tile large images); this is a starting point that the lane's prompt
+/// correction adjusts to what the engine reports.
+pub const TOKENS_PER_IMAGE: u64 = 768;
 
 /// How prompt tokens are counted for one model.
 #[derive(Clone, Default)]
@@ -65,6 +75,7 @@ impl TokenCounter {
         let text_tokens: u64 = prompt
             .parts
             .iter()
+            .chain(prompt.tools.iter())
             .map(|p| match self {
                 TokenCounter::CharsPerToken => (p.chars().count() as u64).div_ceil(CHARS_PER_TOKEN),
                 TokenCounter::Tokenizer(t) => match t.encode(p.as_str(), false) {
@@ -79,7 +90,7 @@ impl TokenCounter {
         } else {
             0
         };
-        framing + text_tokens + prompt.token_ids
+        framing + text_tokens + prompt.token_ids + prompt.images * TOKENS_PER_IMAGE
     }
 }
 
@@ -112,6 +123,7 @@ mod tests {
             parts: vec!["hello world hello world xyzzy".into()],
             chat: false,
             token_ids: 0,
+            ..PromptText::default()
         };
         assert_eq!(counter.count(&p), 5);
         assert_eq!(TokenCounter::CharsPerToken.count(&p), 8);
@@ -126,6 +138,7 @@ mod tests {
             parts: vec!["hello world!".into(), "".into()],
             chat: true,
             token_ids: 0,
+            ..PromptText::default()
         };
         // 2 + (4 + 3) + (4 + 0)
         assert_eq!(TokenCounter::CharsPerToken.count(&p), 13);
@@ -133,6 +146,7 @@ mod tests {
             parts: vec!["abcde".into()],
             chat: false,
             token_ids: 3,
+            ..PromptText::default()
         };
         assert_eq!(TokenCounter::CharsPerToken.count(&c), 5);
     }

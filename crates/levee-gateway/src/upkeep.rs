@@ -14,9 +14,13 @@ pub(crate) fn spawn(gw: &Arc<Gateway>) {
     let stop = gw.stopped_token();
     if let Some(shared) = gw.shared().cloned() {
         let stop = stop.clone();
+        let weak = Arc::downgrade(gw);
         tokio::spawn(async move {
             loop {
                 shared.beat().await;
+                let Some(gw) = weak.upgrade() else { break };
+                futures::future::join(renew_slices(&gw, &shared), share_demand(&gw, &shared)).await;
+                drop(gw);
                 tokio::select! {
                     _ = stop.cancelled() => break,
                     _ = tokio::time::sleep(shared.heartbeat_interval()) => {}
@@ -32,6 +36,43 @@ pub(crate) fn spawn(gw: &Arc<Gateway>) {
         g.update_scaling();
         g.refresh_backend_metrics();
     });
+}
+
+/// Renews this replica's slice of every backend's budget (a fleet on Redis), all at once,
+/// each waiting at most the decision timeout (then the current slice stays), and hands the
+/// slices to the lanes.
+async fn renew_slices(gw: &Gateway, shared: &crate::shared::Shared) {
+    let now = gw.now();
+    let lanes = gw.lanes();
+    let jobs = lanes.iter().flat_map(|lane| {
+        lane.backends().into_iter().map(move |b| async move {
+            let slice = shared
+                .renew_slice(&b.key, b.budget(), lane.demand(&b.key), now)
+                .await;
+            b.set_fleet_slice(slice);
+            lane.slice_changed(&b);
+        })
+    });
+    futures::future::join_all(jobs).await;
+    let keys: Vec<Arc<str>> = lanes
+        .iter()
+        .flat_map(|l| l.backends().into_iter().map(|b| b.key.clone()))
+        .collect();
+    shared.retain_slices(&keys);
+}
+
+/// Publishes this replica's demand for every model to the fleet and takes the others': the
+/// replica recommendation is the fleet's (see `autoscale.rs`).
+async fn share_demand(gw: &Gateway, shared: &crate::shared::Shared) {
+    let lanes = gw.lanes();
+    let jobs = lanes.iter().filter_map(|lane| {
+        let (rate, queued) = gw.scaling().local_demand(&lane.model)?;
+        Some(async move {
+            let others = shared.fleet_demand(&lane.model, rate, queued).await;
+            gw.scaling().set_fleet_demand(&lane.model, others);
+        })
+    });
+    futures::future::join_all(jobs).await;
 }
 
 /// Runs `tick` on the gateway every `period` until it stops.

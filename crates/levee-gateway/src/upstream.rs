@@ -11,7 +11,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use levee_policy::{
-    AdaptiveConfig, AdaptiveLimit, BackendLimits, BackendReport, Outcome as BreakerOutcome,
+    AdaptiveConfig, AdaptiveLimit, BackendLimits, BackendReport, Budget, Outcome as BreakerOutcome,
     Timestamp,
 };
 use parking_lot::Mutex;
@@ -370,6 +370,25 @@ impl Ejection {
     }
 }
 
+/// One replica's slice of a backend's budget on a fleet of gateways.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FleetSlice {
+    /// What this replica may have in flight there.
+    pub allowed: Budget,
+    /// What the other live replicas hold there.
+    pub others: Budget,
+    /// Live replicas holding a slice of it, this one included.
+    pub replicas: u32,
+    /// The budget it was granted against (a KV budget of 0: not known then).
+    pub budget: Budget,
+    /// Whether it was granted by the shared state (false: this replica's part before its
+    /// first grant).
+    pub granted: bool,
+    /// Whether the last grant is older than the lease: the shared state has not answered
+    /// since and this replica keeps to that grant.
+    pub lapsed: bool,
+}
+
 /// One upstream server and what levee knows about it right now.
 #[derive(Debug)]
 pub struct Backend {
@@ -391,6 +410,9 @@ pub struct Backend {
     max_kv_tokens: AtomicU64,
     /// What the engine said about its size.
     learned: Mutex<Learned>,
+    /// On a fleet (`[state] backend = "redis"`): this replica's slice of the budget and
+    /// what the other replicas hold (see [`Backend::set_fleet_slice`]).
+    fleet: Mutex<Option<FleetSlice>>,
     /// False after `scrape.unhealthy_after` failed scrapes (or connect errors) in a row.
     pub healthy: AtomicBool,
     /// Failed scrapes in a row.
@@ -528,6 +550,7 @@ impl Backend {
             max_in_flight: AtomicU32::new(cfg.max_in_flight),
             max_kv_tokens: AtomicU64::new(cfg.max_kv_tokens.unwrap_or(0)),
             learned: Mutex::new(Learned::default()),
+            fleet: Mutex::new(None),
             healthy: AtomicBool::new(true),
             scrape_failures: AtomicU32::new(0),
             ejection: Mutex::new(Ejection::default()),
@@ -599,18 +622,64 @@ impl Backend {
             .min(slots)
     }
 
-    /// The limits the admission state applies: the request cap and the KV budget (from
-    /// config, else learned from the engine; unknown until then).
-    pub fn limits(&self) -> BackendLimits {
+    /// The KV budget: from config, else learned from the engine; unknown until then.
+    fn kv_budget(&self) -> Option<u64> {
         let configured = self.max_kv_tokens.load(Ordering::Relaxed);
-        BackendLimits {
-            max_in_flight: usize::try_from(self.cap()).unwrap_or(usize::MAX).max(1),
-            kv_tokens: if configured > 0 {
-                Some(configured)
-            } else {
-                self.learned.lock().kv_tokens
+        if configured > 0 {
+            Some(configured)
+        } else {
+            self.learned.lock().kv_tokens
+        }
+    }
+
+    /// The whole budget of the engine, as a fleet shares it: its request cap and its KV
+    /// budget (0 while unknown).
+    pub fn budget(&self) -> Budget {
+        Budget {
+            slots: u64::from(self.cap().max(1)),
+            kv_tokens: self.kv_budget().unwrap_or(0),
+        }
+    }
+
+    /// The limits the admission state applies: the request cap and the KV budget — alone,
+    /// the engine's; on a fleet, this replica's slice of them (possibly none for now).
+    pub fn limits(&self) -> BackendLimits {
+        let cap = usize::try_from(self.cap()).unwrap_or(usize::MAX).max(1);
+        let kv = self.kv_budget();
+        match *self.fleet.lock() {
+            None => BackendLimits {
+                max_in_flight: cap,
+                kv_tokens: kv,
+            },
+            Some(s) => BackendLimits {
+                max_in_flight: cap.min(usize::try_from(s.allowed.slots).unwrap_or(usize::MAX)),
+                // A KV budget learned since the slice was granted: an equal part of it until
+                // the next renewal shares it.
+                kv_tokens: kv.map(|k| {
+                    if s.budget.kv_tokens == 0 {
+                        k / u64::from(s.replicas.max(1))
+                    } else {
+                        k.min(s.allowed.kv_tokens)
+                    }
+                }),
             },
         }
+    }
+
+    /// Sets this replica's slice of the budget on a fleet.
+    pub fn set_fleet_slice(&self, slice: FleetSlice) {
+        *self.fleet.lock() = Some(slice);
+    }
+
+    /// This replica's slice on a fleet, if any.
+    pub fn fleet_slice(&self) -> Option<FleetSlice> {
+        *self.fleet.lock()
+    }
+
+    /// On a fleet: what the other replicas hold and the engine's whole KV budget, for the
+    /// admission state to read the engine's report (which covers the whole fleet).
+    pub fn fleet_view(&self) -> Option<(Budget, Option<u64>)> {
+        self.fleet.lock().map(|s| (s.others, self.kv_budget()))
     }
 
     /// What the engine said about its size.

@@ -29,6 +29,7 @@
 use crate::breaker::{Breaker, BreakerConfig, BreakerState, BreakerStats, BreakerTicket, Outcome};
 use crate::clock::Timestamp;
 use crate::fasthash::FastState;
+use crate::fleet::Budget;
 use crate::queue::{Entry, FairQueue, Pick, QueueLimits, QueueStats, Tier};
 use crate::retry::DrainRate;
 use crate::watermark::Watermarks;
@@ -119,6 +120,9 @@ struct Backend {
     last_dispatch: Option<Timestamp>,
     /// Requests placed here per second (recent).
     dispatches: DrainRate,
+    /// On a fleet: what the other replicas hold here, and the engine's whole KV budget
+    /// (`limits` is then this replica's slice). The engine's report covers the whole fleet.
+    fleet: Option<(Budget, Option<u64>)>,
 }
 
 impl Backend {
@@ -131,33 +135,45 @@ impl Backend {
 
     /// KV tokens levee may fill, after headroom.
     fn usable_tokens(&self, headroom: f64) -> Option<u64> {
-        self.limits
-            .kv_tokens
-            .map(|t| (t as f64 * (1.0 - headroom.clamp(0.0, 0.95))).floor() as u64)
+        self.limits.kv_tokens.map(|t| self.usable_of(t, headroom))
+    }
+
+    /// What stays of `tokens` after headroom.
+    fn usable_of(&self, tokens: u64, headroom: f64) -> u64 {
+        (tokens as f64 * (1.0 - headroom.clamp(0.0, 0.95))).floor() as u64
     }
 
     /// Requests it may hold now: its cap, or what it is running when it reports a queue.
+    ///
+    /// On a fleet the engine runs the other replicas' requests too: this replica's part of
+    /// what it runs is at least what it runs less what the others hold.
     fn request_cap(&self, now: Timestamp, cfg: &LaneConfig) -> usize {
         let cap = self.limits.max_in_flight;
+        let others = self.fleet.map_or(0.0, |(o, _)| o.slots as f64);
         match self.fresh_report(now, cfg.report_max_age) {
-            Some(r) if r.waiting >= 1.0 => cap.min((r.running.max(1.0)) as usize),
+            Some(r) if r.waiting >= 1.0 => cap.min(((r.running - others).max(1.0)) as usize),
             _ => cap,
         }
     }
 
     /// KV tokens in use as far as anyone knows: levee's reservations, or the engine's own
-    /// figure when it is larger.
+    /// figure when it is larger. On a fleet the engine's figure covers every replica's
+    /// requests; this replica's part of it is at least the figure less what the others hold.
     fn tokens_in_use(&self, now: Timestamp, cfg: &LaneConfig) -> u64 {
+        let (others, engine_total) = match self.fleet {
+            Some((o, total)) => (o.kv_tokens, total),
+            None => (0, None),
+        };
         let reported = match (
             self.fresh_report(now, cfg.report_max_age),
-            self.limits.kv_tokens,
+            engine_total.or(self.limits.kv_tokens),
         ) {
             (
                 Some(BackendReport {
                     kv_usage: Some(u), ..
                 }),
                 Some(total),
-            ) => (u.clamp(0.0, 1.0) * total as f64) as u64,
+            ) => ((u.clamp(0.0, 1.0) * total as f64) as u64).saturating_sub(others),
             _ => 0,
         };
         self.tokens.max(reported)
@@ -527,6 +543,7 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
                     fenced_until: None,
                     last_dispatch: None,
                     dispatches: DrainRate::new(Duration::from_secs(5)),
+                    fleet: None,
                 },
             };
             self.backends.push(b);
@@ -545,6 +562,16 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
         let found = self.backend_mut(id).map(|b| b.limits = limits).is_some();
         self.forget_shares();
         found
+    }
+
+    /// On a fleet of gateways: backend `id`'s limits are this replica's slice, `others` is
+    /// what the other replicas hold there and `engine_kv` the engine's whole KV budget, so
+    /// that the engine's own report (which covers the whole fleet) is read as evidence about
+    /// this replica's part. `None`: alone (the default).
+    pub fn set_backend_fleet(&mut self, id: &str, fleet: Option<(Budget, Option<u64>)>) {
+        if let Some(b) = self.backend_mut(id) {
+            b.fleet = fleet;
+        }
     }
 
     /// Marks a backend routable or not (health checks, outlier ejection).
@@ -606,11 +633,16 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
     }
 
     /// The largest request (in KV tokens) any backend could ever hold, if every backend's
-    /// budget is known.
+    /// budget is known. On a fleet, the engine's whole budget counts, not this replica's
+    /// slice of it: a slice grows with the demand queued for it.
     pub fn largest_fit(&self) -> Option<u64> {
         let mut best = 0u64;
         for b in &self.backends {
-            best = best.max(b.usable_tokens(self.cfg.kv_headroom)?);
+            let usable = match b.fleet {
+                Some((_, Some(total))) => b.usable_of(total, self.cfg.kv_headroom),
+                _ => b.usable_tokens(self.cfg.kv_headroom)?,
+            };
+            best = best.max(usable);
         }
         (!self.backends.is_empty()).then_some(best)
     }

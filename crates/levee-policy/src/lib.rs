@@ -16,8 +16,10 @@ mod autoscale;
 mod breaker;
 mod clock;
 mod concurrency;
+mod correction;
 mod degrade;
 mod fasthash;
+mod fleet;
 mod gcra;
 mod key;
 mod keyed;
@@ -46,8 +48,12 @@ pub use breaker::{
 };
 pub use clock::{Clock, ManualClock, StdClock, SystemClock, Timestamp};
 pub use concurrency::{ConcurrencyLimit, KeyedConcurrency, Permit, Saturated};
+pub use correction::PromptCorrection;
 pub use degrade::{
     DegradeConfig, DegradeLevel, DegradePlan, DegradePlanner, DegradeStep, LoadSignals,
+};
+pub use fleet::{
+    fair_split, slice_want, Budget, FleetLedger, SliceDemand, SliceGrant, MIN_MARGIN_SLOTS,
 };
 pub use gcra::{Gcra, KeyedGcra, NotUntil, Quota, RateLimitInfo};
 pub use key::Key;

@@ -239,6 +239,50 @@ fn a_learned_budget_and_the_engines_report_correct_the_count() {
 }
 
 #[test]
+fn on_a_fleet_the_engines_report_counts_less_what_the_others_hold() {
+    let clock = ManualClock::new();
+    // This replica's slice: 4 slots and 1,000 of the engine's 10,000 KV tokens.
+    let mut a = admission(4, Some(1_000), lane(100, 200, 300));
+    let fleet = |a: &mut Admission<u32, &'static str>, slots: u64, kv_tokens: u64| {
+        let others = Budget { slots, kv_tokens };
+        a.lane_admission(&"m")
+            .unwrap()
+            .lane_mut()
+            .set_backend_fleet("b0", Some((others, Some(10_000))));
+    };
+    let kv = |a: &mut Admission<u32, &'static str>, used: f64, running: f64, waiting: f64| {
+        let r = BackendReport {
+            running,
+            waiting,
+            kv_usage: Some(used),
+        };
+        a.report(&"m", "b0", r, clock.now());
+    };
+    // The engine has 85% of its cache in use (8,500 tokens) and the others hold 8,000: this
+    // replica's part is at least 500, so 400 more fit its slice (read against the slice
+    // alone, 85% of it would leave room for 150 only).
+    fleet(&mut a, 6, 8_000);
+    kv(&mut a, 0.85, 6.0, 0.0);
+    let d = dispatched(a.admit(&req("a", 0, 400), 1, clock.now()));
+    // The others gave most of theirs back but the engine still reports 8,500: at least
+    // 6,500 are this replica's — its slice is full whatever levee counts.
+    fleet(&mut a, 6, 2_000);
+    let t = queued(a.admit(&req("b", 0, 100), 2, clock.now()));
+    assert!(a.dequeue(&"m", clock.now()).is_none());
+    a.cancel(&"m", t, clock.now());
+    // The engine has requests waiting while it runs 6, of which the others hold 5: this
+    // replica runs at most one (it has one).
+    fleet(&mut a, 5, 0);
+    kv(&mut a, 0.0, 6.0, 2.0);
+    queued(a.admit(&req("c", 0, 10), 3, clock.now()));
+    assert!(a.dequeue(&"m", clock.now()).is_none());
+    // The others hold 2: up to 4.
+    fleet(&mut a, 2, 0);
+    assert_eq!(a.dequeue(&"m", clock.now()).unwrap().item, 3);
+    drop(d);
+}
+
+#[test]
 fn rate_refusals_say_when_and_charge_nothing() {
     let clock = ManualClock::starting_at(Timestamp::from_nanos(1));
     let mut a = limited(

@@ -28,4 +28,4 @@ pub use limits::{
     StoreError,
 };
 pub use memory::MemoryStore;
-pub use redis_store::{RedisStore, SCRIPT_VERSION};
+pub use redis_store::{RedisStore, FLEET_VERSION, SCRIPT_VERSION};

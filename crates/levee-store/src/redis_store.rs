@@ -15,7 +15,7 @@ use crate::limits::{
     Decision, Figures, LimitStore, Limited, ScopeLimits, Settlement, Slice, SliceDecision,
     StoreError,
 };
-use levee_policy::RateLimitInfo;
+use levee_policy::{Budget, RateLimitInfo, SliceGrant};
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::Script;
 use std::time::Duration;
@@ -28,6 +28,11 @@ const SETTLE: &str = include_str!("scripts/settle.lua");
 const HEARTBEAT: &str = include_str!("scripts/heartbeat.lua");
 const RENEW: &str = include_str!("scripts/renew.lua");
 const SLICE: &str = include_str!("scripts/slice.lua");
+const FLEET: &str = include_str!("scripts/fleet.lua");
+const DEMAND: &str = include_str!("scripts/demand.lua");
+
+/// The version of the backend-budget lease script, part of its keys' names.
+pub const FLEET_VERSION: u32 = 1;
 
 /// Limits shared through one Redis (or Valkey) server.
 #[derive(Clone)]
@@ -40,6 +45,8 @@ pub struct RedisStore {
     heartbeat: Script,
     renew: Script,
     slice: Script,
+    fleet: Script,
+    demand: Script,
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -158,6 +165,8 @@ impl RedisStore {
             heartbeat: Script::new(HEARTBEAT),
             renew: Script::new(RENEW),
             slice: Script::new(SLICE),
+            fleet: Script::new(FLEET),
+            demand: Script::new(DEMAND),
         })
     }
 
@@ -197,6 +206,88 @@ impl RedisStore {
         let mut conn = self.conn.clone();
         let _: i64 = inv.invoke_async(&mut conn).await?;
         Ok(())
+    }
+
+    /// The hash of backend `backend`'s slices.
+    fn fleet_key(&self, backend: &str) -> String {
+        format!("{}fleet:v{FLEET_VERSION}:{{{backend}}}", self.prefix)
+    }
+
+    /// Leases, renews or (with `want` and `in_flight` both zero) returns replica
+    /// `replica`'s slice of `backend`'s `budget` for `lease` (see levee-policy's `fleet`
+    /// module for the rule, `scripts/fleet.lua` for the script). `in_flight` is what the
+    /// replica has there now: it stays counted as held even when the slice shrinks below it.
+    pub async fn lease_backend(
+        &self,
+        backend: &str,
+        replica: &str,
+        lease: Duration,
+        budget: Budget,
+        want: Budget,
+        in_flight: Budget,
+    ) -> Result<SliceGrant, StoreError> {
+        let ms = u64::try_from(lease.as_millis()).unwrap_or(u64::MAX).max(1);
+        let mut conn = self.conn.clone();
+        let reply: Vec<i64> = self
+            .fleet
+            .key(self.fleet_key(backend))
+            .arg(replica)
+            .arg(ms)
+            .arg(budget.slots)
+            .arg(budget.kv_tokens)
+            .arg(want.slots.min(budget.slots))
+            .arg(want.kv_tokens.min(budget.kv_tokens))
+            .arg(in_flight.slots)
+            .arg(in_flight.kv_tokens)
+            .invoke_async(&mut conn)
+            .await?;
+        let n = |v: i64| u64::try_from(v).unwrap_or(0);
+        match reply.as_slice() {
+            [s, k, os, ok, r] => Ok(SliceGrant {
+                allowed: Budget {
+                    slots: n(*s),
+                    kv_tokens: n(*k),
+                },
+                others: Budget {
+                    slots: n(*os),
+                    kv_tokens: n(*ok),
+                },
+                replicas: u32::try_from(*r).unwrap_or(1),
+            }),
+            _ => Err(StoreError::Reply(reply)),
+        }
+    }
+
+    /// Publishes replica `replica`'s demand for `model` — its arrivals per second and its
+    /// requests queued — for `lifetime`, and returns the other live replicas' sum:
+    /// arrivals per second, queued, and the replicas publishing (this one included).
+    pub async fn fleet_demand(
+        &self,
+        model: &str,
+        replica: &str,
+        lifetime: Duration,
+        rate: f64,
+        queued: u64,
+    ) -> Result<(f64, u64, u32), StoreError> {
+        let ms = u64::try_from(lifetime.as_millis())
+            .unwrap_or(u64::MAX)
+            .max(1);
+        let key = format!("{}demand:v{FLEET_VERSION}:{{{model}}}", self.prefix);
+        let rate = if rate.is_finite() { rate.max(0.0) } else { 0.0 };
+        let mut conn = self.conn.clone();
+        let (others, queued, n): (String, u64, u32) = self
+            .demand
+            .key(key)
+            .arg(replica)
+            .arg(ms)
+            .arg(format!("{rate:.6}"))
+            .arg(queued)
+            .invoke_async(&mut conn)
+            .await?;
+        let others: f64 = others
+            .parse()
+            .map_err(|_| StoreError::Reply(vec![queued as i64, i64::from(n)]))?;
+        Ok((others, queued, n))
     }
 
     /// Records that replica `id` is alive and returns how many replicas are (those whose

@@ -435,3 +435,165 @@ fn redis_leases_expire_unless_renewed() {
         store.clear().await.unwrap();
     });
 }
+
+/// The backend-budget lease script against levee-policy's rule: random renewals of three
+/// replicas' slices of one backend give each the grant the pure model computes (max-min
+/// fair share of the wants, within what the others hold), and the holdings never add up to
+/// more than the budget.
+#[test]
+fn redis_backend_leases_match_the_model() {
+    use levee_policy::{fair_split, Budget};
+    let Some((rt, store)) = redis_store("fleet") else {
+        return;
+    };
+    let lease = Duration::from_secs(60);
+    let mut runner = proptest::test_runner::TestRunner::new(ProptestConfig {
+        cases: 64,
+        ..ProptestConfig::default()
+    });
+    let n = std::cell::Cell::new(0u32);
+    let result = runner.run(
+        &(
+            1u64..30,
+            100u64..5_000,
+            prop::collection::vec((0usize..3, 0u64..40, 0u64..40), 1..40),
+        ),
+        |(slots, kv, ops)| {
+            n.set(n.get() + 1);
+            let backend = format!("m@b{}", n.get());
+            let budget = Budget {
+                slots,
+                kv_tokens: kv,
+            };
+            // Per replica: held, want (slots; kv scaled ×100).
+            let mut held = [(0u64, 0u64); 3];
+            let mut wants = [(0u64, 0u64); 3];
+            let mut allowed = [(0u64, 0u64); 3];
+            for (r, w, used) in ops {
+                let want = Budget {
+                    slots: w.min(slots),
+                    kv_tokens: (w * 100).min(kv),
+                };
+                // What it has in flight: never more than its last allowance.
+                let in_flight = Budget {
+                    slots: used.min(allowed[r].0),
+                    kv_tokens: (used * 100).min(allowed[r].1),
+                };
+                let g = rt
+                    .block_on(store.lease_backend(
+                        &backend,
+                        &format!("r{r}"),
+                        lease,
+                        budget,
+                        want,
+                        in_flight,
+                    ))
+                    .unwrap();
+                wants[r] = (want.slots, want.kv_tokens);
+                let others = |f: fn(&(u64, u64)) -> u64| -> u64 {
+                    held.iter()
+                        .enumerate()
+                        .filter(|(j, _)| *j != r)
+                        .map(|(_, h)| f(h))
+                        .sum()
+                };
+                let model = |k: usize, total: u64, other: u64| {
+                    let ws: Vec<u64> = wants
+                        .iter()
+                        .enumerate()
+                        .filter(|(j, w)| *j == r || **w != (0, 0))
+                        .map(|(_, w)| if k == 0 { w.0 } else { w.1 })
+                        .collect();
+                    let me = wants
+                        .iter()
+                        .enumerate()
+                        .filter(|(j, w)| *j == r || **w != (0, 0))
+                        .position(|(j, _)| j == r)
+                        .unwrap();
+                    fair_split(&ws, total)[me].min(total.saturating_sub(other))
+                };
+                let want_s = model(0, slots, others(|h| h.0));
+                let want_k = model(1, kv, others(|h| h.1));
+                prop_assert_eq!(g.allowed.slots, want_s);
+                prop_assert_eq!(g.allowed.kv_tokens, want_k);
+                prop_assert_eq!(g.others.slots, others(|h| h.0));
+                allowed[r] = (g.allowed.slots, g.allowed.kv_tokens);
+                held[r] = (
+                    g.allowed.slots.max(in_flight.slots),
+                    g.allowed.kv_tokens.max(in_flight.kv_tokens),
+                );
+                if want == Budget::default() && in_flight == Budget::default() {
+                    held[r] = (0, 0);
+                }
+                let total: u64 = held.iter().map(|h| h.0).sum();
+                let total_kv: u64 = held.iter().map(|h| h.1).sum();
+                prop_assert!(total <= slots && total_kv <= kv, "held {total}/{total_kv}");
+            }
+            Ok(())
+        },
+    );
+    let cleared = rt.block_on(store.clear());
+    result.unwrap();
+    cleared.unwrap();
+}
+
+/// A replica that stops renewing (it died) holds its slice only until the lease ends; then
+/// the others get the whole budget.
+#[test]
+fn redis_backend_slices_of_a_dead_replica_come_back_after_the_lease() {
+    use levee_policy::Budget;
+    let Some((rt, store)) = redis_store("fleet-dead") else {
+        return;
+    };
+    let lease = Duration::from_millis(400);
+    let budget = Budget {
+        slots: 10,
+        kv_tokens: 1_000,
+    };
+    rt.block_on(async {
+        let lease_for = |r: &'static str| {
+            let store = store.clone();
+            async move {
+                store
+                    .lease_backend("m@b", r, lease, budget, budget, Budget::default())
+                    .await
+                    .unwrap()
+            }
+        };
+        let dead = lease_for("dead").await;
+        assert_eq!(dead.allowed, budget, "alone, it gets the budget");
+        let live = lease_for("live").await;
+        assert_eq!(live.allowed, Budget::default(), "nothing is free yet");
+        assert_eq!(live.others, budget);
+        assert_eq!(live.replicas, 2);
+        // "dead" renews no more; "live" renews until the lease has passed.
+        let started = std::time::Instant::now();
+        let got = loop {
+            let g = lease_for("live").await;
+            if g.allowed == budget {
+                break started.elapsed();
+            }
+            assert!(started.elapsed() < lease * 10, "the slice never came back");
+            tokio::time::sleep(lease / 8).await;
+        };
+        assert!(
+            got + lease / 4 >= lease / 2,
+            "back after {got:?}, lease {lease:?}"
+        );
+        // A clean return frees at once.
+        store
+            .lease_backend(
+                "m@b",
+                "live",
+                lease,
+                budget,
+                Budget::default(),
+                Budget::default(),
+            )
+            .await
+            .unwrap();
+        let again = lease_for("dead").await;
+        assert_eq!(again.allowed, budget);
+        store.clear().await.unwrap();
+    });
+}

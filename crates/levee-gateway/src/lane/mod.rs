@@ -81,6 +81,8 @@ pub(crate) struct Lane {
     recent: Mutex<Recent>,
     /// Time to first token over prompt tokens of the last streamed responses.
     prefill: Mutex<PrefillFit>,
+    /// The engine's prompt counts against levee's estimates (see [`Lane::prompt_reservation`]).
+    prompt: Mutex<levee_policy::PromptCorrection>,
 }
 
 #[derive(Debug, Default)]
@@ -132,6 +134,7 @@ impl Lane {
             retired: AtomicBool::new(false),
             recent: Mutex::new(Recent::default()),
             prefill: Mutex::new(PrefillFit::new()),
+            prompt: Mutex::new(levee_policy::PromptCorrection::default()),
         });
         let stop = lane.ctx.stopped.clone();
         spawn_pump(lane.clone(), |l| &l.wake, stop, |l| l.pump());
@@ -271,6 +274,35 @@ impl Lane {
         }
     }
 
+    /// After a renewal of this replica's slice of `b` (a fleet): its limits and what the
+    /// other replicas hold there reach the admission state.
+    pub fn slice_changed(&self, b: &Backend) {
+        let (limits, view) = (b.limits(), b.fleet_view());
+        self.change(|l| {
+            l.set_backend_limits(&b.key, limits);
+            l.set_backend_fleet(&b.key, view);
+        });
+    }
+
+    /// What this replica has of backend `key` and waiting for it: its requests and KV
+    /// tokens in flight there, and its share of the lane's queue (split evenly over the
+    /// lane's backends).
+    pub fn demand(&self, key: &str) -> levee_policy::SliceDemand {
+        let now = self.ctx.clock.now();
+        self.view(|l| {
+            let stats = l.backend_stats(now);
+            let n = stats.len().max(1) as u64;
+            let q = l.queue_stats();
+            let mine = stats.iter().find(|s| &*s.id == key);
+            levee_policy::SliceDemand {
+                in_flight: mine.map_or(0, |s| s.in_flight as u64),
+                kv_in_flight: mine.map_or(0, |s| s.tokens_in_flight),
+                queued: (q.len as u64).div_ceil(n),
+                queued_kv: q.tokens.div_ceil(n),
+            }
+        })
+    }
+
     /// Ejects backend `key` until `until` (outlier detection).
     pub fn eject(&self, key: &str, until: Timestamp) {
         let now = self.ctx.clock.now();
@@ -292,6 +324,22 @@ impl Lane {
         let mut r = self.recent.lock();
         r.ttft.push_back((now, ttft.as_secs_f64()));
         r.trim(now);
+    }
+
+    /// The prompt tokens to reserve for a prompt levee estimated at `estimate`: the estimate
+    /// scaled by the 95th percentile of the engine's count ÷ levee's estimate over the
+    /// lane's recent answers (see levee-policy's `PromptCorrection`).
+    pub fn prompt_reservation(&self, estimate: u64) -> u64 {
+        self.prompt.lock().correct(estimate)
+    }
+
+    /// Records the engine's own count of a prompt levee estimated at `estimate`; returns
+    /// the correction factor now.
+    pub fn note_prompt_count(&self, estimate: u64, engine: u64) -> f64 {
+        let now = self.ctx.clock.now();
+        let mut p = self.prompt.lock();
+        p.note(estimate, engine, now);
+        p.factor()
     }
 
     /// Records a streamed response's prompt (levee's estimate) and its time to first token,
@@ -429,6 +477,15 @@ impl Lane {
             "kv_tokens": st.kv_tokens,
             "learned": b.as_ref().map(|b| b.learned()),
             "adaptive_limit": b.as_ref().and_then(|b| b.adaptive_limit()),
+            "fleet_slice": b.as_ref().and_then(|b| b.fleet_slice()).map(|s| serde_json::json!({
+                "slots": s.allowed.slots,
+                "kv_tokens": s.allowed.kv_tokens,
+                "others_slots": s.others.slots,
+                "others_kv_tokens": s.others.kv_tokens,
+                "replicas": s.replicas,
+                "granted": s.granted,
+                "lapsed": s.lapsed,
+            })),
             "reported": b.as_ref().and_then(|b| b.reported()),
             "breaker": {
                 "state": st.breaker.state.as_str(),

@@ -20,7 +20,10 @@ pub(super) struct Classified {
     /// The model served (the requested one, or its fallback under degradation).
     pub target: Arc<Model>,
     pub lane: Arc<Lane>,
+    /// Prompt tokens reserved: the estimate corrected by what the engine counted lately.
     pub prompt_tokens: u64,
+    /// levee's own estimate of the prompt.
+    pub prompt_estimate: u64,
     /// The completion budget per choice after degradation and the default.
     pub max_tokens: u32,
     /// What to write as `max_tokens` upstream, when it differs from what the client sent.
@@ -91,10 +94,13 @@ pub(super) fn classify(
         return Err(GatewayError::unknown_model(&target.name));
     };
     ctx.lane = Some(lane.clone());
-    let prompt_tokens = target.counter.count(&prompt);
+    let prompt_estimate = target.counter.count(&prompt);
     drop(prompt);
+    let prompt_tokens = lane.prompt_reservation(prompt_estimate);
     let context = max_context(&target, &lane);
-    let max_tokens = completion_budget(&parsed, &target, prompt_tokens, context)?;
+    // The context check on levee's own estimate: a correction that errs high never refuses
+    // a prompt the engine would take.
+    let max_tokens = completion_budget(&parsed, &target, prompt_estimate, context)?;
     let max_tokens = match decision.max_tokens_cap {
         Some(cap) if max_tokens > cap => {
             degraded.push(format!("max_tokens={cap}"));
@@ -108,6 +114,7 @@ pub(super) fn classify(
         target,
         lane,
         prompt_tokens,
+        prompt_estimate,
         max_tokens,
         cap,
         degraded,

@@ -52,7 +52,7 @@ pub(super) async fn forward(
         tenant,
         model: c.target.name.clone(),
         lane: c.lane.clone(),
-        prompt_estimate: c.prompt_tokens,
+        prompt_estimate: c.prompt_estimate,
         streamed: c.parsed.stream,
         outlier: rt.cfg.outlier.clone(),
         judged,

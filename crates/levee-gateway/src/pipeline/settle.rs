@@ -116,11 +116,16 @@ impl RequestSettle {
                 u.completion_tokens,
             );
             if u.prompt_tokens > 0 {
+                let label = crate::metrics::ModelLabel {
+                    model: self.model.to_string(),
+                };
                 m.estimate_ratio
-                    .get_or_create(&crate::metrics::ModelLabel {
-                        model: self.model.to_string(),
-                    })
+                    .get_or_create(&label)
                     .observe(self.prompt_estimate as f64 / u.prompt_tokens as f64);
+                let factor = self
+                    .lane
+                    .note_prompt_count(self.prompt_estimate, u.prompt_tokens);
+                m.prompt_correction.get_or_create(&label).set(factor);
             }
         }
         if let Some(t) = outcome.ttft {

@@ -1,0 +1,179 @@
+//! A prompt estimate corrected by what the engine counted.
+//!
+//! levee counts a prompt before admitting it (a model's tokenizer, or about four characters
+//! per token), but the engine's own count decides what its KV cache holds: another
+//! tokenizer, a chat template with its own tokens, CJK text at about a token per character,
+//! code and JSON at yet other rates. Every answer with `usage.prompt_tokens` tells how far
+//! off the estimate was. [`PromptCorrection`] keeps the recent ratios `engine ÷ estimate`
+//! of one model and scales each new estimate by a high quantile of them (the 95th
+//! percentile by default), so a reservation covers the engine's count for nearly every
+//! request, and follows the ratio when the traffic's mix drifts.
+//!
+//! Samples older than the window are dropped, but the latest [`MIN_SAMPLES`] are always
+//! kept: with no recent traffic the correction stays what it last was rather than falling
+//! back to no correction at all (the text did not become easier to tokenize).
+
+use crate::clock::Timestamp;
+use crate::quantile::nearest_rank;
+use std::collections::VecDeque;
+use std::time::Duration;
+
+/// Samples the correction needs before it departs from 1.
+pub const MIN_SAMPLES: usize = 8;
+/// Samples kept at most (the oldest go first).
+const MAX_SAMPLES: usize = 1024;
+/// Bounds of one sample's ratio and of the factor: an estimate is never scaled below half
+/// nor above eight times.
+const MIN_FACTOR: f64 = 0.5;
+const MAX_FACTOR: f64 = 8.0;
+
+/// One model's correction of its prompt estimates.
+#[derive(Debug, Clone)]
+pub struct PromptCorrection {
+    window: Duration,
+    quantile: f64,
+    samples: VecDeque<(Timestamp, f64)>,
+    factor: f64,
+}
+
+impl Default for PromptCorrection {
+    /// A minute's samples, the 95th percentile.
+    fn default() -> Self {
+        PromptCorrection::new(Duration::from_secs(60), 0.95)
+    }
+}
+
+impl PromptCorrection {
+    /// Keeps samples `window` long and scales by their `quantile` (0..=1).
+    pub fn new(window: Duration, quantile: f64) -> Self {
+        PromptCorrection {
+            window,
+            quantile: quantile.clamp(0.0, 1.0),
+            samples: VecDeque::new(),
+            factor: 1.0,
+        }
+    }
+
+    /// Records that a prompt levee estimated at `estimate` tokens counted `actual` at the
+    /// engine, at `now`.
+    pub fn note(&mut self, estimate: u64, actual: u64, now: Timestamp) {
+        if estimate == 0 || actual == 0 {
+            return;
+        }
+        let ratio = (actual as f64 / estimate as f64).clamp(MIN_FACTOR, MAX_FACTOR);
+        if self.samples.len() >= MAX_SAMPLES {
+            self.samples.pop_front();
+        }
+        self.samples.push_back((now, ratio));
+        self.refresh(now);
+    }
+
+    /// Drops samples older than the window (keeping the latest [`MIN_SAMPLES`]) and
+    /// recomputes the factor.
+    fn refresh(&mut self, now: Timestamp) {
+        while self.samples.len() > MIN_SAMPLES
+            && self
+                .samples
+                .front()
+                .is_some_and(|(at, _)| now.saturating_duration_since(*at) > self.window)
+        {
+            self.samples.pop_front();
+        }
+        if self.samples.len() < MIN_SAMPLES {
+            self.factor = 1.0;
+            return;
+        }
+        let mut v: Vec<f64> = self.samples.iter().map(|(_, r)| *r).collect();
+        self.factor = nearest_rank(&mut v, self.quantile)
+            .unwrap_or(1.0)
+            .clamp(MIN_FACTOR, MAX_FACTOR);
+    }
+
+    /// The factor estimates are scaled by now.
+    pub fn factor(&self) -> f64 {
+        self.factor
+    }
+
+    /// Samples held.
+    pub fn samples(&self) -> usize {
+        self.samples.len()
+    }
+
+    /// `estimate` scaled by the factor, rounded up (a millionth of a token of floating-point
+    /// slack is not a token).
+    pub fn correct(&self, estimate: u64) -> u64 {
+        (estimate as f64 * self.factor - 1e-6).ceil().max(0.0) as u64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::clock::{Clock, ManualClock};
+
+    #[test]
+    fn the_reservation_follows_a_drifting_ratio() {
+        let clock = ManualClock::new();
+        let mut c = PromptCorrection::new(Duration::from_secs(60), 0.95);
+        let estimate = 1_000;
+        // Too few samples: no correction.
+        for _ in 0..MIN_SAMPLES - 1 {
+            c.note(estimate, 3_000, clock.now());
+        }
+        assert_eq!(c.correct(estimate), estimate);
+        let mut c = PromptCorrection::new(Duration::from_secs(60), 0.95);
+        // Two minutes where the engine counts what levee estimates: one answer a second.
+        for _ in 0..120 {
+            c.note(estimate, 1_000, clock.now());
+            clock.advance(Duration::from_secs(1));
+        }
+        assert_eq!(c.correct(estimate), 1_000);
+        // The mix drifts (more CJK text): the engine's count climbs from 1.0× to 3.0× of
+        // the estimate over two minutes. The reservation follows, never below what a
+        // minute-old sample asked for, and reaches the new ratio.
+        let mut last = c.correct(estimate);
+        for s in 0..=120u64 {
+            let actual = 1_000 + s * 2_000 / 120;
+            c.note(estimate, actual, clock.now());
+            let reserved = c.correct(estimate);
+            assert!(reserved >= last, "{reserved} < {last} at {s} s");
+            let minute_ago = 1_000 + s.saturating_sub(60) * 2_000 / 120;
+            assert!(reserved >= minute_ago, "{reserved} < {minute_ago} at {s} s");
+            assert!(reserved <= actual, "{reserved} > {actual} at {s} s");
+            last = reserved;
+            clock.advance(Duration::from_secs(1));
+        }
+        // At the end of the drift, the 95th percentile of the last minute.
+        assert_eq!(c.correct(estimate), 2_950);
+        // The ratio stays at 3.0×: within a window the reservation is its own.
+        for _ in 0..60 {
+            c.note(estimate, 3_000, clock.now());
+            clock.advance(Duration::from_secs(1));
+        }
+        assert_eq!(c.correct(estimate), 3_000);
+        // A quiet hour: the correction holds (no evidence the text got easier).
+        clock.advance(Duration::from_secs(3_600));
+        c.refresh(clock.now());
+        assert_eq!(c.correct(estimate), 3_000);
+        // It drifts back down to 1.5×: after a window of the new mix, the reservation is
+        // the new ratio's.
+        for _ in 0..61 {
+            c.note(estimate, 1_500, clock.now());
+            clock.advance(Duration::from_secs(1));
+        }
+        assert_eq!(c.correct(estimate), 1_500);
+        // A high quantile: one sample in twenty far above the rest is covered.
+        let mut c = PromptCorrection::new(Duration::from_secs(60), 0.95);
+        for i in 0..100 {
+            let actual = if i % 20 == 0 { 2_000 } else { 1_000 };
+            c.note(estimate, actual, clock.now());
+        }
+        assert_eq!(c.correct(estimate), 1_000);
+        let mut c = PromptCorrection::new(Duration::from_secs(60), 0.95);
+        for i in 0..100 {
+            let actual = if i % 10 == 0 { 2_000 } else { 1_000 };
+            c.note(estimate, actual, clock.now());
+        }
+        assert_eq!(c.correct(estimate), 2_000);
+    }
+}
