@@ -71,6 +71,15 @@ pub struct ModelLabel {
     pub model: String,
 }
 
+/// Labels of `levee_prompt_correction`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct CorrectionLabel {
+    /// Model name.
+    pub model: String,
+    /// The kind of text (`prose`, `symbols`, `dense`).
+    pub text: &'static str,
+}
+
 /// Labels of per-backend counters with a reason.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct BackendReasonLabels {
@@ -211,9 +220,10 @@ pub struct Metrics {
     pub recommended_replicas: Family<ModelLabel, Gauge>,
     /// `levee_offered_load{model}`: measured offered load in busy backend slots.
     pub offered_load: Family<ModelLabel, Gauge<f64, AtomicU64>>,
-    /// `levee_prompt_correction{model}`: the factor prompt estimates are scaled by (a high
-    /// quantile of the engine's count ÷ levee's estimate).
-    pub prompt_correction: Family<ModelLabel, Gauge<f64, AtomicU64>>,
+    /// `levee_prompt_correction{model,text}`: the factor prompt estimates of each kind of
+    /// text (`prose`, `symbols`, `dense`) are scaled by (a high quantile of the engine's
+    /// count ÷ levee's estimate).
+    pub prompt_correction: Family<CorrectionLabel, Gauge<f64, AtomicU64>>,
     /// `levee_watermark{mark}`: the configured queue watermarks (load = queued + in flight).
     pub watermark: Family<MarkLabel, Gauge>,
     /// `levee_lane_load{model}`: each model's lane load (in flight + queued), what the

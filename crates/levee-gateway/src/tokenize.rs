@@ -1,6 +1,7 @@
 //! Counting a request's prompt tokens before it is admitted: exactly, with the model's own
 //! tokenizer when one is configured (a Hugging Face `tokenizer.json`), or by the fallback
-//! rule of about one token per 4 characters of message text.
+//! rule: one token per CJK character (Han, Kana, Hangul: BPE tokenizers trained mostly on
+//! other text give each of them a token or more) and one per 4 other characters.
 //!
 //! Both count chat prompts the same way around the text: 4 tokens per message (role and
 //! delimiters) and 2 per prompt (the reply header), as OpenAI documents for its chat format.
@@ -38,10 +39,46 @@ pub struct PromptText {
 /// correction adjusts to what the engine reports.
 pub const TOKENS_PER_IMAGE: u64 = 768;
 
+/// Whether `c` is a CJK character (Han, Kana, Hangul, CJK and full-width punctuation).
+fn is_cjk(c: char) -> bool {
+    matches!(c as u32,
+        0x1100..=0x11FF | 0x2E80..=0x9FFF | 0xA960..=0xA97F | 0xAC00..=0xD7FF
+            | 0xF900..=0xFAFF | 0xFE30..=0xFE4F | 0xFF00..=0xFFEF | 0x20000..=0x3FFFF)
+}
+
+/// The fallback's count of one text: its CJK characters, plus ⌈other characters / 4⌉.
+fn fallback_count(text: &str) -> u64 {
+    let (mut cjk, mut other) = (0u64, 0u64);
+    for c in text.chars() {
+        if is_cjk(c) {
+            cjk += 1;
+        } else {
+            other += 1;
+        }
+    }
+    cjk + other.div_ceil(CHARS_PER_TOKEN)
+}
+
+/// What the prompt's text is mostly made of (its parts and tools), for the lane's prompt
+/// correction: each kind is corrected by its own learned factor.
+pub fn text_kind(prompt: &PromptText) -> levee_policy::TextKind {
+    let (mut dense, mut symbols, mut other) = (0u64, 0u64, 0u64);
+    for c in prompt.parts.iter().chain(prompt.tools.iter()).flat_map(|p| p.chars()) {
+        if c.is_ascii_punctuation() || c.is_ascii_digit() {
+            symbols += 1;
+        } else if is_cjk(c) {
+            dense += 1;
+        } else if !c.is_whitespace() {
+            other += 1;
+        }
+    }
+    levee_policy::TextKind::of_counts(dense, symbols, other)
+}
+
 /// How prompt tokens are counted for one model.
 #[derive(Clone, Default)]
 pub enum TokenCounter {
-    /// ⌈characters / 4⌉ per part.
+    /// The fallback: each CJK character, plus ⌈other characters / 4⌉, per part.
     #[default]
     CharsPerToken,
     /// The model's tokenizer.
@@ -77,11 +114,11 @@ impl TokenCounter {
             .iter()
             .chain(prompt.tools.iter())
             .map(|p| match self {
-                TokenCounter::CharsPerToken => (p.chars().count() as u64).div_ceil(CHARS_PER_TOKEN),
+                TokenCounter::CharsPerToken => fallback_count(p),
                 TokenCounter::Tokenizer(t) => match t.encode(p.as_str(), false) {
                     Ok(enc) => enc.len() as u64,
                     // A text the tokenizer cannot encode still costs something.
-                    Err(_) => (p.chars().count() as u64).div_ceil(CHARS_PER_TOKEN),
+                    Err(_) => fallback_count(p),
                 },
             })
             .sum();
@@ -149,5 +186,20 @@ mod tests {
             ..PromptText::default()
         };
         assert_eq!(TokenCounter::CharsPerToken.count(&c), 5);
+    }
+
+    #[test]
+    fn cjk_counts_a_token_a_character_and_kinds_follow_the_text() {
+        use levee_policy::TextKind;
+        let p = |t: &str| PromptText {
+            parts: vec![t.into()],
+            ..PromptText::default()
+        };
+        // 6 Han characters and "ok" (2 others): 6 + 1.
+        assert_eq!(TokenCounter::CharsPerToken.count(&p("流量控制网关ok")), 7);
+        assert_eq!(text_kind(&p("流量控制网关ok")), TextKind::Dense);
+        assert_eq!(text_kind(&p("The river rose all night.")), TextKind::Prose);
+        assert_eq!(text_kind(&p("fn f(x: u8) -> u8 { x + 1 }")), TextKind::Symbols);
+        assert_eq!(text_kind(&p("")), TextKind::Prose);
     }
 }

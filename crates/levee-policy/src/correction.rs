@@ -99,11 +99,96 @@ impl PromptCorrection {
         self.samples.len()
     }
 
-    /// `estimate` scaled by the factor, rounded up (a millionth of a token of floating-point
-    /// slack is not a token).
+    /// `estimate` scaled by the factor, rounded up.
     pub fn correct(&self, estimate: u64) -> u64 {
-        (estimate as f64 * self.factor - 1e-6).ceil().max(0.0) as u64
+        scale(estimate, self.factor)
     }
+}
+
+/// What a prompt's text is mostly made of. Tokenizers count each kind at its own rate
+/// (prose at about a token per word, code and JSON at a token per symbol or two, CJK at
+/// about a token per character), so an estimate errs by a different factor for each, and
+/// one factor learned over a mix would over-reserve the kinds it errs least on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum TextKind {
+    /// Mostly letters and spaces.
+    Prose,
+    /// A fifth or more of the non-space characters are ASCII digits or punctuation (code,
+    /// JSON, tables).
+    Symbols,
+    /// A third or more of the non-space characters are CJK (Han, Kana, Hangul).
+    Dense,
+}
+
+impl TextKind {
+    /// Every kind, in index order.
+    pub const ALL: [TextKind; 3] = [TextKind::Prose, TextKind::Symbols, TextKind::Dense];
+
+    /// The kind of a text with `dense` CJK characters, `symbols` ASCII digits and
+    /// punctuation, and `other` non-space characters besides.
+    pub fn of_counts(dense: u64, symbols: u64, other: u64) -> TextKind {
+        let total = dense + symbols + other;
+        if total > 0 && dense * 3 >= total {
+            TextKind::Dense
+        } else if total > 0 && symbols * 5 >= total {
+            TextKind::Symbols
+        } else {
+            TextKind::Prose
+        }
+    }
+
+    /// Its label value (`prose`, `symbols`, `dense`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TextKind::Prose => "prose",
+            TextKind::Symbols => "symbols",
+            TextKind::Dense => "dense",
+        }
+    }
+
+    fn index(self) -> usize {
+        self as usize
+    }
+}
+
+/// One model's corrections, one [`PromptCorrection`] per [`TextKind`]. A kind with too few
+/// samples of its own borrows the largest factor the others learned (at least 1): a kind
+/// levee has not yet seen the engine count is not assumed to be the easiest.
+#[derive(Debug, Clone, Default)]
+pub struct PromptCorrections {
+    kinds: [PromptCorrection; 3],
+}
+
+impl PromptCorrections {
+    /// Records the engine's count `actual` of a prompt of `kind` levee estimated at
+    /// `estimate`, at `now`.
+    pub fn note(&mut self, kind: TextKind, estimate: u64, actual: u64, now: Timestamp) {
+        self.kinds[kind.index()].note(estimate, actual, now);
+    }
+
+    /// The factor estimates of `kind` are scaled by now.
+    pub fn factor(&self, kind: TextKind) -> f64 {
+        let own = &self.kinds[kind.index()];
+        if own.samples() >= MIN_SAMPLES {
+            return own.factor();
+        }
+        self.kinds
+            .iter()
+            .filter(|c| c.samples() >= MIN_SAMPLES)
+            .map(PromptCorrection::factor)
+            .fold(1.0, f64::max)
+    }
+
+    /// `estimate` of `kind` scaled by its factor, rounded up.
+    pub fn correct(&self, kind: TextKind, estimate: u64) -> u64 {
+        scale(estimate, self.factor(kind))
+    }
+}
+
+/// `estimate` × `factor`, rounded up (a millionth of a token of floating-point slack is not
+/// a token).
+fn scale(estimate: u64, factor: f64) -> u64 {
+    (estimate as f64 * factor - 1e-6).ceil().max(0.0) as u64
 }
 
 #[cfg(test)]
@@ -175,5 +260,39 @@ mod tests {
             c.note(estimate, actual, clock.now());
         }
         assert_eq!(c.correct(estimate), 2_000);
+    }
+
+    #[test]
+    fn each_kind_of_text_keeps_its_own_factor() {
+        let clock = ManualClock::new();
+        let mut c = PromptCorrections::default();
+        // Nothing learned: no correction for any kind.
+        for k in TextKind::ALL {
+            assert_eq!(c.correct(k, 1_000), 1_000);
+        }
+        // Prose counts as estimated, code at 1.8×: each kind its own factor, so prose is
+        // not reserved at code's rate.
+        for _ in 0..50 {
+            c.note(TextKind::Prose, 1_000, 1_000, clock.now());
+            c.note(TextKind::Symbols, 1_000, 1_800, clock.now());
+            clock.advance(Duration::from_millis(500));
+        }
+        assert_eq!(c.correct(TextKind::Prose, 1_000), 1_000);
+        assert_eq!(c.correct(TextKind::Symbols, 1_000), 1_800);
+        // A kind never seen borrows the largest factor learned.
+        assert_eq!(c.correct(TextKind::Dense, 1_000), 1_800);
+        for _ in 0..MIN_SAMPLES {
+            c.note(TextKind::Dense, 1_000, 1_200, clock.now());
+        }
+        assert_eq!(c.correct(TextKind::Dense, 1_000), 1_200);
+    }
+
+    #[test]
+    fn text_kinds_by_their_characters() {
+        assert_eq!(TextKind::of_counts(0, 0, 0), TextKind::Prose);
+        assert_eq!(TextKind::of_counts(0, 10, 90), TextKind::Prose);
+        assert_eq!(TextKind::of_counts(0, 20, 80), TextKind::Symbols);
+        assert_eq!(TextKind::of_counts(34, 0, 66), TextKind::Dense);
+        assert_eq!(TextKind::of_counts(30, 30, 40), TextKind::Symbols);
     }
 }

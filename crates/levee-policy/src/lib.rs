@@ -48,7 +48,7 @@ pub use breaker::{
 };
 pub use clock::{Clock, ManualClock, StdClock, SystemClock, Timestamp};
 pub use concurrency::{ConcurrencyLimit, KeyedConcurrency, Permit, Saturated};
-pub use correction::PromptCorrection;
+pub use correction::{PromptCorrection, PromptCorrections, TextKind};
 pub use degrade::{
     DegradeConfig, DegradeLevel, DegradePlan, DegradePlanner, DegradeStep, LoadSignals,
 };

@@ -82,7 +82,7 @@ pub(crate) struct Lane {
     /// Time to first token over prompt tokens of the last streamed responses.
     prefill: Mutex<PrefillFit>,
     /// The engine's prompt counts against levee's estimates (see [`Lane::prompt_reservation`]).
-    prompt: Mutex<levee_policy::PromptCorrection>,
+    prompt: Mutex<levee_policy::PromptCorrections>,
 }
 
 #[derive(Debug, Default)]
@@ -134,7 +134,7 @@ impl Lane {
             retired: AtomicBool::new(false),
             recent: Mutex::new(Recent::default()),
             prefill: Mutex::new(PrefillFit::new()),
-            prompt: Mutex::new(levee_policy::PromptCorrection::default()),
+            prompt: Mutex::new(levee_policy::PromptCorrections::default()),
         });
         let stop = lane.ctx.stopped.clone();
         spawn_pump(lane.clone(), |l| &l.wake, stop, |l| l.pump());
@@ -326,20 +326,25 @@ impl Lane {
         r.trim(now);
     }
 
-    /// The prompt tokens to reserve for a prompt levee estimated at `estimate`: the estimate
-    /// scaled by the 95th percentile of the engine's count ÷ levee's estimate over the
-    /// lane's recent answers (see levee-policy's `PromptCorrection`).
-    pub fn prompt_reservation(&self, estimate: u64) -> u64 {
-        self.prompt.lock().correct(estimate)
+    /// The prompt tokens to reserve for a prompt of `kind` levee estimated at `estimate`:
+    /// the estimate scaled by the 95th percentile of the engine's count ÷ levee's estimate
+    /// over the lane's recent answers of that kind (see levee-policy's `PromptCorrections`).
+    pub fn prompt_reservation(&self, kind: levee_policy::TextKind, estimate: u64) -> u64 {
+        self.prompt.lock().correct(kind, estimate)
     }
 
-    /// Records the engine's own count of a prompt levee estimated at `estimate`; returns
-    /// the correction factor now.
-    pub fn note_prompt_count(&self, estimate: u64, engine: u64) -> f64 {
+    /// Records the engine's own count of a prompt of `kind` levee estimated at `estimate`;
+    /// returns that kind's correction factor now.
+    pub fn note_prompt_count(
+        &self,
+        kind: levee_policy::TextKind,
+        estimate: u64,
+        engine: u64,
+    ) -> f64 {
         let now = self.ctx.clock.now();
         let mut p = self.prompt.lock();
-        p.note(estimate, engine, now);
-        p.factor()
+        p.note(kind, estimate, engine, now);
+        p.factor(kind)
     }
 
     /// Records a streamed response's prompt (levee's estimate) and its time to first token,

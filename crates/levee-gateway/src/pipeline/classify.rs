@@ -24,6 +24,8 @@ pub(super) struct Classified {
     pub prompt_tokens: u64,
     /// levee's own estimate of the prompt.
     pub prompt_estimate: u64,
+    /// What the prompt's text is mostly made of (its correction is learned per kind).
+    pub prompt_kind: levee_policy::TextKind,
     /// The completion budget per choice after degradation and the default.
     pub max_tokens: u32,
     /// What to write as `max_tokens` upstream, when it differs from what the client sent.
@@ -95,8 +97,9 @@ pub(super) fn classify(
     };
     ctx.lane = Some(lane.clone());
     let prompt_estimate = target.counter.count(&prompt);
+    let prompt_kind = crate::tokenize::text_kind(&prompt);
     drop(prompt);
-    let prompt_tokens = lane.prompt_reservation(prompt_estimate);
+    let prompt_tokens = lane.prompt_reservation(prompt_kind, prompt_estimate);
     let context = max_context(&target, &lane);
     // The context check on levee's own estimate: a correction that errs high never refuses
     // a prompt the engine would take.
@@ -115,6 +118,7 @@ pub(super) fn classify(
         lane,
         prompt_tokens,
         prompt_estimate,
+        prompt_kind,
         max_tokens,
         cap,
         degraded,

@@ -53,6 +53,7 @@ pub(super) async fn forward(
         model: c.target.name.clone(),
         lane: c.lane.clone(),
         prompt_estimate: c.prompt_estimate,
+        prompt_kind: c.prompt_kind,
         streamed: c.parsed.stream,
         outlier: rt.cfg.outlier.clone(),
         judged,

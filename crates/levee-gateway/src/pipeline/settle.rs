@@ -29,6 +29,7 @@ pub(super) struct RequestSettle {
     pub model: Key,
     pub lane: Arc<Lane>,
     pub prompt_estimate: u64,
+    pub prompt_kind: levee_policy::TextKind,
     /// Streamed: its time to first token is the end of its prefill (the prefill fit).
     pub streamed: bool,
     pub outlier: crate::config::OutlierConfig,
@@ -122,9 +123,14 @@ impl RequestSettle {
                 m.estimate_ratio
                     .get_or_create(&label)
                     .observe(self.prompt_estimate as f64 / u.prompt_tokens as f64);
+                let kind = self.prompt_kind;
                 let factor = self
                     .lane
-                    .note_prompt_count(self.prompt_estimate, u.prompt_tokens);
+                    .note_prompt_count(kind, self.prompt_estimate, u.prompt_tokens);
+                let label = crate::metrics::CorrectionLabel {
+                    model: label.model,
+                    text: kind.as_str(),
+                };
                 m.prompt_correction.get_or_create(&label).set(factor);
             }
         }
