@@ -55,7 +55,8 @@ pub(super) fn classify(
     ctx: &mut RequestCtx,
 ) -> Result<Classified, GatewayError> {
     // Copied into an allocation of its own: the body read from hyper is a view into the
-    // connection's read buffer, and a queued request holding it would keep that buffer alive.
+    // connection's read buffer, and a queued request holding it would keep that buffer alive
+    // (the caller drops its view once classified).
     let (parsed, prompt) = ClientRequest::parse(Bytes::copy_from_slice(body))?;
     let Some(model) = rt.models.get(&parsed.model).cloned() else {
         // Never a metric label from an unvalidated client string.

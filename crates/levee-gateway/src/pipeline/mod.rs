@@ -135,7 +135,7 @@ pub(crate) async fn serve_client(
             .instrument(debug_span!("read_body"))
             .await?;
         let updates = asked_updates || seat.queue_updates;
-        let served = serve(&gw, tenant, seat, &body, &mut ctx, spot, |stream| {
+        let served = serve(&gw, tenant, seat, body, &mut ctx, spot, |stream| {
             stream && updates
         });
         Box::pin(served).await
@@ -172,6 +172,7 @@ pub(crate) async fn serve_task(
     let mut ctx = RequestCtx::new(path, None);
     ctx.set_tenant(&tenant, &seat);
     let span = ctx.span.clone();
+    let body = Bytes::copy_from_slice(body);
     let served = serve(gw, tenant, seat, body, &mut ctx, Some(spot), |_| false);
     let r = Box::pin(served.instrument(span)).await;
     if let Err(e) = &r {
@@ -180,18 +181,21 @@ pub(crate) async fn serve_task(
     r
 }
 
-/// Everything after authentication: classify → admit → dispatch → proxy → settle.
+/// Everything after authentication: classify → admit → dispatch → proxy → settle. `body`
+/// is dropped once classified: read from hyper it is a view into the connection's read
+/// buffer, which a queued request must not keep alive (hyper would allocate a second one).
 async fn serve(
     gw: &Arc<Gateway>,
     tenant: Arc<Tenant>,
     seat: Seat,
-    body: &[u8],
+    body: Bytes,
     ctx: &mut RequestCtx,
     spot: Option<&QueueSpot>,
     wants_updates: impl FnOnce(bool) -> bool,
 ) -> Result<Response, GatewayError> {
     let rt = gw.runtime();
-    let c = debug_span!("classify").in_scope(|| classify::classify(gw, &rt, &seat, body, ctx));
+    let c = debug_span!("classify").in_scope(|| classify::classify(gw, &rt, &seat, &body, ctx));
+    drop(body);
     ctx.span.record("model", &*ctx.model);
     let c = c?;
     if let Some(s) = spot {
