@@ -420,7 +420,12 @@ async fn three_replicas_hold_each_backend_budget_and_a_killed_one_frees_its_slic
     }
     // The survivors' extra requests stay queued while r0 holds its slice.
     tokio::time::sleep(Duration::from_millis(2 * HEARTBEAT_MS)).await;
-    assert_eq!(slots.in_flight.load(Ordering::SeqCst), SLOTS);
+    assert_eq!(
+        slots.in_flight.load(Ordering::SeqCst),
+        SLOTS,
+        "in flight {:?}",
+        slots.tags.lock().unwrap()
+    );
     drop(replicas[0].take());
     let killed = Instant::now();
     // The engine drops the dead replica's requests (their connections are gone).
@@ -444,8 +449,8 @@ async fn three_replicas_hold_each_backend_budget_and_a_killed_one_frees_its_slic
     );
     assert!(slots.max_in_flight.load(Ordering::SeqCst) <= SLOTS);
     slots.held.lock().unwrap().clear();
-    for h in held.into_iter().skip(share) {
-        assert_eq!(h.await.unwrap(), 200);
+    for (i, h) in held.into_iter().enumerate().skip(share) {
+        assert_eq!(h.await.unwrap(), 200, "held request {i}");
     }
     drop(replicas);
     clear(&mut conn, &prefix).await;
