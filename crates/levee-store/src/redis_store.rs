@@ -15,9 +15,10 @@ use crate::limits::{
     Decision, Figures, LimitStore, Limited, ScopeLimits, Settlement, Slice, SliceDecision,
     StoreError,
 };
-use levee_policy::RateLimitInfo;
+use levee_policy::{Clock, RateLimitInfo};
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::Script;
+use std::sync::Arc;
 use std::time::Duration;
 
 /// The version of the Lua scripts, part of every key name.
@@ -35,6 +36,8 @@ pub struct RedisStore {
     conn: ConnectionManager,
     prefix: String,
     lease_ttl: Duration,
+    /// Decide on this clock instead of the server's `TIME` (see [`RedisStore::with_clock`]).
+    clock: Option<Arc<dyn Clock>>,
     take: Script,
     settle: Script,
     heartbeat: Script,
@@ -153,6 +156,7 @@ impl RedisStore {
             conn,
             prefix: prefix.to_string(),
             lease_ttl: Duration::from_secs(30),
+            clock: None,
             take: Script::new(TAKE),
             settle: Script::new(SETTLE),
             heartbeat: Script::new(HEARTBEAT),
@@ -167,6 +171,22 @@ impl RedisStore {
     pub fn with_lease_ttl(mut self, ttl: Duration) -> Self {
         self.lease_ttl = ttl.max(Duration::from_millis(1));
         self
+    }
+
+    /// Decides and settles at the time of `clock` (whole microseconds of its nanoseconds)
+    /// instead of the server's `TIME`: for tests that run these scripts and an in-memory
+    /// store on one manual clock. A fleet never does this: its replicas share the server's
+    /// clock exactly because their own clocks differ.
+    pub fn with_clock(mut self, clock: Arc<dyn Clock>) -> Self {
+        self.clock = Some(clock);
+        self
+    }
+
+    /// The scripts' optional last argument: the time to decide at (µs), if a clock is set.
+    fn push_now(&self, args: &mut Vec<String>) {
+        if let Some(c) = &self.clock {
+            args.push((c.now().as_nanos() / 1000).to_string());
+        }
     }
 
     fn ttl_ms(&self) -> u64 {
@@ -282,6 +302,7 @@ impl LimitStore for RedisStore {
             }
             scope_args(s, &mut args);
         }
+        self.push_now(&mut args);
         for a in &args {
             inv.arg(a);
         }
@@ -338,6 +359,7 @@ impl LimitStore for RedisStore {
             }
             scope_args(s, &mut args);
         }
+        self.push_now(&mut args);
         for a in &args {
             inv.arg(a);
         }
@@ -389,6 +411,7 @@ impl LimitStore for RedisStore {
         if !any {
             return Ok(());
         }
+        self.push_now(&mut args);
         for a in &args {
             inv.arg(a);
         }
