@@ -10,6 +10,8 @@
 #   RSS_H2=1 ...                          # queue the 10k requests over h2c instead of HTTP/1.1
 #   ONLY_RSS=1 / NO_BUILD=1               # skip the latency runs / the cargo build
 #   LEVEE_WORKERS=1                       # levee's tokio worker threads (default: one per core)
+#   LEVEE_BASE=/path/to/levee             # also a second levee from another build ("base"),
+#                                         # interleaved in the same rounds: before/after
 #
 # Needs: cargo, nginx (apt-get install -y nginx). Builds release binaries first.
 set -euo pipefail
@@ -22,8 +24,11 @@ QUEUED=${QUEUED:-10000}
 ulimit -n 65536 2>/dev/null || ulimit -n 16384 || true
 
 # NO_BUILD=1 reuses the binaries already in target/release.
-[ "${NO_BUILD:-0}" = 1 ] || cargo build --release -q -p levee -p levee-gateway --example loadgen
+# Two builds: `--example` alone selects only the example, not levee's binary.
+[ "${NO_BUILD:-0}" = 1 ] || { cargo build --release -q -p levee && cargo build --release -q -p levee-gateway --example loadgen; }
 BIN=target/release/levee
+BASE_BIN=${LEVEE_BASE:-}
+[ -z "$BASE_BIN" ] || [ -x "$BASE_BIN" ] || { echo "LEVEE_BASE=$BASE_BIN is not an executable" >&2; exit 1; }
 LOADGEN=target/release/examples/loadgen
 NGINX=$(command -v nginx || echo /usr/sbin/nginx)
 [ -x "$NGINX" ] || { echo "nginx not found: apt-get install -y nginx" >&2; exit 1; }
@@ -37,6 +42,7 @@ free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",
 wait_http() { for _ in $(seq 1 200); do curl -s -o /dev/null "$1" && return 0; sleep 0.05; done; echo "timeout waiting for $1" >&2; exit 1; }
 
 ENGINE_PORT=$(free_port); LEVEE_PORT=$(free_port); ADMIN_PORT=$(free_port); NGINX_PORT=$(free_port)
+BASE_PORT=$(free_port); BASE_ADMIN_PORT=$(free_port)
 KEY=sk-bench
 KEY_SHA=$(printf %s "$KEY" | sha256sum | cut -d' ' -f1)
 
@@ -44,11 +50,11 @@ KEY_SHA=$(printf %s "$KEY" | sha256sum | cut -d' ' -f1)
 PIDS+=($!)
 wait_http "http://127.0.0.1:$ENGINE_PORT/health"
 
-write_levee_config() { # $1 = max_in_flight, $2 = hard watermark, $3 = queue wait ms
-cat >"$TMP/levee.toml" <<TOML
+write_levee_config() { # $1 = max_in_flight, $2 = hard watermark, $3 = queue wait ms [$4 public port, $5 admin port, $6 file]
+cat >"${6:-$TMP/levee.toml}" <<TOML
 [listen]
-public = "127.0.0.1:$LEVEE_PORT"
-admin = "127.0.0.1:$ADMIN_PORT"
+public = "127.0.0.1:${4:-$LEVEE_PORT}"
+admin = "127.0.0.1:${5:-$ADMIN_PORT}"
 [ip_guard]
 enabled = false
 [tiers.standard]
@@ -82,6 +88,13 @@ start_levee() {
 
 write_levee_config 4096 100000 30000
 start_levee
+if [ -n "$BASE_BIN" ]; then
+  write_levee_config 4096 100000 30000 "$BASE_PORT" "$BASE_ADMIN_PORT" "$TMP/base.toml"
+  env RUST_LOG=warn ${LEVEE_WORKERS:+TOKIO_WORKER_THREADS=$LEVEE_WORKERS} "$BASE_BIN" serve --config "$TMP/base.toml" >"$TMP/base.log" 2>&1 &
+  BASE_PID=$!
+  PIDS+=($BASE_PID)
+  wait_http "http://127.0.0.1:$BASE_PORT/healthz"
+fi
 
 cat >"$TMP/nginx.conf" <<NGINX
 worker_processes auto;
@@ -114,6 +127,7 @@ ticks() { local t=0; for p in "$@"; do t=$(( t + $(awk '{print $14+$15}' /proc/$
 proxy_pids() { # $1 target -> the proxy's pids (none for direct)
   case $1 in
     levee) echo "$LEVEE_PID" ;;
+    base) echo "$BASE_PID" ;;
     nginx) echo "$NGINX_PID $(pgrep -P "$NGINX_PID" | tr '\n' ' ')" ;;
   esac
 }
@@ -135,10 +149,11 @@ run() { # $1 name $2 url $3 rate $4 round
 [ "${ONLY_RSS:-0}" = 1 ] && RATES=""
 for round in $(seq 1 "$ROUNDS"); do
   for rate in $RATES; do
-    for target in direct levee nginx; do
+    for target in direct levee ${BASE_BIN:+base} nginx; do
       case $target in
         direct) url="http://127.0.0.1:$ENGINE_PORT" ;;
         levee) url="http://127.0.0.1:$LEVEE_PORT" ;;
+        base) url="http://127.0.0.1:$BASE_PORT" ;;
         nginx) url="http://127.0.0.1:$NGINX_PORT" ;;
       esac
       run "$target" "$url" "$rate" "$round"
@@ -161,7 +176,7 @@ print()
 print("| rate | target | ok / sent | p50 | p90 | p99 | p99.9 | proxy CPU µs/req | added p99 vs direct (median of per-round differences) |")
 print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
 for rate in rates:
-    for name in ("direct", "levee", "nginx"):
+    for name in ("direct", "levee", "base", "nginx"):
         rs = [rows[(name, rate, r)] for r in rounds if (name, rate, r) in rows]
         if not rs:
             continue
@@ -179,22 +194,28 @@ for rate in rates:
 PY
 
 # --- RSS with QUEUED requests waiting in levee's queue -----------------------------------
-kill "$LEVEE_PID"; wait "$LEVEE_PID" 2>/dev/null || true
-write_levee_config 8 $(( QUEUED * 2 )) 600000
-start_levee
-RSS_IDLE=$(awk '/VmRSS/{print $2}' /proc/$LEVEE_PID/status)
-curl -s -X POST "http://127.0.0.1:$ENGINE_PORT/admin/hang" >/dev/null
-"$LOADGEN" --url "http://127.0.0.1:$LEVEE_PORT/v1/chat/completions" --rate 5000 \
-  --count $(( QUEUED + 8 )) --warmup-secs 0 --timeout-secs 120 --key "$KEY" ${RSS_H2:+--h2} >"$TMP/queued.json" &
-LG=$!
-PIDS+=($LG)
-for _ in $(seq 1 600); do
-  q=$(curl -s "http://127.0.0.1:$ADMIN_PORT/admin/state" | python3 -c 'import json,sys; print(json.load(sys.stdin)["queued"])')
-  [ "$q" -ge "$QUEUED" ] && break
-  sleep 0.1
-done
-RSS_QUEUED=$(awk '/VmRSS/{print $2}' /proc/$LEVEE_PID/status)
-echo
-echo "levee RSS idle: $(( RSS_IDLE / 1024 )) MB; with $q requests queued ($([ -n "${RSS_H2:-}" ] && echo "h2c, multiplexed" || echo "HTTP/1.1, one connection each")): $(( RSS_QUEUED / 1024 )) MB"
-curl -s -X POST "http://127.0.0.1:$ENGINE_PORT/admin/unhang" >/dev/null
-kill "$LG" 2>/dev/null || true
+[ -z "$BASE_BIN" ] || { kill "$BASE_PID"; wait "$BASE_PID" 2>/dev/null || true; }
+rss_queued() { # $1 = label, $2 = binary
+  kill "$LEVEE_PID"; wait "$LEVEE_PID" 2>/dev/null || true
+  write_levee_config 8 $(( QUEUED * 2 )) 600000
+  BIN=$2 start_levee
+  RSS_IDLE=$(awk '/VmRSS/{print $2}' /proc/$LEVEE_PID/status)
+  curl -s -X POST "http://127.0.0.1:$ENGINE_PORT/admin/hang" >/dev/null
+  "$LOADGEN" --url "http://127.0.0.1:$LEVEE_PORT/v1/chat/completions" --rate 5000 \
+    --count $(( QUEUED + 8 )) --warmup-secs 0 --timeout-secs 120 --key "$KEY" ${RSS_H2:+--h2} >"$TMP/queued.json" &
+  LG=$!
+  PIDS+=($LG)
+  for _ in $(seq 1 600); do
+    q=$(curl -s "http://127.0.0.1:$ADMIN_PORT/admin/state" | python3 -c 'import json,sys; print(json.load(sys.stdin)["queued"])')
+    [ "$q" -ge "$QUEUED" ] && break
+    sleep 0.1
+  done
+  RSS_QUEUED=$(awk '/VmRSS/{print $2}' /proc/$LEVEE_PID/status)
+  echo
+  echo "$1 RSS idle: $(( RSS_IDLE / 1024 )) MB; with $q requests queued ($([ -n "${RSS_H2:-}" ] && echo "h2c, multiplexed" || echo "HTTP/1.1, one connection each")): $(( RSS_QUEUED / 1024 )) MB"
+  curl -s -X POST "http://127.0.0.1:$ENGINE_PORT/admin/unhang" >/dev/null
+  kill "$LG" 2>/dev/null || true
+  wait "$LG" 2>/dev/null || true
+}
+rss_queued levee "$BIN"
+[ -z "$BASE_BIN" ] || rss_queued base "$BASE_BIN"

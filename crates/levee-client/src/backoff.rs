@@ -1,4 +1,4 @@
-use rand::Rng;
+use rand::RngExt;
 use std::time::Duration;
 
 /// Exponential backoff with full jitter.
@@ -42,12 +42,12 @@ impl Backoff {
     }
 
     /// A delay drawn uniformly from `[0, ceiling(retry)]`.
-    pub fn delay<R: Rng + ?Sized>(&self, retry: u32, rng: &mut R) -> Duration {
+    pub fn delay<R: RngExt + ?Sized>(&self, retry: u32, rng: &mut R) -> Duration {
         let ceiling = self.ceiling(retry);
         if ceiling.is_zero() {
             return Duration::ZERO;
         }
         let nanos = u64::try_from(ceiling.as_nanos()).unwrap_or(u64::MAX);
-        Duration::from_nanos(rng.gen_range(0..=nanos))
+        Duration::from_nanos(rng.random_range(0..=nanos))
     }
 }

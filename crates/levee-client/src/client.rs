@@ -65,7 +65,7 @@ impl Client {
         let http = reqwest::Client::builder().timeout(timeout).build()?;
         let rng = match seed {
             Some(seed) => SmallRng::seed_from_u64(seed),
-            None => SmallRng::from_entropy(),
+            None => rand::make_rng(),
         };
         Ok(Self {
             http,

@@ -1,5 +1,5 @@
 use crate::{Backoff, RetryBudget};
-use rand::Rng;
+use rand::RngExt;
 use std::time::{Duration, Instant};
 
 /// What happened to one attempt, as far as the retry decision cares.
@@ -75,7 +75,7 @@ impl RetryPolicy {
     /// The delay is the jittered backoff, raised to the server's `retry_after` when that is
     /// longer: the server knows its queue, the client does not. A retry token is taken from
     /// `budget` only when every other check passed, so refusals cost nothing.
-    pub fn decide<R: Rng + ?Sized>(
+    pub fn decide<R: RngExt + ?Sized>(
         &self,
         attempts_made: u32,
         outcome: Outcome,

@@ -1017,13 +1017,10 @@ pub fn hash_key(key: &str) -> String {
 impl Config {
     /// Parses TOML text; errors name the path of the offending field.
     pub fn from_toml_str(text: &str) -> Result<Config, Vec<String>> {
-        let de = toml::Deserializer::new(text);
-        let cfg: Config = serde_path_to_error::deserialize(de).map_err(|e| {
-            let path = e.path().to_string();
-            let inner = e.into_inner();
-            // toml's own message carries a line/column snippet; keep it, but lead with the path.
-            let msg = inner.message().to_string();
-            let at = inner
+        // toml's own message carries a line/column snippet; keep it, but lead with the path.
+        let describe = |path: &str, e: &toml::de::Error| {
+            let msg = e.message().to_string();
+            let at = e
                 .span()
                 .map(|s| {
                     let line = text[..s.start.min(text.len())].matches('\n').count() + 1;
@@ -1035,7 +1032,10 @@ impl Config {
             } else {
                 vec![format!("{path}: {msg}{at}")]
             }
-        })?;
+        };
+        let de = toml::Deserializer::parse(text).map_err(|e| describe("", &e))?;
+        let cfg: Config = serde_path_to_error::deserialize(de)
+            .map_err(|e| describe(&e.path().to_string(), e.inner()))?;
         let errors = cfg.validate();
         if errors.is_empty() {
             Ok(cfg)

@@ -9,6 +9,7 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::AtomicU64;
@@ -153,6 +154,8 @@ pub struct ModelLevelLabels {
 pub struct Metrics {
     /// The registry `/metrics` encodes.
     pub registry: Registry,
+    /// The name and type of every family in `registry` (see [`Metrics::families`]).
+    families: Vec<(String, MetricType)>,
     /// `levee_requests_total{tenant,model,outcome}`.
     pub requests: Family<RequestLabels, Counter>,
     /// `levee_admitted_total{tier}`: requests that reached a backend.
@@ -309,11 +312,19 @@ fn ratio_histogram() -> Histogram {
 }
 
 /// Registers a clone of `metric` (metrics are handles to shared values).
-fn add<M>(r: &mut Registry, name: &str, help: &str, metric: &M)
+/// A registry being filled, and the name and type of every family put in it.
+struct Reg {
+    registry: Registry,
+    families: Vec<(String, MetricType)>,
+}
+
+fn add<M>(r: &mut Reg, name: &str, help: &str, metric: &M)
 where
     M: prometheus_client::registry::Metric + Clone,
 {
-    r.register(name, help, metric.clone());
+    r.families
+        .push((format!("levee_{name}"), metric.metric_type()));
+    r.registry.register(name, help, metric.clone());
 }
 
 impl Default for Metrics {
@@ -326,13 +337,17 @@ impl Metrics {
     /// Creates and registers every metric of a gateway that keeps its limits in memory.
     pub fn new() -> Self {
         let mut m = Self::unregistered();
-        let mut r = Registry::with_prefix("levee");
+        let mut r = Reg {
+            registry: Registry::with_prefix("levee"),
+            families: Vec::new(),
+        };
         m.register_requests(&mut r);
         m.register_histograms(&mut r);
         m.register_backends(&mut r);
         m.register_lanes(&mut r);
         m.register_tasks(&mut r);
-        m.registry = r;
+        m.registry = r.registry;
+        m.families = r.families;
         m
     }
 
@@ -340,15 +355,27 @@ impl Metrics {
     /// `levee_fleet_replicas`), for `[state] backend = "redis"`.
     pub fn with_shared_state() -> Self {
         let mut m = Self::new();
-        let mut r = std::mem::take(&mut m.registry);
+        let mut r = Reg {
+            registry: std::mem::take(&mut m.registry),
+            families: std::mem::take(&mut m.families),
+        };
         m.register_shared_state(&mut r);
-        m.registry = r;
+        m.registry = r.registry;
+        m.families = r.families;
         m
+    }
+
+    /// Every registered family as `(name, type)` (`counter`, `gauge`, `histogram`...). The
+    /// exposition shows a family only once it has a series, so `/metrics` alone does not
+    /// list every metric levee can serve; this does.
+    pub fn families(&self) -> impl Iterator<Item = (&str, &str)> {
+        self.families.iter().map(|(n, t)| (n.as_str(), t.as_str()))
     }
 
     fn unregistered() -> Self {
         Metrics {
             registry: Registry::default(),
+            families: Vec::new(),
             requests: Family::default(),
             admitted: Family::default(),
             rejected: Family::default(),
@@ -400,7 +427,7 @@ impl Metrics {
     }
 
     /// Request counts, refusals, tokens and quotas.
-    fn register_requests(&self, r: &mut Registry) {
+    fn register_requests(&self, r: &mut Reg) {
         let requests = "Requests by tenant, model and outcome";
         add(r, "requests", requests, &self.requests);
         add(
@@ -451,7 +478,7 @@ impl Metrics {
     }
 
     /// The time histograms.
-    fn register_histograms(&self, r: &mut Registry) {
+    fn register_histograms(&self, r: &mut Reg) {
         add(
             r,
             "queue_wait_seconds",
@@ -476,7 +503,7 @@ impl Metrics {
     }
 
     /// Per-backend gauges and breaker counters.
-    fn register_backends(&self, r: &mut Registry) {
+    fn register_backends(&self, r: &mut Reg) {
         let help = "Requests levee has outstanding at each backend";
         add(r, "backend_in_flight", help, &self.backend_in_flight);
         let help =
@@ -514,7 +541,7 @@ impl Metrics {
     }
 
     /// Per-model lanes: load, watermarks, degradation, scaling.
-    fn register_lanes(&self, r: &mut Registry) {
+    fn register_lanes(&self, r: &mut Reg) {
         let help = "Load of each model's lane (requests in flight + queued): the watermarks apply to it, per model";
         add(r, "lane_load", help, &self.lane_load);
         let help = "Configured queue watermarks over the load (queued + in flight)";
@@ -534,7 +561,7 @@ impl Metrics {
     }
 
     /// Async tasks.
-    fn register_tasks(&self, r: &mut Registry) {
+    fn register_tasks(&self, r: &mut Reg) {
         add(
             r,
             "tasks_finished",
@@ -551,7 +578,7 @@ impl Metrics {
     }
 
     /// The shared limit store (`[state] backend = "redis"`).
-    fn register_shared_state(&self, r: &mut Registry) {
+    fn register_shared_state(&self, r: &mut Reg) {
         let help = "1 when limits are decided in the shared store, 0 on the local fallback";
         add(r, "state_shared", help, &self.state_shared);
         let help = "Switches between shared (Redis) and local limit decisions";

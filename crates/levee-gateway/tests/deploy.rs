@@ -13,19 +13,13 @@ fn deploy(rel: &str) -> PathBuf {
         .join(rel)
 }
 
-/// Every sample name `/metrics` can serve: from each `# TYPE` line, the family name with
-/// the suffixes its type gives its samples.
+/// Every sample name `/metrics` can serve: each registered family's name with the suffixes
+/// its type gives its samples. (The exposition itself leaves out families that have no
+/// series yet, so it cannot be the list.)
 fn exported() -> BTreeSet<String> {
-    let text = Metrics::with_shared_state().encode();
+    let metrics = Metrics::with_shared_state();
     let mut names = BTreeSet::new();
-    for line in text.lines() {
-        let Some(rest) = line.strip_prefix("# TYPE ") else {
-            continue;
-        };
-        let mut parts = rest.split_whitespace();
-        let (Some(name), Some(kind)) = (parts.next(), parts.next()) else {
-            continue;
-        };
+    for (name, kind) in metrics.families() {
         let suffixes: &[&str] = match kind {
             "counter" => &["_total", "_created"],
             // A histogram's family name is how people refer to it in prose.
@@ -34,6 +28,18 @@ fn exported() -> BTreeSet<String> {
         };
         for s in suffixes {
             names.insert(format!("{name}{s}"));
+        }
+    }
+    // Each family the exposition does show is among them.
+    for line in metrics.encode().lines() {
+        if let Some(name) = line
+            .strip_prefix("# TYPE ")
+            .and_then(|r| r.split(' ').next())
+        {
+            assert!(
+                metrics.families().any(|(n, _)| n == name),
+                "{name} is not listed"
+            );
         }
     }
     names

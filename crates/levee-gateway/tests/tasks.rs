@@ -556,7 +556,7 @@ async fn receiver(fail_first: usize) -> Receiver {
 
 #[tokio::test]
 async fn callback_is_signed_and_retried_past_a_failing_receiver() {
-    use hmac::Mac;
+    use hmac::{KeyInit, Mac};
     let secret = "s3cret-for-callbacks";
     std::env::set_var("LEVEE_TEST_CALLBACK_SECRET", secret);
     let m = mock().await;

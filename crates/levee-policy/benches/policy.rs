@@ -6,11 +6,12 @@
 //!
 //! Run: `cargo bench -p levee-policy --bench policy` (about a minute).
 
-use criterion::{black_box, criterion_group, criterion_main, BatchSize, Criterion};
+use criterion::{criterion_group, criterion_main, BatchSize, Criterion};
 use governor::clock::{Clock as _, FakeRelativeClock, Reference as _};
 use governor::{Quota as GQuota, RateLimiter};
 use levee_policy::*;
 use parking_lot::Mutex;
+use std::hint::black_box;
 use std::num::NonZeroU32;
 use std::sync::Arc;
 use std::time::{Duration, Instant};

@@ -14,7 +14,7 @@ mod common;
 use common::Running;
 use levee_policy::*;
 use rand::rngs::SmallRng;
-use rand::{Rng, SeedableRng};
+use rand::{RngExt, SeedableRng};
 use rand_distr::{Distribution, Exp, LogNormal};
 use std::sync::Arc;
 use std::time::Duration;
@@ -131,7 +131,7 @@ fn simulate(seed: u64, overload: f64) -> Counts {
                 model: "m",
                 tier: Tier(tier),
                 prompt_tokens: fleet.prompt.sample(&mut fleet.rng).min(3_000.0) as u64,
-                completion_tokens: fleet.rng.gen_range(50..250),
+                completion_tokens: fleet.rng.random_range(50..250),
                 max_wait: None,
             };
             match adm.admit(&req, 0, now) {

@@ -8,8 +8,9 @@
 
 use crate::scenario::{Phase, Process, Rate, Scenario};
 use rand::rngs::SmallRng;
-use rand::{Rng, SeedableRng};
-use rand_distr::{Distribution, Exp1, Gamma, WeightedIndex};
+use rand::{RngExt, SeedableRng};
+use rand_distr::weighted::WeightedIndex;
+use rand_distr::{Distribution, Exp1, Gamma};
 
 /// One scheduled request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -166,7 +167,7 @@ pub fn build(scenario: &Scenario) -> anyhow::Result<Schedule> {
             None => (class_index.sample(&mut mix_rng), &mut mix_rng),
         };
         let c = &scenario.classes[class];
-        let slow = c.slow_share > 0.0 && rng.gen_bool(c.slow_share.clamp(0.0, 1.0));
+        let slow = c.slow_share > 0.0 && rng.random_bool(c.slow_share.clamp(0.0, 1.0));
         let (p, m) = if slow {
             (&c.slow_prompt_tokens, &c.slow_max_tokens)
         } else {
@@ -174,7 +175,7 @@ pub fn build(scenario: &Scenario) -> anyhow::Result<Schedule> {
         };
         let prompt_tokens = p.sample(rng).round().clamp(1.0, u32::MAX as f64) as u32;
         let max_tokens = m.sample(rng).round().clamp(1.0, u32::MAX as f64) as u32;
-        let turns = if sessions.share > 0.0 && rng.gen_bool(sessions.share.clamp(0.0, 1.0)) {
+        let turns = if sessions.share > 0.0 && rng.random_bool(sessions.share.clamp(0.0, 1.0)) {
             sessions
                 .turns
                 .sample(rng)

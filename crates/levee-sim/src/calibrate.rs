@@ -49,7 +49,7 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full, Limited};
 use levee_engine::{tokenizer, EngineConfig, KV_BLOCK_SIZE};
 use rand::rngs::SmallRng;
-use rand::{Rng, SeedableRng};
+use rand::{RngExt, SeedableRng};
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 use std::sync::atomic::AtomicBool;
@@ -656,8 +656,8 @@ impl PromptMaker {
         // The id line ends in a newline, which merges with nothing after it.
         let mut out = format!("Request {id}:\n");
         let seed = match self.rng.lock() {
-            Ok(mut g) => g.gen(),
-            Err(poisoned) => poisoned.into_inner().gen(),
+            Ok(mut g) => g.random(),
+            Err(poisoned) => poisoned.into_inner().random(),
         };
         let rest = tokens.saturating_sub(tokenizer::count_text(&out));
         text::write(

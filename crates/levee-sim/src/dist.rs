@@ -1,6 +1,6 @@
 //! Distributions of request sizes and think times.
 
-use rand::Rng;
+use rand::RngExt;
 use rand_distr::{Distribution, Exp, LogNormal, Normal};
 use serde::{Deserialize, Serialize};
 
@@ -88,12 +88,12 @@ impl Dist {
     }
 
     /// One draw.
-    pub fn sample<R: Rng + ?Sized>(&self, rng: &mut R) -> f64 {
+    pub fn sample<R: RngExt + ?Sized>(&self, rng: &mut R) -> f64 {
         let (raw, lo, hi) = match *self {
             Dist::Constant { value } => (value, None, None),
             Dist::Uniform { min, max } => {
                 if max > min {
-                    (rng.gen_range(min..=max), None, None)
+                    (rng.random_range(min..=max), None, None)
                 } else {
                     (min, None, None)
                 }

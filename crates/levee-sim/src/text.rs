@@ -11,7 +11,7 @@
 
 use levee_engine::tokenizer::count_text;
 use rand::rngs::SmallRng;
-use rand::Rng;
+use rand::RngExt;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
@@ -87,7 +87,7 @@ impl TextMix {
 
     /// Draws the kind of one prompt.
     pub fn draw(&self, rng: &mut SmallRng) -> TextKind {
-        let mut u: f64 = rng.gen();
+        let mut u: f64 = rng.random();
         for &(kind, w) in &self.weights {
             if u < w {
                 return kind;
@@ -274,8 +274,8 @@ pub fn write(kind: TextKind, tokens: u32, rng: &mut SmallRng, out: &mut String) 
                     w.words(u32::MAX, false);
                     break;
                 }
-                let len = w.rng.gen_range(40..=160);
-                let pick: f64 = w.rng.gen();
+                let len = w.rng.random_range(40..=160);
+                let pick: f64 = w.rng.random();
                 if pick < 0.5 {
                     w.english(len);
                 } else if pick < 0.75 {
@@ -353,12 +353,12 @@ impl Writer<'_> {
                 continue;
             }
             if sentence_start {
-                words_left = self.rng.gen_range(6..=22);
+                words_left = self.rng.random_range(6..=22);
             }
-            let word = if self.rng.gen_bool(0.55) {
-                SHORT[self.rng.gen_range(0..SHORT.len())]
+            let word = if self.rng.random_bool(0.55) {
+                SHORT[self.rng.random_range(0..SHORT.len())]
             } else {
-                LONG[self.rng.gen_range(0..LONG.len())]
+                LONG[self.rng.random_range(0..LONG.len())]
             };
             let mut piece = String::from(lead);
             if sentence_start {
@@ -370,7 +370,7 @@ impl Writer<'_> {
             } else {
                 piece.push_str(word);
             }
-            if words_left > 2 && self.rng.gen_bool(0.08) {
+            if words_left > 2 && self.rng.random_bool(0.08) {
                 piece.push(',');
             }
             // Too long for what is left: a one-token word instead.
@@ -389,18 +389,18 @@ impl Writer<'_> {
         let mut budget = budget.min(self.left);
         let mut lead = self.paragraph();
         let mut run = 0;
-        let mut sentence = self.rng.gen_range(8..=30);
+        let mut sentence = self.rng.random_range(8..=30);
         while budget > 0 {
             let mut piece = String::from(lead);
             if run == sentence {
                 piece.push('。');
                 run = 0;
-                sentence = self.rng.gen_range(8..=30);
-            } else if run > 3 && run + 3 < sentence && self.rng.gen_bool(0.06) {
+                sentence = self.rng.random_range(8..=30);
+            } else if run > 3 && run + 3 < sentence && self.rng.random_bool(0.06) {
                 piece.push('，');
                 run += 1;
             } else {
-                piece.push(chars[self.rng.gen_range(0..chars.len())]);
+                piece.push(chars[self.rng.random_range(0..chars.len())]);
                 run += 1;
             }
             if !self.push(&piece, &mut budget) {
@@ -417,9 +417,9 @@ impl Writer<'_> {
         let mut lead = self.paragraph();
         let mut depth: usize = 0;
         while budget > 0 {
-            let id = |rng: &mut SmallRng| IDENTS[rng.gen_range(0..IDENTS.len())];
-            let n: u32 = self.rng.gen_range(0..5000);
-            let stmt = match self.rng.gen_range(0..11) {
+            let id = |rng: &mut SmallRng| IDENTS[rng.random_range(0..IDENTS.len())];
+            let n: u32 = self.rng.random_range(0..5000);
+            let stmt = match self.rng.random_range(0..11) {
                 0 | 1 if depth < 4 => {
                     depth += 1;
                     format!("if {} > {n} {{", id(self.rng))
@@ -440,13 +440,13 @@ impl Writer<'_> {
                     id(self.rng),
                     id(self.rng),
                     id(self.rng),
-                    self.rng.gen_range(1..=12),
-                    self.rng.gen_range(1..=28),
-                    self.rng.gen_range(0..24)
+                    self.rng.random_range(1..=12),
+                    self.rng.random_range(1..=28),
+                    self.rng.random_range(0..24)
                 ),
                 6 => {
-                    let xs: Vec<String> = (0..self.rng.gen_range(3..9))
-                        .map(|_| self.rng.gen_range(0..10_000).to_string())
+                    let xs: Vec<String> = (0..self.rng.random_range(3..9))
+                        .map(|_| self.rng.random_range(0..10_000).to_string())
                         .collect();
                     format!("let {} = [{}];", id(self.rng), xs.join(", "))
                 }

@@ -12,8 +12,10 @@
 //!   server, one round trip per decision, the server's `TIME` as the clock, so every replica
 //!   of a fleet sees one state.
 //!
-//! The same property tests run against both (`tests/stores.rs`). [`RedisStore::heartbeat`]
-//! also tells a replica how many replicas are alive.
+//! The same property tests run against both (`tests/stores.rs`), and the scripts and
+//! levee-policy's limiters decide the same random sequences of times and costs alike, on one
+//! manual clock ([`RedisStore::with_clock`], `tests/scripts_agree.rs`).
+//! [`RedisStore::heartbeat`] also tells a replica how many replicas are alive.
 //!
 //! See `docs/replicas.md` for how the gateway uses this crate.
 

@@ -15,9 +15,10 @@ use crate::limits::{
     Decision, Figures, LimitStore, Limited, ScopeLimits, Settlement, Slice, SliceDecision,
     StoreError,
 };
-use levee_policy::{Budget, RateLimitInfo, SliceGrant};
+use levee_policy::{Budget, Clock, RateLimitInfo, SliceGrant};
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::Script;
+use std::sync::Arc;
 use std::time::Duration;
 
 /// The version of the Lua scripts, part of every key name.
@@ -40,6 +41,8 @@ pub struct RedisStore {
     conn: ConnectionManager,
     prefix: String,
     lease_ttl: Duration,
+    /// Decide on this clock instead of the server's `TIME` (see [`RedisStore::with_clock`]).
+    clock: Option<Arc<dyn Clock>>,
     take: Script,
     settle: Script,
     heartbeat: Script,
@@ -160,6 +163,7 @@ impl RedisStore {
             conn,
             prefix: prefix.to_string(),
             lease_ttl: Duration::from_secs(30),
+            clock: None,
             take: Script::new(TAKE),
             settle: Script::new(SETTLE),
             heartbeat: Script::new(HEARTBEAT),
@@ -176,6 +180,22 @@ impl RedisStore {
     pub fn with_lease_ttl(mut self, ttl: Duration) -> Self {
         self.lease_ttl = ttl.max(Duration::from_millis(1));
         self
+    }
+
+    /// Decides and settles at the time of `clock` (whole microseconds of its nanoseconds)
+    /// instead of the server's `TIME`: for tests that run these scripts and an in-memory
+    /// store on one manual clock. A fleet never does this: its replicas share the server's
+    /// clock exactly because their own clocks differ.
+    pub fn with_clock(mut self, clock: Arc<dyn Clock>) -> Self {
+        self.clock = Some(clock);
+        self
+    }
+
+    /// The scripts' optional last argument: the time to decide at (µs), if a clock is set.
+    fn push_now(&self, args: &mut Vec<String>) {
+        if let Some(c) = &self.clock {
+            args.push((c.now().as_nanos() / 1000).to_string());
+        }
     }
 
     fn ttl_ms(&self) -> u64 {
@@ -373,6 +393,7 @@ impl LimitStore for RedisStore {
             }
             scope_args(s, &mut args);
         }
+        self.push_now(&mut args);
         for a in &args {
             inv.arg(a);
         }
@@ -429,6 +450,7 @@ impl LimitStore for RedisStore {
             }
             scope_args(s, &mut args);
         }
+        self.push_now(&mut args);
         for a in &args {
             inv.arg(a);
         }
@@ -480,6 +502,7 @@ impl LimitStore for RedisStore {
         if !any {
             return Ok(());
         }
+        self.push_now(&mut args);
         for a in &args {
             inv.arg(a);
         }

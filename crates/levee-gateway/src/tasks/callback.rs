@@ -124,7 +124,7 @@ impl Tasks {
 /// HMAC-SHA256 of `{ts}.{body}` under the tenant's secret, hex (`None` only if the HMAC
 /// refused the key, which it does for no length).
 fn sign(secret: &str, ts: u64, body: &str) -> Option<String> {
-    use hmac::Mac;
+    use hmac::{KeyInit, Mac};
     let mut mac = hmac::Hmac::<sha2::Sha256>::new_from_slice(secret.as_bytes()).ok()?;
     mac.update(format!("{ts}.").as_bytes());
     mac.update(body.as_bytes());

@@ -2,11 +2,14 @@
 -- and the six numbers per scope).
 -- ARGV[1]: tokens reserved; ARGV[2]: tokens used; ARGV[3]: requests to give back (a
 -- request never served: 1; the unused rest of a slice: its count); ARGV[4]: the request's lease id (empty: none); then
--- six numbers per scope.
+-- six numbers per scope; then, optionally, the time to settle at (µs), as in take.lua.
 -- Tokens: a refund never fills past capacity; a charge past empty is kept as debt of at most
 -- one capacity (the level stays within -capacity..capacity), as in the in-memory bucket.
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local now = tonumber(ARGV[4 + 6 * (#KEYS / 2) + 1])
+if not now then
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+end
 local reserved, actual = tonumber(ARGV[1]), tonumber(ARGV[2])
 local give_back = tonumber(ARGV[3])
 local lease = ARGV[4]

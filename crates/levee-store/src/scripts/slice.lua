@@ -4,15 +4,19 @@
 -- ARGV[1]: most requests wanted (≥ 1); ARGV[2]: most tokens wanted; ARGV[3]: fewest tokens
 -- that make the slice useful (the estimate of the request asking for it).
 -- Grants as many requests (1..ARGV[1]) and tokens (ARGV[3]..ARGV[2]) as every scope has
--- now, charged at once, or nothing.
+-- now, charged at once, or nothing. An optional last ARGV after the scopes: the time to
+-- decide at (µs), as in take.lua.
 -- Returns {1, requests, tokens, r_remaining, r_reset_us, t_remaining, t_reset_us} (figures
 -- of the last scope after the charge, -1 where it has no such limit) or {0, scope, kind,
 -- retry_us} with kinds as in take.lua.
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local n = #KEYS / 2
+local now = tonumber(ARGV[3 + 6 * n + 1])
+if not now then
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+end
 local eps = 0.5
 local want_r, want_t, min_t = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
-local n = #KEYS / 2
 local g_r, g_t = want_r, want_t
 local st = {}
 for i = 1, n do
@@ -52,7 +56,7 @@ for i = 1, n do
     redis.call('HSET', h, 'r', nt)
     last = math.max(last, nt)
     if i == n then
-      fig[4] = math.max(0, math.floor((now + rtol - nt) / ri + 1e-6))
+      fig[4] = math.max(0, math.floor((now + eps + rtol - nt) / ri))
       fig[5] = math.ceil(nt - now)
     end
   end
@@ -61,7 +65,7 @@ for i = 1, n do
     redis.call('HSET', h, 't', nt)
     last = math.max(last, nt)
     if i == n then
-      fig[6] = math.max(0, math.floor((now + ttol - nt) / tu + 1e-6))
+      fig[6] = math.max(0, math.floor((now + eps + ttol - nt) / tu))
       fig[7] = math.ceil(nt - now)
     end
   end

@@ -8,18 +8,23 @@
 -- six numbers per scope: request interval µs (0: no request limit), request tolerance µs
 -- (interval × burst), token interval µs (0: no token limit), token tolerance µs
 -- (interval × capacity), token capacity, leases allowed at once (0: no limit).
+-- After the scopes, an optional last ARGV: the time to decide at (µs); without it, the
+-- server's TIME (as in production: every replica shares the server's clock).
 -- Every scope is checked before anything is written: a refusal charges nothing.
 -- Returns {1, r_remaining, r_reset_us, t_remaining, t_reset_us} (figures of the last scope,
 -- -1 where it has no such limit) or {0, scope, kind, retry_us} with kind 1 = requests,
 -- 2 = tokens, 3 = larger than the bucket's capacity, 4 = concurrency.
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local n = #KEYS / 2
+local now = tonumber(ARGV[3 + 6 * n + 1])
+if not now then
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+end
 local now_ms = math.floor(now / 1000)
 -- Half a microsecond of slack absorbs floating-point error in favour of the client.
 local eps = 0.5
 local tokens = tonumber(ARGV[1])
 local lease, ttl = ARGV[2], tonumber(ARGV[3])
-local n = #KEYS / 2
 local new_r, new_t, leased = {}, {}, {}
 local fig = {1, -1, -1, -1, -1}
 for i = 1, n do
@@ -46,7 +51,7 @@ for i = 1, n do
     end
     new_r[i] = nt
     if i == n then
-      fig[2] = math.max(0, math.floor((now + rtol - nt) / ri + 1e-6))
+      fig[2] = math.max(0, math.floor((now + eps + rtol - nt) / ri))
       fig[3] = math.ceil(nt - now)
     end
   end
@@ -61,7 +66,7 @@ for i = 1, n do
     end
     new_t[i] = nt
     if i == n then
-      fig[4] = math.max(0, math.floor((now + ttol - nt) / tu + 1e-6))
+      fig[4] = math.max(0, math.floor((now + eps + ttol - nt) / tu))
       fig[5] = math.ceil(nt - now)
     end
   end
