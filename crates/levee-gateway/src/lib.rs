@@ -33,6 +33,7 @@ mod request_log;
 mod routes;
 mod runtime;
 mod server;
+mod session;
 pub mod shared;
 pub mod task_store;
 pub mod task_store_redis;

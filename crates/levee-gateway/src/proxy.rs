@@ -44,6 +44,9 @@ pub struct ClientRequest {
     pub choices: u32,
     /// The body names its cap `max_completion_tokens` (a cap is written under that key).
     has_max_completion_tokens: bool,
+    /// The conversation it continues (see [`crate::session::of_conversation`]), when asked
+    /// for at parse.
+    pub conversation: Option<u64>,
 }
 
 /// The top-level fields of a request body the gateway reads; later duplicates win, as with
@@ -187,7 +190,16 @@ impl ClientRequest {
     /// Parses a request body. `raw` should be an allocation of its own (see the type doc).
     /// The prompt's text comes back beside it, to be counted and dropped (a queued request
     /// keeps only its raw body).
+    #[cfg(test)]
     pub fn parse(raw: Bytes) -> Result<(ClientRequest, PromptText), GatewayError> {
+        Self::parse_keyed(raw, false)
+    }
+
+    /// [`ClientRequest::parse`], also keying the conversation when `conversation` is set.
+    pub fn parse_keyed(
+        raw: Bytes,
+        conversation: bool,
+    ) -> Result<(ClientRequest, PromptText), GatewayError> {
         use serde_json::Value;
         let head: Head = serde_json::from_slice(&raw).map_err(|e| {
             if e.classify() == serde_json::error::Category::Data {
@@ -246,6 +258,9 @@ impl ClientRequest {
         };
         let choices = count(head.n, "n")?.max(count(head.best_of, "best_of")?);
         let prompt = prompt_text(head.messages.as_ref(), head.prompt.as_ref());
+        let conversation = conversation
+            .then(|| crate::session::of_conversation(head.messages.as_ref()))
+            .flatten();
         Ok((
             ClientRequest {
                 raw,
@@ -255,6 +270,7 @@ impl ClientRequest {
                 client_wants_usage,
                 choices,
                 has_max_completion_tokens,
+                conversation,
             },
             prompt,
         ))

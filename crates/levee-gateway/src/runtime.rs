@@ -367,6 +367,12 @@ impl Runtime {
             n => n,
         };
         lane.fair_share_window = Duration::from_millis(q.fair_share_window_ms);
+        lane.aging = (q.aging_ms > 0).then(|| Duration::from_millis(q.aging_ms));
+        let a = &self.cfg.affinity;
+        lane.affinity = a.enabled.then_some(levee_policy::AffinityConfig {
+            epsilon: a.epsilon,
+            max_sessions: a.max_sessions,
+        });
         lane.kv_headroom = self.cfg.kv.headroom;
         lane.report_max_age = Duration::from_millis(self.cfg.kv.report_max_age_ms);
         lane.breaker = self.cfg.breaker.to_policy();

@@ -27,6 +27,8 @@ pub(super) struct Classified {
     pub cap: Option<u32>,
     /// Measures applied (`max_tokens=256`, `fallback=small`).
     pub degraded: Vec<String>,
+    /// Its session (header, else conversation opening) when affinity is on.
+    pub session: Option<u64>,
     /// The request's id, for its log line.
     pub request: Option<crate::request_log::RequestId>,
     /// The request's span, kept until it settles.
@@ -53,7 +55,8 @@ pub(super) fn classify(
 ) -> Result<Classified, GatewayError> {
     // Copied into an allocation of its own: the body read from hyper is a view into the
     // connection's read buffer, and a queued request holding it would keep that buffer alive.
-    let (parsed, prompt) = ClientRequest::parse(Bytes::copy_from_slice(body))?;
+    let affinity = gw.config().affinity.enabled;
+    let (parsed, prompt) = ClientRequest::parse_keyed(Bytes::copy_from_slice(body), affinity)?;
     let Some(model) = rt.models.get(&parsed.model).cloned() else {
         // Never a metric label from an unvalidated client string.
         ctx.model = "unknown".into();
@@ -102,7 +105,9 @@ pub(super) fn classify(
         _ => max_tokens,
     };
     let cap = (parsed.max_tokens != Some(max_tokens)).then_some(max_tokens);
+    let session = ctx.session.or(parsed.conversation);
     Ok(Classified {
+        session,
         parsed,
         target,
         lane,

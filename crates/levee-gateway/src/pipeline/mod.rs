@@ -62,6 +62,8 @@ pub(crate) struct RequestCtx {
     model: Key,
     lane: Option<Arc<Lane>>,
     request: Option<RequestId>,
+    /// The session its header names, when affinity is on.
+    session: Option<u64>,
     /// The request's span; phases are its children.
     span: Span,
 }
@@ -78,6 +80,7 @@ impl RequestCtx {
             span: request_span(path, request.as_ref()),
             lane: None,
             request,
+            session: None,
         }
     }
 
@@ -128,6 +131,10 @@ pub(crate) async fn serve_client(
         let tenant =
             debug_span!("authenticate").in_scope(|| authenticate(&gw, peer, req.headers()))?;
         let asked_updates = wants_queue_updates(req.headers());
+        let affinity = &gw.config().affinity;
+        if affinity.enabled {
+            ctx.session = crate::session::from_header(req.headers(), &affinity.session_header);
+        }
         let seat = Seat::of(&tenant);
         ctx.set_tenant(&tenant, &seat);
         let limit = gw.config().server.max_body_bytes;
