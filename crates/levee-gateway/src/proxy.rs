@@ -326,9 +326,26 @@ pub struct Usage {
     /// Total tokens.
     #[serde(default)]
     pub total_tokens: u64,
+    /// What the backend says of the prompt (`cached_tokens`), if it says.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prompt_tokens_details: Option<PromptTokensDetails>,
+}
+
+/// `usage.prompt_tokens_details`.
+#[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq, Eq, serde::Serialize)]
+pub struct PromptTokensDetails {
+    /// Prompt tokens found in the engine's prefix cache (their prefill was skipped).
+    #[serde(default)]
+    pub cached_tokens: u64,
 }
 
 impl Usage {
+    /// Prompt tokens the engine found in its prefix cache (0 when it does not say).
+    pub fn cached_tokens(&self) -> u64 {
+        self.prompt_tokens_details
+            .map_or(0, |d| d.cached_tokens.min(self.prompt_tokens))
+    }
+
     /// Total, falling back to the sum when a backend omits `total_tokens`.
     pub fn total(&self) -> u64 {
         if self.total_tokens > 0 {
