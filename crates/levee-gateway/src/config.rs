@@ -45,6 +45,8 @@ pub struct Config {
     pub kv: KvConfig,
     /// Session affinity: a conversation's turns prefer the backend that holds its prefix.
     pub affinity: AffinityConfig,
+    /// The response cache (for tenants with `response_cache = true`).
+    pub cache: CacheConfig,
     /// Who may use the admin listener.
     pub admin: AdminConfig,
     /// The backend replica recommendation exported for autoscalers.
@@ -106,6 +108,7 @@ impl Default for Config {
             scrape: ScrapeConfig::default(),
             kv: KvConfig::default(),
             affinity: AffinityConfig::default(),
+            cache: CacheConfig::default(),
             admin: AdminConfig::default(),
             autoscale: AutoscaleConfig::default(),
             observe: ObserveConfig::default(),
@@ -336,6 +339,9 @@ pub struct TenantConfig {
     /// Environment variable holding the secret that signs this tenant's task callbacks
     /// (HMAC-SHA256). Without it the tenant's tasks cannot ask for a `callback_url`.
     pub callback_secret_env: Option<String>,
+    /// Keep this tenant's answers to deterministic requests and serve them, marked, when
+    /// the model's lane is degraded past `cache.from_level` or no backend can serve.
+    pub response_cache: bool,
 }
 
 impl Default for TenantConfig {
@@ -351,6 +357,7 @@ impl Default for TenantConfig {
             max_concurrency: 0,
             weight: 1.0,
             callback_secret_env: None,
+            response_cache: false,
         }
     }
 }
@@ -927,6 +934,33 @@ impl Default for AffinityConfig {
     }
 }
 
+/// The response cache: answers to deterministic requests (`temperature` 0, one choice) of
+/// the tenants that opted in (`response_cache = true`), served marked
+/// `x-levee-degraded: cache` when the model's lane is at degradation level `from_level` or
+/// above, or when none of its backends can serve. Changing `max_bytes` or `ttl_ms` takes a
+/// restart.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct CacheConfig {
+    /// Most bytes of answers kept (least recently used out first; 0: nothing is kept).
+    pub max_bytes: u64,
+    /// An answer older than this is not served.
+    pub ttl_ms: u64,
+    /// The lane's degradation level from which stored answers are served instead of
+    /// admitting the request (0: only when no backend can serve).
+    pub from_level: u8,
+}
+
+impl Default for CacheConfig {
+    fn default() -> Self {
+        CacheConfig {
+            max_bytes: 64 << 20,
+            ttl_ms: 600_000,
+            from_level: 2,
+        }
+    }
+}
+
 /// The environment variable holding the admin token.
 pub const ADMIN_TOKEN_ENV: &str = "LEVEE_ADMIN_TOKEN";
 
@@ -1121,6 +1155,9 @@ impl Config {
         }
         if a.enabled && a.max_sessions == 0 {
             errs.push("affinity.max_sessions: must be > 0 when affinity is enabled".to_string());
+        }
+        if self.cache.ttl_ms == 0 {
+            errs.push("cache.ttl_ms: must be > 0".to_string());
         }
     }
 

@@ -30,6 +30,7 @@ mod proxy;
 mod queue_updates;
 pub mod reload;
 mod request_log;
+mod response_cache;
 mod routes;
 mod runtime;
 mod server;

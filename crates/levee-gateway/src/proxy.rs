@@ -496,13 +496,14 @@ fn closed_before_answer(e: &hyper_util::client::legacy::Error) -> bool {
     false
 }
 
-/// Reads a whole non-streaming response, learning its usage.
+/// Reads a whole non-streaming response, learning its usage; `keep` sees the body of a 200.
 pub async fn finish_buffered(
     resp: http::Response<Incoming>,
     mut settlement: Settlement,
     deadline: Instant,
     sent_at: Instant,
     extra: &[(&'static str, HeaderValue)],
+    keep: impl FnOnce(&Bytes),
 ) -> Result<Response, GatewayError> {
     let (parts, body) = resp.into_parts();
     settlement.outcome.status = parts.status.as_u16();
@@ -532,6 +533,9 @@ pub async fn finish_buffered(
         settlement.outcome.usage = serde_json::from_slice::<WithUsage>(&bytes)
             .ok()
             .and_then(|w| w.usage);
+        if parts.status == http::StatusCode::OK {
+            keep(&bytes);
+        }
     }
     settlement.finish();
     let mut out = Response::new(Body::from(bytes));

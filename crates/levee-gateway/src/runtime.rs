@@ -39,6 +39,11 @@ impl Tenant {
         self.cfg.weight
     }
 
+    /// Whether its deterministic answers are kept and served by the response cache.
+    pub fn response_cache(&self) -> bool {
+        self.cfg.response_cache
+    }
+
     /// The secret that signs its task callbacks, from `callback_secret_env`.
     pub fn callback_secret(&self) -> Option<String> {
         let var = self.cfg.callback_secret_env.as_ref()?;

@@ -29,6 +29,10 @@ pub(super) struct Classified {
     pub degraded: Vec<String>,
     /// Its session (header, else conversation opening) when affinity is on.
     pub session: Option<u64>,
+    /// The requested model's degradation level.
+    pub level: u8,
+    /// Its response-cache key, when its tenant opted in and it is deterministic.
+    pub cache: Option<crate::response_cache::CacheKey>,
     /// The request's id, for its log line.
     pub request: Option<crate::request_log::RequestId>,
     /// The request's span, kept until it settles.
@@ -108,6 +112,8 @@ pub(super) fn classify(
     let session = ctx.session.or(parsed.conversation);
     Ok(Classified {
         session,
+        level: decision.level,
+        cache: None,
         parsed,
         target,
         lane,

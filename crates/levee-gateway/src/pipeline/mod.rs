@@ -29,6 +29,7 @@
 //! queue. The `max_tokens` cap is applied when the upstream body is built.
 
 mod admit;
+mod cached;
 mod classify;
 mod fallback;
 mod forward;
@@ -200,7 +201,11 @@ async fn serve(
     let rt = gw.runtime();
     let c = debug_span!("classify").in_scope(|| classify::classify(gw, &rt, &seat, body, ctx));
     ctx.span.record("model", &*ctx.model);
-    let c = c?;
+    let mut c = c?;
+    c.cache = cached::key(gw, &tenant, &c, body);
+    if let Some(resp) = cached::when_degraded(gw, &tenant, &c, ctx) {
+        return Ok(resp);
+    }
     if let Some(s) = spot {
         s.updates.store(
             wants_updates(c.parsed.stream),
