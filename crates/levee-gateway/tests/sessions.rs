@@ -11,8 +11,8 @@ use levee_gateway::start;
 use serde_json::{json, Value};
 
 /// Which of two backends serves a session's second turn, when its first turn found backend
-/// 0 busy (so went to 1) and both are idle again: `session` sends `x-session-id`, else the
-/// conversation's opening names it.
+/// 0 busy (so went to 1) and both are idle again: with `header` the turns send
+/// `x-session-id`, else the conversation's opening names the session.
 async fn second_turn_goes_to(affinity: bool, header: bool) -> usize {
     let (a, b) = (mock().await, mock().await);
     let mut cfg = config(&[a.url(), b.url()], 4);
