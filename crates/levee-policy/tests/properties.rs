@@ -860,3 +860,55 @@ proptest! {
         }
     }
 }
+
+// ---------------------------------------------------------------------------------------
+// Affinity through the admission path: sessions come back to their backend, requests end
+// at random, and no request is placed above ⌈(1+ε)(L+1)/n⌉ on equal backends (no KV
+// budget, no reports: fill is the request count) while another backend had room under it.
+
+proptest! {
+    #[test]
+    fn admission_with_affinity_keeps_the_load_bound(
+        epsilon in 0.0f64..1.0,
+        ops in prop::collection::vec((0u64..6, 0u8..3), 1..300),
+    ) {
+        let mut cfg = AdmissionConfig::new();
+        cfg.tenant_default = LimitSpec::UNLIMITED;
+        let mut a: Admission<u32, u8> = Admission::new(cfg);
+        let mut lane = LaneConfig::new(Watermarks::new(1000, 2000, 3000).unwrap());
+        lane.kv_headroom = 0.0;
+        lane.affinity = Some(AffinityConfig { epsilon, max_sessions: 64 });
+        a.set_model(0, ModelSpec { limits: LimitSpec::UNLIMITED, lane });
+        let names = ["b0", "b1", "b2"];
+        let limits = BackendLimits { max_in_flight: 6, kv_tokens: None };
+        a.set_backends(&0, names.iter().map(|n| (Arc::<str>::from(*n), limits)).collect());
+        let mut running = Vec::new();
+        for (session, op) in ops {
+            if op == 0 && !running.is_empty() {
+                let g = running.remove(session as usize % running.len());
+                a.complete(g, Completion { outcome: Outcome::Success, actual_tokens: None }, ts(1));
+                continue;
+            }
+            let load: Vec<u64> = names
+                .iter()
+                .map(|n| a.lane(&0).unwrap().in_flight_of(n).unwrap() as u64)
+                .collect();
+            let total: u64 = load.iter().sum();
+            let bound = load_bound(6, total, 18, epsilon);
+            let req = AdmissionRequest {
+                tenant: 1, model: 0, tier: Tier(0), prompt_tokens: 1, completion_tokens: 0,
+                max_wait: None, session: Some(session),
+            };
+            if let Admit::Dispatch(d) = a.admit(&req, 0, ts(1)) {
+                let at = names.iter().position(|n| **n == **d.grant.backend().unwrap()).unwrap();
+                if load[at] + 1 > bound {
+                    prop_assert!(
+                        load.iter().all(|&l| l >= 6 || l + 1 > bound),
+                        "placed on {} at {} above {} while another had room", at, load[at] + 1, bound
+                    );
+                }
+                running.push(d.grant);
+            }
+        }
+    }
+}
