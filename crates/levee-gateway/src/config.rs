@@ -645,6 +645,9 @@ pub struct QueueConfig {
     /// Priority aging inside a tier: a request that has waited this long goes before those
     /// of its tier that have not, oldest first, whatever its tenant's weight (0 = off).
     pub aging_ms: u64,
+    /// Inside one tenant's backlog, its cheapest request (prompt + completion budget) of its
+    /// 32 oldest goes first instead of its oldest (the order across tenants is unchanged).
+    pub shortest_first: bool,
 }
 
 impl Default for QueueConfig {
@@ -656,6 +659,7 @@ impl Default for QueueConfig {
             max_queued_tokens: 0,
             fair_share_window_ms: 60_000,
             aging_ms: 0,
+            shortest_first: false,
         }
     }
 }

@@ -72,6 +72,9 @@ pub struct LaneConfig {
     /// Priority aging inside a tier: an entry that has waited this long goes before those
     /// of its tier that have not, oldest first (`None`: off). See [`FairQueue::set_aging`].
     pub aging: Option<Duration>,
+    /// Shortest reservation first inside each tenant's backlog (see
+    /// [`FairQueue::set_shortest_first`]); off: FIFO.
+    pub shortest_first: bool,
     /// Session affinity with bounded load (`None`: off, backends are chosen by load alone).
     pub affinity: Option<AffinityConfig>,
 }
@@ -100,6 +103,7 @@ impl LaneConfig {
             breaker: BreakerConfig::default(),
             isolated_tier: None,
             aging: None,
+            shortest_first: false,
             affinity: None,
         }
     }
@@ -451,6 +455,7 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
             max_tokens: cfg.queue_max_tokens,
         });
         queue.set_aging(cfg.aging);
+        queue.set_shortest_first(cfg.shortest_first);
         Lane {
             queue,
             sessions: SessionMap::new(cfg.affinity.map_or(0, |a| a.max_sessions)),
@@ -485,6 +490,7 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
         if self.queue.aging() != cfg.aging {
             self.queue.set_aging(cfg.aging);
         }
+        self.queue.set_shortest_first(cfg.shortest_first);
         self.sessions
             .set_capacity(cfg.affinity.map_or(0, |a| a.max_sessions));
         self.admitted

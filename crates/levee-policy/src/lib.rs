@@ -65,7 +65,7 @@ pub use prefill::PrefillFit;
 pub use quantile::nearest_rank;
 pub use queue::{
     Entry, FairQueue, Pick, PushRefusal, QueueLimits, QueueStats, Rejected, TenantBacklog, Ticket,
-    Tier, TierStats, AGING_WALK, VIRTUAL_SCALE,
+    Tier, TierStats, AGING_WALK, SHORTEST_WINDOW, VIRTUAL_SCALE,
 };
 pub use refusal::{RefusalReason, Scope};
 pub use retry::{DrainRate, RetryAfter, RetryBounds};

@@ -65,6 +65,10 @@ impl Ticket {
 /// Virtual-counter units per token at weight 1 (counters are `cost · SCALE / weight`).
 pub const VIRTUAL_SCALE: u128 = 1 << 20;
 
+/// With shortest-reservation-first on ([`FairQueue::set_shortest_first`]), how many of a
+/// tenant's oldest entries a pop chooses the cheapest from (so a pop stays O(1) per tenant).
+pub const SHORTEST_WINDOW: usize = 32;
+
 /// Most aged entries of passed-over tenants one pop looks past before it falls back to the
 /// fair order (so a pop stays cheap when many aged tenants are held back by their shares).
 pub const AGING_WALK: usize = 64;
@@ -238,6 +242,7 @@ pub struct FairQueue<T, K> {
     len: usize,
     tokens: u64,
     aging: Option<std::time::Duration>,
+    shortest_first: bool,
 }
 
 #[inline]
@@ -267,7 +272,17 @@ impl<T, K: Hash + Eq + Ord + Clone> FairQueue<T, K> {
             len: 0,
             tokens: 0,
             aging: None,
+            shortest_first: false,
         }
+    }
+
+    /// Shortest reservation first inside each tenant's backlog (off: FIFO). A tenant's turn
+    /// (the fair order across tenants is unchanged) takes its cheapest entry among its
+    /// [`SHORTEST_WINDOW`] oldest, so its short requests do not wait behind its own long
+    /// ones. Aged entries still go oldest first, so aging bounds every entry's wait;
+    /// `position_of` assumes FIFO and is an estimate while this is on.
+    pub fn set_shortest_first(&mut self, on: bool) {
+        self.shortest_first = on;
     }
 
     /// Turns priority aging on with horizon `horizon` (see the module's aging bound), or off
@@ -524,7 +539,9 @@ impl<T, K: Hash + Eq + Ord + Clone> FairQueue<T, K> {
                     Some(Pick::Take) => {
                         let id = *skipped.last()?;
                         let counter = self.tenants[id as usize].per_tier[ti].counter;
-                        chosen = Some((ti, counter, id, true));
+                        // The tenant's oldest entry is the aged one offered.
+                        let (ticket, _) = self.oldest(ti, id)?;
+                        chosen = Some((ti, counter, id, true, ticket));
                         break 'tiers;
                     }
                     Some(_) => return None,
@@ -535,15 +552,12 @@ impl<T, K: Hash + Eq + Ord + Clone> FairQueue<T, K> {
                 if skipped.contains(&id) {
                     continue;
                 }
-                let rec = &self.tenants[id as usize];
-                let head = rec.per_tier[ti]
-                    .fifo
-                    .iter()
-                    .find_map(|t| self.peek_slot(*t));
-                let Some(slot) = head else { continue };
+                let Some((ticket, slot)) = self.candidate(ti, id) else {
+                    continue;
+                };
                 match judge(Tier(ti as u8), &slot.key, slot.cost, &slot.item) {
                     Pick::Take => {
-                        chosen = Some((ti, counter, id, false));
+                        chosen = Some((ti, counter, id, false, ticket));
                         break 'tiers;
                     }
                     Pick::SkipTenant => continue,
@@ -551,8 +565,30 @@ impl<T, K: Hash + Eq + Ord + Clone> FairQueue<T, K> {
                 }
             }
         }
-        let (ti, counter, id, aged) = chosen?;
-        self.pop_head(ti, counter, id, aged)
+        let (ti, counter, id, aged, ticket) = chosen?;
+        self.pop_entry(ti, counter, id, aged, ticket)
+    }
+
+    /// Tenant `id`'s oldest live entry in tier `ti`.
+    fn oldest(&self, ti: usize, id: u32) -> Option<(u64, &Slot<T, K>)> {
+        self.tenants[id as usize].per_tier[ti]
+            .fifo
+            .iter()
+            .find_map(|t| self.peek_slot(*t).map(|s| (*t, s)))
+    }
+
+    /// The entry tenant `id`'s turn in tier `ti` takes: its oldest, or with
+    /// shortest-first the cheapest of its [`SHORTEST_WINDOW`] oldest (the older on a tie).
+    fn candidate(&self, ti: usize, id: u32) -> Option<(u64, &Slot<T, K>)> {
+        if !self.shortest_first {
+            return self.oldest(ti, id);
+        }
+        self.tenants[id as usize].per_tier[ti]
+            .fifo
+            .iter()
+            .filter_map(|t| self.peek_slot(*t).map(|s| (*t, s)))
+            .take(SHORTEST_WINDOW)
+            .min_by_key(|(_, s)| s.cost)
     }
 
     /// Offers tier `ti`'s entries pushed at or before `due` to `judge`, oldest first, each
@@ -610,16 +646,34 @@ impl<T, K: Hash + Eq + Ord + Clone> FairQueue<T, K> {
         }
     }
 
-    /// Pops the head entry of tenant `id` in tier `ti` (whose counter is `counter`). An aged
+    /// Pops entry `ticket` of tenant `id` in tier `ti` (whose counter is `counter`). An aged
     /// pop (out of the fair order) does not raise the tier's floor to its counter.
-    fn pop_head(&mut self, ti: usize, counter: u128, id: u32, aged: bool) -> Option<Entry<T, K>> {
+    fn pop_entry(
+        &mut self,
+        ti: usize,
+        counter: u128,
+        id: u32,
+        aged: bool,
+        ticket: u64,
+    ) -> Option<Entry<T, K>> {
+        let slot = self.take(ticket)?;
         self.tiers[ti].active.remove(&(counter, id));
-        let (ticket, slot) = loop {
-            let t = self.tenants[id as usize].per_tier[ti].fifo.pop_front()?;
-            if let Some(s) = self.take(t) {
-                break (t, s);
+        {
+            // Dead tickets leave the FIFO from its front; one taken from the middle (shortest
+            // first) waits there until the FIFO is compacted.
+            let slab = &self.slab;
+            let live = |t: &u64| {
+                let (idx, generation) = split(*t);
+                matches!(slab.get(idx), Some(s) if s.generation == generation && s.data.is_some())
+            };
+            let tt = &mut self.tenants[id as usize].per_tier[ti];
+            while tt.fifo.front().is_some_and(|t| !live(t)) {
+                tt.fifo.pop_front();
             }
-        };
+            if tt.fifo.len() > 2 * tt.live + 16 {
+                tt.fifo.retain(|t| live(t));
+            }
+        }
         let tq = &mut self.tiers[ti];
         let rec = &mut self.tenants[id as usize];
         let tt = &mut rec.per_tier[ti];
@@ -1171,5 +1225,30 @@ mod tests {
                 .item,
             1
         );
+    }
+
+    #[test]
+    fn shortest_first_inside_a_tenant_fair_order_across() {
+        let mut fq = q(100, u64::MAX);
+        for (i, cost) in [(1, 50), (2, 10), (3, 30)] {
+            fq.push(Tier(0), "a", cost, T0, Timestamp::MAX, i).unwrap();
+        }
+        fq.push(Tier(0), "b", 20, T0, Timestamp::MAX, 9).unwrap();
+        let order = |fq: &mut FairQueue<u32, &'static str>| -> Vec<u32> {
+            std::iter::from_fn(|| fq.pop_ready(T0, |_, _, _, _| Pick::Take).map(|e| e.item))
+                .collect()
+        };
+        let mut fifo = q(100, u64::MAX);
+        for (i, cost) in [(1, 50), (2, 10), (3, 30)] {
+            fifo.push(Tier(0), "a", cost, T0, Timestamp::MAX, i)
+                .unwrap();
+        }
+        fifo.push(Tier(0), "b", 20, T0, Timestamp::MAX, 9).unwrap();
+        assert_eq!(order(&mut fifo), vec![1, 9, 2, 3]);
+        fq.set_shortest_first(true);
+        // a's turns take its cheapest first; b's turn comes where the counters put it.
+        assert_eq!(order(&mut fq), vec![2, 9, 3, 1]);
+        assert!(fq.is_empty());
+        assert_eq!(fq.queued_tokens(), 0);
     }
 }

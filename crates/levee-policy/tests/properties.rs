@@ -732,6 +732,7 @@ proptest! {
     fn aging_bounds_the_wait_of_an_aged_entry(
         weights in prop::collection::vec(1u32..200, 4),
         horizon_ms in 1u64..100,
+        shortest_first in any::<bool>(),
         ops in prop::collection::vec(a_op(), 1..400),
     ) {
         let mut q: FairQueue<u64, u8> =
@@ -740,6 +741,7 @@ proptest! {
             q.set_weight(t as u8, *w);
         }
         q.set_aging(Some(Duration::from_millis(horizon_ms)));
+        q.set_shortest_first(shortest_first);
         // (seq, tier, pushed at ms, ticket, pops of its tier allowed once due)
         let mut live: Vec<(u64, u8, u64, Ticket, Option<usize>)> = Vec::new();
         let (mut seq, mut now) = (0u64, 0u64);
@@ -783,6 +785,7 @@ proptest! {
                     live.retain(|l| l.0 != e.item);
                 }
             }
+            prop_assert_eq!(q.len(), live.len());
         }
     }
 }
