@@ -1,5 +1,5 @@
 //! The response cache in a request's path (see [`crate::response_cache`] for what is kept):
-//! the key is taken after classify for a tenant that opted in; a stored answer is served
+//! the key is taken at classify for a tenant that opted in; a stored answer is served
 //! instead of admission while the requested model's lane is degraded to `cache.from_level`
 //! or past it, and instead of a refusal when none of its backends can serve; a backend's
 //! undegraded 200 answer to a non-streamed request is kept.
@@ -13,12 +13,13 @@ use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use http::{HeaderValue, StatusCode};
 
-/// The request's cache key, if its tenant opted in and the request is deterministic.
-pub(super) fn key(gw: &Gateway, tenant: &Tenant, c: &Classified, body: &[u8]) -> Option<CacheKey> {
-    if !tenant.response_cache() || gw.config().cache.max_bytes == 0 {
+/// The request's cache key, if its tenant opted in (`ctx`) and the request is
+/// deterministic. Taken at classify, while the body is still at hand.
+pub(super) fn key(gw: &Gateway, ctx: &RequestCtx, model: &str, body: &[u8]) -> Option<CacheKey> {
+    if !ctx.response_cache || gw.config().cache.max_bytes == 0 {
         return None;
     }
-    key_of(&tenant.name, &c.parsed.model, body).ok()
+    key_of(&ctx.tenant, model, body).ok()
 }
 
 /// The stored answer, when the requested model's lane is degraded to `cache.from_level`

@@ -110,10 +110,11 @@ pub(super) fn classify(
     };
     let cap = (parsed.max_tokens != Some(max_tokens)).then_some(max_tokens);
     let session = ctx.session.or(parsed.conversation);
+    let cache = super::cached::key(gw, ctx, &parsed.model, body);
     Ok(Classified {
         session,
         level: decision.level,
-        cache: None,
+        cache,
         parsed,
         target,
         lane,

@@ -65,6 +65,8 @@ pub(crate) struct RequestCtx {
     request: Option<RequestId>,
     /// The session its header names, when affinity is on.
     session: Option<u64>,
+    /// Its tenant opted in to the response cache.
+    response_cache: bool,
     /// The request's span; phases are its children.
     span: Span,
 }
@@ -82,11 +84,13 @@ impl RequestCtx {
             lane: None,
             request,
             session: None,
+            response_cache: false,
         }
     }
 
     fn set_tenant(&mut self, tenant: &Tenant, seat: &Seat) {
         self.tenant = tenant.name.clone();
+        self.response_cache = tenant.response_cache();
         self.tier = seat.tier.clone();
         self.span.record("tenant", &*tenant.name);
     }
@@ -201,8 +205,7 @@ async fn serve(
     let rt = gw.runtime();
     let c = debug_span!("classify").in_scope(|| classify::classify(gw, &rt, &seat, body, ctx));
     ctx.span.record("model", &*ctx.model);
-    let mut c = c?;
-    c.cache = cached::key(gw, &tenant, &c, body);
+    let c = c?;
     if let Some(resp) = cached::when_degraded(gw, &tenant, &c, ctx) {
         return Ok(resp);
     }
