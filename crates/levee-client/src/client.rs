@@ -1,4 +1,7 @@
-use crate::{retry_after, Decision, GiveUp, Outcome, RetryBudget, RetryBudgetConfig, RetryPolicy};
+use crate::{
+    retry_after, Decision, Degradation, GiveUp, Outcome, RetryBudget, RetryBudgetConfig,
+    RetryPolicy,
+};
 use rand::rngs::SmallRng;
 use rand::SeedableRng;
 use std::sync::Mutex;
@@ -78,7 +81,9 @@ impl Client {
     }
 
     /// POSTs `body` to `/v1/chat/completions`, retrying per the policy, and returns the first
-    /// successful (2xx) response. The response body is not read, so streaming works.
+    /// successful (2xx) response. The response body is not read, so streaming works. An
+    /// answer marked `x-levee-degraded` is final, success or not: read its measures with
+    /// [`Degradation::from_headers`].
     pub async fn chat_completion(
         &self,
         body: &serde_json::Value,
@@ -103,20 +108,22 @@ impl Client {
             if let Some(key) = &self.api_key {
                 request = request.bearer_auth(key);
             }
-            let (outcome, wait, result) = match request.send().await {
+            let (outcome, wait, degraded, result) = match request.send().await {
                 Ok(response) if response.status().is_success() => return Ok(response),
                 Ok(response) => {
                     let wait = retry_after::from_headers(response.headers(), SystemTime::now());
+                    let degraded = Degradation::from_headers(response.headers()).is_some();
                     (
                         Outcome::Status(response.status().as_u16()),
                         wait,
+                        degraded,
                         Ok(response),
                     )
                 }
-                Err(e) if e.is_timeout() => (Outcome::Timeout, None, Err(e)),
-                Err(e) => (Outcome::Connect, None, Err(e)),
+                Err(e) if e.is_timeout() => (Outcome::Timeout, None, false, Err(e)),
+                Err(e) => (Outcome::Connect, None, false, Err(e)),
             };
-            let decision = self.decide(attempts, outcome, wait);
+            let decision = self.decide(attempts, outcome, wait, degraded);
             match (decision, result) {
                 (Decision::Retry(delay), _) => tokio::time::sleep(delay).await,
                 (Decision::GiveUp(reason), Ok(response)) => {
@@ -143,15 +150,22 @@ impl Client {
         }
     }
 
-    fn decide(&self, attempts: u32, outcome: Outcome, wait: Option<Duration>) -> Decision {
+    fn decide(
+        &self,
+        attempts: u32,
+        outcome: Outcome,
+        wait: Option<Duration>,
+        degraded: bool,
+    ) -> Decision {
         // A poisoned lock only means another task panicked mid-decision; the budget's
         // numbers are still valid, so keep using them.
         let mut budget = self.budget.lock().unwrap_or_else(|e| e.into_inner());
         let mut rng = self.rng.lock().unwrap_or_else(|e| e.into_inner());
-        self.policy.decide(
+        self.policy.decide_marked(
             attempts,
             outcome,
             wait,
+            degraded,
             &mut budget,
             Instant::now(),
             &mut *rng,

@@ -14,14 +14,20 @@
 //!   as an HTTP date, or `retry-after-ms`);
 //! - retry at most a fixed share of requests ([`RetryBudget`]), so that retries can never
 //!   multiply the load on a server that is already failing.
+//!
+//! Two more for levee in particular: the wait a server asked for is spread by a random share
+//! of it (`RetryPolicy::retry_after_jitter`), so clients refused together do not return
+//! together; and an answer marked `x-levee-degraded` ([`Degradation`]) is final, never retried.
 
 mod backoff;
 mod budget;
 mod client;
+mod degraded;
 mod policy;
 pub mod retry_after;
 
 pub use backoff::Backoff;
 pub use budget::{RetryBudget, RetryBudgetConfig};
 pub use client::{Client, ClientError};
+pub use degraded::Degradation;
 pub use policy::{Decision, GiveUp, Outcome, RetryPolicy};

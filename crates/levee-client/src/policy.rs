@@ -36,6 +36,10 @@ pub enum GiveUp {
     BudgetExhausted,
     /// The server asked for a longer wait than the policy accepts.
     RetryAfterTooLong(Duration),
+    /// The answer is marked degraded (`x-levee-degraded`): the server chose to answer less
+    /// (a capped `max_tokens`, a fallback model, a canned or cached reply) because it is
+    /// overloaded, and asking again would add load for the same answer.
+    Degraded,
 }
 
 /// The policy's answer after a failed attempt.
@@ -57,6 +61,10 @@ pub struct RetryPolicy {
     pub max_attempts: u32,
     /// A `Retry-After` longer than this makes the client give up rather than wait.
     pub max_retry_after: Duration,
+    /// Share of the server's `Retry-After` added at random (0.2: the wait is drawn from
+    /// `[retry_after, 1.2 × retry_after]`), so that clients refused together do not all come
+    /// back at the same instant; never earlier than asked.
+    pub retry_after_jitter: f64,
 }
 
 impl Default for RetryPolicy {
@@ -65,6 +73,7 @@ impl Default for RetryPolicy {
             backoff: Backoff::default(),
             max_attempts: 4,
             max_retry_after: Duration::from_secs(60),
+            retry_after_jitter: 0.2,
         }
     }
 }
@@ -72,9 +81,10 @@ impl Default for RetryPolicy {
 impl RetryPolicy {
     /// Decides after attempt number `attempts_made` (1 = the first attempt just failed).
     ///
-    /// The delay is the jittered backoff, raised to the server's `retry_after` when that is
-    /// longer: the server knows its queue, the client does not. A retry token is taken from
-    /// `budget` only when every other check passed, so refusals cost nothing.
+    /// The delay is the jittered backoff, raised to the server's `retry_after` (plus up to
+    /// `retry_after_jitter` of it, at random) when that is longer: the server knows its
+    /// queue, the client does not. A retry token is taken from `budget` only when every
+    /// other check passed, so refusals cost nothing.
     pub fn decide<R: RngExt + ?Sized>(
         &self,
         attempts_made: u32,
@@ -84,8 +94,27 @@ impl RetryPolicy {
         now: Instant,
         rng: &mut R,
     ) -> Decision {
+        self.decide_marked(attempts_made, outcome, retry_after, false, budget, now, rng)
+    }
+
+    /// [`RetryPolicy::decide`] for an answer that may carry `x-levee-degraded`
+    /// (`degraded`): a degraded answer is never retried ([`GiveUp::Degraded`]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn decide_marked<R: Rng + ?Sized>(
+        &self,
+        attempts_made: u32,
+        outcome: Outcome,
+        retry_after: Option<Duration>,
+        degraded: bool,
+        budget: &mut RetryBudget,
+        now: Instant,
+        rng: &mut R,
+    ) -> Decision {
         if !outcome.is_retryable() {
             return Decision::GiveUp(GiveUp::NotRetryable);
+        }
+        if degraded {
+            return Decision::GiveUp(GiveUp::Degraded);
         }
         if attempts_made >= self.max_attempts {
             return Decision::GiveUp(GiveUp::MaxAttempts);
@@ -99,6 +128,20 @@ impl RetryPolicy {
             return Decision::GiveUp(GiveUp::BudgetExhausted);
         }
         let jitter = self.backoff.delay(attempts_made.saturating_sub(1), rng);
-        Decision::Retry(retry_after.map_or(jitter, |wait| wait.max(jitter)))
+        let asked = retry_after.map(|wait| self.spread(wait, rng));
+        Decision::Retry(asked.map_or(jitter, |wait| wait.max(jitter)))
+    }
+
+    /// `wait` plus a uniform share of it in `[0, retry_after_jitter]`.
+    fn spread<R: Rng + ?Sized>(&self, wait: Duration, rng: &mut R) -> Duration {
+        let share = if self.retry_after_jitter.is_finite() {
+            self.retry_after_jitter.clamp(0.0, 10.0)
+        } else {
+            0.0
+        };
+        if share == 0.0 || wait.is_zero() {
+            return wait;
+        }
+        wait + wait.mul_f64(rng.gen_range(0.0..=share))
     }
 }

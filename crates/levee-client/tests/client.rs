@@ -51,6 +51,7 @@ fn policy() -> RetryPolicy {
         },
         max_attempts: 4,
         max_retry_after: Duration::from_secs(5),
+        retry_after_jitter: 0.2,
     }
 }
 
@@ -111,4 +112,70 @@ async fn gives_up_after_max_attempts_with_the_status() {
         other => panic!("unexpected {other:?}"),
     }
     assert_eq!(seen.lock().await.len(), 4);
+}
+
+/// A server whose every answer carries `x-levee-degraded` with `status`.
+async fn degraded_server(status: StatusCode) -> (String, Arc<AtomicU32>) {
+    let count = Arc::new(AtomicU32::new(0));
+    let c = count.clone();
+    let app = Router::new().route(
+        "/v1/chat/completions",
+        post(move || {
+            let c = c.clone();
+            async move {
+                c.fetch_add(1, Ordering::SeqCst);
+                (
+                    status,
+                    [
+                        ("x-levee-degraded", "max_tokens=64"),
+                        ("retry-after-ms", "1"),
+                    ],
+                    r#"{"choices":[]}"#,
+                )
+                    .into_response()
+            }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    (format!("http://{addr}"), count)
+}
+
+#[tokio::test]
+async fn a_degraded_answer_is_final() {
+    let make = |url: &str| {
+        Client::new(
+            url,
+            None,
+            policy(),
+            RetryBudgetConfig::default(),
+            Duration::from_secs(5),
+            Some(1),
+        )
+        .unwrap()
+    };
+    // A capped 200 comes back as it is, marked.
+    let (url, count) = degraded_server(StatusCode::OK).await;
+    let r = make(&url)
+        .chat_completion(&serde_json::json!({}))
+        .await
+        .unwrap();
+    let d = levee_client::Degradation::from_headers(r.headers()).unwrap();
+    assert_eq!(d.max_tokens_cap(), Some(64));
+    assert_eq!(count.load(Ordering::SeqCst), 1);
+    // A degraded error is not retried either, though 503 alone would be.
+    let (url, count) = degraded_server(StatusCode::SERVICE_UNAVAILABLE).await;
+    match make(&url).chat_completion(&serde_json::json!({})).await {
+        Err(ClientError::Status {
+            status,
+            attempts,
+            reason,
+            ..
+        }) => {
+            assert_eq!((status, attempts, reason), (503, 1, GiveUp::Degraded));
+        }
+        other => panic!("unexpected {other:?}"),
+    }
+    assert_eq!(count.load(Ordering::SeqCst), 1);
 }

@@ -33,7 +33,7 @@ proptest! {
         attempt in 1u32..4,
         seed: u64,
     ) {
-        let policy = RetryPolicy { backoff, max_attempts: 10, max_retry_after: Duration::from_secs(60) };
+        let policy = RetryPolicy { backoff, max_attempts: 10, max_retry_after: Duration::from_secs(60), retry_after_jitter: 0.2 };
         let now = Instant::now();
         let mut budget = RetryBudget::new(RetryBudgetConfig { ratio: 1.0, min_per_sec: 0.0, max_tokens: 100.0 }, now);
         let mut rng = SmallRng::seed_from_u64(seed);
@@ -41,7 +41,7 @@ proptest! {
         match policy.decide(attempt, Outcome::Status(429), Some(wait), &mut budget, now, &mut rng) {
             Decision::Retry(d) => {
                 prop_assert!(d >= wait, "waited {d:?} < asked {wait:?}");
-                prop_assert!(d <= wait.max(backoff.cap));
+                prop_assert!(d <= wait.mul_f64(1.2).max(backoff.cap) + Duration::from_nanos(1));
             }
             Decision::GiveUp(GiveUp::RetryAfterTooLong(w)) => prop_assert!(w > policy.max_retry_after),
             other => prop_assert!(false, "unexpected {other:?}"),
@@ -127,4 +127,104 @@ fn ten_percent_budget_under_total_failure() {
     }
     assert!(retries <= 110, "{retries}");
     assert!(retries >= 100, "budget should allow ~10%: {retries}");
+}
+
+/// Clients refused together with one Retry-After come back spread over
+/// `[retry_after, 1.2 × retry_after]`, not at one instant.
+#[test]
+fn retry_after_is_spread_by_jitter() {
+    let policy = RetryPolicy {
+        backoff: Backoff {
+            base: Duration::from_millis(1),
+            cap: Duration::from_millis(1),
+            multiplier: 1.0,
+        },
+        ..RetryPolicy::default()
+    };
+    let now = Instant::now();
+    let wait = Duration::from_secs(2);
+    let mut rng = SmallRng::seed_from_u64(7);
+    let mut waits = Vec::new();
+    for _ in 0..1000 {
+        let mut budget = RetryBudget::new(RetryBudgetConfig::default(), now);
+        match policy.decide(
+            1,
+            Outcome::Status(429),
+            Some(wait),
+            &mut budget,
+            now,
+            &mut rng,
+        ) {
+            Decision::Retry(d) => waits.push(d.as_secs_f64()),
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    let min = waits.iter().cloned().fold(f64::MAX, f64::min);
+    let max = waits.iter().cloned().fold(0.0, f64::max);
+    assert!(min >= 2.0 && max <= 2.4 + 1e-9, "{min} .. {max}");
+    // Spread over the window: each fifth of it gets a share of the clients.
+    for k in 0..5 {
+        let lo = 2.0 + 0.08 * k as f64;
+        let n = waits.iter().filter(|&&w| w >= lo && w < lo + 0.08).count();
+        assert!(n > 100, "fifth {k}: {n} of 1000");
+    }
+    // Without jitter every client comes back at exactly the asked time.
+    let exact = RetryPolicy {
+        retry_after_jitter: 0.0,
+        ..policy
+    };
+    let mut budget = RetryBudget::new(RetryBudgetConfig::default(), now);
+    assert_eq!(
+        exact.decide(
+            1,
+            Outcome::Status(429),
+            Some(wait),
+            &mut budget,
+            now,
+            &mut rng
+        ),
+        Decision::Retry(wait)
+    );
+}
+
+/// A degraded answer is final: even a retryable status is not retried, and no retry token
+/// is spent on it.
+#[test]
+fn a_degraded_answer_is_not_retried() {
+    let policy = RetryPolicy::default();
+    let now = Instant::now();
+    let config = RetryBudgetConfig {
+        ratio: 0.0,
+        min_per_sec: 0.0,
+        max_tokens: 1.0,
+    };
+    let mut budget = RetryBudget::new(config, now);
+    let mut rng = SmallRng::seed_from_u64(1);
+    for status in [429, 500, 503] {
+        assert_eq!(
+            policy.decide_marked(
+                1,
+                Outcome::Status(status),
+                None,
+                true,
+                &mut budget,
+                now,
+                &mut rng
+            ),
+            Decision::GiveUp(GiveUp::Degraded)
+        );
+    }
+    // The one token is still there for an unmarked failure.
+    assert!(matches!(
+        policy.decide_marked(
+            1,
+            Outcome::Status(503),
+            None,
+            false,
+            &mut budget,
+            now,
+            &mut rng
+        ),
+        Decision::Retry(_)
+    ));
 }

@@ -43,6 +43,10 @@ pub struct Config {
     pub scrape: ScrapeConfig,
     /// KV-cache budgets of the backends.
     pub kv: KvConfig,
+    /// Session affinity: a conversation's turns prefer the backend that holds its prefix.
+    pub affinity: AffinityConfig,
+    /// The response cache (for tenants with `response_cache = true`).
+    pub cache: CacheConfig,
     /// Who may use the admin listener.
     pub admin: AdminConfig,
     /// The backend replica recommendation exported for autoscalers.
@@ -103,6 +107,8 @@ impl Default for Config {
             degrade: DegradeConfig::default(),
             scrape: ScrapeConfig::default(),
             kv: KvConfig::default(),
+            affinity: AffinityConfig::default(),
+            cache: CacheConfig::default(),
             admin: AdminConfig::default(),
             autoscale: AutoscaleConfig::default(),
             observe: ObserveConfig::default(),
@@ -334,6 +340,9 @@ pub struct TenantConfig {
     /// Environment variable holding the secret that signs this tenant's task callbacks
     /// (HMAC-SHA256). Without it the tenant's tasks cannot ask for a `callback_url`.
     pub callback_secret_env: Option<String>,
+    /// Keep this tenant's answers to deterministic requests and serve them, marked, when
+    /// the model's lane is degraded past `cache.from_level` or no backend can serve.
+    pub response_cache: bool,
 }
 
 impl Default for TenantConfig {
@@ -349,6 +358,7 @@ impl Default for TenantConfig {
             max_concurrency: 0,
             weight: 1.0,
             callback_secret_env: None,
+            response_cache: false,
         }
     }
 }
@@ -633,6 +643,12 @@ pub struct QueueConfig {
     /// another tenant of its priority is active, one past its share (and burst allowance)
     /// must leave the others their waiting demand and a pooled burst headroom.
     pub fair_share_window_ms: u64,
+    /// Priority aging inside a tier: a request that has waited this long goes before those
+    /// of its tier that have not, oldest first, whatever its tenant's weight (0 = off).
+    pub aging_ms: u64,
+    /// Inside one tenant's backlog, its cheapest request (prompt + completion budget) of its
+    /// 32 oldest goes first instead of its oldest (the order across tenants is unchanged).
+    pub shortest_first: bool,
 }
 
 impl Default for QueueConfig {
@@ -643,6 +659,8 @@ impl Default for QueueConfig {
             hard: 4_096,
             max_queued_tokens: 0,
             fair_share_window_ms: 60_000,
+            aging_ms: 0,
+            shortest_first: false,
         }
     }
 }
@@ -890,6 +908,64 @@ impl Default for KvConfig {
     }
 }
 
+/// Session affinity with bounded load. A request's session is the value of
+/// `session_header` when the client sends it, else a hash of its conversation's opening
+/// (the messages up to and including the first user message), which every later turn
+/// resends. A session goes back to the backend that served it last while that backend has
+/// room and holds at most `⌈(1 + epsilon) ×` its capacity share of the lane's requests`⌉`;
+/// else to the least-loaded backend.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct AffinityConfig {
+    /// Off by default: backends are chosen by load alone.
+    pub enabled: bool,
+    /// How far above its share of the lane's load a session's backend may go (≥ 0).
+    pub epsilon: f64,
+    /// The header naming a session (`""`: conversations are recognised by their opening
+    /// messages only).
+    pub session_header: String,
+    /// Sessions remembered per model (the oldest are forgotten first).
+    pub max_sessions: usize,
+}
+
+impl Default for AffinityConfig {
+    fn default() -> Self {
+        AffinityConfig {
+            enabled: false,
+            epsilon: 0.25,
+            session_header: "x-session-id".to_string(),
+            max_sessions: 100_000,
+        }
+    }
+}
+
+/// The response cache: answers to deterministic requests (`temperature` 0, one choice) of
+/// the tenants that opted in (`response_cache = true`), served marked
+/// `x-levee-degraded: cache` when the model's lane is at degradation level `from_level` or
+/// above, or when none of its backends can serve. Changing `max_bytes` or `ttl_ms` takes a
+/// restart.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct CacheConfig {
+    /// Most bytes of answers kept (least recently used out first; 0: nothing is kept).
+    pub max_bytes: u64,
+    /// An answer older than this is not served.
+    pub ttl_ms: u64,
+    /// The lane's degradation level from which stored answers are served instead of
+    /// admitting the request (0: only when no backend can serve).
+    pub from_level: u8,
+}
+
+impl Default for CacheConfig {
+    fn default() -> Self {
+        CacheConfig {
+            max_bytes: 64 << 20,
+            ttl_ms: 600_000,
+            from_level: 2,
+        }
+    }
+}
+
 /// The environment variable holding the admin token.
 pub const ADMIN_TOKEN_ENV: &str = "LEVEE_ADMIN_TOKEN";
 
@@ -1061,7 +1137,33 @@ impl Config {
         self.check_limits(&mut errs);
         self.check_server(&mut errs);
         self.check_tasks(&mut errs);
+        self.check_affinity(&mut errs);
         errs
+    }
+
+    /// Session affinity: a sane ε, a valid header name, room for sessions.
+    fn check_affinity(&self, errs: &mut Vec<String>) {
+        let a = &self.affinity;
+        if !a.epsilon.is_finite() || a.epsilon < 0.0 {
+            errs.push(format!(
+                "affinity.epsilon: {} must be a number ≥ 0",
+                a.epsilon
+            ));
+        }
+        if !a.session_header.is_empty()
+            && http::HeaderName::from_bytes(a.session_header.as_bytes()).is_err()
+        {
+            errs.push(format!(
+                "affinity.session_header: {:?} is not a valid header name",
+                a.session_header
+            ));
+        }
+        if a.enabled && a.max_sessions == 0 {
+            errs.push("affinity.max_sessions: must be > 0 when affinity is enabled".to_string());
+        }
+        if self.cache.ttl_ms == 0 {
+            errs.push("cache.ttl_ms: must be > 0".to_string());
+        }
     }
 
     /// Tiers: at least one, each with its own priority and a wait.

@@ -34,6 +34,8 @@ pub struct Gateway {
     ip_guard: Mutex<KeyedGcra<IpAddr>>,
     scaling: crate::autoscale::Scaling,
     shared: Option<Arc<crate::shared::Shared>>,
+    /// Stored answers of the tenants that opted in.
+    response_cache: crate::response_cache::ResponseCache,
 }
 
 impl std::fmt::Debug for Gateway {
@@ -89,7 +91,13 @@ impl Gateway {
             in_flight: AtomicI64::new(0),
             stopped: CancellationToken::new(),
         });
+        let cache = &rt.cfg.cache;
+        let response_cache = crate::response_cache::ResponseCache::new(
+            usize::try_from(cache.max_bytes).unwrap_or(usize::MAX),
+            Duration::from_millis(cache.ttl_ms),
+        );
         let gw = Arc::new(Gateway {
+            response_cache,
             degrader: Mutex::new(Degrader::new(&rt.cfg)),
             ip_guard: Mutex::new(KeyedGcra::new(ip_quota(&rt.cfg), 100_000)),
             runtime: RwLock::new(Arc::new(rt)),
@@ -104,6 +112,11 @@ impl Gateway {
         gw.set_tenant_series();
         gw.sync_lanes();
         Ok(gw)
+    }
+
+    /// The response cache.
+    pub(crate) fn response_cache(&self) -> &crate::response_cache::ResponseCache {
+        &self.response_cache
     }
 
     /// The configuration in force.

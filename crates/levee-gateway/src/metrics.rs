@@ -182,6 +182,9 @@ pub struct Metrics {
     pub backend_kv_budget: Family<BackendLabel, Gauge>,
     /// `levee_prompt_estimate_ratio{model}`: prompt estimate ÷ the backend's count.
     pub estimate_ratio: Family<ModelLabel, Histogram>,
+    /// `levee_prompt_cached_tokens_total{model}`: prompt tokens the backends found in their
+    /// prefix cache (`usage.prompt_tokens_details.cached_tokens`).
+    pub prompt_cached_tokens: Family<ModelLabel, Counter>,
     /// `levee_backend_load{backend}`: last scraped running + waiting.
     pub backend_load: Family<BackendLabel, Gauge<f64, AtomicU64>>,
     /// `levee_backend_kv_usage_ratio{backend}`: last scraped KV-cache use (0..1).
@@ -389,6 +392,7 @@ impl Metrics {
             backend_tokens_in_flight: Family::default(),
             backend_kv_budget: Family::default(),
             estimate_ratio: histograms(ratio_histogram),
+            prompt_cached_tokens: Family::default(),
             backend_load: Family::default(),
             backend_kv: Family::default(),
             backend_healthy: Family::default(),
@@ -440,6 +444,13 @@ impl Metrics {
         let degraded = "Requests served degraded, by measure";
         add(r, "degraded", degraded, &self.degraded);
         add(r, "shed", "Requests shed by degradation", &self.shed);
+        let cached = "Prompt tokens the backends found in their prefix cache";
+        add(
+            r,
+            "prompt_cached_tokens",
+            cached,
+            &self.prompt_cached_tokens,
+        );
         add(r, "tokens", "LLM tokens by tenant and kind", &self.tokens);
         let abandoned = "Clients that left before their answer ended, by tenant and phase";
         add(r, "tenant_abandoned", abandoned, &self.tenant_abandoned);

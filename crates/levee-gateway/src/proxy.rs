@@ -44,6 +44,9 @@ pub struct ClientRequest {
     pub choices: u32,
     /// The body names its cap `max_completion_tokens` (a cap is written under that key).
     has_max_completion_tokens: bool,
+    /// The conversation it continues (see [`crate::session::of_conversation`]), when asked
+    /// for at parse.
+    pub conversation: Option<u64>,
 }
 
 /// The top-level fields of a request body the gateway reads; later duplicates win, as with
@@ -246,7 +249,16 @@ impl ClientRequest {
     /// Parses a request body. `raw` should be an allocation of its own (see the type doc).
     /// The prompt's text comes back beside it, to be counted and dropped (a queued request
     /// keeps only its raw body).
+    #[cfg(test)]
     pub fn parse(raw: Bytes) -> Result<(ClientRequest, PromptText), GatewayError> {
+        Self::parse_keyed(raw, false)
+    }
+
+    /// [`ClientRequest::parse`], also keying the conversation when `conversation` is set.
+    pub fn parse_keyed(
+        raw: Bytes,
+        conversation: bool,
+    ) -> Result<(ClientRequest, PromptText), GatewayError> {
         use serde_json::Value;
         let head: Head = serde_json::from_slice(&raw).map_err(|e| {
             if e.classify() == serde_json::error::Category::Data {
@@ -309,6 +321,9 @@ impl ClientRequest {
             head.prompt.as_ref(),
             &[head.tools.as_ref(), head.functions.as_ref()],
         );
+        let conversation = conversation
+            .then(|| crate::session::of_conversation(head.messages.as_ref()))
+            .flatten();
         Ok((
             ClientRequest {
                 raw,
@@ -318,6 +333,7 @@ impl ClientRequest {
                 client_wants_usage,
                 choices,
                 has_max_completion_tokens,
+                conversation,
             },
             prompt,
         ))
@@ -373,9 +389,26 @@ pub struct Usage {
     /// Total tokens.
     #[serde(default)]
     pub total_tokens: u64,
+    /// What the backend says of the prompt (`cached_tokens`), if it says.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prompt_tokens_details: Option<PromptTokensDetails>,
+}
+
+/// `usage.prompt_tokens_details`.
+#[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq, Eq, serde::Serialize)]
+pub struct PromptTokensDetails {
+    /// Prompt tokens found in the engine's prefix cache (their prefill was skipped).
+    #[serde(default)]
+    pub cached_tokens: u64,
 }
 
 impl Usage {
+    /// Prompt tokens the engine found in its prefix cache (0 when it does not say).
+    pub fn cached_tokens(&self) -> u64 {
+        self.prompt_tokens_details
+            .map_or(0, |d| d.cached_tokens.min(self.prompt_tokens))
+    }
+
     /// Total, falling back to the sum when a backend omits `total_tokens`.
     pub fn total(&self) -> u64 {
         if self.total_tokens > 0 {
@@ -526,13 +559,14 @@ fn closed_before_answer(e: &hyper_util::client::legacy::Error) -> bool {
     false
 }
 
-/// Reads a whole non-streaming response, learning its usage.
+/// Reads a whole non-streaming response, learning its usage; `keep` sees the body of a 200.
 pub async fn finish_buffered(
     resp: http::Response<Incoming>,
     mut settlement: Settlement,
     deadline: Instant,
     sent_at: Instant,
     extra: &[(&'static str, HeaderValue)],
+    keep: impl FnOnce(&Bytes),
 ) -> Result<Response, GatewayError> {
     let (parts, body) = resp.into_parts();
     settlement.outcome.status = parts.status.as_u16();
@@ -562,6 +596,9 @@ pub async fn finish_buffered(
         settlement.outcome.usage = serde_json::from_slice::<WithUsage>(&bytes)
             .ok()
             .and_then(|w| w.usage);
+        if parts.status == http::StatusCode::OK {
+            keep(&bytes);
+        }
     }
     settlement.finish();
     let mut out = Response::new(Body::from(bytes));

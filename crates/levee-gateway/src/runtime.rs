@@ -39,6 +39,11 @@ impl Tenant {
         self.cfg.weight
     }
 
+    /// Whether its deterministic answers are kept and served by the response cache.
+    pub fn response_cache(&self) -> bool {
+        self.cfg.response_cache
+    }
+
     /// The secret that signs its task callbacks, from `callback_secret_env`.
     pub fn callback_secret(&self) -> Option<String> {
         let var = self.cfg.callback_secret_env.as_ref()?;
@@ -367,6 +372,13 @@ impl Runtime {
             n => n,
         };
         lane.fair_share_window = Duration::from_millis(q.fair_share_window_ms);
+        lane.aging = (q.aging_ms > 0).then(|| Duration::from_millis(q.aging_ms));
+        lane.shortest_first = q.shortest_first;
+        let a = &self.cfg.affinity;
+        lane.affinity = a.enabled.then_some(levee_policy::AffinityConfig {
+            epsilon: a.epsilon,
+            max_sessions: a.max_sessions,
+        });
         lane.kv_headroom = self.cfg.kv.headroom;
         lane.report_max_age = Duration::from_millis(self.cfg.kv.report_max_age_ms);
         lane.breaker = self.cfg.breaker.to_policy();

@@ -221,6 +221,7 @@ impl<K: std::hash::Hash + Eq + Ord + Clone> Bench<K> {
                 prompt_tokens: 200 + (t as u64 * 37) % 800,
                 completion_tokens: 256,
                 max_wait: None,
+                session: None,
             };
             reqs.push((req, limits));
         }

@@ -21,6 +21,7 @@
 //! A [`Grant`] must end in exactly one of `complete`, `refund` or (while queued) `cancel`;
 //! dropping one leaks its backend slot. The gateway wraps it in an RAII guard.
 
+use crate::affinity::SessionKey;
 use crate::breaker::Outcome;
 use crate::clock::Timestamp;
 use crate::concurrency::Permit;
@@ -133,6 +134,8 @@ pub struct AdmissionRequest<K> {
     pub completion_tokens: u64,
     /// The client's own limit on queueing, if shorter than the tier budget.
     pub max_wait: Option<Duration>,
+    /// Its conversation, for session affinity (see [`crate::LaneConfig::affinity`]).
+    pub session: Option<SessionKey>,
 }
 
 impl<K> AdmissionRequest<K> {
@@ -155,6 +158,7 @@ pub struct Grant<K> {
     /// `(request rate, token rate)` charged at each scope (global, model, tenant, heavy).
     charged: [Charged; 4],
     admitted_at: Timestamp,
+    session: Option<SessionKey>,
     placement: Option<Placement>,
     /// The tenant's limits, to settle with (and to keep its state while it is out).
     limits: Arc<TenantLimits>,
@@ -425,6 +429,7 @@ impl<T, K: Hash + Eq + Ord + Clone> LaneAdmission<T, K> {
             tokens: est,
             charged,
             admitted_at: now,
+            session: req.session,
             placement: None,
             limits: tenant.clone(),
             _permits: permits,
@@ -465,6 +470,7 @@ impl<T, K: Hash + Eq + Ord + Clone> LaneAdmission<T, K> {
         lane.note_admitted(req.tier, est, now);
         if let Some(i) = placed.target {
             if let Some(p) = lane.place(i, &req.tenant, est, now) {
+                lane.note_session(req.session, i);
                 lane.charge(req.tier, &req.tenant, est);
                 grant.placement = Some(p);
                 return Admit::Dispatch(Dispatched {
@@ -512,7 +518,9 @@ impl<T, K: Hash + Eq + Ord + Clone> LaneAdmission<T, K> {
         now: Timestamp,
     ) -> Option<Dispatched<T, K>> {
         loop {
-            let (e, i) = self.lane.next_ready(now, |_, cost| cost)?;
+            let (e, i) = self
+                .lane
+                .next_ready(now, |_, cost| cost, |p| p.grant.session)?;
             if e.deadline <= now {
                 // Expiry runs on its own timer; leave this one for it.
                 self.expired.push(e);
@@ -525,6 +533,7 @@ impl<T, K: Hash + Eq + Ord + Clone> LaneAdmission<T, K> {
             } = e.item;
             match self.lane.place(i, &e.tenant, e.cost, now) {
                 Some(p) => {
+                    self.lane.note_session(grant.session, i);
                     grant.placement = Some(p);
                     let waited = now.saturating_duration_since(e.enqueued_at);
                     if let Some(predicted) = predicted {
@@ -695,13 +704,21 @@ impl<T, K: Hash + Eq + Ord + Clone> LaneAdmission<T, K> {
         };
         let failed = p.backend.clone();
         self.lane.release(&grant.tenant, p, outcome, now);
-        let Some(i) =
-            self.lane
-                .can_dispatch(grant.tier, &grant.tenant, grant.tokens, now, Some(&failed))
-        else {
+        let Some(i) = self.lane.can_dispatch(
+            grant.tier,
+            &grant.tenant,
+            grant.tokens,
+            now,
+            Some(&failed),
+            None,
+        ) else {
             return false;
         };
         grant.placement = self.lane.place(i, &grant.tenant, grant.tokens, now);
+        if grant.placement.is_some() {
+            // The session's prefix is warm there now.
+            self.lane.note_session(grant.session, i);
+        }
         grant.placement.is_some()
     }
 
@@ -800,7 +817,7 @@ fn place_or_queue<P, K: Hash + Eq + Ord + Clone>(
     };
     let nobody_ahead = lane.queued_at_or_above(req.tier) == 0;
     let target = if nobody_ahead {
-        lane.can_dispatch(req.tier, &req.tenant, est, now, None)
+        lane.can_dispatch(req.tier, &req.tenant, est, now, None, req.session)
     } else {
         None
     };

@@ -24,8 +24,16 @@
 //! Across tiers, higher tiers' queued requests go first, and a lower tier leaves free what
 //! the tiers above it are expected to bring in before the next request leaves (see
 //! `LaneView::reserve_for`): a burst of premium requests finds slots at once instead of
-//! waiting for lower tiers' long-running requests to end one by one.
+//! waiting for lower tiers' long-running requests to end one by one. Inside a tier, an
+//! entry that has waited the aging horizon ([`LaneConfig::aging`]) goes before those that
+//! have not (see the fair queue's aging bound).
+//!
+//! With session affinity on ([`LaneConfig::affinity`]), a request that carries a session key
+//! goes to the backend that served its session last while that backend has room and stays
+//! within the bounded-load rule of [`crate::affinity`]; otherwise, and without a session, to
+//! the least filled backend.
 
+use crate::affinity::{self, Candidate, SessionKey, SessionMap};
 use crate::breaker::{Breaker, BreakerConfig, BreakerState, BreakerStats, BreakerTicket, Outcome};
 use crate::clock::Timestamp;
 use crate::fasthash::FastState;
@@ -62,6 +70,24 @@ pub struct LaneConfig {
     /// window ([`Lane::set_prefill_window`]), so that no interactive request that may still
     /// be waiting for a prefill step shares it with their long prompt.
     pub isolated_tier: Option<Tier>,
+    /// Priority aging inside a tier: an entry that has waited this long goes before those
+    /// of its tier that have not, oldest first (`None`: off). See [`FairQueue::set_aging`].
+    pub aging: Option<Duration>,
+    /// Shortest reservation first inside each tenant's backlog (see
+    /// [`FairQueue::set_shortest_first`]); off: FIFO.
+    pub shortest_first: bool,
+    /// Session affinity with bounded load (`None`: off, backends are chosen by load alone).
+    pub affinity: Option<AffinityConfig>,
+}
+
+/// Session affinity settings of a lane.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AffinityConfig {
+    /// ε of the load bound: a session's backend keeps it while its requests in flight, this
+    /// one included, stay within `⌈(1 + ε) ×` its capacity share of the lane's`⌉`.
+    pub epsilon: f64,
+    /// Sessions remembered at most (about; the oldest are forgotten first).
+    pub max_sessions: usize,
 }
 
 impl LaneConfig {
@@ -77,6 +103,9 @@ impl LaneConfig {
             fair_share_window: Duration::from_secs(60),
             breaker: BreakerConfig::default(),
             isolated_tier: None,
+            aging: None,
+            shortest_first: false,
+            affinity: None,
         }
     }
 }
@@ -356,6 +385,8 @@ pub struct Lane<P, K> {
     /// How long after its dispatch an interactive request may still wait for its prefill
     /// step (see [`LaneConfig::isolated_tier`]).
     prefill_window: Duration,
+    /// Which backend served each session last (empty while affinity is off).
+    sessions: SessionMap,
 }
 
 /// What one tier takes into a lane, as rates: requests and their KV tokens per second.
@@ -434,12 +465,16 @@ const SERVICE_ALPHA: f64 = 0.05;
 impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
     /// An empty lane with `tiers` priority tiers and no backends.
     pub fn new(cfg: LaneConfig, tiers: u8) -> Self {
+        let mut queue = FairQueue::new(QueueLimits {
+            tiers: tiers.max(1),
+            max_len: cfg.queue_max_len,
+            max_tokens: cfg.queue_max_tokens,
+        });
+        queue.set_aging(cfg.aging);
+        queue.set_shortest_first(cfg.shortest_first);
         Lane {
-            queue: FairQueue::new(QueueLimits {
-                tiers: tiers.max(1),
-                max_len: cfg.queue_max_len,
-                max_tokens: cfg.queue_max_tokens,
-            }),
+            queue,
+            sessions: SessionMap::new(cfg.affinity.map_or(0, |a| a.max_sessions)),
             cfg,
             backends: Vec::new(),
             tenants: HashMap::default(),
@@ -468,6 +503,12 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
         if self.queue.limits() != limits && self.queue.is_empty() {
             self.queue = FairQueue::new(limits);
         }
+        if self.queue.aging() != cfg.aging {
+            self.queue.set_aging(cfg.aging);
+        }
+        self.queue.set_shortest_first(cfg.shortest_first);
+        self.sessions
+            .set_capacity(cfg.affinity.map_or(0, |a| a.max_sessions));
         self.admitted
             .resize_with(usize::from(tiers.max(1)), Intake::new);
         if cfg.breaker != self.cfg.breaker {
@@ -684,6 +725,7 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
             admitted: &self.admitted,
             release_gap: self.release_gap(),
             prefill_window: self.prefill_window,
+            sessions: &self.sessions,
         }
     }
 
@@ -695,7 +737,8 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
     }
 
     /// The backend `tenant`'s request of `tier` and `kv_cost` would go to now, if it may go
-    /// at all. `except` skips one backend (a resend after it failed).
+    /// at all. `except` skips one backend (a resend after it failed); `session` prefers the
+    /// backend that served it last (see [`LaneConfig::affinity`]).
     pub(crate) fn can_dispatch(
         &self,
         tier: Tier,
@@ -703,12 +746,26 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
         kv_cost: u64,
         now: Timestamp,
         except: Option<&str>,
+        session: Option<SessionKey>,
     ) -> Option<usize> {
         let v = self.view();
         if !v.may_take(tier, tenant, kv_cost, now) {
             return None;
         }
-        v.pick(tier, kv_cost, now, except)
+        v.pick(tier, kv_cost, now, except, session)
+    }
+
+    /// Records that backend `i` took a request of `session` (affinity remembers it).
+    pub(crate) fn note_session(&mut self, session: Option<SessionKey>, i: usize) {
+        if let (Some(s), Some(_), Some(b)) = (session, self.cfg.affinity, self.backends.get(i)) {
+            self.sessions.record(s, b.id.clone());
+        }
+    }
+
+    /// The backend that served `session` last, if affinity is on and remembers it.
+    pub fn session_backend(&self, session: SessionKey) -> Option<&Arc<str>> {
+        self.cfg.affinity?;
+        self.sessions.get(session)
     }
 
     /// For a request of the isolated tier that no backend takes now only because each one
@@ -832,6 +889,7 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
         &mut self,
         now: Timestamp,
         kv_of: impl Fn(&K, u64) -> u64,
+        session_of: impl Fn(&P) -> Option<SessionKey>,
     ) -> Option<(Entry<P, K>, usize)> {
         let mut target = None;
         // `pop_where` needs the queue mutably while the judge reads the rest of the lane.
@@ -844,6 +902,7 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
             cfg,
             shares,
             admitted,
+            sessions,
             ..
         } = self;
         let view = LaneView {
@@ -855,8 +914,9 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
             admitted,
             release_gap,
             prefill_window,
+            sessions,
         };
-        let entry = queue.pop_where(|tier, tenant, cost| {
+        let entry = queue.pop_ready(now, |tier, tenant, cost, item| {
             let kv = kv_of(tenant, cost);
             if !view.within_share(tenant, kv, now) {
                 return Pick::SkipTenant;
@@ -865,7 +925,7 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
             if !view.clear_of_reserve(tier, kv, now) {
                 return Pick::Stop;
             }
-            match view.pick(tier, kv, now, None) {
+            match view.pick(tier, kv, now, None, session_of(item)) {
                 Some(i) => {
                     target = Some(i);
                     Pick::Take
@@ -1195,6 +1255,8 @@ struct LaneView<'a, K> {
     release_gap: Option<f64>,
     /// See [`Lane::set_prefill_window`].
     prefill_window: Duration,
+    /// Which backend served each session last.
+    sessions: &'a SessionMap,
 }
 
 /// What fair shares are cut from, summed over the tenants active in the fair-share window:
@@ -1514,7 +1576,11 @@ impl<K: Hash + Eq> LaneView<'_, K> {
         kv_cost: u64,
         now: Timestamp,
         except: Option<&str>,
+        session: Option<SessionKey>,
     ) -> Option<usize> {
+        if let Some(i) = self.session_pick(tier, kv_cost, now, except, session) {
+            return Some(i);
+        }
         let isolated = self.cfg.isolated_tier == Some(tier);
         let mut best: Option<(usize, (u8, f64))> = None;
         for (i, b) in self.backends.iter().enumerate() {
@@ -1533,6 +1599,45 @@ impl<K: Hash + Eq> LaneView<'_, K> {
             Some((i, (1, _))) => Some(self.past_report_unfenced(kv_cost, now, except).unwrap_or(i)),
             other => other.map(|(i, _)| i),
         }
+    }
+
+    /// The backend that served `session` last, if affinity is on, it may take this request
+    /// (room, not fenced, not excluded, quiet for the isolated tier) and it stays within the
+    /// load bound over the lane's routable backends ([`affinity::within_bound`]).
+    fn session_pick(
+        &self,
+        tier: Tier,
+        kv_cost: u64,
+        now: Timestamp,
+        except: Option<&str>,
+        session: Option<SessionKey>,
+    ) -> Option<usize> {
+        let epsilon = self.cfg.affinity?.epsilon;
+        let id = self.sessions.get(session?)?;
+        let mut cands = Vec::with_capacity(self.backends.len());
+        let mut preferred = None;
+        for b in self.backends.iter().filter(|b| b.routable) {
+            if b.id == *id {
+                let isolated = self.cfg.isolated_tier == Some(tier);
+                let usable = except != Some(&**id)
+                    && !b.fenced(now)
+                    && (!isolated || b.quiet(self.prefill_window, now))
+                    && b.has_room(kv_cost, now, self.cfg);
+                if !usable {
+                    return None;
+                }
+                preferred = Some(cands.len());
+            }
+            cands.push(Candidate {
+                load: b.in_flight as u64,
+                capacity: b.limits.max_in_flight as u64,
+                room: true,
+            });
+        }
+        if !affinity::within_bound(&cands, preferred?, epsilon) {
+            return None;
+        }
+        self.backends.iter().position(|b| b.id == *id)
     }
 
     /// The least filled backend, not fenced, that has room for `kv_cost` only past the cap
@@ -1614,14 +1719,14 @@ mod tests {
             let open: Vec<usize> = (0..loads.len()).filter(|i| room(*i) && !fenced[*i]).collect();
             let shut: Vec<usize> = (0..loads.len()).filter(|i| room(*i) && fenced[*i]).collect();
             let want = least(&open).or_else(|| least(&shut));
-            let got = lane.can_dispatch(Tier(0), &0u8, 1, now, None);
+            let got = lane.can_dispatch(Tier(0), &0u8, 1, now, None, None);
             prop_assert_eq!(got.map(|i| loads[i]), want.map(|i| loads[i]));
             prop_assert_eq!(got.map(|i| fenced[i]), want.map(|i| fenced[i]));
             let any_fence = (0..loads.len()).any(|i| fenced[i]);
             prop_assert_eq!(lane.fenced_until(now), any_fence.then_some(until));
             // After the fence: the least filled backend, fenced before or not.
             let all: Vec<usize> = (0..loads.len()).filter(|i| room(*i)).collect();
-            let later = lane.can_dispatch(Tier(0), &0u8, 1, until, None);
+            let later = lane.can_dispatch(Tier(0), &0u8, 1, until, None, None);
             prop_assert_eq!(later.map(|i| loads[i]), least(&all).map(|i| loads[i]));
             prop_assert_eq!(lane.fenced_until(until), None);
             for p in held {
@@ -1648,7 +1753,7 @@ mod tests {
                         let _ = lane.push(Tier(t % 3), &t, c, now, now + Duration::from_secs(60), 0);
                     }
                     Op::Dispatch => {
-                        if let Some((e, i)) = lane.next_ready(now, |_, c| c) {
+                        if let Some((e, i)) = lane.next_ready(now, |_, c| c, |_| None) {
                             if let Some(p) = lane.place(i, &e.tenant, e.cost, now) {
                                 running.push((e.tenant, p));
                             }

@@ -12,6 +12,7 @@
 
 mod adaptive;
 mod admission;
+mod affinity;
 mod autoscale;
 mod breaker;
 mod clock;
@@ -39,6 +40,10 @@ pub use admission::{
     Admission, AdmissionConfig, AdmissionRequest, Admit, Completion, Dispatched, Expired, Grant,
     LaneAdmission, ModelSpec, Pending, Refusal,
 };
+pub use affinity::{
+    choose as choose_backend, least_loaded, load_bound, within_bound, Candidate, SessionKey,
+    SessionMap,
+};
 pub use autoscale::{
     erlang_c, mean_wait, replicas_needed, AutoscaleConfig, Autoscaler, Bound, Demand, Need,
     Recommendation,
@@ -58,14 +63,15 @@ pub use fleet::{
 pub use gcra::{Gcra, KeyedGcra, NotUntil, Quota, RateLimitInfo};
 pub use key::Key;
 pub use lane::{
-    BackendLimits, BackendReport, BackendStats, Lane, LaneConfig, Placement, Unservable,
+    AffinityConfig, BackendLimits, BackendReport, BackendStats, Lane, LaneConfig, Placement,
+    Unservable,
 };
 pub use limits::{HeavyRule, LimitSpec, RateLimitHeaders, SharedLimits, TenantLimits, TenantSpec};
 pub use prefill::PrefillFit;
 pub use quantile::nearest_rank;
 pub use queue::{
     Entry, FairQueue, Pick, PushRefusal, QueueLimits, QueueStats, Rejected, TenantBacklog, Ticket,
-    Tier, TierStats, VIRTUAL_SCALE,
+    Tier, TierStats, AGING_WALK, SHORTEST_WINDOW, VIRTUAL_SCALE,
 };
 pub use refusal::{RefusalReason, Scope};
 pub use retry::{DrainRate, RetryAfter, RetryBounds};

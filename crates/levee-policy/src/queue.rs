@@ -24,6 +24,22 @@
 //! weighted service they received between them satisfies
 //! `|S_f/w_f − S_g/w_g| ≤ 2·U` (plus at most 2 units of [`VIRTUAL_SCALE`] rounding).
 //! With equal weights this is the "2 × the largest request cost".
+//!
+//! Priority aging inside a tier ([`FairQueue::set_aging`], off by default): a weight is a
+//! share, not a promise of time, so a weight-1 tenant behind a steady weight-100 load waits
+//! about a hundred turns for each of its own. With an aging horizon `H`, an entry that has
+//! waited `H` outranks every entry of its tier that has not, and among such entries the
+//! oldest goes first. Its effective priority so rises with its wait, in one step at `H`.
+//!
+//! Aging bound (stated precisely): once an entry `e` of tier `t` has waited `H`, every later
+//! pop of tier `t` takes an entry pushed no later than `e` — unless the caller's judge passed
+//! over the tenants of the older entries ([`Pick::SkipTenant`]: held back by their own share)
+//! or more than [`AGING_WALK`] such passed-over entries stand before it. So `e` leaves after
+//! at most `n` pops of its tier, `n` being the entries of `t` pushed before it and still
+//! queued when it reached `H` (plus one: itself); strict priority across tiers still holds.
+//! Its wait is at most `H` plus the service time of those `n` entries. The fairness bound
+//! above holds for the pops that aging does not take; an aged pop is charged to its tenant's
+//! counter like any other, so aging moves service in time but gives no tenant extra.
 
 use crate::clock::Timestamp;
 use crate::fasthash::FastState;
@@ -48,6 +64,14 @@ impl Ticket {
 
 /// Virtual-counter units per token at weight 1 (counters are `cost · SCALE / weight`).
 pub const VIRTUAL_SCALE: u128 = 1 << 20;
+
+/// With shortest-reservation-first on ([`FairQueue::set_shortest_first`]), how many of a
+/// tenant's oldest entries a pop chooses the cheapest from (so a pop stays O(1) per tenant).
+pub const SHORTEST_WINDOW: usize = 32;
+
+/// Most aged entries of passed-over tenants one pop looks past before it falls back to the
+/// fair order (so a pop stays cheap when many aged tenants are held back by their shares).
+pub const AGING_WALK: usize = 64;
 
 /// Queue bounds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -182,6 +206,9 @@ struct TierQ {
     floor: u128,
     len: usize,
     tokens: u64,
+    /// Tickets in push order (for aging; dead ones dropped lazily, compacted when they
+    /// outnumber the live ones). Kept only while aging is on.
+    order: VecDeque<u64>,
 }
 
 /// What [`FairQueue::pop_where`] does with a candidate.
@@ -214,6 +241,8 @@ pub struct FairQueue<T, K> {
     weights: HashMap<K, u32, FastState>,
     len: usize,
     tokens: u64,
+    aging: Option<std::time::Duration>,
+    shortest_first: bool,
 }
 
 #[inline]
@@ -242,7 +271,34 @@ impl<T, K: Hash + Eq + Ord + Clone> FairQueue<T, K> {
             weights: HashMap::default(),
             len: 0,
             tokens: 0,
+            aging: None,
+            shortest_first: false,
         }
+    }
+
+    /// Shortest reservation first inside each tenant's backlog (off: FIFO). A tenant's turn
+    /// (the fair order across tenants is unchanged) takes its cheapest entry among its
+    /// [`SHORTEST_WINDOW`] oldest, so its short requests do not wait behind its own long
+    /// ones. Aged entries still go oldest first, so aging bounds every entry's wait;
+    /// `position_of` assumes FIFO and is an estimate while this is on.
+    pub fn set_shortest_first(&mut self, on: bool) {
+        self.shortest_first = on;
+    }
+
+    /// Turns priority aging on with horizon `horizon` (see the module's aging bound), or off
+    /// with `None`. Entries queued before aging was turned on do not age.
+    pub fn set_aging(&mut self, horizon: Option<std::time::Duration>) {
+        if horizon.is_none() {
+            self.tiers
+                .iter_mut()
+                .for_each(|t| t.order = VecDeque::new());
+        }
+        self.aging = horizon;
+    }
+
+    /// The aging horizon, if aging is on.
+    pub fn aging(&self) -> Option<std::time::Duration> {
+        self.aging
     }
 
     /// The bounds.
@@ -403,6 +459,9 @@ impl<T, K: Hash + Eq + Ord + Clone> FairQueue<T, K> {
             tq.active.insert((tt.counter, id));
         }
         tt.fifo.push_back(ticket);
+        if self.aging.is_some() {
+            tq.order.push_back(ticket);
+        }
         tt.live += 1;
         tt.tokens += cost;
         rec.live_total += 1;
@@ -427,7 +486,8 @@ impl<T, K: Hash + Eq + Ord + Clone> FairQueue<T, K> {
 
     /// Takes the next entry: the highest tier with entries, in it the backlogged tenant with
     /// the smallest virtual counter, from it the oldest entry. Deadlines are not checked;
-    /// call [`FairQueue::expire`] first.
+    /// call [`FairQueue::expire`] first. Aging is not applied (it needs the time: see
+    /// [`FairQueue::pop_ready`]).
     pub fn pop(&mut self) -> Option<Entry<T, K>> {
         self.pop_where(|_, _, _| Pick::Take)
     }
@@ -437,25 +497,67 @@ impl<T, K: Hash + Eq + Ord + Clone> FairQueue<T, K> {
     /// [`Pick::SkipTenant`] passes over that tenant (it is held back, e.g. over its fair
     /// share), so later tenants and lower tiers may go; [`Pick::Stop`] takes nothing (the
     /// candidate must go first but cannot go yet, e.g. no backend has room for it).
+    /// Aging is not applied (see [`FairQueue::pop_ready`]).
     pub fn pop_where(
         &mut self,
         mut judge: impl FnMut(Tier, &K, u64) -> Pick,
     ) -> Option<Entry<T, K>> {
+        self.pop_inner(None, |tier, k, cost, _| judge(tier, k, cost))
+    }
+
+    /// [`FairQueue::pop_where`] at `now`, with aging (when on): in each tier, the entries
+    /// that have waited the aging horizon are offered first, oldest first, then the fair
+    /// order. `judge` also sees the candidate's payload.
+    pub fn pop_ready(
+        &mut self,
+        now: Timestamp,
+        judge: impl FnMut(Tier, &K, u64, &T) -> Pick,
+    ) -> Option<Entry<T, K>> {
+        self.pop_inner(Some(now), judge)
+    }
+
+    fn pop_inner(
+        &mut self,
+        now: Option<Timestamp>,
+        mut judge: impl FnMut(Tier, &K, u64, &T) -> Pick,
+    ) -> Option<Entry<T, K>> {
+        let due_before = match (now, self.aging) {
+            (Some(now), Some(h)) if now.saturating_duration_since(Timestamp::ZERO) >= h => {
+                Some(now.saturating_sub(h))
+            }
+            _ => None,
+        };
+        let mut skipped: Vec<u32> = Vec::new();
         let mut chosen = None;
         'tiers: for ti in 0..self.tiers.len() {
             if self.tiers[ti].len == 0 {
                 continue;
             }
+            if let Some(due) = due_before {
+                skipped.clear();
+                match self.judge_aged(ti, due, &mut skipped, &mut judge) {
+                    Some(Pick::Take) => {
+                        let id = *skipped.last()?;
+                        let counter = self.tenants[id as usize].per_tier[ti].counter;
+                        // The tenant's oldest entry is the aged one offered.
+                        let (ticket, _) = self.oldest(ti, id)?;
+                        chosen = Some((ti, counter, id, true, ticket));
+                        break 'tiers;
+                    }
+                    Some(_) => return None,
+                    None => {}
+                }
+            }
             for &(counter, id) in &self.tiers[ti].active {
-                let rec = &self.tenants[id as usize];
-                let head = rec.per_tier[ti]
-                    .fifo
-                    .iter()
-                    .find_map(|t| self.peek_slot(*t));
-                let Some(slot) = head else { continue };
-                match judge(Tier(ti as u8), &slot.key, slot.cost) {
+                if skipped.contains(&id) {
+                    continue;
+                }
+                let Some((ticket, slot)) = self.candidate(ti, id) else {
+                    continue;
+                };
+                match judge(Tier(ti as u8), &slot.key, slot.cost, &slot.item) {
                     Pick::Take => {
-                        chosen = Some((ti, counter, id));
+                        chosen = Some((ti, counter, id, false, ticket));
                         break 'tiers;
                     }
                     Pick::SkipTenant => continue,
@@ -463,18 +565,121 @@ impl<T, K: Hash + Eq + Ord + Clone> FairQueue<T, K> {
                 }
             }
         }
-        let (ti, counter, id) = chosen?;
-        self.tiers[ti].active.remove(&(counter, id));
-        let (ticket, slot) = loop {
-            let t = self.tenants[id as usize].per_tier[ti].fifo.pop_front()?;
-            if let Some(s) = self.take(t) {
-                break (t, s);
+        let (ti, counter, id, aged, ticket) = chosen?;
+        self.pop_entry(ti, counter, id, aged, ticket)
+    }
+
+    /// Tenant `id`'s oldest live entry in tier `ti`.
+    fn oldest(&self, ti: usize, id: u32) -> Option<(u64, &Slot<T, K>)> {
+        self.tenants[id as usize].per_tier[ti]
+            .fifo
+            .iter()
+            .find_map(|t| self.peek_slot(*t).map(|s| (*t, s)))
+    }
+
+    /// The entry tenant `id`'s turn in tier `ti` takes: its oldest, or with
+    /// shortest-first the cheapest of its [`SHORTEST_WINDOW`] oldest (the older on a tie).
+    fn candidate(&self, ti: usize, id: u32) -> Option<(u64, &Slot<T, K>)> {
+        if !self.shortest_first {
+            return self.oldest(ti, id);
+        }
+        self.tenants[id as usize].per_tier[ti]
+            .fifo
+            .iter()
+            .filter_map(|t| self.peek_slot(*t).map(|s| (*t, s)))
+            .take(SHORTEST_WINDOW)
+            .min_by_key(|(_, s)| s.cost)
+    }
+
+    /// Offers tier `ti`'s entries pushed at or before `due` to `judge`, oldest first, each
+    /// tenant once (its first entry in push order is its head). `Some(Take)`: the last id in
+    /// `skipped` is the tenant to pop; `Some(Stop)`: pop nothing; `None`: no aged entry was
+    /// taken (`skipped` then holds the tenants passed over).
+    fn judge_aged(
+        &mut self,
+        ti: usize,
+        due: Timestamp,
+        skipped: &mut Vec<u32>,
+        judge: &mut impl FnMut(Tier, &K, u64, &T) -> Pick,
+    ) -> Option<Pick> {
+        self.tidy_order(ti);
+        let mut looked = 0;
+        for &t in &self.tiers[ti].order {
+            let Some(slot) = self.peek_slot(t) else {
+                continue;
+            };
+            if slot.enqueued_at > due || looked >= AGING_WALK {
+                break;
             }
-        };
+            if skipped.contains(&slot.tenant) {
+                continue;
+            }
+            looked += 1;
+            match judge(Tier(ti as u8), &slot.key, slot.cost, &slot.item) {
+                Pick::Take => {
+                    skipped.push(slot.tenant);
+                    return Some(Pick::Take);
+                }
+                Pick::SkipTenant => skipped.push(slot.tenant),
+                Pick::Stop => return Some(Pick::Stop),
+            }
+        }
+        None
+    }
+
+    /// Drops dead tickets from the front of tier `ti`'s push order, and compacts it when
+    /// dead ones dominate.
+    fn tidy_order(&mut self, ti: usize) {
+        while let Some(&t) = self.tiers[ti].order.front() {
+            if self.is_live(t) {
+                break;
+            }
+            self.tiers[ti].order.pop_front();
+        }
+        let tq = &self.tiers[ti];
+        if tq.order.len() > 2 * tq.len + 1024 {
+            let slab = &self.slab;
+            self.tiers[ti].order.retain(|t| {
+                let (idx, generation) = split(*t);
+                matches!(slab.get(idx), Some(s) if s.generation == generation && s.data.is_some())
+            });
+        }
+    }
+
+    /// Pops entry `ticket` of tenant `id` in tier `ti` (whose counter is `counter`). An aged
+    /// pop (out of the fair order) does not raise the tier's floor to its counter.
+    fn pop_entry(
+        &mut self,
+        ti: usize,
+        counter: u128,
+        id: u32,
+        aged: bool,
+        ticket: u64,
+    ) -> Option<Entry<T, K>> {
+        let slot = self.take(ticket)?;
+        self.tiers[ti].active.remove(&(counter, id));
+        {
+            // Dead tickets leave the FIFO from its front; one taken from the middle (shortest
+            // first) waits there until the FIFO is compacted.
+            let slab = &self.slab;
+            let live = |t: &u64| {
+                let (idx, generation) = split(*t);
+                matches!(slab.get(idx), Some(s) if s.generation == generation && s.data.is_some())
+            };
+            let tt = &mut self.tenants[id as usize].per_tier[ti];
+            while tt.fifo.front().is_some_and(|t| !live(t)) {
+                tt.fifo.pop_front();
+            }
+            if tt.fifo.len() > 2 * tt.live + 16 {
+                tt.fifo.retain(|t| live(t));
+            }
+        }
         let tq = &mut self.tiers[ti];
         let rec = &mut self.tenants[id as usize];
         let tt = &mut rec.per_tier[ti];
-        tq.floor = tq.floor.max(counter);
+        if !aged {
+            tq.floor = tq.floor.max(counter);
+        }
         tt.counter = counter + vcost(slot.cost, rec.weight);
         tt.live -= 1;
         tt.tokens -= slot.cost;
@@ -493,6 +698,9 @@ impl<T, K: Hash + Eq + Ord + Clone> FairQueue<T, K> {
         self.tokens -= slot.cost;
         if slot.deadline != Timestamp::MAX {
             self.tidy_deadlines();
+        }
+        if self.aging.is_some() {
+            self.tidy_order(ti);
         }
         Some(Entry {
             ticket: Ticket(ticket),
@@ -933,5 +1141,114 @@ mod tests {
         assert_eq!(fq.pop().unwrap().item, 3);
         assert!(fq.pop().is_none());
         assert_eq!(fq.stats().tokens, 0);
+    }
+
+    #[test]
+    fn aging_lets_a_light_tenant_through_a_heavy_load() {
+        let ms = std::time::Duration::from_millis;
+        let run = |aging: Option<std::time::Duration>| {
+            let mut fq = q(10_000, u64::MAX);
+            fq.set_weight("heavy", 100);
+            fq.set_aging(aging);
+            // The light tenant, served a while ago, has one request waiting in front of a
+            // heavy backlog that grows by one request per pop; each pop takes 1 ms.
+            fq.charge(Tier(0), &"light", 2000);
+            fq.push(Tier(0), "light", 10, T0, Timestamp::MAX, 999)
+                .unwrap();
+            for i in 0..50 {
+                fq.push(Tier(0), "heavy", 10, T0, Timestamp::MAX, i)
+                    .unwrap();
+            }
+            let mut now = T0;
+            for n in 0..500u32 {
+                now = now + ms(1);
+                fq.push(Tier(0), "heavy", 10, now, Timestamp::MAX, 1000 + n)
+                    .unwrap();
+                let e = fq.pop_ready(now, |_, _, _, _| Pick::Take).unwrap();
+                if e.tenant == "light" {
+                    return Some(n);
+                }
+            }
+            None
+        };
+        // Without aging it waits until heavy's counter catches up with light's: 20 000
+        // heavy turns (2000 tokens at 10 / 100 per turn), far past these 500 pops.
+        assert_eq!(run(None), None);
+        // With a 20 ms horizon it goes at the first pop after 20 ms.
+        assert_eq!(run(Some(ms(20))), Some(19));
+    }
+
+    #[test]
+    fn aged_entries_go_oldest_first_and_skipped_tenants_stay_back() {
+        let ms = std::time::Duration::from_millis;
+        let mut fq = q(100, u64::MAX);
+        fq.set_aging(Some(ms(10)));
+        fq.push(Tier(0), "a", 10, T0, Timestamp::MAX, 1).unwrap();
+        fq.push(Tier(0), "b", 10, T0 + ms(1), Timestamp::MAX, 2)
+            .unwrap();
+        fq.push(Tier(0), "c", 10, T0 + ms(2), Timestamp::MAX, 3)
+            .unwrap();
+        // a is held back by the judge: b (the next oldest) goes.
+        let e = fq
+            .pop_ready(T0 + ms(20), |_, k, _, _| {
+                if *k == "a" {
+                    Pick::SkipTenant
+                } else {
+                    Pick::Take
+                }
+            })
+            .unwrap();
+        assert_eq!(e.item, 2);
+        // Before the horizon, the fair order (counters: c never served, a never served).
+        let mut fresh = q(100, u64::MAX);
+        fresh.set_aging(Some(ms(10)));
+        fresh.charge(Tier(0), &"a", 100);
+        fresh.push(Tier(0), "a", 10, T0, Timestamp::MAX, 1).unwrap();
+        fresh
+            .push(Tier(0), "b", 10, T0 + ms(1), Timestamp::MAX, 2)
+            .unwrap();
+        assert_eq!(
+            fresh
+                .pop_ready(T0 + ms(5), |_, _, _, _| Pick::Take)
+                .unwrap()
+                .item,
+            2
+        );
+        fresh
+            .push(Tier(0), "b", 10, T0 + ms(6), Timestamp::MAX, 3)
+            .unwrap();
+        // At the horizon a's entry (pushed first) outranks b's smaller counter.
+        assert_eq!(
+            fresh
+                .pop_ready(T0 + ms(10), |_, _, _, _| Pick::Take)
+                .unwrap()
+                .item,
+            1
+        );
+    }
+
+    #[test]
+    fn shortest_first_inside_a_tenant_fair_order_across() {
+        let mut fq = q(100, u64::MAX);
+        for (i, cost) in [(1, 50), (2, 10), (3, 30)] {
+            fq.push(Tier(0), "a", cost, T0, Timestamp::MAX, i).unwrap();
+        }
+        fq.push(Tier(0), "b", 20, T0, Timestamp::MAX, 9).unwrap();
+        let order = |fq: &mut FairQueue<u32, &'static str>| -> Vec<u32> {
+            std::iter::from_fn(|| fq.pop_ready(T0, |_, _, _, _| Pick::Take).map(|e| e.item))
+                .collect()
+        };
+        let mut fifo = q(100, u64::MAX);
+        for (i, cost) in [(1, 50), (2, 10), (3, 30)] {
+            fifo.push(Tier(0), "a", cost, T0, Timestamp::MAX, i)
+                .unwrap();
+        }
+        fifo.push(Tier(0), "b", 20, T0, Timestamp::MAX, 9).unwrap();
+        assert_eq!(order(&mut fifo), vec![1, 9, 2, 3]);
+        fq.set_shortest_first(true);
+        // a's turns take its cheapest first; b's turn comes where the counters put it.
+        assert_eq!(order(&mut fq), vec![2, 9, 3, 1]);
+        assert!(fq.is_empty());
+        assert_eq!(fq.queued_tokens(), 0);
     }
 }

@@ -16,6 +16,7 @@ fn req(tenant: &'static str, tier: u8, prompt: u64) -> AdmissionRequest<&'static
         prompt_tokens: prompt,
         completion_tokens: 0,
         max_wait: None,
+        session: None,
     }
 }
 
@@ -822,4 +823,69 @@ fn cancel_refunds_and_frees_concurrency() {
     assert_eq!(a.cancel(&"m", t, clock.now()), Some(2));
     queued(a.admit(&req("a", 0, 10), 4, clock.now()));
     a.complete(d.grant, ok(), clock.now());
+}
+
+/// One model "m" with two 4-slot backends and session affinity at ε.
+fn two_with_affinity(epsilon: f64) -> Admission<u32, &'static str> {
+    let mut cfg = lane(100, 200, 300);
+    cfg.affinity = Some(AffinityConfig {
+        epsilon,
+        max_sessions: 100,
+    });
+    let mut a = admission(4, None, cfg);
+    a.set_backends(&"m", vec![backend("b0", 4, None), backend("b1", 4, None)]);
+    a
+}
+
+fn in_session(session: u64) -> AdmissionRequest<&'static str> {
+    AdmissionRequest {
+        session: Some(session),
+        ..req("t", 0, 10)
+    }
+}
+
+#[test]
+fn a_session_returns_to_its_backend_within_the_load_bound() {
+    let t0 = Timestamp::ZERO;
+    let mut a = two_with_affinity(1.0);
+    // Session 7's first turn goes to the least-loaded backend, b0.
+    let first = dispatched(a.admit(&in_session(7), 1, t0));
+    assert_eq!(first.grant.backend().map(|b| &**b), Some("b0"));
+    a.complete(first.grant, ok(), t0);
+    // Another request now holds b0, so load alone would send the next turn to b1.
+    let other = dispatched(a.admit(&req("u", 0, 10), 2, t0));
+    assert_eq!(other.grant.backend().map(|b| &**b), Some("b0"));
+    let plain = dispatched(a.admit(&req("u", 0, 10), 3, t0));
+    assert_eq!(plain.grant.backend().map(|b| &**b), Some("b1"));
+    a.complete(plain.grant, ok(), t0);
+    // The session's second turn goes back to b0: 2 in flight there after it is within
+    // ⌈2 · (1 + 1) / 2⌉ = 2.
+    let second = dispatched(a.admit(&in_session(7), 4, t0));
+    assert_eq!(second.grant.backend().map(|b| &**b), Some("b0"));
+    // A third turn (b0 would hold 3 of L + 1 = 3; bound ⌈2 · 3 / 2⌉ = 3) still fits.
+    let third = dispatched(a.admit(&in_session(7), 5, t0));
+    assert_eq!(third.grant.backend().map(|b| &**b), Some("b0"));
+    // At ε = 0.25 a session spills sooner.
+    let mut tight = two_with_affinity(0.25);
+    let g = dispatched(tight.admit(&in_session(9), 1, t0));
+    assert_eq!(g.grant.backend().map(|b| &**b), Some("b0"));
+    // b0 at 1, b1 at 0: a second turn makes b0 hold 2, within ⌈1.25 · 2 / 2⌉ = 2: kept.
+    let g2 = dispatched(tight.admit(&in_session(9), 2, t0));
+    assert_eq!(g2.grant.backend().map(|b| &**b), Some("b0"));
+    // A third: b0 would hold 3 > ⌈1.25 · 3 / 2⌉ = 2: the session spills to b1.
+    let g3 = dispatched(tight.admit(&in_session(9), 3, t0));
+    assert_eq!(g3.grant.backend().map(|b| &**b), Some("b1"));
+}
+
+#[test]
+fn without_affinity_a_session_goes_by_load() {
+    let t0 = Timestamp::ZERO;
+    let mut a = admission(4, None, lane(100, 200, 300));
+    a.set_backends(&"m", vec![backend("b0", 4, None), backend("b1", 4, None)]);
+    let first = dispatched(a.admit(&in_session(7), 1, t0));
+    assert_eq!(first.grant.backend().map(|b| &**b), Some("b0"));
+    a.complete(first.grant, ok(), t0);
+    let _other = dispatched(a.admit(&req("u", 0, 10), 2, t0));
+    let second = dispatched(a.admit(&in_session(7), 4, t0));
+    assert_eq!(second.grant.backend().map(|b| &**b), Some("b1"));
 }

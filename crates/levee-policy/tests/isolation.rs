@@ -175,6 +175,7 @@ fn simulate(mix: Mix, with_flooder: bool) -> Quiet {
                 prompt_tokens: 600,
                 completion_tokens: 200,
                 max_wait: None,
+                session: None,
             };
             match adm.admit(&req, (tenant, now), now) {
                 Admit::Dispatch(d) => fleet.start(d.item, d.grant, now),

@@ -36,6 +36,7 @@ fn req(model: &'static str) -> AdmissionRequest<&'static str> {
         prompt_tokens: 10,
         completion_tokens: 0,
         max_wait: None,
+        session: None,
     }
 }
 

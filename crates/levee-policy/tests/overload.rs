@@ -133,6 +133,7 @@ fn simulate(seed: u64, overload: f64) -> Counts {
                 prompt_tokens: fleet.prompt.sample(&mut fleet.rng).min(3_000.0) as u64,
                 completion_tokens: fleet.rng.random_range(50..250),
                 max_wait: None,
+                session: None,
             };
             match adm.admit(&req, 0, now) {
                 Admit::Dispatch(d) => fleet.start(d.grant, now),

@@ -578,7 +578,7 @@ proptest! {
             id += 1;
             match kind {
                 0..=2 => {
-                    let req = AdmissionRequest { tenant, model: 0, tier: Tier(tenant % 3), prompt_tokens: size / 2, completion_tokens: size - size / 2, max_wait: None };
+                    let req = AdmissionRequest { tenant, model: 0, tier: Tier(tenant % 3), prompt_tokens: size / 2, completion_tokens: size - size / 2, max_wait: None, session: None };
                     if let Admit::Dispatch(d) = a.admit(&req, id, ts(now)) {
                         in_flight.insert(d.item, d.grant);
                     }
@@ -645,7 +645,7 @@ proptest! {
                 }
                 continue;
             }
-            let req = AdmissionRequest { tenant, model: 0, tier: Tier(0), prompt_tokens: 1, completion_tokens: 0, max_wait: None };
+            let req = AdmissionRequest { tenant, model: 0, tier: Tier(0), prompt_tokens: 1, completion_tokens: 0, max_wait: None, session: None };
             match a.admit(&req, 0, ts(now)) {
                 Admit::Dispatch(d) => {
                     prop_assert!(!held.contains_key(&tenant), "tenant {tenant} got a second slot");
@@ -723,6 +723,126 @@ proptest! {
             if p < w {
                 for &q in &parts {
                     prop_assert!(p + 1 >= q, "entry {} got {} of {}, another {}", i, p, w, q);
+
+// Aging bound: once an entry has waited the aging horizon, every pop of its tier takes an
+// entry pushed no later than it; so it leaves within (entries of its tier pushed before it
+// and still queued when it became due) + 1 pops of its tier. Across tiers, strict priority.
+
+#[derive(Debug, Clone)]
+enum AOp {
+    Push { tier: u8, tenant: u8, cost: u64 },
+    Pop,
+    Cancel(usize),
+    Advance(u64),
+}
+
+fn a_op() -> impl Strategy<Value = AOp> {
+    prop_oneof![
+        4 => (0u8..2, 0u8..4, 1u64..500).prop_map(|(tier, tenant, cost)| AOp::Push { tier, tenant, cost }),
+        3 => Just(AOp::Pop),
+        1 => any::<usize>().prop_map(AOp::Cancel),
+        2 => (0u64..40).prop_map(AOp::Advance),
+    ]
+}
+
+proptest! {
+    #[test]
+    fn aging_bounds_the_wait_of_an_aged_entry(
+        weights in prop::collection::vec(1u32..200, 4),
+        horizon_ms in 1u64..100,
+        shortest_first in any::<bool>(),
+        ops in prop::collection::vec(a_op(), 1..400),
+    ) {
+        let mut q: FairQueue<u64, u8> =
+            FairQueue::new(QueueLimits { tiers: 2, max_len: 10_000, max_tokens: u64::MAX });
+        for (t, w) in weights.iter().enumerate() {
+            q.set_weight(t as u8, *w);
+        }
+        q.set_aging(Some(Duration::from_millis(horizon_ms)));
+        q.set_shortest_first(shortest_first);
+        // (seq, tier, pushed at ms, ticket, pops of its tier allowed once due)
+        let mut live: Vec<(u64, u8, u64, Ticket, Option<usize>)> = Vec::new();
+        let (mut seq, mut now) = (0u64, 0u64);
+        for op in ops {
+            match op {
+                AOp::Push { tier, tenant, cost } => {
+                    let t = q.push(Tier(tier), tenant, cost, ts(now * 1_000_000), Timestamp::MAX, seq).unwrap();
+                    live.push((seq, tier, now, t, None));
+                    seq += 1;
+                }
+                AOp::Cancel(i) => {
+                    if !live.is_empty() {
+                        let l = live.remove(i % live.len());
+                        prop_assert_eq!(q.cancel(l.3).map(|e| e.item), Some(l.0));
+                    }
+                }
+                AOp::Advance(d) => now += d,
+                AOp::Pop => {
+                    // Entries that reached the horizon get their allowance: the entries of
+                    // their tier pushed before them and still queued, plus themselves.
+                    let snapshot: Vec<(u64, u8)> = live.iter().map(|l| (l.0, l.1)).collect();
+                    for l in live.iter_mut() {
+                        if l.4.is_none() && now - l.2 >= horizon_ms {
+                            let before = snapshot.iter().filter(|(s, t)| *t == l.1 && *s < l.0).count();
+                            l.4 = Some(before + 1);
+                        }
+                    }
+                    let Some(e) = q.pop_ready(ts(now * 1_000_000), |_, _, _, _| Pick::Take) else {
+                        prop_assert!(live.is_empty());
+                        continue;
+                    };
+                    let min_tier = live.iter().map(|l| l.1).min();
+                    prop_assert_eq!(Some(e.tier.0), min_tier);
+                    for l in live.iter_mut().filter(|l| l.1 == e.tier.0 && l.4.is_some()) {
+                        // A due entry is passed only by an entry pushed before it.
+                        prop_assert!(e.item <= l.0, "popped {} past due {}", e.item, l.0);
+                        let left = l.4.unwrap_or(0);
+                        prop_assert!(left >= 1, "due entry {} overstayed its bound", l.0);
+                        l.4 = Some(left - 1);
+                    }
+                    live.retain(|l| l.0 != e.item);
+                }
+            }
+            prop_assert_eq!(q.len(), live.len());
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Affinity with bounded load: the chosen backend has room; it is the preferred one whenever
+// that has room and stays within ⌈(1+ε)(L+1)c/C⌉; and it is above that bound only when no
+// backend with room is within it. With equal capacities: no backend above (1+ε) × the mean
+// (rounded up) while another has room.
+
+proptest! {
+    #[test]
+    fn affinity_never_overloads_a_backend_while_another_has_room(
+        backends in prop::collection::vec((0u64..40, 1u64..16, any::<bool>()), 1..8),
+        preferred in prop::option::of(0usize..8),
+        epsilon in 0.0f64..2.0,
+    ) {
+        let cands: Vec<Candidate> = backends
+            .iter()
+            .map(|&(load, capacity, room)| Candidate { load, capacity, room })
+            .collect();
+        let total_load: u64 = cands.iter().map(|c| c.load).sum();
+        let total_cap: u64 = cands.iter().map(|c| c.capacity).sum();
+        let bound = |c: &Candidate| load_bound(c.capacity, total_load, total_cap, epsilon);
+        let got = choose_backend(&cands, preferred, epsilon);
+        match got {
+            None => prop_assert!(cands.iter().all(|c| !c.room)),
+            Some(i) => {
+                prop_assert!(cands[i].room);
+                if let Some(p) = preferred.filter(|&p| p < cands.len()) {
+                    if cands[p].room && cands[p].load < bound(&cands[p]) {
+                        prop_assert_eq!(i, p, "affinity not honoured within the bound");
+                    }
+                }
+                if cands[i].load + 1 > bound(&cands[i]) {
+                    prop_assert!(
+                        cands.iter().all(|c| !c.room || c.load + 1 > bound(c)),
+                        "placed above the bound while another backend had room under it"
+                    );
                 }
             }
         }
@@ -768,6 +888,88 @@ proptest! {
             let held: u64 = rs.iter().map(|x| x.hold).sum();
             prop_assert!(in_flight <= budget, "{} in flight over {}", in_flight, budget);
             prop_assert!(held <= budget, "{} held over {}", held, budget);
+
+    fn affinity_under_a_session_flood_stays_bounded(
+        n in 2usize..6,
+        epsilon in 0.05f64..1.0,
+        ops in prop::collection::vec((0u64..4, any::<bool>()), 1..400),
+    ) {
+        // Few sessions, each always preferring where it went last; requests come and go.
+        // With equal capacities and all backends open, nothing is ever placed above
+        // ⌈(1+ε)·(L+1)/n⌉ — the least-loaded backend always fits under it.
+        let cap = 1000u64;
+        let mut load = vec![0u64; n];
+        let mut sessions = SessionMap::new(16);
+        let mut running: Vec<usize> = Vec::new();
+        let names: Vec<std::sync::Arc<str>> = (0..n).map(|i| std::sync::Arc::from(format!("b{i}"))).collect();
+        for (session, arrive) in ops {
+            if !arrive {
+                if let Some(i) = running.pop() {
+                    load[i] -= 1;
+                }
+                continue;
+            }
+            let cands: Vec<Candidate> = load.iter().map(|&l| Candidate { load: l, capacity: cap, room: true }).collect();
+            let preferred = sessions.get(session).and_then(|b| names.iter().position(|x| x == b));
+            let total: u64 = load.iter().sum();
+            let i = choose_backend(&cands, preferred, epsilon).unwrap();
+            let bound = load_bound(cap, total, cap * n as u64, epsilon);
+            prop_assert!(load[i] < bound, "backend {} at {} above {}", i, load[i] + 1, bound);
+            load[i] += 1;
+            running.push(i);
+            sessions.record(session, names[i].clone());
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Affinity through the admission path: sessions come back to their backend, requests end
+// at random, and no request is placed above ⌈(1+ε)(L+1)/n⌉ on equal backends (no KV
+// budget, no reports: fill is the request count) while another backend had room under it.
+
+proptest! {
+    #[test]
+    fn admission_with_affinity_keeps_the_load_bound(
+        epsilon in 0.0f64..1.0,
+        ops in prop::collection::vec((0u64..6, 0u8..3), 1..300),
+    ) {
+        let mut cfg = AdmissionConfig::new();
+        cfg.tenant_default = LimitSpec::UNLIMITED;
+        let mut a: Admission<u32, u8> = Admission::new(cfg);
+        let mut lane = LaneConfig::new(Watermarks::new(1000, 2000, 3000).unwrap());
+        lane.kv_headroom = 0.0;
+        lane.affinity = Some(AffinityConfig { epsilon, max_sessions: 64 });
+        a.set_model(0, ModelSpec { limits: LimitSpec::UNLIMITED, lane });
+        let names = ["b0", "b1", "b2"];
+        let limits = BackendLimits { max_in_flight: 6, kv_tokens: None };
+        a.set_backends(&0, names.iter().map(|n| (Arc::<str>::from(*n), limits)).collect());
+        let mut running = Vec::new();
+        for (session, op) in ops {
+            if op == 0 && !running.is_empty() {
+                let g = running.remove(session as usize % running.len());
+                a.complete(g, Completion { outcome: Outcome::Success, actual_tokens: None }, ts(1));
+                continue;
+            }
+            let load: Vec<u64> = names
+                .iter()
+                .map(|n| a.lane(&0).unwrap().in_flight_of(n).unwrap() as u64)
+                .collect();
+            let total: u64 = load.iter().sum();
+            let bound = load_bound(6, total, 18, epsilon);
+            let req = AdmissionRequest {
+                tenant: 1, model: 0, tier: Tier(0), prompt_tokens: 1, completion_tokens: 0,
+                max_wait: None, session: Some(session),
+            };
+            if let Admit::Dispatch(d) = a.admit(&req, 0, ts(1)) {
+                let at = names.iter().position(|n| **n == **d.grant.backend().unwrap()).unwrap();
+                if load[at] + 1 > bound {
+                    prop_assert!(
+                        load.iter().all(|&l| l >= 6 || l + 1 > bound),
+                        "placed on {} at {} above {} while another had room", at, load[at] + 1, bound
+                    );
+                }
+                running.push(d.grant);
+            }
         }
     }
 }

@@ -478,6 +478,7 @@ fn build_ctx(
         },
         max_attempts: c.max_attempts,
         max_retry_after: Duration::from_secs_f64(c.max_retry_after_s.max(0.0)),
+        ..RetryPolicy::default()
     };
     let budget = RetryBudgetConfig {
         ratio: c.budget_ratio,

@@ -30,6 +30,7 @@ pub(super) async fn admit(
         prompt_tokens: c.prompt_tokens,
         completion_tokens: u64::from(c.max_tokens) * u64::from(c.parsed.choices),
         max_wait: None,
+        session: c.session,
     };
     gw.scaling().arrival(&c.target.name);
     // Fleet-wide rates first (a refusal here costs the local state nothing); the charge

@@ -32,6 +32,12 @@ pub(super) struct Classified {
     pub cap: Option<u32>,
     /// Measures applied (`max_tokens=256`, `fallback=small`).
     pub degraded: Vec<String>,
+    /// Its session (header, else conversation opening) when affinity is on.
+    pub session: Option<u64>,
+    /// The requested model's degradation level.
+    pub level: u8,
+    /// Its response-cache key, when its tenant opted in and it is deterministic.
+    pub cache: Option<crate::response_cache::CacheKey>,
     /// The request's id, for its log line.
     pub request: Option<crate::request_log::RequestId>,
     /// The request's span, kept until it settles.
@@ -59,7 +65,8 @@ pub(super) fn classify(
     // Copied into an allocation of its own: the body read from hyper is a view into the
     // connection's read buffer, and a queued request holding it would keep that buffer alive
     // (the caller drops its view once classified).
-    let (parsed, prompt) = ClientRequest::parse(Bytes::copy_from_slice(body))?;
+    let affinity = gw.config().affinity.enabled;
+    let (parsed, prompt) = ClientRequest::parse_keyed(Bytes::copy_from_slice(body), affinity)?;
     let Some(model) = rt.models.get(&parsed.model).cloned() else {
         // Never a metric label from an unvalidated client string.
         ctx.model = "unknown".into();
@@ -112,7 +119,12 @@ pub(super) fn classify(
         _ => max_tokens,
     };
     let cap = (parsed.max_tokens != Some(max_tokens)).then_some(max_tokens);
+    let session = ctx.session.or(parsed.conversation);
+    let cache = super::cached::key(gw, ctx, &parsed.model, body);
     Ok(Classified {
+        session,
+        level: decision.level,
+        cache,
         parsed,
         target,
         lane,

@@ -10,8 +10,9 @@ use axum::response::{IntoResponse, Response};
 use http::{HeaderValue, StatusCode};
 use levee_policy::RefusalReason;
 
-/// A refusal of admission: the model's fallback reply when it was refused because no
-/// backend can serve and it has one; the refusal otherwise.
+/// A refusal of admission, when it was refused because no backend can serve: the stored
+/// answer to the same request if the response cache has one, else the model's fallback
+/// reply if it has one; the refusal otherwise.
 pub(super) fn or_error(
     gw: &Gateway,
     tenant: &Tenant,
@@ -20,6 +21,11 @@ pub(super) fn or_error(
     e: GatewayError,
 ) -> Result<Response, GatewayError> {
     let unservable = matches!(e.refusal(), Some(RefusalReason::Unservable(_)));
+    if let Some(key) = c.cache.as_ref().filter(|_| unservable) {
+        if let Some(resp) = super::cached::reply(gw, tenant, c, ctx, key) {
+            return Ok(resp);
+        }
+    }
     match (&c.target.fallback_response, unservable) {
         (Some(text), true) => {
             record_end(&ctx.span, "fallback_response", StatusCode::OK.as_u16());

@@ -78,12 +78,14 @@ pub(super) async fn forward(
             &extra,
         ))
     } else {
+        let keep = super::cached::keeper(gw, &c);
         Box::pin(proxy::finish_buffered(
             resp,
             settlement,
             sent_at + request_timeout,
             sent_at,
             &extra,
+            keep,
         ))
         .await
     }

@@ -29,6 +29,7 @@
 //! queue. The `max_tokens` cap is applied when the upstream body is built.
 
 mod admit;
+mod cached;
 mod classify;
 mod fallback;
 mod forward;
@@ -62,6 +63,10 @@ pub(crate) struct RequestCtx {
     model: Key,
     lane: Option<Arc<Lane>>,
     request: Option<RequestId>,
+    /// The session its header names, when affinity is on.
+    session: Option<u64>,
+    /// Its tenant opted in to the response cache.
+    response_cache: bool,
     /// The request's span; phases are its children.
     span: Span,
 }
@@ -78,11 +83,14 @@ impl RequestCtx {
             span: request_span(path, request.as_ref()),
             lane: None,
             request,
+            session: None,
+            response_cache: false,
         }
     }
 
     fn set_tenant(&mut self, tenant: &Tenant, seat: &Seat) {
         self.tenant = tenant.name.clone();
+        self.response_cache = tenant.response_cache();
         self.tier = seat.tier.clone();
         self.span.record("tenant", &*tenant.name);
     }
@@ -128,6 +136,10 @@ pub(crate) async fn serve_client(
         let tenant =
             debug_span!("authenticate").in_scope(|| authenticate(&gw, peer, req.headers()))?;
         let asked_updates = wants_queue_updates(req.headers());
+        let affinity = &gw.config().affinity;
+        if affinity.enabled {
+            ctx.session = crate::session::from_header(req.headers(), &affinity.session_header);
+        }
         let seat = Seat::of(&tenant);
         ctx.set_tenant(&tenant, &seat);
         let limit = gw.config().server.max_body_bytes;
@@ -198,6 +210,9 @@ async fn serve(
     drop(body);
     ctx.span.record("model", &*ctx.model);
     let c = c?;
+    if let Some(resp) = cached::when_degraded(gw, &tenant, &c, ctx) {
+        return Ok(resp);
+    }
     if let Some(s) = spot {
         s.updates.store(
             wants_updates(c.parsed.stream),

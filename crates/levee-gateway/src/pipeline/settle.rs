@@ -88,6 +88,19 @@ fn actual_tokens(o: &Outcome) -> Option<u64> {
     }
 }
 
+/// The prompt tokens the engine really prefilled, in levee's estimate's units: a warm prefix
+/// (the engine's `cached_tokens`) was skipped, so its fast first token says nothing about
+/// the prefill speed of a cold prompt that long.
+fn prefilled(estimate: u64, o: &Outcome) -> u64 {
+    match o.usage {
+        Some(u) if u.prompt_tokens > 0 && u.cached_tokens() > 0 => {
+            let cold = (u.prompt_tokens - u.cached_tokens()) as f64 / u.prompt_tokens as f64;
+            (estimate as f64 * cold).round() as u64
+        }
+        _ => estimate,
+    }
+}
+
 /// How the request ended, as the `outcome` label of `levee_requests_total`.
 fn outcome_label(o: &Outcome) -> &'static str {
     if let Some(code) = o.stream_cut {
@@ -116,29 +129,35 @@ impl RequestSettle {
                 u.prompt_tokens,
                 u.completion_tokens,
             );
+            let model = crate::metrics::ModelLabel {
+                model: self.model.to_string(),
+            };
             if u.prompt_tokens > 0 {
-                let label = crate::metrics::ModelLabel {
-                    model: self.model.to_string(),
-                };
                 m.estimate_ratio
-                    .get_or_create(&label)
+                    .get_or_create(&model)
                     .observe(self.prompt_estimate as f64 / u.prompt_tokens as f64);
                 let kind = self.prompt_kind;
                 let factor = self
                     .lane
                     .note_prompt_count(kind, self.prompt_estimate, u.prompt_tokens);
                 let label = crate::metrics::CorrectionLabel {
-                    model: label.model,
+                    model: model.model.clone(),
                     text: kind.as_str(),
                 };
                 m.prompt_correction.get_or_create(&label).set(factor);
+            }
+            if u.cached_tokens() > 0 {
+                m.prompt_cached_tokens
+                    .get_or_create(&model)
+                    .inc_by(u.cached_tokens());
             }
         }
         if let Some(t) = outcome.ttft {
             m.ttft_for(&self.tenant.metrics, &self.tenant.tier, t.as_secs_f64());
             self.lane.note_ttft(now, t);
             if self.streamed && (200..300).contains(&outcome.status) {
-                self.lane.note_prefill(self.prompt_estimate, t);
+                self.lane
+                    .note_prefill(prefilled(self.prompt_estimate, outcome), t);
             }
         }
     }
@@ -177,5 +196,43 @@ impl RequestSettle {
             }
             .emit(id.seq, self.gw.config().observe.request_log_sample);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::proxy::{PromptTokensDetails, Usage};
+
+    #[test]
+    fn a_warm_prefix_is_not_counted_as_prefilled() {
+        let with = |cached: Option<u64>| Outcome {
+            usage: Some(Usage {
+                prompt_tokens: 1000,
+                completion_tokens: 10,
+                total_tokens: 1010,
+                prompt_tokens_details: cached.map(|c| PromptTokensDetails { cached_tokens: c }),
+            }),
+            ..Outcome::default()
+        };
+        // levee estimated 1100 tokens; the engine found 800 of its 1000 in its cache.
+        assert_eq!(prefilled(1100, &with(Some(800))), 220);
+        assert_eq!(prefilled(1100, &with(None)), 1100);
+        assert_eq!(prefilled(1100, &with(Some(0))), 1100);
+        // A report past the prompt is clamped: nothing was prefilled.
+        assert_eq!(prefilled(1100, &with(Some(5000))), 0);
+        assert_eq!(prefilled(1100, &Outcome::default()), 1100);
+    }
+
+    #[test]
+    fn cached_tokens_are_read_from_the_usage() {
+        let u: Usage = serde_json::from_str(
+            r#"{"prompt_tokens":50,"completion_tokens":5,"total_tokens":55,
+                "prompt_tokens_details":{"cached_tokens":32}}"#,
+        )
+        .unwrap();
+        assert_eq!(u.cached_tokens(), 32);
+        let plain: Usage = serde_json::from_str(r#"{"prompt_tokens":50}"#).unwrap();
+        assert_eq!(plain.cached_tokens(), 0);
     }
 }

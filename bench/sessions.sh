@@ -1,0 +1,173 @@
+#!/usr/bin/env bash
+# Session affinity against load-only routing, side by side, on two real llama-servers:
+#  1. installs llama-server and gemma-3-270m (bench/install-llama.sh) and builds levee
+#     (release);
+#  2. for each flood — bench/sessions-flood.toml (multi-turn conversations that resend their
+#     history) and bench/sessions-plain.toml (single-turn requests, the control) — and each
+#     routing — load only ([affinity] enabled = false) and affinity ([affinity] enabled =
+#     true, epsilon 0.5) — starts two fresh llama-servers (4 slots, one CPU thread each; the
+#     why is in bench/llama-servers.sh: fresh so that no run finds the previous run's
+#     prompts cached), a gateway in front of them, and runs the flood with `levee sim`;
+#  3. prints TTFT p50/p99, goodput and success per run as a markdown table, also written to
+#     target/sessions/table.md, with each run's report in target/sessions/<flood>-<routing>/.
+# The goal (issue 25): on the session flood, TTFT p50 at least halved at equal goodput;
+# on the plain flood, affinity no more than 5% worse than load only.
+# Every process it starts is killed at the end (by PID). About 6 minutes after the build.
+#
+#   bench/sessions.sh            # two llama-servers
+#   bench/sessions.sh --sim      # two simulated engines (levee engine) calibrated to them
+#
+# LEVEE=path/to/levee uses that binary instead of building one; FLOODS="plain" runs only
+# those floods; ROUNDS=N runs each pair N times, load and affinity alternating (run-to-run
+# spread is the yardstick for a 5% difference); SCALE=X multiplies every flood's rates
+# (`levee sim --rate-scale`).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=target/sessions
+mkdir -p "$OUT"
+MODE=llama
+if [[ ${1:-} == --sim ]]; then
+  MODE=sim
+fi
+source bench/llama-servers.sh
+ENGINE_PIDS=()
+GATEWAY_PID=
+stop_all() {
+  [[ -n $GATEWAY_PID ]] && kill "$GATEWAY_PID" 2>/dev/null && wait "$GATEWAY_PID" 2>/dev/null
+  GATEWAY_PID=
+  stop_llama_servers
+  for pid in "${ENGINE_PIDS[@]}"; do
+    kill "$pid" 2>/dev/null || true
+    wait "$pid" 2>/dev/null || true
+  done
+  ENGINE_PIDS=()
+  return 0
+}
+trap stop_all EXIT
+
+if [[ -z ${LEVEE:-} ]]; then
+  cargo build --release -q -p levee
+  LEVEE="${CARGO_TARGET_DIR:-target}/release/levee"
+fi
+if [[ $MODE == llama ]]; then
+  mapfile -t LLAMA < <(bench/install-llama.sh)
+fi
+
+wait_healthy() {
+  local url=$1 i
+  for ((i = 0; i < 1200; i++)); do
+    curl -sf "$url" >/dev/null 2>&1 && return 0
+    sleep 0.1
+  done
+  echo "$url did not answer in 120 s" >&2
+  return 1
+}
+
+# Starts two fresh backends; fills URLS and KIND.
+start_backends() {
+  local logdir=$1 i port
+  URLS=()
+  if [[ $MODE == llama ]]; then
+    start_llama_servers 2 "${LLAMA[0]}" "${LLAMA[1]}" "$logdir"
+    URLS=("${LLAMA_URLS[@]}")
+    LLAMA_URLS=()
+    KIND=llamacpp
+  else
+    mkdir -p "$logdir"
+    for i in 0 1; do
+      port=$(free_port)
+      "$LEVEE" engine --port "$port" --profile-file profiles/llamacpp-gemma3-270m-2core.toml \
+        >"$logdir/engine-$i.log" 2>&1 &
+      ENGINE_PIDS+=($!)
+      URLS+=("http://127.0.0.1:$port")
+      wait_healthy "http://127.0.0.1:$port/health"
+    done
+    KIND=vllm
+  fi
+}
+
+# write_config FILE AFFINITY PUBLIC ADMIN: the gateway in front of URLS. Roomy watermarks,
+# no degradation: only the backend choice differs between runs.
+write_config() {
+  local file=$1 affinity=$2 public=$3 admin=$4 url
+  {
+    echo "[listen]"
+    echo "public = \"127.0.0.1:$public\""
+    echo "admin = \"127.0.0.1:$admin\""
+    echo "[scrape]"
+    echo "interval_ms = 1000"
+    echo "[queue]"
+    echo "safe = 64"
+    echo "soft = 256"
+    echo "hard = 1024"
+    echo "[degrade]"
+    echo "enabled = false"
+    echo "[affinity]"
+    echo "enabled = $affinity"
+    echo "epsilon = 0.5"
+    echo "[[tenants]]"
+    echo "name = \"chat\""
+    echo "tier = \"standard\""
+    echo "key_sha256 = [\"$(printf %s sk-sessions-bench | sha256sum | cut -d' ' -f1)\"]"
+    echo "[[models]]"
+    echo "name = \"gemma-3-270m\""
+    for url in "${URLS[@]}"; do
+      echo "[[models.backends]]"
+      echo "kind = \"$KIND\""
+      echo "url = \"$url\""
+      echo "max_in_flight = 4"
+    done
+  } >"$file"
+}
+
+# run FLOOD ROUTING ROUND: one run on fresh backends; its report in $OUT/FLOOD-ROUTING-ROUND/.
+run() {
+  local flood=$1 routing=$2 dir="$OUT/$1-$2-$3" affinity=false public admin
+  [[ $routing == affinity ]] && affinity=true
+  rm -rf "$dir"
+  mkdir -p "$dir"
+  start_backends "$dir"
+  public=$(free_port)
+  admin=$(free_port)
+  write_config "$dir/gateway.toml" "$affinity" "$public" "$admin"
+  "$LEVEE" serve --config "$dir/gateway.toml" >"$dir/gateway.log" 2>&1 &
+  GATEWAY_PID=$!
+  wait_healthy "http://127.0.0.1:$public/healthz"
+  # A bound only against a hang: the flood ends by itself.
+  timeout 600 "$LEVEE" sim "bench/sessions-$flood.toml" --target "http://127.0.0.1:$public" \
+    --rate-scale "${SCALE:-1}" --out "$dir" >"$dir/sim.log" 2>&1
+  curl -s "http://127.0.0.1:$admin/metrics" >"$dir/gateway-metrics.txt" || true
+  stop_all
+}
+
+RUNS=()
+for flood in ${FLOODS:-flood plain}; do
+  for ((round = 1; round <= ${ROUNDS:-1}; round++)); do
+    for routing in load affinity; do
+      echo "running sessions-$flood with $routing routing, round $round ($MODE backends)" >&2
+      run "$flood" "$routing" "$round"
+      RUNS+=("$flood-$routing-$round")
+    done
+  done
+done
+
+python3 - "$OUT" "$MODE" "${RUNS[@]}" <<'PY' | tee "$OUT/table.md"
+import json, sys
+out, mode, runs = sys.argv[1], sys.argv[2], sys.argv[3:]
+print(f"backends: {'two llama-servers (gemma-3-270m, 4 slots, 1 thread)' if mode == 'llama' else 'two simulated engines (profiles/llamacpp-gemma3-270m-2core.toml)'}")
+print()
+print("| flood | routing | round | requests | success | goodput req/s | TTFT p50 ms | TTFT p99 ms | cached prompt tokens |")
+print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+for run in runs:
+    flood, routing, rnd = run.split("-")
+    d = f"{out}/{run}"
+    r = json.load(open(f"{d}/report.json"))
+    cached = 0
+    for line in open(f"{d}/gateway-metrics.txt"):
+        if line.startswith("levee_prompt_cached_tokens_total"):
+            cached += float(line.split()[-1])
+    t = r["latency"]["ttft"]
+    print(f"| sessions-{flood} | {routing} | {rnd} | {r['totals']['sent']} "
+          f"| {r['rates']['success_rate']:.3f} | {r['rates']['goodput_rps']:.2f} "
+          f"| {t['p50']:.0f} | {t['p99']:.0f} | {cached:.0f} |")
+PY
