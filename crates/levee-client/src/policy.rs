@@ -100,7 +100,7 @@ impl RetryPolicy {
     /// [`RetryPolicy::decide`] for an answer that may carry `x-levee-degraded`
     /// (`degraded`): a degraded answer is never retried ([`GiveUp::Degraded`]).
     #[allow(clippy::too_many_arguments)]
-    pub fn decide_marked<R: Rng + ?Sized>(
+    pub fn decide_marked<R: RngExt + ?Sized>(
         &self,
         attempts_made: u32,
         outcome: Outcome,
@@ -133,7 +133,7 @@ impl RetryPolicy {
     }
 
     /// `wait` plus a uniform share of it in `[0, retry_after_jitter]`.
-    fn spread<R: Rng + ?Sized>(&self, wait: Duration, rng: &mut R) -> Duration {
+    fn spread<R: RngExt + ?Sized>(&self, wait: Duration, rng: &mut R) -> Duration {
         let share = if self.retry_after_jitter.is_finite() {
             self.retry_after_jitter.clamp(0.0, 10.0)
         } else {
@@ -142,6 +142,6 @@ impl RetryPolicy {
         if share == 0.0 || wait.is_zero() {
             return wait;
         }
-        wait + wait.mul_f64(rng.gen_range(0.0..=share))
+        wait + wait.mul_f64(rng.random_range(0.0..=share))
     }
 }

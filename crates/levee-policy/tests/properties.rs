@@ -706,24 +706,6 @@ proptest! {
 }
 
 // ---------------------------------------------------------------------------------------
-// Fleet budgets: the max-min split, and replicas leasing slices of one backend's budget in
-// any order never hold, nor admit, more than the budget between them.
-
-proptest! {
-    #[test]
-    fn fair_split_is_within_wants_and_budget_and_max_min(
-        wants in proptest::collection::vec(0u64..100, 0..6),
-        budget in 0u64..300,
-    ) {
-        let parts = fair_split(&wants, budget);
-        let total: u64 = parts.iter().sum();
-        prop_assert_eq!(total, wants.iter().sum::<u64>().min(budget));
-        for (i, (&p, &w)) in parts.iter().zip(&wants).enumerate() {
-            prop_assert!(p <= w);
-            if p < w {
-                for &q in &parts {
-                    prop_assert!(p + 1 >= q, "entry {} got {} of {}, another {}", i, p, w, q);
-
 // Aging bound: once an entry has waited the aging horizon, every pop of its tier takes an
 // entry pushed no later than it; so it leaves within (entries of its tier pushed before it
 // and still queued when it became due) + 1 pops of its tier. Across tiers, strict priority.
@@ -849,46 +831,6 @@ proptest! {
     }
 
     #[test]
-    fn replicas_leasing_slices_never_exceed_the_budget(
-        budget in 1u64..40,
-        ops in proptest::collection::vec((0usize..3, 0u8..4, 0u64..50), 1..300),
-    ) {
-        // The shared state's rule (the Redis script's): a grant is min(fair share, budget −
-        // the others' holdings); the holding recorded is max(grant, in flight).
-        #[derive(Default, Clone, Copy)]
-        struct R { hold: u64, want: u64, allowed: u64, in_flight: u64, queued: u64 }
-        let mut rs = [R::default(); 3];
-        let b = Budget { slots: budget, kv_tokens: 0 };
-        for (r, op, n) in ops {
-            match op {
-                0 => {
-                    // renew with the replica's demand
-                    let w = slice_want(b, SliceDemand { in_flight: rs[r].in_flight, queued: rs[r].queued, ..SliceDemand::default() });
-                    rs[r].want = w.slots;
-                    let wants: Vec<u64> = rs.iter().map(|x| x.want).collect();
-                    let fair = fair_split(&wants, budget)[r];
-                    let others: u64 = rs.iter().enumerate().filter(|(j, _)| *j != r).map(|(_, x)| x.hold).sum();
-                    let allowed = fair.min(budget.saturating_sub(others));
-                    rs[r].allowed = allowed;
-                    rs[r].hold = allowed.max(rs[r].in_flight);
-                }
-                1 => {
-                    // requests arrive: admitted within the allowance, the rest queue
-                    for _ in 0..n % 8 {
-                        if rs[r].in_flight < rs[r].allowed { rs[r].in_flight += 1 } else { rs[r].queued += 1 }
-                    }
-                }
-                2 => rs[r].in_flight = rs[r].in_flight.saturating_sub(n % 4),
-                _ => {
-                    // death: its requests go with it, its lease expires
-                    rs[r] = R::default();
-                }
-            }
-            let in_flight: u64 = rs.iter().map(|x| x.in_flight).sum();
-            let held: u64 = rs.iter().map(|x| x.hold).sum();
-            prop_assert!(in_flight <= budget, "{} in flight over {}", in_flight, budget);
-            prop_assert!(held <= budget, "{} held over {}", held, budget);
-
     fn affinity_under_a_session_flood_stays_bounded(
         n in 2usize..6,
         epsilon in 0.05f64..1.0,
@@ -970,6 +912,73 @@ proptest! {
                 }
                 running.push(d.grant);
             }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Fleet budgets: the max-min split, and replicas leasing slices of one backend's budget in
+// any order never hold, nor admit, more than the budget between them.
+
+proptest! {
+    #[test]
+    fn fair_split_is_within_wants_and_budget_and_max_min(
+        wants in proptest::collection::vec(0u64..100, 0..6),
+        budget in 0u64..300,
+    ) {
+        let parts = fair_split(&wants, budget);
+        let total: u64 = parts.iter().sum();
+        prop_assert_eq!(total, wants.iter().sum::<u64>().min(budget));
+        for (i, (&p, &w)) in parts.iter().zip(&wants).enumerate() {
+            prop_assert!(p <= w);
+            if p < w {
+                for &q in &parts {
+                    prop_assert!(p + 1 >= q, "entry {} got {} of {}, another {}", i, p, w, q);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn replicas_leasing_slices_never_exceed_the_budget(
+        budget in 1u64..40,
+        ops in proptest::collection::vec((0usize..3, 0u8..4, 0u64..50), 1..300),
+    ) {
+        // The shared state's rule (the Redis script's): a grant is min(fair share, budget −
+        // the others' holdings); the holding recorded is max(grant, in flight).
+        #[derive(Default, Clone, Copy)]
+        struct R { hold: u64, want: u64, allowed: u64, in_flight: u64, queued: u64 }
+        let mut rs = [R::default(); 3];
+        let b = Budget { slots: budget, kv_tokens: 0 };
+        for (r, op, n) in ops {
+            match op {
+                0 => {
+                    // renew with the replica's demand
+                    let w = slice_want(b, SliceDemand { in_flight: rs[r].in_flight, queued: rs[r].queued, ..SliceDemand::default() });
+                    rs[r].want = w.slots;
+                    let wants: Vec<u64> = rs.iter().map(|x| x.want).collect();
+                    let fair = fair_split(&wants, budget)[r];
+                    let others: u64 = rs.iter().enumerate().filter(|(j, _)| *j != r).map(|(_, x)| x.hold).sum();
+                    let allowed = fair.min(budget.saturating_sub(others));
+                    rs[r].allowed = allowed;
+                    rs[r].hold = allowed.max(rs[r].in_flight);
+                }
+                1 => {
+                    // requests arrive: admitted within the allowance, the rest queue
+                    for _ in 0..n % 8 {
+                        if rs[r].in_flight < rs[r].allowed { rs[r].in_flight += 1 } else { rs[r].queued += 1 }
+                    }
+                }
+                2 => rs[r].in_flight = rs[r].in_flight.saturating_sub(n % 4),
+                _ => {
+                    // death: its requests go with it, its lease expires
+                    rs[r] = R::default();
+                }
+            }
+            let in_flight: u64 = rs.iter().map(|x| x.in_flight).sum();
+            let held: u64 = rs.iter().map(|x| x.hold).sum();
+            prop_assert!(in_flight <= budget, "{} in flight over {}", in_flight, budget);
+            prop_assert!(held <= budget, "{} held over {}", held, budget);
         }
     }
 }
