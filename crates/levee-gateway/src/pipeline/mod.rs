@@ -64,12 +64,56 @@ pub(crate) struct RequestCtx {
     request: Option<RequestId>,
     /// The request's span; phases are its children.
     span: Span,
+    /// Where the request is, for the count of a client that leaves before its answer.
+    phase: Phase,
+    /// Counts a request dropped before its answer (see the `Drop` below).
+    gw: Arc<Gateway>,
+    /// The outcome such a request is counted with: `client_gone`, or `cancelled` for a
+    /// task.
+    gone: &'static str,
+}
+
+/// How far a request got, for the count of one whose client leaves before the answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    /// Reading its body (or not yet authenticated).
+    Reading,
+    /// Deciding admission, perhaps waiting in the queue (that wait counts its own
+    /// abandonment).
+    Admitting,
+    /// At its backend, before the response head.
+    Dispatched,
+    /// Answered: the error's count or the settlement takes over.
+    Answered,
+}
+
+/// A client that leaves before its answer drops the request's future: the pipeline never
+/// reaches an outcome, and the settlement (which counts one for a client that leaves
+/// mid-answer) does not exist yet. Counted here, so that every request that arrived has
+/// an outcome in `levee_requests_total`, and one that left at its backend an abandonment.
+impl Drop for RequestCtx {
+    fn drop(&mut self) {
+        if self.phase == Phase::Answered {
+            return;
+        }
+        let m = self.gw.metrics();
+        m.request(&self.tenant, &self.model, self.gone);
+        match self.phase {
+            Phase::Reading if &*self.tenant != "-" => m.abandon(&self.tenant, "reading"),
+            Phase::Dispatched => m.abandon(&self.tenant, "dispatched"),
+            _ => {}
+        }
+        record_end(&self.span, self.gone, 499);
+    }
 }
 
 impl RequestCtx {
-    fn new(path: &'static str, request: Option<RequestId>) -> Self {
+    fn new(gw: &Arc<Gateway>, path: &'static str, request: Option<RequestId>) -> Self {
         let dash = Key::new("-");
         RequestCtx {
+            phase: Phase::Reading,
+            gw: gw.clone(),
+            gone: "client_gone",
             path,
             arrived: Instant::now(),
             tenant: dash.clone(),
@@ -122,7 +166,7 @@ pub(crate) async fn serve_client(
     path: &'static str,
     spot: Option<&QueueSpot>,
 ) -> Response {
-    let mut ctx = RequestCtx::new(path, req.extensions().get::<RequestId>().cloned());
+    let mut ctx = RequestCtx::new(&gw, path, req.extensions().get::<RequestId>().cloned());
     let span = ctx.span.clone();
     let run = async {
         let tenant =
@@ -130,8 +174,12 @@ pub(crate) async fn serve_client(
         let asked_updates = wants_queue_updates(req.headers());
         let seat = Seat::of(&tenant);
         ctx.set_tenant(&tenant, &seat);
-        let limit = gw.config().server.max_body_bytes;
-        let body = Box::pin(read_body(*req, limit))
+        let (limit, timeout) = {
+            let cfg = gw.config();
+            let ms = cfg.server.body_read_timeout_ms;
+            (cfg.server.max_body_bytes, Duration::from_millis(ms))
+        };
+        let body = Box::pin(read_body(*req, limit, timeout))
             .instrument(debug_span!("read_body"))
             .await?;
         let updates = asked_updates || seat.queue_updates;
@@ -140,7 +188,9 @@ pub(crate) async fn serve_client(
         });
         Box::pin(served).await
     };
-    match run.instrument(span).await {
+    let answer = run.instrument(span).await;
+    ctx.phase = Phase::Answered;
+    match answer {
         Ok(resp) => resp,
         Err(e) => {
             account_error(&gw, &ctx, &e);
@@ -169,11 +219,13 @@ pub(crate) async fn serve_task(
     path: &'static str,
     spot: &QueueSpot,
 ) -> Result<Response, GatewayError> {
-    let mut ctx = RequestCtx::new(path, None);
+    let mut ctx = RequestCtx::new(gw, path, None);
+    ctx.gone = "cancelled";
     ctx.set_tenant(&tenant, &seat);
     let span = ctx.span.clone();
     let served = serve(gw, tenant, seat, body, &mut ctx, Some(spot), |_| false);
     let r = Box::pin(served.instrument(span)).await;
+    ctx.phase = Phase::Answered;
     if let Err(e) = &r {
         account_error(gw, &ctx, e);
     }
@@ -200,6 +252,7 @@ async fn serve(
             std::sync::atomic::Ordering::Relaxed,
         );
     }
+    ctx.phase = Phase::Admitting;
     let admitted = match admit::admit(gw, &tenant, &seat, &c, spot)
         .instrument(debug_span!("admit"))
         .await
@@ -207,6 +260,7 @@ async fn serve(
         Ok(a) => a,
         Err(e) => return fallback::or_error(gw, &tenant, &c, ctx, e),
     };
+    ctx.phase = Phase::Dispatched;
     ctx.span.record("queue_ms", ms(admitted.waited));
     admit::count_admitted(gw, &tenant, &seat, &c);
     let (admitted, backend) = debug_span!("dispatch").in_scope(|| admit::dispatch(admitted, &c))?;
@@ -272,7 +326,11 @@ pub(crate) fn tenant_of(gw: &Gateway, headers: &HeaderMap) -> Result<Arc<Tenant>
 
 /// Read: the body, within `limit` bytes; the request head is dropped here so its buffer is
 /// not held while queued.
-pub(crate) async fn read_body(req: Request, limit: usize) -> Result<Bytes, GatewayError> {
+pub(crate) async fn read_body(
+    req: Request,
+    limit: usize,
+    timeout: Duration,
+) -> Result<Bytes, GatewayError> {
     let (parts, body) = req.into_parts();
     if let Some(len) = parts
         .headers
@@ -285,7 +343,19 @@ pub(crate) async fn read_body(req: Request, limit: usize) -> Result<Bytes, Gatew
         }
     }
     drop(parts);
-    match axum::body::to_bytes(body, limit).await {
+    let Ok(read) = tokio::time::timeout(timeout, axum::body::to_bytes(body, limit)).await else {
+        return Err(GatewayError::new(
+            ErrorCode::RequestTimeout,
+            format!(
+                "the request body did not arrive within {} ms (server.body_read_timeout_ms)",
+                timeout.as_millis()
+            ),
+        ));
+    };
+    match read {
+        Ok(b) if json_depth(&b) > MAX_JSON_DEPTH => Err(GatewayError::bad_request(format!(
+            "the request body nests objects and arrays deeper than {MAX_JSON_DEPTH} levels"
+        ))),
         Ok(b) => Ok(b),
         Err(e) => {
             let too_big = std::error::Error::source(&e)
@@ -299,6 +369,38 @@ pub(crate) async fn read_body(req: Request, limit: usize) -> Result<Bytes, Gatew
             }
         }
     }
+}
+
+/// Deepest nesting of objects and arrays a request body may have. serde_json stops at 128
+/// when it builds a value; a body deeper than that would pass the first, shallow reading
+/// and fail when its fields are rewritten for the backend, after admission.
+pub(crate) const MAX_JSON_DEPTH: usize = 100;
+
+/// The deepest nesting of `{`/`[` in a JSON text, brackets inside strings not counted (one
+/// pass over the bytes; a malformed text gives some number, and fails to parse later).
+pub fn json_depth(b: &[u8]) -> usize {
+    let (mut depth, mut max, mut in_str, mut escaped) = (0usize, 0usize, false, false);
+    for &c in b {
+        if in_str {
+            match (escaped, c) {
+                (true, _) => escaped = false,
+                (false, b'\\') => escaped = true,
+                (false, b'"') => in_str = false,
+                _ => {}
+            }
+            continue;
+        }
+        match c {
+            b'"' => in_str = true,
+            b'{' | b'[' => {
+                depth += 1;
+                max = max.max(depth);
+            }
+            b'}' | b']' => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+    }
+    max
 }
 
 /// The request's span: its fields are filled in as the pipeline learns them.
