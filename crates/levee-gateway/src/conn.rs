@@ -220,6 +220,27 @@ impl Activity {
     }
 }
 
+impl Activity {
+    /// Resolves once no request has been in progress on the connection for `bound`.
+    pub async fn quiet_for(&self, bound: Duration) {
+        loop {
+            let changed = self.changed.notified();
+            if self.active.load(Ordering::Relaxed) > 0 {
+                changed.await;
+                continue;
+            }
+            tokio::select! {
+                _ = changed => {}
+                _ = tokio::time::sleep(bound) => {
+                    if self.active.load(Ordering::Relaxed) == 0 {
+                        return;
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// A request in progress on its connection (see [`Activity::begin`]).
 #[derive(Debug)]
 pub struct RequestActive(Arc<Activity>);

@@ -429,6 +429,10 @@ where
                 }
                 break;
             }
+            // An HTTP/2 graceful close waits for the client to acknowledge a PING, which a
+            // silent client never does: once closing, a connection with no request in
+            // progress for the first-request timeout is dropped.
+            _ = activity.quiet_for(policy.first_request), if closing => break,
             _ = c.stop.cancelled(), if !closing => {
                 closing = true;
                 conn.as_mut().graceful_shutdown();
