@@ -249,6 +249,10 @@ pub struct ServerConfig {
     /// Requests one connection may carry; then it is closed once its last answer is sent
     /// (HTTP/1: `Connection: close`; HTTP/2: GOAWAY), and the client reconnects. 0: no limit.
     pub max_requests_per_connection: u64,
+    /// Largest non-streamed answer levee buffers from a backend; a larger one is answered
+    /// 502 `upstream_error` and its connection dropped. (A stream is passed on event by
+    /// event, each event at most 1 MiB.)
+    pub max_response_bytes: usize,
 }
 
 impl Default for ServerConfig {
@@ -269,6 +273,7 @@ impl Default for ServerConfig {
             max_connections_per_ip: 4_096,
             idle_timeout_ms: 60_000,
             max_requests_per_connection: 100_000,
+            max_response_bytes: 64 << 20,
         }
     }
 }
@@ -1377,6 +1382,9 @@ impl Config {
             if v == 0 {
                 errs.push(format!("server.{field}: must be > 0"));
             }
+        }
+        if self.server.max_response_bytes == 0 {
+            errs.push("server.max_response_bytes: must be > 0".to_string());
         }
         if self.server.max_body_bytes == 0 {
             errs.push("server.max_body_bytes: must be > 0".to_string());

@@ -470,17 +470,26 @@ pub async fn finish_buffered(
     deadline: Instant,
     sent_at: Instant,
     extra: &[(&'static str, HeaderValue)],
+    max_bytes: usize,
 ) -> Result<Response, GatewayError> {
     let (parts, body) = resp.into_parts();
     settlement.outcome.status = parts.status.as_u16();
     settlement.outcome.advised_retry = crate::upstream::advised_retry(&parts.headers);
     // The response head is the first byte a non-streaming client could see.
     settlement.outcome.ttft = Some(sent_at.elapsed());
-    let bytes = match tokio::time::timeout_at(deadline, body.collect()).await {
+    // Bounded: a backend that answers without end would otherwise grow this buffer until
+    // the gateway runs out of memory.
+    let limited = http_body_util::Limited::new(body, max_bytes);
+    let bytes = match tokio::time::timeout_at(deadline, limited.collect()).await {
         Ok(Ok(c)) => c.to_bytes(),
         Ok(Err(e)) => {
             settlement.outcome.transport_error = true;
             settlement.finish();
+            if e.is::<http_body_util::LengthLimitError>() {
+                return Err(GatewayError::upstream(format!(
+                    "the backend's answer is larger than server.max_response_bytes ({max_bytes})"
+                )));
+            }
             return Err(GatewayError::upstream(format!(
                 "backend response broke off: {e}"
             )));

@@ -83,6 +83,7 @@ pub(super) async fn forward(
             sent_at + request_timeout,
             sent_at,
             &extra,
+            rt.cfg.server.max_response_bytes,
         ))
         .await
     }
