@@ -189,7 +189,7 @@ async fn the_fault_table() {
     let mut failures = Vec::new();
     for (fault, stream, max, status, needle) in table {
         let b = fault_backend(fault).await;
-        let mut cfg = fault_config(&[b.url.clone()]);
+        let mut cfg = fault_config(std::slice::from_ref(&b.url));
         if let Some(max) = max {
             cfg.server.max_response_bytes = max;
         }
@@ -230,7 +230,9 @@ async fn an_upstream_429_cools_its_backend_and_tells_the_client_when_to_return()
 
     // Alone behind levee: the client hears the backend's refusal with the fleet's wait.
     let limited = fault_backend(Fault::RateLimited { retry_after_s: 30 }).await;
-    let gw = start(fault_config(&[limited.url.clone()])).await.unwrap();
+    let gw = start(fault_config(std::slice::from_ref(&limited.url)))
+        .await
+        .unwrap();
     let (status, headers, _) = ask(&gw, false).await;
     assert_eq!(status, 429);
     let secs: u64 = headers["retry-after"].to_str().unwrap().parse().unwrap();
