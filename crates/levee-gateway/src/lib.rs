@@ -22,6 +22,7 @@ pub mod conn;
 mod degrade;
 pub mod egress;
 pub mod error;
+pub mod fuzzing;
 mod gateway;
 mod lane;
 pub mod metrics;

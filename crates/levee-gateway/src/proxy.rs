@@ -682,7 +682,7 @@ impl StreamState {
 /// Cuts a stream's bytes at SSE event ends, so the client gets whole events whatever the
 /// backend's chunk boundaries, and reads the usage chunk on the way.
 #[derive(Debug, Default)]
-struct EventSplitter {
+pub(crate) struct EventSplitter {
     /// Bytes of an event not yet complete.
     pending: BytesMut,
     framer: Framer,
@@ -692,9 +692,17 @@ struct EventSplitter {
 }
 
 impl EventSplitter {
+    /// A splitter that drops the usage chunk when `strip_usage` (see the field).
+    pub(crate) fn with_strip_usage(strip_usage: bool) -> EventSplitter {
+        EventSplitter {
+            strip_usage,
+            ..EventSplitter::default()
+        }
+    }
+
     /// Takes the next chunk from the backend; returns what to forward now (whole events
     /// only) and sets `usage` if an event carried it.
-    fn process(&mut self, data: Bytes, usage: &mut Option<Usage>) -> Bytes {
+    pub(crate) fn process(&mut self, data: Bytes, usage: &mut Option<Usage>) -> Bytes {
         // Fast path: a chunk of whole events with no usage in it goes straight through.
         if self.pending.is_empty() && ends_an_event(&data) && !contains(&data, b"\"usage\"") {
             return data;

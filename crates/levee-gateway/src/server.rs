@@ -285,6 +285,7 @@ async fn accept_loop(l: Listening, gateway: Arc<Gateway>, stop: CancellationToke
         let server_cfg = gateway.config().server.clone();
         let conn = Conn {
             peer,
+            public: l.name == "public",
             slot,
             stop: stop.clone(),
             gw: gateway.clone(),
@@ -305,6 +306,8 @@ async fn accept_loop(l: Listening, gateway: Arc<Gateway>, stop: CancellationToke
 /// signal, the gateway.
 struct Conn {
     peer: SocketAddr,
+    /// On the public listener (whose requests the pipeline counts).
+    public: bool,
     slot: ConnSlot,
     stop: CancellationToken,
     gw: Arc<Gateway>,
@@ -331,7 +334,7 @@ fn serve_connection(
         max_requests: server_cfg.max_requests_per_connection,
     };
     let activity = Activity::new();
-    let svc = service(router, conn.peer, activity.clone(), conn.gw.clone());
+    let svc = service(router, &conn, activity.clone());
     tokio::spawn(async move {
         let peer = conn.peer;
         let sniffed = Box::pin(tokio::time::timeout(header_timeout, sniff_h2(&stream))).await;
@@ -372,9 +375,8 @@ fn serve_connection(
 /// response body is sent.
 fn service(
     router: axum::Router,
-    peer: SocketAddr,
+    conn: &Conn,
     activity: Arc<Activity>,
-    gw: Arc<Gateway>,
 ) -> impl hyper::service::Service<
     http::Request<Incoming>,
     Response = http::Response<axum::body::Body>,
@@ -386,6 +388,7 @@ fn service(
 > {
     // The router's own future, not an async block around it (hyper keeps the request's
     // service future for as long as it waits in the queue).
+    let (peer, public, gw) = (conn.peer, conn.public, conn.gw.clone());
     hyper::service::service_fn(move |mut req: http::Request<Incoming>| {
         let active = activity.begin();
         req.extensions_mut().insert(ConnectInfo(peer));
@@ -393,6 +396,11 @@ fn service(
         let echo = id.value.clone();
         req.extensions_mut().insert(id);
         let http1 = req.version() < http::Version::HTTP_2;
+        let pipeline_route = matches!(req.uri().path(), "/v1/chat/completions" | "/v1/completions");
+        if public && pipeline_route && req.method() == http::Method::POST {
+            req.extensions_mut()
+                .insert(crate::pipeline::Unclaimed::new(gw.clone()));
+        }
         let gw = gw.clone();
         router.clone().call(req).map(move |r| {
             r.map(|resp| {

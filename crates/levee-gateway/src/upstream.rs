@@ -94,6 +94,9 @@ pub struct ReportedLoad {
     pub kv_known: bool,
 }
 
+/// The largest sequence count a backend's gauges are taken to say.
+const MAX_GAUGE: f64 = 1e9;
+
 /// Parses Prometheus text exposition and picks the load figures of one backend kind.
 /// Series with labels are summed (a vLLM with several model labels reports one each).
 pub fn parse_load(kind: BackendKind, text: &str) -> Option<ReportedLoad> {
@@ -121,19 +124,22 @@ pub fn parse_load(kind: BackendKind, text: &str) -> Option<ReportedLoad> {
             .rsplit(' ')
             .find(|s| !s.is_empty())
             .and_then(|v| v.parse::<f64>().ok())
+            // A gauge of a count or a ratio: NaN, infinities and negative values are a
+            // broken (or hostile) backend's, and would poison the balancing.
+            .filter(|v| v.is_finite() && *v >= 0.0)
         else {
             continue;
         };
         // A trailing timestamp would parse too; exposition from vLLM and llama.cpp has
         // none, and taking the last token keeps this parser allocation-free.
         if running.contains(&name) {
-            load.running += value;
+            load.running = (load.running + value).min(MAX_GAUGE);
             found = true;
         } else if waiting.contains(&name) {
-            load.waiting += value;
+            load.waiting = (load.waiting + value).min(MAX_GAUGE);
             found = true;
         } else if kv.contains(&name) {
-            load.kv_usage = load.kv_usage.max(value);
+            load.kv_usage = load.kv_usage.max(value.min(1.0));
             load.kv_known = true;
             found = true;
         }

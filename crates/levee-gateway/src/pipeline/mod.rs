@@ -107,6 +107,38 @@ impl Drop for RequestCtx {
     }
 }
 
+/// A request for a pipeline route, handed to the router: when its handler never runs (the
+/// client left before the handler's future was first polled, and the connection dropped
+/// it), it is still counted, as `client_gone`. [`serve_client`] claims it as it starts.
+#[derive(Clone)]
+pub(crate) struct Unclaimed(Arc<UnclaimedInner>);
+
+struct UnclaimedInner {
+    armed: std::sync::atomic::AtomicBool,
+    gw: Arc<Gateway>,
+}
+
+impl Unclaimed {
+    pub(crate) fn new(gw: Arc<Gateway>) -> Unclaimed {
+        let armed = std::sync::atomic::AtomicBool::new(true);
+        Unclaimed(Arc::new(UnclaimedInner { armed, gw }))
+    }
+
+    fn claim(&self) {
+        self.0
+            .armed
+            .store(false, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+impl Drop for UnclaimedInner {
+    fn drop(&mut self) {
+        if self.armed.load(std::sync::atomic::Ordering::Relaxed) {
+            self.gw.metrics().request("-", "-", "client_gone");
+        }
+    }
+}
+
 impl RequestCtx {
     fn new(gw: &Arc<Gateway>, path: &'static str, request: Option<RequestId>) -> Self {
         let dash = Key::new("-");
@@ -166,6 +198,9 @@ pub(crate) async fn serve_client(
     path: &'static str,
     spot: Option<&QueueSpot>,
 ) -> Response {
+    if let Some(u) = req.extensions().get::<Unclaimed>() {
+        u.claim();
+    }
     let mut ctx = RequestCtx::new(&gw, path, req.extensions().get::<RequestId>().cloned());
     let span = ctx.span.clone();
     let run = async {
