@@ -5,7 +5,7 @@
 
 use crate::config::{BackendKind, Config};
 use crate::error::ErrorCode;
-use crate::pipeline::{json_depth, MAX_JSON_DEPTH};
+use crate::pipeline::check_body;
 use crate::proxy::{ClientRequest, EventSplitter, Usage};
 use bytes::Bytes;
 
@@ -14,7 +14,7 @@ use bytes::Bytes;
 /// re-read (the 500 of issue 22), and the rewritten body is JSON naming the backend's model
 /// with the cap written.
 pub fn request_body(data: &[u8]) {
-    if json_depth(data) > MAX_JSON_DEPTH {
+    if check_body(data).is_err() {
         return; // the read phase answers 400
     }
     let Ok((parsed, _prompt)) = ClientRequest::parse(Bytes::copy_from_slice(data)) else {

@@ -190,3 +190,18 @@ fn deep_nesting_is_refused_before_it_is_accepted() {
     body.push('}');
     fuzzing::request_body(body.as_bytes());
 }
+
+/// Found by cargo-fuzz: invalid UTF-8 inside a field levee does not read passed the first,
+/// shallow reading and failed the rewrite (a 500 after admission). Now the read phase
+/// refuses it (400), and escapes of lone surrogates in such a field are rewritten fine.
+#[test]
+fn invalid_utf8_or_lone_surrogates_in_an_unread_field_are_not_a_500() {
+    let mut body = br#"{"model": "m", "prompt": "hi", "stream": true, "x": {"in"#.to_vec();
+    body.extend_from_slice(&[0xea, 0xea, 0xea]);
+    body.extend_from_slice(br#"": false}}"#);
+    fuzzing::request_body(&body);
+    fuzzing::request_body(br#"{"model": "m", "prompt": "hi", "x": {"\udc00": "\ud800"}}"#);
+    fuzzing::request_body(
+        br#"{"model": "m", "prompt": "hi", "max_tokens": 3, "x": "\ud800\u0041"}"#,
+    );
+}

@@ -158,6 +158,22 @@ fn table() -> Vec<Case> {
             "/v1/chat/completions",
             nested(200),
         ),
+        // Found by cargo-fuzz: accepted by the first reading, then a 500 at the rewrite.
+        case(
+            "a lone surrogate escape in an unread field",
+            "/v1/chat/completions",
+            r#"{"model": "m", "messages": [{"role": "user", "content": "x"}], "user": "\ud800"}"#,
+        ),
+        case(
+            "invalid UTF-8 in an unread field",
+            "/v1/chat/completions",
+            [
+                &br#"{"model": "m", "messages": [], "user": ""#[..],
+                &[0xea, 0xea],
+                &br#""}"#[..],
+            ]
+            .concat(),
+        ),
         case(
             "body over max_body_bytes",
             "/v1/chat/completions",

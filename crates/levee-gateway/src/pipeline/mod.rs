@@ -388,10 +388,7 @@ pub(crate) async fn read_body(
         ));
     };
     match read {
-        Ok(b) if json_depth(&b) > MAX_JSON_DEPTH => Err(GatewayError::bad_request(format!(
-            "the request body nests objects and arrays deeper than {MAX_JSON_DEPTH} levels"
-        ))),
-        Ok(b) => Ok(b),
+        Ok(b) => check_body(&b).map(|()| b),
         Err(e) => {
             let too_big = std::error::Error::source(&e)
                 .is_some_and(|s| s.is::<http_body_util::LengthLimitError>());
@@ -406,14 +403,48 @@ pub(crate) async fn read_body(
     }
 }
 
+/// Refuses (400) a body the classify phase's reading would accept but the rewrite for the
+/// backend, which reads every field, would not — after admission, as a 500: one nested
+/// deeper than serde_json goes, one that is not UTF-8 (the first reading skips the fields
+/// levee does not use without looking inside their strings), one with a lone surrogate
+/// escape in such a field (only a body with a surrogate escape pays for a full reading).
+pub(crate) fn check_body(b: &[u8]) -> Result<(), GatewayError> {
+    if json_depth(b) > MAX_JSON_DEPTH {
+        return Err(GatewayError::bad_request(format!(
+            "the request body nests objects and arrays deeper than {MAX_JSON_DEPTH} levels"
+        )));
+    }
+    if std::str::from_utf8(b).is_err() {
+        return Err(GatewayError::bad_request(
+            "the request body is not UTF-8 (JSON must be)",
+        ));
+    }
+    if has_surrogate_escape(b) && serde_json::from_slice::<serde_json::Value>(b).is_err() {
+        return Err(GatewayError::bad_request(
+            "the request body holds an invalid \\u escape (a lone UTF-16 surrogate)",
+        ));
+    }
+    Ok(())
+}
+
+/// Whether `b` holds a `\\uD800`–`\\uDFFF` escape (half of a UTF-16 surrogate pair).
+fn has_surrogate_escape(b: &[u8]) -> bool {
+    b.windows(4).any(|w| {
+        w[0] == b'\\'
+            && (w[1] == b'u' || w[1] == b'U')
+            && (w[2] == b'd' || w[2] == b'D')
+            && matches!(w[3], b'8'..=b'9' | b'a'..=b'f' | b'A'..=b'F')
+    })
+}
+
 /// Deepest nesting of objects and arrays a request body may have. serde_json stops at 128
 /// when it builds a value; a body deeper than that would pass the first, shallow reading
 /// and fail when its fields are rewritten for the backend, after admission.
-pub(crate) const MAX_JSON_DEPTH: usize = 100;
+const MAX_JSON_DEPTH: usize = 100;
 
 /// The deepest nesting of `{`/`[` in a JSON text, brackets inside strings not counted (one
 /// pass over the bytes; a malformed text gives some number, and fails to parse later).
-pub fn json_depth(b: &[u8]) -> usize {
+fn json_depth(b: &[u8]) -> usize {
     let (mut depth, mut max, mut in_str, mut escaped) = (0usize, 0usize, false, false);
     for &c in b {
         if in_str {
