@@ -205,3 +205,19 @@ fn invalid_utf8_or_lone_surrogates_in_an_unread_field_are_not_a_500() {
         br#"{"model": "m", "prompt": "hi", "max_tokens": 3, "x": "\ud800\u0041"}"#,
     );
 }
+
+/// Also found by cargo-fuzz: a number out of range in a field levee does not read (the
+/// first reading skips it, the rewrite's full reading refused it: a 500 after admission).
+/// Numbers with exponents or hundreds of digits that do fit are passed on.
+#[test]
+fn numbers_out_of_range_in_an_unread_field_are_not_a_500() {
+    fuzzing::request_body(
+        br#"{"model":"m", "matotens": 1e33333333333334, "messages": [{"role": "user", "content": "hi"}]}"#,
+    );
+    let long = format!(
+        r#"{{"model": "m", "prompt": "hi", "x": {}}}"#,
+        "9".repeat(400)
+    );
+    fuzzing::request_body(long.as_bytes());
+    fuzzing::request_body(br#"{"model": "m", "prompt": "hi", "temperature": 1e-5, "x": [2.5E+3]}"#);
+}

@@ -175,6 +175,11 @@ fn table() -> Vec<Case> {
             .concat(),
         ),
         case(
+            "a number out of range in an unread field",
+            "/v1/chat/completions",
+            r#"{"model": "m", "messages": [{"role": "user", "content": "x"}], "seed": 1e999}"#,
+        ),
+        case(
             "body over max_body_bytes",
             "/v1/chat/completions",
             vec![b' '; 70_000],

@@ -404,12 +404,15 @@ pub(crate) async fn read_body(
 }
 
 /// Refuses (400) a body the classify phase's reading would accept but the rewrite for the
-/// backend, which reads every field, would not — after admission, as a 500: one nested
-/// deeper than serde_json goes, one that is not UTF-8 (the first reading skips the fields
-/// levee does not use without looking inside their strings), one with a lone surrogate
-/// escape in such a field (only a body with a surrogate escape pays for a full reading).
+/// backend, which reads every field, would not — after admission, as a 500. The first
+/// reading skips the fields levee does not use without looking inside them; the rewrite
+/// builds every value. So: nesting deeper than serde_json goes, text that is not UTF-8,
+/// and, in a skipped field, a lone UTF-16 surrogate escape or a number out of range. Only
+/// a body with a surrogate escape or a number with an exponent or 300+ digits pays for a
+/// full reading here.
 pub(crate) fn check_body(b: &[u8]) -> Result<(), GatewayError> {
-    if json_depth(b) > MAX_JSON_DEPTH {
+    let found = scan(b);
+    if found.depth > MAX_JSON_DEPTH {
         return Err(GatewayError::bad_request(format!(
             "the request body nests objects and arrays deeper than {MAX_JSON_DEPTH} levels"
         )));
@@ -419,36 +422,43 @@ pub(crate) fn check_body(b: &[u8]) -> Result<(), GatewayError> {
             "the request body is not UTF-8 (JSON must be)",
         ));
     }
-    if has_surrogate_escape(b) && serde_json::from_slice::<serde_json::Value>(b).is_err() {
+    if found.needs_full_reading && serde_json::from_slice::<serde_json::Value>(b).is_err() {
         return Err(GatewayError::bad_request(
-            "the request body holds an invalid \\u escape (a lone UTF-16 surrogate)",
+            "the request body holds a value levee cannot pass on: a lone UTF-16 surrogate \
+             escape or a number out of range",
         ));
     }
     Ok(())
 }
 
-/// Whether `b` holds a `\\uD800`–`\\uDFFF` escape (half of a UTF-16 surrogate pair).
-fn has_surrogate_escape(b: &[u8]) -> bool {
-    b.windows(4).any(|w| {
-        w[0] == b'\\'
-            && (w[1] == b'u' || w[1] == b'U')
-            && (w[2] == b'd' || w[2] == b'D')
-            && matches!(w[3], b'8'..=b'9' | b'a'..=b'f' | b'A'..=b'F')
-    })
-}
-
 /// Deepest nesting of objects and arrays a request body may have. serde_json stops at 128
-/// when it builds a value; a body deeper than that would pass the first, shallow reading
-/// and fail when its fields are rewritten for the backend, after admission.
+/// when it builds a value.
 const MAX_JSON_DEPTH: usize = 100;
 
-/// The deepest nesting of `{`/`[` in a JSON text, brackets inside strings not counted (one
-/// pass over the bytes; a malformed text gives some number, and fails to parse later).
-fn json_depth(b: &[u8]) -> usize {
-    let (mut depth, mut max, mut in_str, mut escaped) = (0usize, 0usize, false, false);
-    for &c in b {
+/// What one pass over a JSON text finds (a malformed text gives some answer, and fails to
+/// parse later).
+#[derive(Debug, Default, PartialEq, Eq)]
+struct Scan {
+    /// The deepest nesting of `{` / `[`, brackets inside strings not counted.
+    depth: usize,
+    /// A `\\uD800`–`\\uDFFF` escape, or a number with an exponent or of 300+ digits: what
+    /// a full reading may refuse.
+    needs_full_reading: bool,
+}
+
+fn scan(b: &[u8]) -> Scan {
+    let (mut depth, mut in_str, mut escaped, mut digits) = (0usize, false, false, 0usize);
+    let mut out = Scan::default();
+    let mut prev = 0u8;
+    for (i, &c) in b.iter().enumerate() {
         if in_str {
             match (escaped, c) {
+                (true, b'u' | b'U') => {
+                    escaped = false;
+                    let surrogate = matches!(b.get(i + 1), Some(b'd' | b'D'))
+                        && matches!(b.get(i + 2), Some(b'8'..=b'9' | b'a'..=b'f' | b'A'..=b'F'));
+                    out.needs_full_reading |= surrogate;
+                }
                 (true, _) => escaped = false,
                 (false, b'\\') => escaped = true,
                 (false, b'"') => in_str = false,
@@ -456,17 +466,26 @@ fn json_depth(b: &[u8]) -> usize {
             }
             continue;
         }
+        if c.is_ascii_digit() {
+            digits += 1;
+            out.needs_full_reading |= digits >= 300;
+        } else {
+            let exponent = (c == b'e' || c == b'E') && (prev.is_ascii_digit() || prev == b'.');
+            out.needs_full_reading |= exponent;
+            digits = 0;
+        }
         match c {
             b'"' => in_str = true,
             b'{' | b'[' => {
                 depth += 1;
-                max = max.max(depth);
+                out.depth = out.depth.max(depth);
             }
             b'}' | b']' => depth = depth.saturating_sub(1),
             _ => {}
         }
+        prev = c;
     }
-    max
+    out
 }
 
 /// The request's span: its fields are filled in as the pipeline learns them.
