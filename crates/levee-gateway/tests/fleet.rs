@@ -628,10 +628,7 @@ async fn holding_proxy(upstream: &str) -> (String, tokio::sync::watch::Sender<bo
             let mut hold = rx.clone();
             tokio::spawn(async move {
                 let mut buf = vec![0u8; 16 * 1024];
-                loop {
-                    let Ok(n) = sr.read(&mut buf).await else {
-                        break;
-                    };
+                while let Ok(n) = sr.read(&mut buf).await {
                     if n == 0 {
                         break;
                     }
