@@ -3,6 +3,9 @@
 //! Connections are served by hyper directly (not `axum::serve`) because the gateway must cut
 //! off slow or huge header blocks (`header_read_timeout`, `max_buf_size`) and must know each
 //! peer's IP for the per-IP guard. HTTP/1.1 and h2c (prior knowledge) are both accepted.
+//! Each listener caps its open connections (in all and per IP, [`crate::conn`]), and each
+//! connection is watched: closed when it brings no request in time, idles, or has served
+//! its request budget.
 
 use crate::config::Config;
 use crate::conn::{self, Activity, ConnLimits, ConnSlot, IdlePolicy, TrackedBody};
