@@ -49,6 +49,8 @@ cat >"$TMP/levee.toml" <<TOML
 [listen]
 public = "127.0.0.1:$LEVEE_PORT"
 admin = "127.0.0.1:$ADMIN_PORT"
+[server]
+max_connections_per_ip = 0      # every connection of the bench comes from 127.0.0.1
 [ip_guard]
 enabled = false
 [tiers.standard]
