@@ -55,6 +55,8 @@ cat >"${6:-$TMP/levee.toml}" <<TOML
 [listen]
 public = "127.0.0.1:${4:-$LEVEE_PORT}"
 admin = "127.0.0.1:${5:-$ADMIN_PORT}"
+[server]
+max_connections_per_ip = 0      # every connection of the bench comes from 127.0.0.1
 [ip_guard]
 enabled = false
 [tiers.standard]

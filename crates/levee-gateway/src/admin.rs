@@ -8,7 +8,7 @@
 //! at start. Every action is logged with who did what.
 
 use crate::config::ADMIN_TOKEN_ENV;
-use crate::error::GatewayError;
+use crate::error::{ErrorCode, GatewayError};
 use crate::gateway::Gateway;
 use axum::extract::{ConnectInfo, Request, State};
 use axum::middleware::Next;
@@ -106,13 +106,96 @@ async fn guard(
             }
             "admin token"
         }
-        None if access.bound.ip().is_loopback() => "loopback",
-        None if req.method() == http::Method::GET => "read-only",
-        None => return GatewayError::admin_actions_disabled(access.bound).into_response(),
+        None => {
+            let hosts = &gw.config().admin.hosts;
+            if let Err(why) = browser_safe(req.method(), req.headers(), hosts) {
+                tracing::warn!(%peer, path, "admin request refused: {why}");
+                return GatewayError::new(ErrorCode::AdminRequestRefused, why).into_response();
+            }
+            if access.bound.ip().is_loopback() {
+                "loopback"
+            } else if is_read(req.method()) {
+                "read-only"
+            } else {
+                return GatewayError::admin_actions_disabled(access.bound).into_response();
+            }
+        }
     };
     req.extensions_mut()
         .insert(AdminCaller(format!("{peer} ({how})")));
     next.run(req).await
+}
+
+fn is_read(m: &http::Method) -> bool {
+    m == http::Method::GET || m == http::Method::HEAD
+}
+
+/// Without an admin token, what stands between the admin listener and a web page open in
+/// a browser on the same machine (the listener is on loopback, or tunnelled to a laptop).
+/// A page can make the browser send a "simple" cross-origin POST (a form, or `text/plain`
+/// from `fetch`) without asking, and can point its own name at 127.0.0.1 (DNS rebinding) to
+/// read answers. So: every request must name the listener in `Host` by an IP address,
+/// `localhost` or a name in `admin.hosts` (a rebinding page's `Host` is its own name), and an
+/// action must carry `Content-Type: application/json` (which a page cannot send
+/// cross-origin without a CORS preflight, and levee answers none) and, when the browser
+/// sends an `Origin`, one whose host is the `Host`.
+fn browser_safe(
+    method: &http::Method,
+    headers: &http::HeaderMap,
+    hosts: &[String],
+) -> Result<(), String> {
+    let host = headers
+        .get(http::header::HOST)
+        .and_then(|h| h.to_str().ok())
+        .unwrap_or("");
+    if !host_is_local(host, hosts) {
+        return Err(format!(
+            "Host {host:?} is not this admin listener's address; use its IP address or \
+             localhost, add the name to admin.hosts, or set an admin token"
+        ));
+    }
+    if is_read(method) {
+        return Ok(());
+    }
+    let json = headers
+        .get(http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.split(';').next())
+        .is_some_and(|v| v.trim().eq_ignore_ascii_case("application/json"));
+    if !json {
+        return Err(
+            "admin actions without the admin token need Content-Type: application/json".into(),
+        );
+    }
+    if let Some(origin) = headers.get(http::header::ORIGIN) {
+        let o = origin.to_str().unwrap_or("null");
+        let same = o
+            .split_once("://")
+            .is_some_and(|(_, authority)| authority.eq_ignore_ascii_case(host));
+        if !same {
+            return Err(format!(
+                "a request from origin {o:?} may not act on {host:?}"
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Whether a `Host` header names this listener: an IP literal or `localhost` (any port),
+/// or one of the operator's `admin.hosts`.
+fn host_is_local(host: &str, hosts: &[String]) -> bool {
+    let name = match host.strip_prefix('[') {
+        Some(v6) => {
+            return v6
+                .split(']')
+                .next()
+                .is_some_and(|a| a.parse::<std::net::Ipv6Addr>().is_ok())
+        }
+        None => host.rsplit_once(':').map_or(host, |(n, _)| n),
+    };
+    name.parse::<std::net::Ipv4Addr>().is_ok()
+        || name.eq_ignore_ascii_case("localhost")
+        || hosts.iter().any(|h| h.eq_ignore_ascii_case(name))
 }
 
 /// The admin router for a listener bound to `access.bound`.
@@ -125,6 +208,7 @@ pub fn router(gw: Arc<Gateway>, access: AdminAccess) -> Router {
         .route("/admin/state", get(state))
         .route("/admin/degrade", post(degrade).get(degrade_get))
         .route("/admin/drain", post(drain))
+        .route("/admin/undrain", post(undrain))
         .fallback(|req: axum::extract::Request| async move {
             GatewayError::not_found(req.uri().path()).into_response()
         })
@@ -216,4 +300,90 @@ async fn drain(
         "grace_ms": grace.as_millis() as u64,
         "in_flight": gw.in_flight(),
     }))
+}
+
+/// `POST /admin/undrain`: undoes a drain (an operator's mistake, or a forged one): the
+/// gateway advertises itself again (`/readyz` 200) and accepts new requests.
+async fn undrain(
+    State(gw): State<Arc<Gateway>>,
+    Extension(who): Extension<AdminCaller>,
+) -> Json<serde_json::Value> {
+    let was = gw.undrain();
+    tracing::info!(who = %who.0, action = "undrain", was_draining = was, "admin: drain undone");
+    Json(serde_json::json!({
+        "draining": gw.is_draining(),
+        "ready": !gw.is_leaving(),
+        "was_draining": was,
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn h(pairs: &[(&str, &str)]) -> http::HeaderMap {
+        let mut m = http::HeaderMap::new();
+        for (k, v) in pairs {
+            m.insert(
+                http::HeaderName::from_bytes(k.as_bytes()).unwrap(),
+                v.parse().unwrap(),
+            );
+        }
+        m
+    }
+
+    #[test]
+    fn browser_forgeable_admin_requests_are_refused() {
+        let post = http::Method::POST;
+        let get = http::Method::GET;
+        let json = ("content-type", "application/json");
+        let ok = |m: &http::Method, hs: &[(&str, &str)]| browser_safe(m, &h(hs), &[]).is_ok();
+        assert!(ok(&get, &[("host", "127.0.0.1:9090")]));
+        assert!(ok(&get, &[("host", "localhost:9090")]));
+        assert!(ok(&get, &[("host", "[::1]:9090")]));
+        assert!(!ok(&get, &[("host", "attacker.example")]), "DNS rebinding");
+        assert!(!ok(&get, &[("host", "attacker.example:9090")]));
+        assert!(!ok(&get, &[]), "no Host");
+        assert!(ok(&post, &[("host", "127.0.0.1:9090"), json]));
+        assert!(
+            !ok(
+                &post,
+                &[("host", "127.0.0.1:9090"), ("content-type", "text/plain")]
+            ),
+            "a simple cross-origin POST"
+        );
+        assert!(
+            !ok(
+                &post,
+                &[
+                    ("host", "127.0.0.1:9090"),
+                    ("content-type", "application/x-www-form-urlencoded")
+                ]
+            ),
+            "a form POST"
+        );
+        assert!(!ok(&post, &[("host", "127.0.0.1:9090")]), "no content type");
+        assert!(!ok(
+            &post,
+            &[
+                ("host", "127.0.0.1:9090"),
+                json,
+                ("origin", "http://attacker.example")
+            ]
+        ));
+        assert!(!ok(
+            &post,
+            &[("host", "127.0.0.1:9090"), json, ("origin", "null")]
+        ));
+        assert!(ok(
+            &post,
+            &[
+                ("host", "127.0.0.1:9090"),
+                json,
+                ("origin", "http://127.0.0.1:9090")
+            ]
+        ));
+        let named = ["levee-admin.internal".to_string()];
+        assert!(browser_safe(&get, &h(&[("host", "levee-admin.internal:9090")]), &named).is_ok());
+    }
 }

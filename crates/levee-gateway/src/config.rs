@@ -238,6 +238,28 @@ pub struct ServerConfig {
     pub default_max_tokens: u32,
     /// Retry-After given with 503s while draining or shutting down.
     pub drain_retry_after_ms: u64,
+    /// A request body must arrive whole within this time from its headers, or the request
+    /// is answered 408 `request_timeout` (a body that never finishes holds nothing longer).
+    pub body_read_timeout_ms: u64,
+    /// Client connections the public listener holds open at once; one more is closed at
+    /// accept. 0 (the default): three quarters of what the process's open-file limit
+    /// leaves after 128 descriptors, so that the descriptors backends, the shared store
+    /// and the admin listener need are always left.
+    pub max_connections: usize,
+    /// Connections one client IP may hold open at once (0: no per-IP cap). Behind a load
+    /// balancer every connection comes from its few addresses: raise it or set 0 there.
+    pub max_connections_per_ip: usize,
+    /// A connection (HTTP/1 keep-alive or HTTP/2) with no request in progress for this long
+    /// is closed (HTTP/2: GOAWAY). A connection's first request must arrive within
+    /// `header_read_timeout_ms`.
+    pub idle_timeout_ms: u64,
+    /// Requests one connection may carry; then it is closed once its last answer is sent
+    /// (HTTP/1: `Connection: close`; HTTP/2: GOAWAY), and the client reconnects. 0: no limit.
+    pub max_requests_per_connection: u64,
+    /// Largest non-streamed answer levee buffers from a backend; a larger one is answered
+    /// 502 `upstream_error` and its connection dropped. (A stream is passed on event by
+    /// event, each event at most 1 MiB.)
+    pub max_response_bytes: usize,
 }
 
 impl Default for ServerConfig {
@@ -253,6 +275,12 @@ impl Default for ServerConfig {
             drain_grace_ms: 5_000,
             default_max_tokens: 256,
             drain_retry_after_ms: 5_000,
+            body_read_timeout_ms: 30_000,
+            max_connections: 0,
+            max_connections_per_ip: 4_096,
+            idle_timeout_ms: 60_000,
+            max_requests_per_connection: 100_000,
+            max_response_bytes: 64 << 20,
         }
     }
 }
@@ -394,6 +422,11 @@ pub struct TasksConfig {
     pub callback_backoff_ms: u64,
     /// Deadline of one callback POST.
     pub callback_timeout_ms: u64,
+    /// Callbacks never reach loopback, private, link-local (cloud metadata), CGNAT,
+    /// multicast or reserved addresses, judged after DNS resolution; these entries let
+    /// internal receivers through: host names (as written in the `callback_url`), IP
+    /// addresses or CIDRs (`"hooks.internal"`, `"10.20.0.0/16"`). Empty by default.
+    pub callback_allow: Vec<String>,
     /// With `[state] backend = "redis"` (tasks shared by the fleet): a task held by a
     /// replica that stops renewing it for this long (it died, or hung) is claimed by
     /// another replica and run again there (milliseconds). A live replica renews what it
@@ -415,6 +448,7 @@ impl Default for TasksConfig {
             callback_attempts: 6,
             callback_backoff_ms: 500,
             callback_timeout_ms: 5_000,
+            callback_allow: Vec::new(),
             visibility_ms: 30_000,
         }
     }
@@ -979,6 +1013,10 @@ pub struct AdminConfig {
     /// SHA-256 of the admin token, lowercase hex (`printf %s TOKEN | sha256sum`). The
     /// `LEVEE_ADMIN_TOKEN` environment variable, when set, takes precedence.
     pub token_sha256: Option<String>,
+    /// Without an admin token, the admin listener answers only requests whose `Host` is an
+    /// IP address, `localhost`, or one of these names (a DNS-rebinding page's `Host` is its
+    /// own name). Add the name Prometheus or an operator reaches it by, if not an address.
+    pub hosts: Vec<String>,
 }
 
 /// The per-model backend replica recommendation (`levee_recommended_replicas`), from the
@@ -1120,11 +1158,49 @@ impl Config {
         }
     }
 
-    /// Reads and parses a file, then validates it.
+    /// Reads and parses a file, then validates it, and refuses one a gateway could not
+    /// serve with (see [`Config::check_serves`]): what `levee serve`, a reload and
+    /// `levee config check` read.
     pub fn load(path: &Path) -> Result<Config, Vec<String>> {
         let text = std::fs::read_to_string(path)
             .map_err(|e| vec![format!("cannot read {}: {e}", path.display())])?;
-        Config::from_toml_str(&text)
+        let cfg = Config::from_toml_str(&text)?;
+        let errs = cfg.check_serves();
+        if errs.is_empty() {
+            Ok(cfg)
+        } else {
+            Err(errs)
+        }
+    }
+
+    /// What a configuration file must hold for a gateway to serve anyone: at least one
+    /// model (each with a backend), at least one tenant, and two distinct listeners. An
+    /// empty file (`: > levee.toml`) or one cut short by an editor or a half-written
+    /// ConfigMap is valid TOML made of defaults; reloading it would answer every request
+    /// 401 or 404, so it is refused with a line that says what is missing.
+    pub fn check_serves(&self) -> Vec<String> {
+        let mut errs = Vec::new();
+        if self.models.is_empty() {
+            errs.push(
+                "models: no model is configured; the gateway would answer every request 404 \
+                 (add a [[models]] with a [[models.backends]])"
+                    .to_string(),
+            );
+        }
+        if self.tenants.is_empty() {
+            errs.push(
+                "tenants: no tenant is configured; the gateway would answer every request 401 \
+                 (add a [[tenants]] with its key)"
+                    .to_string(),
+            );
+        }
+        let (p, a) = (self.listen.public, self.listen.admin);
+        if p == a && p.port() != 0 {
+            errs.push(format!(
+                "listen: the public and admin listeners are both {p}; the gateway needs two"
+            ));
+        }
+        errs
     }
 
     /// Semantic checks; one line per problem, each starting with the field's path.
@@ -1401,6 +1477,18 @@ impl Config {
                 errs.push(format!("observe.otlp_endpoint: {e}"));
             }
         }
+        for (field, v) in [
+            ("header_read_timeout_ms", self.server.header_read_timeout_ms),
+            ("body_read_timeout_ms", self.server.body_read_timeout_ms),
+            ("idle_timeout_ms", self.server.idle_timeout_ms),
+        ] {
+            if v == 0 {
+                errs.push(format!("server.{field}: must be > 0"));
+            }
+        }
+        if self.server.max_response_bytes == 0 {
+            errs.push("server.max_response_bytes: must be > 0".to_string());
+        }
         if self.server.max_body_bytes == 0 {
             errs.push("server.max_body_bytes: must be > 0".to_string());
         }
@@ -1439,6 +1527,9 @@ impl Config {
             if self.state.backend == StateBackend::Memory && tk.store_path.as_os_str().is_empty() {
                 errs.push("tasks.store_path: must name a file".to_string());
             }
+        }
+        if let Err(e) = crate::egress::EgressPolicy::new(&tk.callback_allow) {
+            errs.push(format!("tasks.callback_allow: {e}"));
         }
         for (i, t) in self.tenants.iter().enumerate() {
             if let Some(var) = &t.callback_secret_env {
@@ -1669,6 +1760,40 @@ url = "http://127.0.0.1:1"
         assert_eq!(parsed.state.on_failure, OnFailure::FailClosed);
         assert_eq!(parsed.state.batch, 8);
         assert!(Config::from_toml_str("[state]\nbackend = \"etcd\"\n").is_err());
+    }
+
+    #[test]
+    fn an_empty_or_truncated_file_is_refused() {
+        let dir = std::env::temp_dir().join(format!("levee-cfg-serves-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let empty = dir.join("empty.toml");
+        std::fs::write(&empty, "").unwrap();
+        let errs = Config::load(&empty).unwrap_err();
+        assert!(
+            errs.iter().any(|e| e.starts_with("models: no model")),
+            "{errs:?}"
+        );
+        assert!(
+            errs.iter().any(|e| e.starts_with("tenants: no tenant")),
+            "{errs:?}"
+        );
+        // The example cut before its first [[models]].
+        let example = std::fs::read_to_string(
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../../levee.example.toml"),
+        )
+        .unwrap();
+        let cut = &example[..example.find("[[models]]").unwrap()];
+        let truncated = dir.join("truncated.toml");
+        std::fs::write(&truncated, cut).unwrap();
+        let errs = Config::load(&truncated).unwrap_err();
+        assert_eq!(errs.len(), 1, "{errs:?}");
+        assert!(errs[0].starts_with("models: no model"), "{errs:?}");
+        let mut cfg =
+            Config::load(&Path::new(env!("CARGO_MANIFEST_DIR")).join("../../levee.example.toml"))
+                .unwrap();
+        cfg.listen.admin = cfg.listen.public;
+        assert!(cfg.check_serves()[0].starts_with("listen:"));
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

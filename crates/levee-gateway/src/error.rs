@@ -121,6 +121,11 @@ pub enum ErrorCode {
     InvalidAdminToken,
     /// 403: admin actions are off on this listener.
     AdminActionsDisabled,
+    /// 403: an admin request without the token that a browser on another site could have
+    /// sent (wrong content type, foreign Origin, or a Host that is not this listener's).
+    AdminRequestRefused,
+    /// 408: the client did not send its request body in time.
+    RequestTimeout,
     /// 429: a tenant's (or the per-IP) quota.
     RateLimitExceeded,
     /// 429: the gateway refuses to protect capacity (watermark, full queue, predicted wait).
@@ -179,6 +184,8 @@ impl ErrorCode {
             InvalidApiKey => "invalid_api_key",
             InvalidAdminToken => "invalid_admin_token",
             AdminActionsDisabled => "admin_actions_disabled",
+            AdminRequestRefused => "admin_request_refused",
+            RequestTimeout => "request_timeout",
             RateLimitExceeded => "rate_limit_exceeded",
             CapacityOverload => "capacity_overload",
             QueueTimeout => "queue_timeout",
@@ -206,7 +213,8 @@ impl ErrorCode {
             RequestTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             ModelNotFound | NotFound | TaskNotFound => StatusCode::NOT_FOUND,
             InvalidApiKey | InvalidAdminToken => StatusCode::UNAUTHORIZED,
-            AdminActionsDisabled => StatusCode::FORBIDDEN,
+            AdminActionsDisabled | AdminRequestRefused => StatusCode::FORBIDDEN,
+            RequestTimeout => StatusCode::REQUEST_TIMEOUT,
             RateLimitExceeded | CapacityOverload | QueueTimeout => StatusCode::TOO_MANY_REQUESTS,
             CircuitOpen
             | NoHealthyBackend
@@ -241,7 +249,7 @@ impl ErrorCode {
         use ErrorCode::*;
         match self {
             InvalidApiKey | InvalidAdminToken => "authentication_error",
-            AdminActionsDisabled => "permission_error",
+            AdminActionsDisabled | AdminRequestRefused => "permission_error",
             RateLimitExceeded | CapacityOverload | QueueTimeout => "rate_limit_error",
             CircuitOpen
             | NoHealthyBackend
@@ -757,6 +765,8 @@ mod tests {
             InvalidApiKey,
             InvalidAdminToken,
             AdminActionsDisabled,
+            AdminRequestRefused,
+            RequestTimeout,
             RateLimitExceeded,
             CapacityOverload,
             QueueTimeout,

@@ -359,6 +359,18 @@ impl Gateway {
         }
     }
 
+    /// Undoes a drain, begun or complete: `/readyz` answers 200 again and new requests are
+    /// accepted (requests already answered 503 stay answered). Returns whether it was
+    /// leaving or draining.
+    pub fn undrain(&self) -> bool {
+        let was_leaving = self.leaving.swap(false, Ordering::SeqCst);
+        let was_draining = self.draining.swap(false, Ordering::SeqCst);
+        if was_leaving || was_draining {
+            tracing::info!("drain undone: advertised again, accepting new requests");
+        }
+        was_leaving || was_draining
+    }
+
     /// Begins a drain in two steps, as a Kubernetes preStop hook needs them. At once the
     /// gateway stops advertising (`/readyz` answers 503, HTTP/1 answers close their connection
     /// so that clients reconnect to another replica) and keeps serving requests normally, for

@@ -35,6 +35,20 @@ pub struct TierLabel {
     pub tier: String,
 }
 
+/// A single `listener` label (`public` or `admin`).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ListenerLabel {
+    /// The listener.
+    pub listener: String,
+}
+
+/// A single `reason` label.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReasonLabel {
+    /// Why.
+    pub reason: String,
+}
+
 /// A single `tenant` label.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct TenantLabel {
@@ -255,6 +269,14 @@ pub struct Metrics {
     pub task_band: Family<StateLabel, Gauge>,
     /// `levee_task_callbacks_total{state}`: callback POSTs, `delivered` or `failed`.
     pub task_callbacks: Family<StateLabel, Counter>,
+    /// `levee_open_connections{listener}`: client connections open, `public` or `admin`.
+    pub open_connections: Family<ListenerLabel, Gauge>,
+    /// `levee_connections_refused_total{reason}`: connections closed at accept, over
+    /// `max_connections` or `max_connections_per_ip`.
+    pub connections_refused: Family<ReasonLabel, Counter>,
+    /// `levee_connections_expired_total`: connections closed for having no request (none in
+    /// time, idle too long) or for having served their request budget.
+    pub connections_expired: Counter,
     /// `levee_tasks_reclaimed_total`: tasks this replica claimed from the shared queue after
     /// another replica held them past `tasks.visibility_ms` or handed them back at shutdown.
     pub tasks_reclaimed: Counter,
@@ -349,6 +371,7 @@ impl Metrics {
         m.register_backends(&mut r);
         m.register_lanes(&mut r);
         m.register_tasks(&mut r);
+        m.register_connections(&mut r);
         m.registry = r.registry;
         m.families = r.families;
         m
@@ -423,6 +446,9 @@ impl Metrics {
             tasks_finished: Family::default(),
             task_band: Family::default(),
             task_callbacks: Family::default(),
+            open_connections: Family::default(),
+            connections_refused: Family::default(),
+            connections_expired: Counter::default(),
             tasks_reclaimed: Counter::default(),
             tenant_series: RwLock::new(HashSet::new()),
             breaker_seen: Mutex::new(HashMap::new()),
@@ -569,6 +595,16 @@ impl Metrics {
         add(r, "offered_load", help, &self.offered_load);
         let help = "Factor prompt estimates are scaled by per model: the 95th percentile of the engine's prompt count over levee's estimate, lately";
         add(r, "prompt_correction", help, &self.prompt_correction);
+    }
+
+    /// Client connections.
+    fn register_connections(&self, r: &mut Reg) {
+        let help = "Client connections open, by listener";
+        add(r, "open_connections", help, &self.open_connections);
+        let help = "Connections closed at accept: over max_connections or max_connections_per_ip";
+        add(r, "connections_refused", help, &self.connections_refused);
+        let help = "Connections closed for holding no request (none in time, idle) or for their request budget";
+        add(r, "connections_expired", help, &self.connections_expired);
     }
 
     /// Async tasks.
@@ -833,6 +869,32 @@ impl Drop for QueuedWait<'_> {
     }
 }
 
+/// A tenant's handles of one tier-labelled series, one per tier it was served in (a
+/// tenant has at most two: its own tier and the batch tier of its tasks).
+#[derive(Debug)]
+struct ByTier<M>(RwLock<Vec<(Box<str>, M)>>);
+
+impl<M> Default for ByTier<M> {
+    fn default() -> Self {
+        ByTier(RwLock::new(Vec::new()))
+    }
+}
+
+impl<M: Clone> ByTier<M> {
+    fn get(&self, tier: &str, make: impl FnOnce() -> M) -> M {
+        if let Some((_, m)) = self.0.read().iter().find(|(t, _)| &**t == tier) {
+            return m.clone();
+        }
+        let mut w = self.0.write();
+        if let Some((_, m)) = w.iter().find(|(t, _)| &**t == tier) {
+            return m.clone();
+        }
+        let m = make();
+        w.push((tier.into(), m.clone()));
+        m
+    }
+}
+
 /// One tenant's series of the per-request metrics, looked up once and kept (on the
 /// tenant). A handle is the series itself, so incrementing it is exactly what
 /// `get_or_create(labels).inc()` does, without building the label set — a few `String`
@@ -840,8 +902,10 @@ impl Drop for QueuedWait<'_> {
 /// first use, so `/metrics` shows the same series as before.
 #[derive(Debug, Default)]
 pub struct TenantMetrics {
-    admitted: OnceLock<Counter>,
-    ttft: OnceLock<Histogram>,
+    /// By tier: one tenant's requests run in its own tier and its async tasks in the batch
+    /// tier, so a series per tenant alone would count them all under whichever came first.
+    admitted: ByTier<Counter>,
+    ttft: ByTier<Histogram>,
     prompt_tokens: OnceLock<Counter>,
     completion_tokens: OnceLock<Counter>,
     /// `levee_requests_total` by (model, outcome).
@@ -851,10 +915,10 @@ pub struct TenantMetrics {
 }
 
 impl Metrics {
-    /// Counts one admission of a tenant of tier `tier`.
+    /// Counts one admission of a tenant's request in tier `tier`.
     pub fn admitted_for(&self, h: &TenantMetrics, tier: &str) {
         h.admitted
-            .get_or_init(|| {
+            .get(tier, || {
                 self.admitted
                     .get_or_create(&TierLabel { tier: tier.into() })
                     .clone()
@@ -862,10 +926,10 @@ impl Metrics {
             .inc();
     }
 
-    /// Records a time to first byte of a tenant of tier `tier`.
+    /// Records a time to first byte of a tenant's request in tier `tier`.
     pub fn ttft_for(&self, h: &TenantMetrics, tier: &str, secs: f64) {
         h.ttft
-            .get_or_init(|| {
+            .get(tier, || {
                 self.ttft
                     .get_or_create(&TierLabel { tier: tier.into() })
                     .clone()

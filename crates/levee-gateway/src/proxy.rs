@@ -566,6 +566,7 @@ pub async fn finish_buffered(
     deadline: Instant,
     sent_at: Instant,
     extra: &[(&'static str, HeaderValue)],
+    max_bytes: usize,
     keep: impl FnOnce(&Bytes),
 ) -> Result<Response, GatewayError> {
     let (parts, body) = resp.into_parts();
@@ -573,11 +574,19 @@ pub async fn finish_buffered(
     settlement.outcome.advised_retry = crate::upstream::advised_retry(&parts.headers);
     // The response head is the first byte a non-streaming client could see.
     settlement.outcome.ttft = Some(sent_at.elapsed());
-    let bytes = match tokio::time::timeout_at(deadline, body.collect()).await {
+    // Bounded: a backend that answers without end would otherwise grow this buffer until
+    // the gateway runs out of memory.
+    let limited = http_body_util::Limited::new(body, max_bytes);
+    let bytes = match tokio::time::timeout_at(deadline, limited.collect()).await {
         Ok(Ok(c)) => c.to_bytes(),
         Ok(Err(e)) => {
             settlement.outcome.transport_error = true;
             settlement.finish();
+            if e.is::<http_body_util::LengthLimitError>() {
+                return Err(GatewayError::upstream(format!(
+                    "the backend's answer is larger than server.max_response_bytes ({max_bytes})"
+                )));
+            }
             return Err(GatewayError::upstream(format!(
                 "backend response broke off: {e}"
             )));
@@ -773,7 +782,7 @@ impl StreamState {
 /// Cuts a stream's bytes at SSE event ends, so the client gets whole events whatever the
 /// backend's chunk boundaries, and reads the usage chunk on the way.
 #[derive(Debug, Default)]
-struct EventSplitter {
+pub(crate) struct EventSplitter {
     /// Bytes of an event not yet complete.
     pending: BytesMut,
     framer: Framer,
@@ -783,9 +792,17 @@ struct EventSplitter {
 }
 
 impl EventSplitter {
+    /// A splitter that drops the usage chunk when `strip_usage` (see the field).
+    pub(crate) fn with_strip_usage(strip_usage: bool) -> EventSplitter {
+        EventSplitter {
+            strip_usage,
+            ..EventSplitter::default()
+        }
+    }
+
     /// Takes the next chunk from the backend; returns what to forward now (whole events
     /// only) and sets `usage` if an event carried it.
-    fn process(&mut self, data: Bytes, usage: &mut Option<Usage>) -> Bytes {
+    pub(crate) fn process(&mut self, data: Bytes, usage: &mut Option<Usage>) -> Bytes {
         // Fast path: a chunk of whole events with no usage in it goes straight through.
         if self.pending.is_empty() && ends_an_event(&data) && !contains(&data, b"\"usage\"") {
             return data;

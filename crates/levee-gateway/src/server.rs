@@ -3,9 +3,14 @@
 //! Connections are served by hyper directly (not `axum::serve`) because the gateway must cut
 //! off slow or huge header blocks (`header_read_timeout`, `max_buf_size`) and must know each
 //! peer's IP for the per-IP guard. HTTP/1.1 and h2c (prior knowledge) are both accepted.
+//! Each listener caps its open connections (in all and per IP, [`crate::conn`]), and each
+//! connection is watched: closed when it brings no request in time, idles, or has served
+//! its request budget.
 
 use crate::config::Config;
+use crate::conn::{self, Activity, ConnLimits, ConnSlot, IdlePolicy, TrackedBody};
 use crate::gateway::Gateway;
+use crate::metrics::{ListenerLabel, ReasonLabel};
 use crate::request_log::{RequestId, REQUEST_ID_HEADER};
 use crate::tasks::Tasks;
 use crate::{admin, routes};
@@ -15,7 +20,7 @@ use hyper::body::Incoming;
 use hyper::server::conn::http1::Builder as Http1Builder;
 use hyper::server::conn::http2::Builder as Http2Builder;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
-use hyper_util::server::graceful::GracefulShutdown;
+use hyper_util::server::graceful::GracefulConnection;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -116,16 +121,16 @@ pub async fn start(config: Config) -> anyhow::Result<GatewayHandle> {
     let access = admin::AdminAccess::from_env(admin);
     access.announce(&gateway);
     let admin_router = admin::router(gateway.clone(), access);
+    let public_l = Listening::public(public_listener, public_router, &gateway);
+    let admin_l = Listening::admin(admin_listener, admin_router, &gateway);
     let tasks = vec![
         tokio::spawn(accept_loop(
-            public_listener,
-            public_router,
+            public_l,
             gateway.clone(),
             stop_accepting.clone(),
         )),
         tokio::spawn(accept_loop(
-            admin_listener,
-            admin_router,
+            admin_l,
             gateway.clone(),
             stop_accepting.clone(),
         )),
@@ -199,46 +204,116 @@ fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
     socket.listen(LISTEN_BACKLOG)
 }
 
-async fn accept_loop(
-    listener: TcpListener,
+/// Connections the admin listener holds at once: a flood on the public listener never
+/// takes these descriptors, and operators and Prometheus need only a few.
+const ADMIN_MAX_CONNECTIONS: usize = 64;
+
+/// One listener: its name (the `listener` label), router and connection caps.
+struct Listening {
+    name: &'static str,
+    tcp: TcpListener,
     router: axum::Router,
-    gateway: Arc<Gateway>,
-    stop: CancellationToken,
-) {
-    let graceful = GracefulShutdown::new();
+    limits: Arc<ConnLimits>,
+}
+
+impl Listening {
+    fn public(tcp: TcpListener, router: axum::Router, gw: &Gateway) -> Listening {
+        let sv = &gw.config().server;
+        let max = conn::effective_max(sv.max_connections, conn::open_file_limit());
+        tracing::info!(
+            max_connections = max,
+            per_ip = sv.max_connections_per_ip,
+            "public listener caps"
+        );
+        Listening::with("public", tcp, router, gw, max, sv.max_connections_per_ip)
+    }
+
+    fn admin(tcp: TcpListener, router: axum::Router, gw: &Gateway) -> Listening {
+        Listening::with("admin", tcp, router, gw, ADMIN_MAX_CONNECTIONS, 0)
+    }
+
+    fn with(
+        name: &'static str,
+        tcp: TcpListener,
+        router: axum::Router,
+        gw: &Gateway,
+        max: usize,
+        per_ip: usize,
+    ) -> Listening {
+        let gauge = gw
+            .metrics()
+            .open_connections
+            .get_or_create(&ListenerLabel {
+                listener: name.into(),
+            })
+            .clone();
+        Listening {
+            name,
+            tcp,
+            router,
+            limits: ConnLimits::new(max, per_ip, gauge),
+        }
+    }
+}
+
+async fn accept_loop(l: Listening, gateway: Arc<Gateway>, stop: CancellationToken) {
     loop {
         let accepted = tokio::select! {
             _ = stop.cancelled() => break,
-            r = listener.accept() => r,
+            r = l.tcp.accept() => r,
         };
         let (stream, peer) = match accepted {
             Ok(x) => x,
             Err(e) => {
                 // EMFILE and friends: back off briefly instead of spinning.
-                tracing::warn!("accept failed: {e}");
+                tracing::warn!(listener = l.name, "accept failed: {e}");
                 tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let slot = match l.limits.admit(peer.ip()) {
+            Ok(slot) => slot,
+            Err(why) => {
+                let reason = why.as_str().to_string();
+                gateway
+                    .metrics()
+                    .connections_refused
+                    .get_or_create(&ReasonLabel { reason })
+                    .inc();
+                tracing::debug!(%peer, listener = l.name, "connection refused: {}", why.as_str());
                 continue;
             }
         };
         let _ = stream.set_nodelay(true);
         let server_cfg = gateway.config().server.clone();
-        serve_connection(
-            stream,
+        let conn = Conn {
             peer,
-            router.clone(),
-            &server_cfg,
-            graceful.watcher(),
-            gateway.clone(),
-        );
+            public: l.name == "public",
+            slot,
+            stop: stop.clone(),
+            gw: gateway.clone(),
+        };
+        serve_connection(stream, l.router.clone(), &server_cfg, conn);
     }
-    drop(listener);
+    drop(l.tcp);
     let grace = Duration::from_millis(gateway.config().server.shutdown_grace_ms);
-    if tokio::time::timeout(grace, graceful.shutdown())
+    if tokio::time::timeout(grace, l.limits.all_closed())
         .await
         .is_err()
     {
         tracing::warn!("connections still open after the grace period; closing them");
     }
+}
+
+/// What a connection's task holds besides its socket: its place under the caps, the stop
+/// signal, the gateway.
+struct Conn {
+    peer: SocketAddr,
+    /// On the public listener (whose requests the pipeline counts).
+    public: bool,
+    slot: ConnSlot,
+    stop: CancellationToken,
+    gw: Arc<Gateway>,
 }
 
 /// Serves one accepted connection on a task of its own: HTTP/1 (slow/huge header
@@ -250,25 +325,89 @@ async fn accept_loop(
 /// HTTP/1).
 fn serve_connection(
     stream: tokio::net::TcpStream,
-    peer: SocketAddr,
     router: axum::Router,
     server_cfg: &crate::config::ServerConfig,
-    watcher: hyper_util::server::graceful::Watcher,
-    gw: Arc<Gateway>,
+    conn: Conn,
 ) {
     let header_timeout = Duration::from_millis(server_cfg.header_read_timeout_ms);
     let max_header_bytes = server_cfg.max_header_bytes;
+    let policy = IdlePolicy {
+        first_request: header_timeout,
+        idle: Duration::from_millis(server_cfg.idle_timeout_ms),
+        max_requests: server_cfg.max_requests_per_connection,
+    };
+    let activity = Activity::new();
+    let svc = service(router, &conn, activity.clone());
+    tokio::spawn(async move {
+        let peer = conn.peer;
+        let sniffed = Box::pin(tokio::time::timeout(header_timeout, sniff_h2(&stream))).await;
+        let h2 = match sniffed {
+            Ok(Ok(h2)) => h2,
+            Ok(Err(e)) => {
+                tracing::debug!(%peer, "connection ended: {e}");
+                return;
+            }
+            Err(_) => {
+                tracing::debug!(%peer, "connection ended: nothing received in time");
+                conn.gw.metrics().connections_expired.inc();
+                return;
+            }
+        };
+        let io = TokioIo::new(stream);
+        // The connection gets a task of its own, spawned from this sniffing task (which
+        // then ends): that task holds the connection future and its watch, no builder, no
+        // sniffing state.
+        if h2 {
+            let mut b = Http2Builder::new(TokioExecutor::new());
+            b.timer(TokioTimer::new())
+                .max_concurrent_streams(H2_MAX_STREAMS)
+                .max_header_list_size(u32::try_from(max_header_bytes).unwrap_or(u32::MAX));
+            tokio::spawn(watch(b.serve_connection(io, svc), activity, policy, conn));
+        } else {
+            let mut b = Http1Builder::new();
+            b.timer(TokioTimer::new())
+                .header_read_timeout(header_timeout)
+                .max_buf_size(max_header_bytes.max(8192))
+                .keep_alive(true);
+            tokio::spawn(watch(b.serve_connection(io, svc), activity, policy, conn));
+        }
+    });
+}
+
+/// The service of one connection: each request is counted as in progress on it until its
+/// response body is sent.
+fn service(
+    router: axum::Router,
+    conn: &Conn,
+    activity: Arc<Activity>,
+) -> impl hyper::service::Service<
+    http::Request<Incoming>,
+    Response = http::Response<axum::body::Body>,
+    Error = std::convert::Infallible,
+    Future = impl std::future::Future<
+        Output = Result<http::Response<axum::body::Body>, std::convert::Infallible>,
+    > + Send
+                 + 'static,
+> {
     // The router's own future, not an async block around it (hyper keeps the request's
     // service future for as long as it waits in the queue).
-    let svc = hyper::service::service_fn(move |mut req: http::Request<Incoming>| {
+    let (peer, public, gw) = (conn.peer, conn.public, conn.gw.clone());
+    hyper::service::service_fn(move |mut req: http::Request<Incoming>| {
+        let active = activity.begin();
         req.extensions_mut().insert(ConnectInfo(peer));
         let id = RequestId::for_request(req.headers(), Some(peer));
         let echo = id.value.clone();
         req.extensions_mut().insert(id);
         let http1 = req.version() < http::Version::HTTP_2;
+        let pipeline_route = matches!(req.uri().path(), "/v1/chat/completions" | "/v1/completions");
+        if public && pipeline_route && req.method() == http::Method::POST {
+            req.extensions_mut()
+                .insert(crate::pipeline::Unclaimed::new(gw.clone()));
+        }
         let gw = gw.clone();
         router.clone().call(req).map(move |r| {
-            r.map(|mut resp| {
+            r.map(|resp| {
+                let mut resp = resp.map(|b| axum::body::Body::new(TrackedBody::new(b, active)));
                 resp.headers_mut().insert(REQUEST_ID_HEADER, echo);
                 // A replica on its way out closes kept-alive connections after each answer:
                 // the client's next request connects anew, to a ready replica.
@@ -281,44 +420,42 @@ fn serve_connection(
                 resp
             })
         })
-    });
-    tokio::spawn(async move {
-        let sniffed = Box::pin(tokio::time::timeout(header_timeout, sniff_h2(&stream))).await;
-        let h2 = match sniffed {
-            Ok(Ok(h2)) => h2,
-            Ok(Err(e)) => {
-                tracing::debug!(%peer, "connection ended: {e}");
-                return;
+    })
+}
+
+/// Drives a connection to its end, closing it gracefully (HTTP/2: GOAWAY; HTTP/1: after
+/// the answer in progress) when the gateway stops or its activity watch expires.
+async fn watch<C>(conn: C, activity: Arc<Activity>, policy: IdlePolicy, c: Conn)
+where
+    C: GracefulConnection,
+    C::Error: std::fmt::Display,
+{
+    let mut conn = std::pin::pin!(conn);
+    let mut closing = false;
+    loop {
+        tokio::select! {
+            r = conn.as_mut() => {
+                if let Err(e) = r {
+                    tracing::debug!(peer = %c.peer, "connection ended: {e}");
+                }
+                break;
             }
-            Err(_) => {
-                tracing::debug!(%peer, "connection ended: nothing received in time");
-                return;
+            // An HTTP/2 graceful close waits for the client to acknowledge a PING, which a
+            // silent client never does: once closing, a connection with no request in
+            // progress for the first-request timeout is dropped.
+            _ = activity.quiet_for(policy.first_request), if closing => break,
+            _ = c.stop.cancelled(), if !closing => {
+                closing = true;
+                conn.as_mut().graceful_shutdown();
             }
-        };
-        let io = TokioIo::new(stream);
-        let ended = move |r: Result<(), hyper::Error>| {
-            if let Err(e) = r {
-                tracing::debug!(%peer, "connection ended: {e}");
+            _ = activity.expired(policy), if !closing => {
+                closing = true;
+                c.gw.metrics().connections_expired.inc();
+                conn.as_mut().graceful_shutdown();
             }
-        };
-        // The connection gets a task of its own, spawned from this sniffing task (which
-        // then ends): that task holds the connection future and nothing else — no builder,
-        // no sniffing state, no moved-from captures.
-        if h2 {
-            let mut b = Http2Builder::new(TokioExecutor::new());
-            b.timer(TokioTimer::new())
-                .max_concurrent_streams(H2_MAX_STREAMS)
-                .max_header_list_size(u32::try_from(max_header_bytes).unwrap_or(u32::MAX));
-            tokio::spawn(watcher.watch(b.serve_connection(io, svc)).map(ended));
-        } else {
-            let mut b = Http1Builder::new();
-            b.timer(TokioTimer::new())
-                .header_read_timeout(header_timeout)
-                .max_buf_size(max_header_bytes.max(8192))
-                .keep_alive(true);
-            tokio::spawn(watcher.watch(b.serve_connection(io, svc)).map(ended));
         }
-    });
+    }
+    drop(c.slot);
 }
 
 /// Runs `levee serve`: load the config, serve, reload on SIGHUP and file change, shut down

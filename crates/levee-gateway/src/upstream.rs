@@ -94,6 +94,9 @@ pub struct ReportedLoad {
     pub kv_known: bool,
 }
 
+/// The largest sequence count a backend's gauges are taken to say.
+const MAX_GAUGE: f64 = 1e9;
+
 /// Parses Prometheus text exposition and picks the load figures of one backend kind.
 /// Series with labels are summed (a vLLM with several model labels reports one each).
 pub fn parse_load(kind: BackendKind, text: &str) -> Option<ReportedLoad> {
@@ -121,19 +124,22 @@ pub fn parse_load(kind: BackendKind, text: &str) -> Option<ReportedLoad> {
             .rsplit(' ')
             .find(|s| !s.is_empty())
             .and_then(|v| v.parse::<f64>().ok())
+            // A gauge of a count or a ratio: NaN, infinities and negative values are a
+            // broken (or hostile) backend's, and would poison the balancing.
+            .filter(|v| v.is_finite() && *v >= 0.0)
         else {
             continue;
         };
         // A trailing timestamp would parse too; exposition from vLLM and llama.cpp has
         // none, and taking the last token keeps this parser allocation-free.
         if running.contains(&name) {
-            load.running += value;
+            load.running = (load.running + value).min(MAX_GAUGE);
             found = true;
         } else if waiting.contains(&name) {
-            load.waiting += value;
+            load.waiting = (load.waiting + value).min(MAX_GAUGE);
             found = true;
         } else if kv.contains(&name) {
-            load.kv_usage = load.kv_usage.max(value);
+            load.kv_usage = load.kv_usage.max(value.min(1.0));
             load.kv_known = true;
             found = true;
         }
@@ -226,8 +232,12 @@ pub enum Verdict {
     Served,
     /// A 4xx other than 429: the request's fault, not the backend's.
     ClientError,
-    /// Slow down: 429, or a short 503 from a healthy backend.
-    Backpressure,
+    /// Slow down: 429, or a short 503 from a healthy backend. With a Retry-After the
+    /// backend is cooled down (out of routing, not counted as failing) for that long.
+    Backpressure {
+        /// The backend's own `Retry-After`.
+        advised: Option<Duration>,
+    },
     /// 5xx, a broken connection, a timeout.
     Failure,
     /// The backend cannot serve now (it said so, or nothing listens): eject at once, for
@@ -250,12 +260,12 @@ impl Verdict {
         cfg: &OutlierConfig,
     ) -> Verdict {
         if status == StatusCode::TOO_MANY_REQUESTS {
-            return Verdict::Backpressure;
+            return Verdict::Backpressure { advised };
         }
         if status == StatusCode::SERVICE_UNAVAILABLE {
             let short = Duration::from_millis(cfg.backpressure_retry_after_ms);
             return match advised {
-                Some(d) if healthy && d <= short => Verdict::Backpressure,
+                Some(d) if healthy && d <= short => Verdict::Backpressure { advised },
                 _ => Verdict::Unavailable { advised },
             };
         }
@@ -273,7 +283,7 @@ impl Verdict {
         match self {
             Verdict::Served => BreakerOutcome::Success,
             Verdict::ClientError => BreakerOutcome::ClientError,
-            Verdict::Backpressure => BreakerOutcome::Backpressure,
+            Verdict::Backpressure { .. } => BreakerOutcome::Backpressure,
             Verdict::Failure | Verdict::Unavailable { .. } => BreakerOutcome::BackendFailure,
             Verdict::Cancelled => BreakerOutcome::Cancelled,
         }
@@ -284,7 +294,7 @@ impl Verdict {
     pub fn worth_another_backend(self) -> bool {
         matches!(
             self,
-            Verdict::Backpressure | Verdict::Failure | Verdict::Unavailable { .. }
+            Verdict::Backpressure { .. } | Verdict::Failure | Verdict::Unavailable { .. }
         )
     }
 }
@@ -333,7 +343,16 @@ impl Ejection {
                 self.failures_in_row = 0;
                 return None;
             }
-            Verdict::ClientError | Verdict::Backpressure | Verdict::Cancelled => return None,
+            Verdict::Backpressure { advised: Some(d) } if !d.is_zero() => {
+                // A cool-down, not a failure: the ejection backoff does not grow.
+                let length = d.min(Duration::from_millis(cfg.max_ejection_ms));
+                let until = now.saturating_add(length);
+                self.until = Some(until);
+                return Some(until);
+            }
+            Verdict::ClientError | Verdict::Backpressure { .. } | Verdict::Cancelled => {
+                return None
+            }
             Verdict::Failure => {
                 self.failures_in_row = self.failures_in_row.saturating_add(1);
                 if cfg.consecutive_failures == 0 || self.failures_in_row < cfg.consecutive_failures
@@ -692,6 +711,11 @@ impl Backend {
         self.healthy.load(Ordering::Relaxed)
     }
 
+    /// The end of its ejection or cool-down in force at `now`, if any.
+    pub fn ejected_until(&self, now: Timestamp) -> Option<Timestamp> {
+        self.ejection.lock().ejected_until(now)
+    }
+
     /// The last load report, if any.
     pub fn reported(&self) -> Option<ReportedLoad> {
         *self.load.lock()
@@ -900,9 +924,12 @@ mod tests {
             let status = StatusCode::from_u16(status).unwrap();
             Verdict::of_response(status, ra.map(Duration::from_millis), healthy, &cfg)
         };
-        assert_eq!(v(429, None, true), Verdict::Backpressure);
-        assert_eq!(v(429, Some(60_000), false), Verdict::Backpressure);
-        assert_eq!(v(503, Some(1_000), true), Verdict::Backpressure);
+        let bp = |ms: Option<u64>| Verdict::Backpressure {
+            advised: ms.map(Duration::from_millis),
+        };
+        assert_eq!(v(429, None, true), bp(None));
+        assert_eq!(v(429, Some(60_000), false), bp(Some(60_000)));
+        assert_eq!(v(503, Some(1_000), true), bp(Some(1_000)));
         let unavailable = |ms: Option<u64>| Verdict::Unavailable {
             advised: ms.map(Duration::from_millis),
         };
@@ -914,10 +941,7 @@ mod tests {
         assert_eq!(v(502, Some(1_000), true), Verdict::Failure);
         assert_eq!(v(400, None, true), Verdict::ClientError);
         assert_eq!(v(200, None, true), Verdict::Served);
-        assert_eq!(
-            Verdict::Backpressure.breaker_outcome(),
-            BreakerOutcome::Backpressure
-        );
+        assert_eq!(bp(None).breaker_outcome(), BreakerOutcome::Backpressure);
         assert_eq!(
             unavailable(None).breaker_outcome(),
             BreakerOutcome::BackendFailure
@@ -992,6 +1016,29 @@ mod tests {
     }
 
     #[test]
+    fn backpressure_with_retry_after_cools_the_backend_without_growing_its_backoff() {
+        let cfg = OutlierConfig {
+            base_ejection_ms: 1_000,
+            max_ejection_ms: 60_000,
+            ..OutlierConfig::default()
+        };
+        let mut e = Ejection::default();
+        let bp = |s: u64| Verdict::Backpressure {
+            advised: Some(Duration::from_secs(s)),
+        };
+        assert_eq!(e.observe(bp(30), at(0), &cfg), Some(at(30_000)));
+        assert_eq!(e.ejected_until(at(29_999)), Some(at(30_000)));
+        assert_eq!(e.ejected_until(at(30_000)), None);
+        // Capped by max_ejection_ms.
+        assert_eq!(e.observe(bp(3_600), at(40_000), &cfg), Some(at(100_000)));
+        // A failure ejection afterwards starts from the base: cool-downs are not failures.
+        let mut e = Ejection::default();
+        e.observe(bp(5), at(0), &cfg);
+        let failure = Verdict::Unavailable { advised: None };
+        assert_eq!(e.observe(failure, at(10_000), &cfg), Some(at(11_000)));
+    }
+
+    #[test]
     fn failures_in_a_row_eject_and_a_success_resets_the_run() {
         let cfg = OutlierConfig {
             consecutive_failures: 3,
@@ -1005,7 +1052,7 @@ mod tests {
         // Backpressure and client errors neither count nor reset.
         for v in [
             Verdict::Failure,
-            Verdict::Backpressure,
+            Verdict::Backpressure { advised: None },
             Verdict::ClientError,
             Verdict::Failure,
         ] {

@@ -609,3 +609,101 @@ async fn a_dead_replicas_leases_expire_and_its_peers_stop_counting_it() {
     }
     clear(url, &prefix).await;
 }
+
+/// A TCP proxy to `upstream` that, while `hold` is set, keeps Redis's answers back.
+async fn holding_proxy(upstream: &str) -> (String, tokio::sync::watch::Sender<bool>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("redis://{}", l.local_addr().unwrap());
+    let (tx, rx) = tokio::sync::watch::channel(false);
+    let upstream = upstream.to_string();
+    tokio::spawn(async move {
+        while let Ok((client, _)) = l.accept().await {
+            let Ok(server) = tokio::net::TcpStream::connect(&upstream).await else {
+                continue;
+            };
+            let (mut cr, mut cw) = client.into_split();
+            let (mut sr, mut sw) = server.into_split();
+            tokio::spawn(async move { tokio::io::copy(&mut cr, &mut sw).await });
+            let mut hold = rx.clone();
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 16 * 1024];
+                while let Ok(n) = sr.read(&mut buf).await {
+                    if n == 0 {
+                        break;
+                    }
+                    while *hold.borrow_and_update() {
+                        if hold.changed().await.is_err() {
+                            return;
+                        }
+                    }
+                    if cw.write_all(&buf[..n]).await.is_err() {
+                        break;
+                    }
+                }
+            });
+        }
+    });
+    (url, tx)
+}
+
+/// Issue 22: a client that leaves while Redis decides its admission (the take made in
+/// Redis, its answer not yet back) does not leave that charge behind: the take runs to its
+/// end and the charge nobody holds is refunded, so the tenant's only concurrency lease is
+/// free again at once (before: held until the lease expired, 15 s here).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_leaving_during_the_shared_take_leaves_no_charge_behind() {
+    let direct = "redis://127.0.0.1:6379";
+    if !redis_up(direct).await {
+        return skip("Redis on 127.0.0.1:6379 is unreachable");
+    }
+    let (url, hold) = holding_proxy("127.0.0.1:6379").await;
+    let m = mock().await;
+    let prefix = unique_prefix("take-gone");
+    let mut cfg = fleet_config(&m.url(), &url, &prefix, 0, 0);
+    cfg.tenants[3].max_concurrency = 1;
+    cfg.state.heartbeat_ms = 5000;
+    let gws = fleet(&cfg, 1).await;
+    let c = client();
+    assert_eq!(
+        chat(&c, &gws[0].public_url(), "a", "warm").await.status(),
+        200
+    );
+    hold.send_replace(true);
+    let impatient = reqwest::Client::builder()
+        .timeout(Duration::from_millis(300))
+        .build()
+        .unwrap();
+    let gone = impatient
+        .post(format!("{}/v1/chat/completions", gws[0].public_url()))
+        .bearer_auth("key-a")
+        .json(&chat_body("gone"))
+        .send()
+        .await;
+    assert!(
+        gone.is_err(),
+        "the client gave up while Redis held its answer"
+    );
+    hold.send_replace(false);
+    let mut admitted = false;
+    for _ in 0..300 {
+        if chat(&c, &gws[0].public_url(), "a", "after").await.status() == 200 {
+            admitted = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(
+        admitted,
+        "the lease taken for the client that left was never given back"
+    );
+    assert_eq!(
+        m.count(),
+        2,
+        "the request whose client left never reached the backend"
+    );
+    for g in gws {
+        g.shutdown().await;
+    }
+    clear(direct, &prefix).await;
+}

@@ -377,6 +377,7 @@ async fn a_callback_a_stopping_replica_was_retrying_is_delivered_by_another() {
     cfg.tasks.visibility_ms = 600_000;
     cfg.tasks.callback_backoff_ms = 20;
     cfg.tasks.callback_attempts = 1000;
+    cfg.tasks.callback_allow = vec!["127.0.0.1".into()];
     cfg.server.shutdown_grace_ms = 100;
     cfg.tenants[3].callback_secret_env = Some("LEVEE_TEST_FLEET_CALLBACK_SECRET".into());
     let mut gws = vec![

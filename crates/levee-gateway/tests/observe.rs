@@ -200,3 +200,77 @@ async fn every_answer_carries_a_request_id() {
     assert_eq!(echoed.headers()["x-request-id"], "trace-7");
     gw.shutdown().await;
 }
+
+/// Issue 22: a loopback admin listener without a token is not open to a web page in the
+/// operator's browser: a cross-origin `text/plain` POST, a form POST and a DNS-rebound
+/// `Host` are refused (403 `admin_request_refused`) and change nothing; a JSON POST from
+/// the listener's own origin still acts, and a drain can be undone.
+#[tokio::test]
+async fn loopback_admin_refuses_what_a_browser_page_could_forge() {
+    let m = mock().await;
+    let mut cfg = config(&[m.url()], 4);
+    cfg.server.drain_grace_ms = 0;
+    let gw = start(cfg).await.unwrap();
+    let base = gw.admin_url();
+    let c = client();
+    let refused = |r: reqwest::RequestBuilder| async move {
+        let r = r.send().await.unwrap();
+        assert_eq!(r.status(), 403);
+        let body: Value = r.json().await.unwrap();
+        assert_eq!(body["error"]["code"], "admin_request_refused", "{body}");
+    };
+    refused(
+        c.post(format!("{base}/admin/degrade"))
+            .header("content-type", "text/plain")
+            .header("origin", "http://attacker.example")
+            .body(r#"{"level": 3}"#),
+    )
+    .await;
+    assert_eq!(gw.gateway().degradation_json()["forced"], false);
+    refused(
+        c.post(format!("{base}/admin/drain"))
+            .header("content-type", "application/x-www-form-urlencoded")
+            .body("x=1"),
+    )
+    .await;
+    refused(
+        c.post(format!("{base}/admin/drain"))
+            .header("origin", "http://attacker.example")
+            .json(&serde_json::json!({})),
+    )
+    .await;
+    assert!(!gw.gateway().is_leaving());
+    refused(
+        c.get(format!("{base}/admin/state"))
+            .header("host", "attacker.example"),
+    )
+    .await;
+    refused(
+        c.get(format!("{base}/metrics"))
+            .header("host", "attacker.example:9090"),
+    )
+    .await;
+    // The listener's own origin (the dashboard) acts; a drain can be undone.
+    let own = format!("http://{}", gw.admin_addr());
+    let r = c
+        .post(format!("{base}/admin/drain"))
+        .header("origin", &own)
+        .json(&serde_json::json!({}));
+    assert_eq!(status(r).await, 200);
+    wait_until("draining", || gw.gateway().is_draining()).await;
+    let ready = c.get(format!("{}/readyz", gw.public_url()));
+    assert_eq!(status(ready).await, 503);
+    let r = c
+        .post(format!("{base}/admin/undrain"))
+        .json(&serde_json::json!({}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let body: Value = r.json().await.unwrap();
+    assert_eq!(body["was_draining"], true);
+    assert!(!gw.gateway().is_draining() && !gw.gateway().is_leaving());
+    let ready = c.get(format!("{}/readyz", gw.public_url()));
+    assert_eq!(status(ready).await, 200);
+    gw.shutdown().await;
+}

@@ -568,6 +568,7 @@ async fn drain_first_stops_advertising_and_still_serves() {
     let c = client();
     let r = c
         .post(format!("{}/admin/drain", gw.admin_url()))
+        .json(&serde_json::json!({}))
         .send()
         .await
         .unwrap();
@@ -603,6 +604,7 @@ async fn drain_refuses_new_requests_and_lets_queued_and_in_flight_finish() {
     wait_until("queued", || g.queued() == 1).await;
     let r = c
         .post(format!("{}/admin/drain", gw.admin_url()))
+        .json(&serde_json::json!({}))
         .send()
         .await
         .unwrap();

@@ -111,3 +111,36 @@ async fn an_editor_replacing_the_file_by_rename_is_reloaded() {
     gw.shutdown().await;
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Issue 22: an emptied or truncated file is refused on reload (the running configuration
+/// stays and requests keep being served), as `levee config check` refuses it.
+#[tokio::test]
+async fn an_empty_or_truncated_file_is_refused_on_reload() {
+    let m = mock().await;
+    let dir = temp_dir("broken");
+    let path = dir.join("levee.toml");
+    let full = config_text(&m.url(), 100);
+    std::fs::write(&path, &full).unwrap();
+    let gw = start(Config::load(&path).unwrap()).await.unwrap();
+    let cut = full[..full.find("[[models]]").unwrap()].to_string();
+    for (what, text) in [("empty", String::new()), ("cut before [[models]]", cut)] {
+        std::fs::write(&path, &text).unwrap();
+        assert!(
+            !reload::reload_from_file(gw.gateway(), &path, "test"),
+            "{what} was accepted"
+        );
+        assert!(levee_gateway::check_config_file(&path).is_err(), "{what}");
+        assert_eq!(rpm(&gw), 100, "{what}: the running configuration stays");
+        let r = client()
+            .post(format!("{}/v1/chat/completions", gw.public_url()))
+            .bearer_auth("key-t")
+            .json(&serde_json::json!({"model": "m", "max_tokens": 4,
+                "messages": [{"role": "user", "content": "still here"}]}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200, "{what}");
+    }
+    gw.shutdown().await;
+    let _ = std::fs::remove_dir_all(&dir);
+}

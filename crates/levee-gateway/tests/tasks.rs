@@ -563,6 +563,8 @@ async fn callback_is_signed_and_retried_past_a_failing_receiver() {
     let rcv = receiver(2).await;
     let mut cfg = task_config(&[m.url()], 4, "callback", 2);
     cfg.tasks.callback_backoff_ms = 20;
+    // The receiver is on loopback: an internal receiver the operator lets through.
+    cfg.tasks.callback_allow = vec!["127.0.0.1/32".into()];
     cfg.tenants[3].callback_secret_env = Some("LEVEE_TEST_CALLBACK_SECRET".into());
     let gw = levee_gateway::start(cfg).await.unwrap();
     let base = gw.public_url();
@@ -997,5 +999,71 @@ async fn a_task_prefill_fences_its_backend_and_holds_the_next_task() {
     for t in [&t1, &t2] {
         wait_status(&c, &base, "a", t["id"].as_str().unwrap(), "succeeded").await;
     }
+    gw.shutdown().await;
+}
+
+/// Issue 22: a tenant's `callback_url` is not a way into the gateway's network. Loopback
+/// (in its dotted, hex, short and IPv4-mapped forms), link-local metadata and a name that
+/// resolves to loopback are refused after resolution, the receiver is never called, and
+/// `last_error` says "refused by policy" whatever the address would have answered.
+#[tokio::test]
+async fn callbacks_to_internal_addresses_are_refused_by_policy() {
+    std::env::set_var("LEVEE_TEST_SSRF_SECRET", "ssrf-secret");
+    let m = mock().await;
+    let rcv = receiver(0).await;
+    let port = rcv.url.trim_start_matches("http://127.0.0.1:");
+    let port = port.trim_end_matches("/hook").to_string();
+    let mut cfg = task_config(&[m.url()], 4, "ssrf", 4);
+    cfg.tasks.callback_attempts = 1;
+    cfg.tenants[3].callback_secret_env = Some("LEVEE_TEST_SSRF_SECRET".into());
+    let gw = levee_gateway::start(cfg).await.unwrap();
+    let base = gw.public_url();
+    let c = client();
+    let admin_port = gw.admin_addr().port();
+    let urls = [
+        rcv.url.clone(),
+        format!("http://0x7f000001:{port}/hook"),
+        format!("http://127.1:{port}/hook"),
+        format!("http://2130706433:{port}/hook"),
+        format!("http://[::ffff:127.0.0.1]:{port}/hook"),
+        format!("http://[::1]:{port}/hook"),
+        format!("http://localhost:{port}/hook"),
+        format!("http://127.0.0.1:{admin_port}/admin/drain"),
+        "http://169.254.169.254/latest/meta-data/".to_string(),
+        "http://10.0.0.1/hook".to_string(),
+    ];
+    let mut ids = Vec::new();
+    for u in &urls {
+        let mut body = chat_body("cb");
+        body["callback_url"] = json!(u);
+        let r = submit(&c, &base, "a", body).await;
+        assert_eq!(r.status(), 202, "{u}");
+        let t: Value = r.json().await.unwrap();
+        ids.push(t["id"].as_str().unwrap().to_string());
+    }
+    for (u, id) in urls.iter().zip(&ids) {
+        let mut seen = Value::Null;
+        for _ in 0..POLLS {
+            seen = get(&c, &base, "a", id).await.json().await.unwrap();
+            if seen["callback"]["attempts"] == 1 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        assert_eq!(seen["callback"]["delivered"], false, "{u}: {seen}");
+        assert_eq!(
+            seen["callback"]["last_error"], "refused by policy",
+            "{u}: {seen}"
+        );
+    }
+    assert_eq!(
+        rcv.calls.load(Ordering::SeqCst),
+        0,
+        "no internal address was called"
+    );
+    assert!(
+        !gw.gateway().is_leaving(),
+        "the admin drain was never reached"
+    );
     gw.shutdown().await;
 }

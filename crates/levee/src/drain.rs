@@ -61,6 +61,8 @@ pub async fn run_cli(args: DrainArgs) -> anyhow::Result<()> {
         .build()?;
     let base = args.admin.trim_end_matches('/');
     let resp = with_token(client.post(format!("{base}/admin/drain")))
+        .header("content-type", "application/json")
+        .body("{}")
         .send()
         .await
         .with_context(|| format!("cannot reach the admin listener at {base}"))?;

@@ -156,6 +156,7 @@ enabled = true
 tier = "batch"
 max_running = {WIDTH}
 visibility_ms = {VISIBILITY_MS}
+callback_allow = ["127.0.0.1"]
 "#,
         key = levee_gateway::hash_key("key-a"),
     );

@@ -39,7 +39,16 @@ pub(super) async fn admit(
         .shared()
         .and_then(|_| gw.runtime().shared_scopes.get(&tenant.name).cloned());
     let charge = match (gw.shared(), scopes) {
-        (Some(shared), Some(scopes)) => Box::pin(shared.take(&scopes, req.tokens())).await?,
+        (Some(shared), Some(scopes)) => {
+            // The take runs to its end on a task of its own: when the client leaves while
+            // the store decides, the charge the store made still arrives, and dropping it
+            // refunds it (dropping a take in flight would leave it charged for good).
+            let shared = shared.clone();
+            let tokens = req.tokens();
+            tokio::spawn(async move { shared.take(&scopes, tokens).await })
+                .await
+                .map_err(|e| GatewayError::internal(format!("shared limit decision: {e}")))??
+        }
         _ => None,
     };
     let waiting = gw.metrics().queued_wait(&tenant.name);

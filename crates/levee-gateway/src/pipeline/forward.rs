@@ -30,7 +30,6 @@ pub(super) async fn forward(
     // With `strip_usage`, levee asks for the usage chunk so tokens can be reconciled; it is
     // removed on the way back because this client did not ask for it.
     let strip_usage = c.parsed.stream && !c.parsed.client_wants_usage;
-    let extra = response_headers(gw, &tenant, &c, &admitted);
     // The deadline starts at dispatch: the gateway's own queue wait is not the backend's.
     let request_timeout = Duration::from_millis(rt.cfg.server.request_timeout_ms);
     let dispatched = Instant::now();
@@ -43,6 +42,7 @@ pub(super) async fn forward(
     } = sent;
     let backend_id = backend.id.clone();
     c.span.record("backend", &*backend_id);
+    let extra = answer_headers(gw, &tenant, &c, &admitted, &resp, &backend);
     let settle = RequestSettle {
         gw: gw.clone(),
         queued: admitted.waited,
@@ -85,6 +85,7 @@ pub(super) async fn forward(
             sent_at + request_timeout,
             sent_at,
             &extra,
+            rt.cfg.server.max_response_bytes,
             keep,
         ))
         .await
@@ -190,13 +191,74 @@ fn finish_send(
     }
 }
 
-/// The headers levee adds to a served response: queue wait, degradation, the tenant's
-/// rate-limit figures.
+/// The headers levee adds to a backend's answer. A backend's own refusal (429, or 503)
+/// is not levee's: it carries no `x-ratelimit-*` figures of levee's (the tenant's quota
+/// did not refuse it), and a `Retry-After` from the fleet's state
+/// ([`fleet_retry_after`]) instead of the backend's, which spoke only for itself.
+fn answer_headers(
+    gw: &Gateway,
+    tenant: &Tenant,
+    c: &Classified,
+    admitted: &Admitted,
+    resp: &http::Response<hyper::body::Incoming>,
+    backend: &Backend,
+) -> Vec<(&'static str, HeaderValue)> {
+    let status = resp.status();
+    let refused = status == http::StatusCode::TOO_MANY_REQUESTS
+        || status == http::StatusCode::SERVICE_UNAVAILABLE;
+    let mut extra = response_headers(gw, tenant, c, admitted, !refused);
+    if refused {
+        let wait = fleet_retry_after(gw, &c.lane, backend, advised_retry(resp.headers()));
+        extra.push((
+            "retry-after",
+            HeaderValue::from(crate::error::retry_after_secs(wait)),
+        ));
+        extra.push((
+            "retry-after-ms",
+            HeaderValue::from(u64::try_from(wait.as_millis()).unwrap_or(u64::MAX)),
+        ));
+    }
+    extra
+}
+
+/// When a client the backends refused may come back: the soonest any backend of the
+/// lane is in routing again (the one that answered counted out for at least its own
+/// Retry-After), at least a second.
+pub(super) fn fleet_retry_after(
+    gw: &Gateway,
+    lane: &Lane,
+    answered: &Backend,
+    advised: Option<Duration>,
+) -> Duration {
+    let now = gw.now();
+    let out_for = |b: &Backend| {
+        b.ejected_until(now)
+            .map_or(Duration::ZERO, |u| u.saturating_duration_since(now))
+    };
+    let soonest = lane
+        .backends()
+        .iter()
+        .filter(|b| b.is_routable() || b.key == answered.key)
+        .map(|b| {
+            if b.key == answered.key {
+                out_for(b).max(advised.unwrap_or(Duration::ZERO))
+            } else {
+                out_for(b)
+            }
+        })
+        .min()
+        .unwrap_or(Duration::ZERO);
+    soonest.max(Duration::from_secs(1))
+}
+
+/// The headers levee adds to a served response: queue wait, degradation, and (`rate`)
+/// the tenant's rate-limit figures.
 fn response_headers(
     gw: &Gateway,
     tenant: &Tenant,
     c: &Classified,
     admitted: &Admitted,
+    rate: bool,
 ) -> Vec<(&'static str, HeaderValue)> {
     let mut extra: Vec<(&'static str, HeaderValue)> = Vec::new();
     if admitted.waited > Duration::ZERO {
@@ -208,6 +270,9 @@ fn response_headers(
         if let Ok(v) = HeaderValue::from_str(&c.degraded.join(", ")) {
             extra.push(("x-levee-degraded", v));
         }
+    }
+    if !rate {
+        return extra;
     }
     let mut rate = gw.limits().rate_limit_headers(&tenant.name, gw.now());
     if let Some(f) = admitted.shared_figures() {

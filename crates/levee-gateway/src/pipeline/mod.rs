@@ -69,12 +69,88 @@ pub(crate) struct RequestCtx {
     response_cache: bool,
     /// The request's span; phases are its children.
     span: Span,
+    /// Where the request is, for the count of a client that leaves before its answer.
+    phase: Phase,
+    /// Counts a request dropped before its answer (see the `Drop` below).
+    gw: Arc<Gateway>,
+    /// The outcome such a request is counted with: `client_gone`, or `cancelled` for a
+    /// task.
+    gone: &'static str,
+}
+
+/// How far a request got, for the count of one whose client leaves before the answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    /// Reading its body (or not yet authenticated).
+    Reading,
+    /// Deciding admission, perhaps waiting in the queue (that wait counts its own
+    /// abandonment).
+    Admitting,
+    /// At its backend, before the response head.
+    Dispatched,
+    /// Answered: the error's count or the settlement takes over.
+    Answered,
+}
+
+/// A client that leaves before its answer drops the request's future: the pipeline never
+/// reaches an outcome, and the settlement (which counts one for a client that leaves
+/// mid-answer) does not exist yet. Counted here, so that every request that arrived has
+/// an outcome in `levee_requests_total`, and one that left at its backend an abandonment.
+impl Drop for RequestCtx {
+    fn drop(&mut self) {
+        if self.phase == Phase::Answered {
+            return;
+        }
+        let m = self.gw.metrics();
+        m.request(&self.tenant, &self.model, self.gone);
+        match self.phase {
+            Phase::Reading if &*self.tenant != "-" => m.abandon(&self.tenant, "reading"),
+            Phase::Dispatched => m.abandon(&self.tenant, "dispatched"),
+            _ => {}
+        }
+        record_end(&self.span, self.gone, 499);
+    }
+}
+
+/// A request for a pipeline route, handed to the router: when its handler never runs (the
+/// client left before the handler's future was first polled, and the connection dropped
+/// it), it is still counted, as `client_gone`. [`serve_client`] claims it as it starts.
+#[derive(Clone)]
+pub(crate) struct Unclaimed(Arc<UnclaimedInner>);
+
+struct UnclaimedInner {
+    armed: std::sync::atomic::AtomicBool,
+    gw: Arc<Gateway>,
+}
+
+impl Unclaimed {
+    pub(crate) fn new(gw: Arc<Gateway>) -> Unclaimed {
+        let armed = std::sync::atomic::AtomicBool::new(true);
+        Unclaimed(Arc::new(UnclaimedInner { armed, gw }))
+    }
+
+    fn claim(&self) {
+        self.0
+            .armed
+            .store(false, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+impl Drop for UnclaimedInner {
+    fn drop(&mut self) {
+        if self.armed.load(std::sync::atomic::Ordering::Relaxed) {
+            self.gw.metrics().request("-", "-", "client_gone");
+        }
+    }
 }
 
 impl RequestCtx {
-    fn new(path: &'static str, request: Option<RequestId>) -> Self {
+    fn new(gw: &Arc<Gateway>, path: &'static str, request: Option<RequestId>) -> Self {
         let dash = Key::new("-");
         RequestCtx {
+            phase: Phase::Reading,
+            gw: gw.clone(),
+            gone: "client_gone",
             path,
             arrived: Instant::now(),
             tenant: dash.clone(),
@@ -130,7 +206,10 @@ pub(crate) async fn serve_client(
     path: &'static str,
     spot: Option<&QueueSpot>,
 ) -> Response {
-    let mut ctx = RequestCtx::new(path, req.extensions().get::<RequestId>().cloned());
+    if let Some(u) = req.extensions().get::<Unclaimed>() {
+        u.claim();
+    }
+    let mut ctx = RequestCtx::new(&gw, path, req.extensions().get::<RequestId>().cloned());
     let span = ctx.span.clone();
     let run = async {
         let tenant =
@@ -142,8 +221,12 @@ pub(crate) async fn serve_client(
         }
         let seat = Seat::of(&tenant);
         ctx.set_tenant(&tenant, &seat);
-        let limit = gw.config().server.max_body_bytes;
-        let body = Box::pin(read_body(*req, limit))
+        let (limit, timeout) = {
+            let cfg = gw.config();
+            let ms = cfg.server.body_read_timeout_ms;
+            (cfg.server.max_body_bytes, Duration::from_millis(ms))
+        };
+        let body = Box::pin(read_body(*req, limit, timeout))
             .instrument(debug_span!("read_body"))
             .await?;
         let updates = asked_updates || seat.queue_updates;
@@ -152,7 +235,9 @@ pub(crate) async fn serve_client(
         });
         Box::pin(served).await
     };
-    match run.instrument(span).await {
+    let answer = run.instrument(span).await;
+    ctx.phase = Phase::Answered;
+    match answer {
         Ok(resp) => resp,
         Err(e) => {
             account_error(&gw, &ctx, &e);
@@ -181,12 +266,14 @@ pub(crate) async fn serve_task(
     path: &'static str,
     spot: &QueueSpot,
 ) -> Result<Response, GatewayError> {
-    let mut ctx = RequestCtx::new(path, None);
+    let mut ctx = RequestCtx::new(gw, path, None);
+    ctx.gone = "cancelled";
     ctx.set_tenant(&tenant, &seat);
     let span = ctx.span.clone();
     let body = Bytes::copy_from_slice(body);
     let served = serve(gw, tenant, seat, body, &mut ctx, Some(spot), |_| false);
     let r = Box::pin(served.instrument(span)).await;
+    ctx.phase = Phase::Answered;
     if let Err(e) = &r {
         account_error(gw, &ctx, e);
     }
@@ -219,6 +306,7 @@ async fn serve(
             std::sync::atomic::Ordering::Relaxed,
         );
     }
+    ctx.phase = Phase::Admitting;
     let admitted = match admit::admit(gw, &tenant, &seat, &c, spot)
         .instrument(debug_span!("admit"))
         .await
@@ -226,6 +314,7 @@ async fn serve(
         Ok(a) => a,
         Err(e) => return fallback::or_error(gw, &tenant, &c, ctx, e),
     };
+    ctx.phase = Phase::Dispatched;
     ctx.span.record("queue_ms", ms(admitted.waited));
     admit::count_admitted(gw, &tenant, &seat, &c);
     let (admitted, backend) = debug_span!("dispatch").in_scope(|| admit::dispatch(admitted, &c))?;
@@ -291,7 +380,11 @@ pub(crate) fn tenant_of(gw: &Gateway, headers: &HeaderMap) -> Result<Arc<Tenant>
 
 /// Read: the body, within `limit` bytes; the request head is dropped here so its buffer is
 /// not held while queued.
-pub(crate) async fn read_body(req: Request, limit: usize) -> Result<Bytes, GatewayError> {
+pub(crate) async fn read_body(
+    req: Request,
+    limit: usize,
+    timeout: Duration,
+) -> Result<Bytes, GatewayError> {
     let (parts, body) = req.into_parts();
     if let Some(len) = parts
         .headers
@@ -304,8 +397,17 @@ pub(crate) async fn read_body(req: Request, limit: usize) -> Result<Bytes, Gatew
         }
     }
     drop(parts);
-    match axum::body::to_bytes(body, limit).await {
-        Ok(b) => Ok(b),
+    let Ok(read) = tokio::time::timeout(timeout, axum::body::to_bytes(body, limit)).await else {
+        return Err(GatewayError::new(
+            ErrorCode::RequestTimeout,
+            format!(
+                "the request body did not arrive within {} ms (server.body_read_timeout_ms)",
+                timeout.as_millis()
+            ),
+        ));
+    };
+    match read {
+        Ok(b) => check_body(&b).map(|()| b),
         Err(e) => {
             let too_big = std::error::Error::source(&e)
                 .is_some_and(|s| s.is::<http_body_util::LengthLimitError>());
@@ -318,6 +420,91 @@ pub(crate) async fn read_body(req: Request, limit: usize) -> Result<Bytes, Gatew
             }
         }
     }
+}
+
+/// Refuses (400) a body the classify phase's reading would accept but the rewrite for the
+/// backend, which reads every field, would not — after admission, as a 500. The first
+/// reading skips the fields levee does not use without looking inside them; the rewrite
+/// builds every value. So: nesting deeper than serde_json goes, text that is not UTF-8,
+/// and, in a skipped field, a lone UTF-16 surrogate escape or a number out of range. Only
+/// a body with a surrogate escape or a number with an exponent or 300+ digits pays for a
+/// full reading here.
+pub(crate) fn check_body(b: &[u8]) -> Result<(), GatewayError> {
+    let found = scan(b);
+    if found.depth > MAX_JSON_DEPTH {
+        return Err(GatewayError::bad_request(format!(
+            "the request body nests objects and arrays deeper than {MAX_JSON_DEPTH} levels"
+        )));
+    }
+    if std::str::from_utf8(b).is_err() {
+        return Err(GatewayError::bad_request(
+            "the request body is not UTF-8 (JSON must be)",
+        ));
+    }
+    if found.needs_full_reading && serde_json::from_slice::<serde_json::Value>(b).is_err() {
+        return Err(GatewayError::bad_request(
+            "the request body holds a value levee cannot pass on: a lone UTF-16 surrogate \
+             escape or a number out of range",
+        ));
+    }
+    Ok(())
+}
+
+/// Deepest nesting of objects and arrays a request body may have. serde_json stops at 128
+/// when it builds a value.
+const MAX_JSON_DEPTH: usize = 100;
+
+/// What one pass over a JSON text finds (a malformed text gives some answer, and fails to
+/// parse later).
+#[derive(Debug, Default, PartialEq, Eq)]
+struct Scan {
+    /// The deepest nesting of `{` / `[`, brackets inside strings not counted.
+    depth: usize,
+    /// A `\\uD800`–`\\uDFFF` escape, or a number with an exponent or of 300+ digits: what
+    /// a full reading may refuse.
+    needs_full_reading: bool,
+}
+
+fn scan(b: &[u8]) -> Scan {
+    let (mut depth, mut in_str, mut escaped, mut digits) = (0usize, false, false, 0usize);
+    let mut out = Scan::default();
+    let mut prev = 0u8;
+    for (i, &c) in b.iter().enumerate() {
+        if in_str {
+            match (escaped, c) {
+                (true, b'u' | b'U') => {
+                    escaped = false;
+                    let surrogate = matches!(b.get(i + 1), Some(b'd' | b'D'))
+                        && matches!(b.get(i + 2), Some(b'8'..=b'9' | b'a'..=b'f' | b'A'..=b'F'));
+                    out.needs_full_reading |= surrogate;
+                }
+                (true, _) => escaped = false,
+                (false, b'\\') => escaped = true,
+                (false, b'"') => in_str = false,
+                _ => {}
+            }
+            continue;
+        }
+        if c.is_ascii_digit() {
+            digits += 1;
+            out.needs_full_reading |= digits >= 300;
+        } else {
+            let exponent = (c == b'e' || c == b'E') && (prev.is_ascii_digit() || prev == b'.');
+            out.needs_full_reading |= exponent;
+            digits = 0;
+        }
+        match c {
+            b'"' => in_str = true,
+            b'{' | b'[' => {
+                depth += 1;
+                out.depth = out.depth.max(depth);
+            }
+            b'}' | b']' => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+        prev = c;
+    }
+    out
 }
 
 /// The request's span: its fields are filled in as the pipeline learns them.

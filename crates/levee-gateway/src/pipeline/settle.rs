@@ -203,6 +203,7 @@ impl RequestSettle {
 mod tests {
     use super::*;
     use crate::proxy::{PromptTokensDetails, Usage};
+    use std::time::Duration;
 
     #[test]
     fn a_warm_prefix_is_not_counted_as_prefilled() {
@@ -234,5 +235,46 @@ mod tests {
         assert_eq!(u.cached_tokens(), 32);
         let plain: Usage = serde_json::from_str(r#"{"prompt_tokens":50}"#).unwrap();
         assert_eq!(plain.cached_tokens(), 0);
+    }
+
+    /// Issue 22: a client that cuts its streams does not get them free. A stream cut after
+    /// its first token keeps its estimate charged; only an answer that produced nothing is
+    /// reconciled to 0, and a reported usage always wins.
+    #[test]
+    fn a_stream_cut_after_its_first_token_keeps_its_estimate() {
+        let cut = Outcome {
+            status: 200,
+            ttft: Some(Duration::from_millis(30)),
+            client_gone: true,
+            ..Outcome::default()
+        };
+        assert_eq!(actual_tokens(&cut), None, "client left mid-stream");
+        let broken = Outcome {
+            transport_error: true,
+            stream_cut: Some("stream_broken"),
+            ..cut
+        };
+        assert_eq!(actual_tokens(&broken), None, "backend broke off mid-stream");
+        let before_first_byte = Outcome {
+            status: 200,
+            transport_error: true,
+            ..Outcome::default()
+        };
+        assert_eq!(actual_tokens(&before_first_byte), Some(0));
+        let error_head = Outcome {
+            status: 500,
+            ..Outcome::default()
+        };
+        assert_eq!(actual_tokens(&error_head), Some(0));
+        let reported = Outcome {
+            usage: Some(Usage {
+                prompt_tokens: 10,
+                completion_tokens: 5,
+                total_tokens: 0,
+                prompt_tokens_details: None,
+            }),
+            ..cut
+        };
+        assert_eq!(actual_tokens(&reported), Some(15));
     }
 }

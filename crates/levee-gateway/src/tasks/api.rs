@@ -88,7 +88,8 @@ async fn submit_inner(
     }
     let tenant = caller(gw, peer, req.headers())?;
     let rt = gw.runtime();
-    let body = read_body(req, rt.cfg.server.max_body_bytes).await?;
+    let timeout = Duration::from_millis(rt.cfg.server.body_read_timeout_ms);
+    let body = read_body(req, rt.cfg.server.max_body_bytes, timeout).await?;
     let mut v: Value = serde_json::from_slice(&body)
         .map_err(|e| GatewayError::bad_request(format!("the body is not valid JSON: {e}")))?;
     let Some(obj) = v.as_object_mut() else {

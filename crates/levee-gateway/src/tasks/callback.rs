@@ -4,6 +4,7 @@
 
 use super::{unix_ms, Tasks};
 use crate::config::TasksConfig;
+use crate::egress::EgressPolicy;
 use crate::gateway::Gateway;
 use crate::task_store::{CallbackState, Task};
 use bytes::Bytes;
@@ -131,6 +132,14 @@ fn sign(secret: &str, ts: u64, body: &str) -> Option<String> {
     Some(hex::encode(mac.finalize().into_bytes()))
 }
 
+/// What a callback attempt's failure stores as `last_error` when the destination was
+/// refused: the same words whatever the address would have answered, so the field cannot be
+/// used to probe the gateway's network.
+pub(crate) const REFUSED_BY_POLICY: &str = "refused by policy";
+
+/// Largest response head read from a receiver; its body is never read.
+const MAX_RECEIVER_HEAD: usize = 16 * 1024;
+
 async fn post_callback(
     gw: &Gateway,
     url: &str,
@@ -140,18 +149,80 @@ async fn post_callback(
     body: &str,
     cfg: &TasksConfig,
 ) -> Result<(), String> {
-    let req = http::Request::post(url)
+    let timeout = Duration::from_millis(cfg.callback_timeout_ms);
+    let uri: http::Uri = url.parse().map_err(|_| REFUSED_BY_POLICY.to_string())?;
+    let (Some(host), Some(authority)) = (uri.host(), uri.authority()) else {
+        return Err(REFUSED_BY_POLICY.to_string());
+    };
+    if uri.scheme_str() != Some("http") {
+        return Err(REFUSED_BY_POLICY.to_string());
+    }
+    let host = host
+        .trim_start_matches('[')
+        .trim_end_matches(']')
+        .to_string();
+    let port = uri.port_u16().unwrap_or(80);
+    let policy = EgressPolicy::new(&gw.config().tasks.callback_allow)
+        .map_err(|_| REFUSED_BY_POLICY.to_string())?;
+    let path = uri.path_and_query().map_or("/", |p| p.as_str()).to_string();
+    let req = http::Request::post(path)
+        .header(http::header::HOST, authority.as_str())
         .header(http::header::CONTENT_TYPE, "application/json")
         .header("x-levee-task-id", id)
         .header("x-levee-timestamp", ts.to_string())
         .header("x-levee-signature", format!("sha256={sig}"))
         .body(http_body_util::Full::new(Bytes::from(body.to_string())))
         .map_err(|e| format!("bad callback request: {e}"))?;
-    let timeout = Duration::from_millis(cfg.callback_timeout_ms);
-    match tokio::time::timeout(timeout, gw.client().request(req)).await {
+    let attempt = async {
+        let addr = resolve_permitted(&policy, &host, port).await?;
+        send_pinned(addr, req).await
+    };
+    match tokio::time::timeout(timeout, attempt).await {
         Err(_) => Err(format!("no answer within {} ms", cfg.callback_timeout_ms)),
-        Ok(Err(e)) => Err(format!("could not reach the receiver: {e}")),
-        Ok(Ok(r)) if r.status().is_success() => Ok(()),
-        Ok(Ok(r)) => Err(format!("the receiver answered {}", r.status())),
+        Ok(Err(e)) => Err(e),
+        Ok(Ok(s)) if s.is_success() => Ok(()),
+        Ok(Ok(s)) if s.is_redirection() => Err(format!(
+            "the receiver answered {s}; redirects are not followed"
+        )),
+        Ok(Ok(s)) => Err(format!("the receiver answered {s}")),
     }
+}
+
+/// Resolves `host` once and judges every address it names: one refused address refuses
+/// the callback (a name that resolves to a public and a private address is not let
+/// through half the time). The address returned is the one connected to.
+async fn resolve_permitted(
+    policy: &EgressPolicy,
+    host: &str,
+    port: u16,
+) -> Result<std::net::SocketAddr, String> {
+    let addrs: Vec<std::net::SocketAddr> = tokio::net::lookup_host((host, port))
+        .await
+        .map_err(|_| "the receiver's host name does not resolve".to_string())?
+        .collect();
+    if addrs.is_empty() || addrs.iter().any(|a| !policy.permits(host, a.ip())) {
+        return Err(REFUSED_BY_POLICY.to_string());
+    }
+    Ok(addrs[0])
+}
+
+/// One HTTP/1.1 exchange on a connection of its own to `addr` (no pool, no redirects, a
+/// bounded response head, the body never read).
+async fn send_pinned(
+    addr: std::net::SocketAddr,
+    req: http::Request<http_body_util::Full<Bytes>>,
+) -> Result<http::StatusCode, String> {
+    let stream = tokio::net::TcpStream::connect(addr)
+        .await
+        .map_err(|_| "could not connect to the receiver".to_string())?;
+    let (mut send, conn) = hyper::client::conn::http1::Builder::new()
+        .max_buf_size(MAX_RECEIVER_HEAD)
+        .handshake(hyper_util::rt::TokioIo::new(stream))
+        .await
+        .map_err(|_| "could not connect to the receiver".to_string())?;
+    let conn = tokio::spawn(conn);
+    let r = send.send_request(req).await;
+    conn.abort();
+    r.map(|r| r.status())
+        .map_err(|_| "the receiver did not answer with HTTP".to_string())
 }

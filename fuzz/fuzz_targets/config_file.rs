@@ -1,0 +1,6 @@
+//! Fuzz target: `levee_gateway::fuzzing::config_file` (see its invariants there).
+#![no_main]
+
+libfuzzer_sys::fuzz_target!(|data: &[u8]| {
+    levee_gateway::fuzzing::config_file(data);
+});
