@@ -245,11 +245,25 @@ fn prompt_text(
     out
 }
 
+/// `n` or `best_of`: 1 when absent, else a positive integer.
+fn choice_count(v: Option<serde_json::Value>, name: &'static str) -> Result<u32, GatewayError> {
+    match v {
+        None | Some(serde_json::Value::Null) => Ok(1),
+        Some(v) => v
+            .as_u64()
+            .and_then(|n| u32::try_from(n).ok())
+            .filter(|n| *n >= 1)
+            .ok_or_else(|| {
+                GatewayError::bad_request(format!("`{name}` must be a positive integer"))
+                    .with_param(name)
+            }),
+    }
+}
+
 impl ClientRequest {
     /// Parses a request body. `raw` should be an allocation of its own (see the type doc).
     /// The prompt's text comes back beside it, to be counted and dropped (a queued request
     /// keeps only its raw body).
-    #[cfg(test)]
     pub fn parse(raw: Bytes) -> Result<(ClientRequest, PromptText), GatewayError> {
         Self::parse_keyed(raw, false)
     }
@@ -302,20 +316,7 @@ impl ClientRequest {
             .and_then(|o| o.get("include_usage"))
             .and_then(Value::as_bool)
             .unwrap_or(false);
-        let count = |v: Option<Value>, name: &'static str| -> Result<u32, GatewayError> {
-            match v {
-                None | Some(Value::Null) => Ok(1),
-                Some(v) => v
-                    .as_u64()
-                    .and_then(|n| u32::try_from(n).ok())
-                    .filter(|n| *n >= 1)
-                    .ok_or_else(|| {
-                        GatewayError::bad_request(format!("`{name}` must be a positive integer"))
-                            .with_param(name)
-                    }),
-            }
-        };
-        let choices = count(head.n, "n")?.max(count(head.best_of, "best_of")?);
+        let choices = choice_count(head.n, "n")?.max(choice_count(head.best_of, "best_of")?);
         let prompt = prompt_text(
             head.messages.as_ref(),
             head.prompt.as_ref(),

@@ -63,7 +63,12 @@ fn fallback_count(text: &str) -> u64 {
 /// correction: each kind is corrected by its own learned factor.
 pub fn text_kind(prompt: &PromptText) -> levee_policy::TextKind {
     let (mut dense, mut symbols, mut other) = (0u64, 0u64, 0u64);
-    for c in prompt.parts.iter().chain(prompt.tools.iter()).flat_map(|p| p.chars()) {
+    for c in prompt
+        .parts
+        .iter()
+        .chain(prompt.tools.iter())
+        .flat_map(|p| p.chars())
+    {
         if c.is_ascii_punctuation() || c.is_ascii_digit() {
             symbols += 1;
         } else if is_cjk(c) {
@@ -199,7 +204,10 @@ mod tests {
         assert_eq!(TokenCounter::CharsPerToken.count(&p("流量控制网关ok")), 7);
         assert_eq!(text_kind(&p("流量控制网关ok")), TextKind::Dense);
         assert_eq!(text_kind(&p("The river rose all night.")), TextKind::Prose);
-        assert_eq!(text_kind(&p("fn f(x: u8) -> u8 { x + 1 }")), TextKind::Symbols);
+        assert_eq!(
+            text_kind(&p("fn f(x: u8) -> u8 { x + 1 }")),
+            TextKind::Symbols
+        );
         assert_eq!(text_kind(&p("")), TextKind::Prose);
     }
 }

@@ -75,23 +75,7 @@ pub(super) fn classify(
     ctx.model = model.name.clone();
     let mut degraded: Vec<String> = Vec::new();
     let decision = gw.degradation(&model.name);
-    if let Some(p) = decision.shed_from_priority {
-        if seat.sheddable && seat.priority >= p {
-            gw.metrics()
-                .shed
-                .get_or_create(&TierLabel {
-                    tier: seat.tier.clone(),
-                })
-                .inc();
-            return Err(GatewayError::capacity_overload(
-                &format!(
-                    "degradation level {} of model {:?} sheds tier {}",
-                    decision.level, &*model.name, seat.tier
-                ),
-                Duration::from_secs(1),
-            ));
-        }
-    }
+    shed(gw, seat, &model.name, &decision)?;
     let mut target = model.clone();
     if decision.use_fallback {
         if let Some(fb) = model.fallback.as_ref().and_then(|f| rt.models.get(f)) {
@@ -137,6 +121,33 @@ pub(super) fn classify(
         request: ctx.request.clone(),
         span: ctx.span.clone(),
     })
+}
+
+/// The lane's degradation sheds this seat's tier: refused at once, counted.
+fn shed(
+    gw: &Gateway,
+    seat: &Seat,
+    model: &str,
+    decision: &crate::degrade::DegradeDecision,
+) -> Result<(), GatewayError> {
+    match decision.shed_from_priority {
+        Some(p) if seat.sheddable && seat.priority >= p => {
+            gw.metrics()
+                .shed
+                .get_or_create(&TierLabel {
+                    tier: seat.tier.clone(),
+                })
+                .inc();
+            Err(GatewayError::capacity_overload(
+                &format!(
+                    "degradation level {} of model {model:?} sheds tier {}",
+                    decision.level, seat.tier
+                ),
+                Duration::from_secs(1),
+            ))
+        }
+        _ => Ok(()),
+    }
 }
 
 /// The completion budget per choice: the client's `max_tokens`, or the model's default

@@ -137,9 +137,9 @@ impl RequestSettle {
                     .get_or_create(&model)
                     .observe(self.prompt_estimate as f64 / u.prompt_tokens as f64);
                 let kind = self.prompt_kind;
-                let factor = self
-                    .lane
-                    .note_prompt_count(kind, self.prompt_estimate, u.prompt_tokens);
+                let factor =
+                    self.lane
+                        .note_prompt_count(kind, self.prompt_estimate, u.prompt_tokens);
                 let label = crate::metrics::CorrectionLabel {
                     model: model.model.clone(),
                     text: kind.as_str(),
