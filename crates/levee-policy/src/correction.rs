@@ -34,6 +34,9 @@ pub struct PromptCorrection {
     quantile: f64,
     samples: VecDeque<(Timestamp, f64)>,
     factor: f64,
+    /// The low counterpart of `factor` (the 5th percentile): how little the engine may
+    /// count, for checks that must not refuse what the engine would take.
+    low: f64,
 }
 
 impl Default for PromptCorrection {
@@ -51,6 +54,7 @@ impl PromptCorrection {
             quantile: quantile.clamp(0.0, 1.0),
             samples: VecDeque::new(),
             factor: 1.0,
+            low: MIN_FACTOR,
         }
     }
 
@@ -81,11 +85,15 @@ impl PromptCorrection {
         }
         if self.samples.len() < MIN_SAMPLES {
             self.factor = 1.0;
+            self.low = MIN_FACTOR;
             return;
         }
         let mut v: Vec<f64> = self.samples.iter().map(|(_, r)| *r).collect();
         self.factor = nearest_rank(&mut v, self.quantile)
             .unwrap_or(1.0)
+            .clamp(MIN_FACTOR, MAX_FACTOR);
+        self.low = nearest_rank(&mut v, 1.0 - self.quantile)
+            .unwrap_or(MIN_FACTOR)
             .clamp(MIN_FACTOR, MAX_FACTOR);
     }
 
@@ -182,6 +190,21 @@ impl PromptCorrections {
     /// `estimate` of `kind` scaled by its factor, rounded up.
     pub fn correct(&self, kind: TextKind, estimate: u64) -> u64 {
         scale(estimate, self.factor(kind))
+    }
+
+    /// The least the engine is likely to count for a prompt of `kind` levee estimated at
+    /// `estimate`: scaled by the low quantile of that kind's ratios (the 5th percentile), or
+    /// the estimate itself until the kind has samples. A check that refuses (the context
+    /// window) uses it, so that an estimate the engine's counts show to err high refuses
+    /// nothing the engine would take.
+    pub fn floor(&self, kind: TextKind, estimate: u64) -> u64 {
+        let own = &self.kinds[kind.index()];
+        let low = if own.samples() >= MIN_SAMPLES {
+            own.low
+        } else {
+            1.0
+        };
+        (estimate as f64 * low).floor() as u64
     }
 }
 
@@ -285,6 +308,11 @@ mod tests {
             c.note(TextKind::Dense, 1_000, 1_200, clock.now());
         }
         assert_eq!(c.correct(TextKind::Dense, 1_000), 1_200);
+        // The floor: the estimate until a kind has samples, then its low quantile.
+        let fresh = PromptCorrections::default();
+        assert_eq!(fresh.floor(TextKind::Prose, 1_000), 1_000);
+        assert_eq!(c.floor(TextKind::Prose, 1_000), 1_000);
+        assert_eq!(c.floor(TextKind::Symbols, 1_000), 1_800);
     }
 
     #[test]

@@ -92,9 +92,10 @@ pub(super) fn classify(
     drop(prompt);
     let prompt_tokens = lane.prompt_reservation(prompt_kind, prompt_estimate);
     let context = max_context(&target, &lane);
-    // The context check on levee's own estimate: a correction that errs high never refuses
-    // a prompt the engine would take.
-    let max_tokens = completion_budget(&parsed, &target, prompt_estimate, context)?;
+    // The context check refuses only what the engine would refuse too: by the least it is
+    // likely to count, never by an estimate (or a correction) that errs high.
+    let floor = lane.prompt_floor(prompt_kind, prompt_estimate);
+    let max_tokens = completion_budget(&parsed, &target, (floor, prompt_estimate), context)?;
     let max_tokens = match decision.max_tokens_cap {
         Some(cap) if max_tokens > cap => {
             degraded.push(format!("max_tokens={cap}"));
@@ -152,21 +153,24 @@ fn shed(
 
 /// The completion budget per choice: the client's `max_tokens`, or the model's default
 /// (never more than the context leaves); a request that can never fit is refused.
+///
+/// `prompt` is (the least the engine is likely to count, levee's estimate): the refusal
+/// goes by the first, the room an injected default leaves by the second.
 fn completion_budget(
     parsed: &ClientRequest,
     target: &Model,
-    prompt_tokens: u64,
+    (floor, prompt_tokens): (u64, u64),
     context: Option<u64>,
 ) -> Result<u32, GatewayError> {
     let requested = parsed.max_tokens;
     let Some(ctx) = context else {
         return Ok(requested.unwrap_or(target.default_max_tokens));
     };
-    let asked = prompt_tokens + u64::from(requested.unwrap_or(0));
-    if prompt_tokens >= ctx || (requested.is_some() && asked > ctx) {
+    let asked = floor + u64::from(requested.unwrap_or(0));
+    if floor >= ctx || (requested.is_some() && asked > ctx) {
         return Err(GatewayError::context_length_exceeded(format!(
             "this model's maximum context length is {ctx} tokens; this request asks for \
-             about {asked} (prompt ≈ {prompt_tokens}{}); shorten the prompt or lower \
+             at least {asked} (prompt ≥ {floor}{}); shorten the prompt or lower \
              max_tokens",
             requested
                 .map(|m| format!(" + max_tokens {m}"))
