@@ -516,7 +516,8 @@ pub struct ModelConfig {
     /// 400 `context_length_exceeded` at once.
     pub max_context_tokens: Option<u64>,
     /// A Hugging Face `tokenizer.json` for counting prompt tokens exactly. Unset: about one
-    /// token per 4 characters of message text (plus 4 per chat message and 2 per chat).
+    /// token per CJK character and one per 4 other characters of message text (plus 4 per chat
+    /// message and 2 per chat).
     pub tokenizer: Option<std::path::PathBuf>,
     /// Time-to-first-token target (SLO). When set, the lane's P95 TTFT above 1.5× it raises
     /// the degradation level.
