@@ -50,6 +50,12 @@ KEY_SHA=$(printf %s "$KEY" | sha256sum | cut -d' ' -f1)
 PIDS+=($!)
 wait_http "http://127.0.0.1:$ENGINE_PORT/health"
 
+# A base build from before the connection caps does not know `[server]
+# max_connections_per_ip`: its configuration leaves that block out (it has no per-IP cap).
+fit_base_config() { # $1 = file
+  "$BASE_BIN" config check "$1" >/dev/null 2>&1 || sed -i '/^\[server\]/,+1d' "$1"
+}
+
 write_levee_config() { # $1 = max_in_flight, $2 = hard watermark, $3 = queue wait ms [$4 public port, $5 admin port, $6 file]
 cat >"${6:-$TMP/levee.toml}" <<TOML
 [listen]
@@ -92,6 +98,7 @@ write_levee_config 4096 100000 30000
 start_levee
 if [ -n "$BASE_BIN" ]; then
   write_levee_config 4096 100000 30000 "$BASE_PORT" "$BASE_ADMIN_PORT" "$TMP/base.toml"
+  fit_base_config "$TMP/base.toml"
   env RUST_LOG=warn ${LEVEE_WORKERS:+TOKIO_WORKER_THREADS=$LEVEE_WORKERS} "$BASE_BIN" serve --config "$TMP/base.toml" >"$TMP/base.log" 2>&1 &
   BASE_PID=$!
   PIDS+=($BASE_PID)
@@ -200,6 +207,7 @@ PY
 rss_queued() { # $1 = label, $2 = binary
   kill "$LEVEE_PID"; wait "$LEVEE_PID" 2>/dev/null || true
   write_levee_config 8 $(( QUEUED * 2 )) 600000
+  [ "$1" != base ] || fit_base_config "$TMP/levee.toml"
   BIN=$2 start_levee
   RSS_IDLE=$(awk '/VmRSS/{print $2}' /proc/$LEVEE_PID/status)
   curl -s -X POST "http://127.0.0.1:$ENGINE_PORT/admin/hang" >/dev/null
