@@ -9,7 +9,8 @@ use std::process::ExitCode;
 /// The process allocator, chosen for the gateway: each waiting HTTP/1.1 client holds hyper's
 /// two 8 KiB connection buffers, of which a queued request touches only the first page or so;
 /// jemalloc leaves the untouched pages out of RSS, glibc malloc does not (10 000 queued
-/// requests: 97 MB with jemalloc; see BENCHMARKS.md, "Gateway overhead"). It lives in the
+/// requests: 97 MB with jemalloc against 152 MB with glibc when it was chosen; see
+/// docs/benchmarks-history.md, "Gateway overhead"). It lives in the
 /// binary, not the gateway library, so that embedders keep their own allocator.
 #[global_allocator]
 static GLOBAL: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
