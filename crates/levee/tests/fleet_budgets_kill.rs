@@ -8,14 +8,15 @@
 //! end; skipped with a message when it is unreachable, unless `LEVEE_REQUIRE_REDIS=1`.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod common;
+
 use axum::routing::post;
+use common::{clear, redis_or_skip, serve, Gateway, REDIS};
 use serde_json::{json, Value};
-use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-const REDIS: &str = "redis://127.0.0.1:6379";
 const REPLICAS: usize = 3;
 const HEARTBEAT_MS: u64 = 200;
 /// The lease: three heartbeats (what `Shared` sets).
@@ -25,10 +26,6 @@ const SLOTS: u64 = 6;
 /// The KV backend: its KV budget, and each request's completion budget.
 const KV: u64 = 8_000;
 const MAX_TOKENS: u64 = 1_000;
-
-fn required() -> bool {
-    std::env::var("LEVEE_REQUIRE_REDIS").as_deref() == Ok("1")
-}
 
 /// A backend that measures what it holds: requests in flight and the sum of their
 /// `max_tokens` (a lower bound of levee's KV reservations for them), now and at most.
@@ -102,10 +99,7 @@ async fn backend() -> (String, Arc<Meter>) {
         post(move |body: axum::Json<Value>| {
             let m = m2.clone();
             async move {
-                let tag = body["messages"][0]["content"]
-                    .as_str()
-                    .unwrap_or("")
-                    .to_string();
+                let tag = common::tag(&body);
                 let tokens = body["max_tokens"].as_u64().unwrap_or(0);
                 let _guard = InFlight::new(&m, tokens, tag.clone());
                 while m.holds(&tag) {
@@ -113,46 +107,17 @@ async fn backend() -> (String, Arc<Meter>) {
                 }
                 tokio::time::sleep(Duration::from_millis(m.delay_ms.load(Ordering::SeqCst))).await;
                 m.served.fetch_add(1, Ordering::SeqCst);
-                axum::Json(json!({"id": "x", "object": "chat.completion", "model": "m",
-                    "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
-                    "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6}}))
+                common::completion("ok", 5)
             }
         }),
     );
-    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = l.local_addr().unwrap();
-    tokio::spawn(async move {
-        let _ = axum::serve(l, app).await;
-    });
-    (format!("http://{addr}"), m)
+    (serve(app).await, m)
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-struct Replica {
-    child: Child,
-    base: String,
-    admin: String,
-}
-
-impl Drop for Replica {
-    fn drop(&mut self) {
-        // SIGKILL: `kill -9`.
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn spawn(dir: &std::path::Path, i: usize, slots_url: &str, kv_url: &str, prefix: &str) -> Replica {
-    let (port, admin) = (free_port(), free_port());
-    let config = format!(
-        r#"
+fn spawn(dir: &std::path::Path, i: usize, slots_url: &str, kv_url: &str, prefix: &str) -> Gateway {
+    let config = |port, admin| {
+        format!(
+            r#"
 [listen]
 public = "127.0.0.1:{port}"
 admin = "127.0.0.1:{admin}"
@@ -191,27 +156,14 @@ url = "{kv_url}"
 max_in_flight = 64
 max_kv_tokens = {KV}
 "#,
-        key = levee_gateway::hash_key("key-a"),
-    );
-    let path = dir.join(format!("r{i}.toml"));
-    std::fs::write(&path, config).unwrap();
-    let child = Command::new(env!("CARGO_BIN_EXE_levee"))
-        .args(["serve", "--config"])
-        .arg(&path)
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::null())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .unwrap();
-    Replica {
-        child,
-        base: format!("http://127.0.0.1:{port}"),
-        admin: format!("http://127.0.0.1:{admin}"),
-    }
+            key = levee_gateway::hash_key(common::KEY),
+        )
+    };
+    Gateway::replica(dir, i, config, &[])
 }
 
 /// Waits until the replica answers and holds a granted slice of every backend.
-async fn granted(c: &reqwest::Client, r: &Replica) {
+async fn granted(c: &reqwest::Client, r: &Gateway) {
     for _ in 0..800 {
         if let Ok(resp) = c.get(format!("{}/admin/state", r.admin)).send().await {
             if let Ok(v) = resp.json::<Value>().await {
@@ -232,35 +184,11 @@ async fn granted(c: &reqwest::Client, r: &Replica) {
     panic!("replica {} never got its slices", r.base);
 }
 
-async fn redis() -> Option<redis::aio::MultiplexedConnection> {
-    let client = redis::Client::open(REDIS).ok()?;
-    let mut conn = tokio::time::timeout(
-        Duration::from_secs(2),
-        client.get_multiplexed_async_connection(),
-    )
-    .await
-    .ok()?
-    .ok()?;
-    let pong: String = redis::cmd("PING").query_async(&mut conn).await.ok()?;
-    (pong == "PONG").then_some(conn)
-}
-
-async fn clear(conn: &mut redis::aio::MultiplexedConnection, prefix: &str) {
-    let keys: Vec<String> = redis::cmd("KEYS")
-        .arg(format!("{prefix}*"))
-        .query_async(conn)
-        .await
-        .unwrap();
-    if !keys.is_empty() {
-        let _: i64 = redis::cmd("DEL").arg(keys).query_async(conn).await.unwrap();
-    }
-}
-
 /// One request of `model` through `base`, tagged `tag`: its status.
 async fn ask(c: &reqwest::Client, base: &str, model: &str, tag: &str) -> u16 {
     let r = c
         .post(format!("{base}/v1/chat/completions"))
-        .bearer_auth("key-a")
+        .bearer_auth(common::KEY)
         .json(&json!({"model": model, "max_tokens": MAX_TOKENS,
             "messages": [{"role": "user", "content": tag}]}))
         .send()
@@ -282,26 +210,14 @@ async fn until(limit: Duration, cond: impl Fn() -> bool) -> Option<Duration> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_replicas_hold_each_backend_budget_and_a_killed_one_frees_its_slice() {
-    let Some(mut conn) = redis().await else {
-        assert!(
-            !required(),
-            "LEVEE_REQUIRE_REDIS=1 but Redis on 127.0.0.1:6379 is unreachable"
-        );
-        eprintln!("SKIPPED: Redis on 127.0.0.1:6379 is unreachable; set LEVEE_REQUIRE_REDIS=1 to fail instead");
+    let Some((mut conn, prefix)) = redis_or_skip("fleet-budget").await else {
         return;
     };
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_nanos();
-    let prefix = format!("levee-test:fleet-budget:{}:{nanos}:", std::process::id());
     let (slots_url, slots) = backend().await;
     let (kv_url, kv) = backend().await;
-    let dir = std::env::temp_dir().join(format!("levee-fleet-budget-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = common::fresh_dir("fleet-budget");
     let c = reqwest::Client::new();
-    let mut replicas: Vec<Option<Replica>> = (0..REPLICAS)
+    let mut replicas: Vec<Option<Gateway>> = (0..REPLICAS)
         .map(|i| Some(spawn(&dir, i, &slots_url, &kv_url, &prefix)))
         .collect();
     for r in replicas.iter().flatten() {

@@ -9,25 +9,22 @@
 //! end; skipped with a message when it is unreachable, unless `LEVEE_REQUIRE_REDIS=1`.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod common;
+
 use axum::routing::post;
+use common::{clear, ready, redis_or_skip, serve, task, Gateway, REDIS};
 use serde_json::{json, Value};
 use std::collections::{BTreeMap, BTreeSet};
-use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-const REDIS: &str = "redis://127.0.0.1:6379";
 const SECRET_ENV: &str = "LEVEE_TEST_FLEET_CALLBACK_SECRET";
 /// Tasks submitted; replicas; each replica's band width.
 const TASKS: usize = 12;
 const REPLICAS: usize = 3;
 const WIDTH: usize = 2;
 const VISIBILITY_MS: u64 = 3000;
-
-fn required() -> bool {
-    std::env::var("LEVEE_REQUIRE_REDIS").as_deref() == Ok("1")
-}
 
 /// A backend that records each request's tag and when it came and, while `hold` is set,
 /// answers nothing; then it answers after `delay_ms`.
@@ -47,25 +44,18 @@ async fn backend() -> (String, Arc<Backend>) {
         post(move |body: axum::Json<Value>| {
             let st = s2.clone();
             async move {
-                let tag = body["messages"][0]["content"].as_str().unwrap_or("").to_string();
+                let tag = common::tag(&body);
                 st.seen.lock().unwrap().push((tag.clone(), Instant::now()));
                 while st.hold.load(Ordering::SeqCst) {
                     tokio::time::sleep(Duration::from_millis(10)).await;
                 }
                 let delay = st.delay_ms.load(Ordering::SeqCst);
                 tokio::time::sleep(Duration::from_millis(delay)).await;
-                axum::Json(json!({"id": "x", "object": "chat.completion", "model": "m",
-                    "choices": [{"index": 0, "message": {"role": "assistant", "content": format!("done {tag}")}, "finish_reason": "stop"}],
-                    "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}))
+                common::completion(&format!("done {tag}"), 1)
             }
         }),
     );
-    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = l.local_addr().unwrap();
-    tokio::spawn(async move {
-        let _ = axum::serve(l, app).await;
-    });
-    (format!("http://{addr}"), st)
+    (serve(app).await, st)
 }
 
 /// A callback receiver: the task ids it was called for, in order.
@@ -84,39 +74,13 @@ async fn receiver() -> (String, Arc<Mutex<Vec<String>>>) {
             }
         }),
     );
-    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = l.local_addr().unwrap();
-    tokio::spawn(async move {
-        let _ = axum::serve(l, app).await;
-    });
-    (format!("http://{addr}/cb"), got)
+    (format!("{}/cb", serve(app).await), got)
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-struct Replica {
-    child: Child,
-    base: String,
-    admin: String,
-}
-
-impl Drop for Replica {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn spawn(dir: &std::path::Path, i: usize, backend: &str, prefix: &str) -> Replica {
-    let (port, admin) = (free_port(), free_port());
-    let config = format!(
-        r#"
+fn spawn(dir: &std::path::Path, i: usize, backend: &str, prefix: &str) -> Gateway {
+    let config = |port, admin| {
+        format!(
+            r#"
 [listen]
 public = "127.0.0.1:{port}"
 admin = "127.0.0.1:{admin}"
@@ -158,45 +122,10 @@ max_running = {WIDTH}
 visibility_ms = {VISIBILITY_MS}
 callback_allow = ["127.0.0.1"]
 "#,
-        key = levee_gateway::hash_key("key-a"),
-    );
-    let path = dir.join(format!("r{i}.toml"));
-    std::fs::write(&path, config).unwrap();
-    let child = Command::new(env!("CARGO_BIN_EXE_levee"))
-        .args(["serve", "--config"])
-        .arg(&path)
-        .env("RUST_LOG", "warn")
-        .env(SECRET_ENV, "s3cret")
-        .stdout(Stdio::null())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .unwrap();
-    Replica {
-        child,
-        base: format!("http://127.0.0.1:{port}"),
-        admin: format!("http://127.0.0.1:{admin}"),
-    }
-}
-
-async fn ready(c: &reqwest::Client, base: &str) {
-    for _ in 0..400 {
-        if c.get(format!("{base}/healthz")).send().await.is_ok() {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
-    panic!("the gateway never came up at {base}");
-}
-
-async fn task(c: &reqwest::Client, base: &str, id: &str) -> Value {
-    c.get(format!("{base}/v1/tasks/{id}"))
-        .bearer_auth("key-a")
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap()
+            key = levee_gateway::hash_key(common::KEY),
+        )
+    };
+    Gateway::replica(dir, i, config, &[(SECRET_ENV, "s3cret")])
 }
 
 async fn reclaimed(c: &reqwest::Client, admin: &str) -> f64 {
@@ -216,19 +145,6 @@ async fn reclaimed(c: &reqwest::Client, admin: &str) -> f64 {
         .unwrap_or(0.0)
 }
 
-async fn redis() -> Option<redis::aio::MultiplexedConnection> {
-    let client = redis::Client::open(REDIS).ok()?;
-    let mut conn = tokio::time::timeout(
-        Duration::from_secs(2),
-        client.get_multiplexed_async_connection(),
-    )
-    .await
-    .ok()?
-    .ok()?;
-    let pong: String = redis::cmd("PING").query_async(&mut conn).await.ok()?;
-    (pong == "PONG").then_some(conn)
-}
-
 /// Starts the replicas on one key prefix (their configs in a fresh `dir`) and waits until
 /// each answers: the processes, their public URLs and their admin URLs.
 async fn start_fleet(
@@ -236,10 +152,8 @@ async fn start_fleet(
     dir: &std::path::Path,
     backend: &str,
     prefix: &str,
-) -> (Vec<Option<Replica>>, Vec<String>, Vec<String>) {
-    let _ = std::fs::remove_dir_all(dir);
-    std::fs::create_dir_all(dir).unwrap();
-    let replicas: Vec<Option<Replica>> = (0..REPLICAS)
+) -> (Vec<Option<Gateway>>, Vec<String>, Vec<String>) {
+    let replicas: Vec<Option<Gateway>> = (0..REPLICAS)
         .map(|i| Some(spawn(dir, i, backend, prefix)))
         .collect();
     for r in replicas.iter().flatten() {
@@ -254,7 +168,7 @@ async fn start_fleet(
 async fn submit(c: &reqwest::Client, base: &str, i: usize, cb_url: &str) -> String {
     let r = c
         .post(format!("{base}/v1/tasks"))
-        .bearer_auth("key-a")
+        .bearer_auth(common::KEY)
         .json(
             &json!({"model": "m", "max_tokens": 4, "callback_url": cb_url,
             "messages": [{"role": "user", "content": format!("t{i}")}]}),
@@ -269,36 +183,15 @@ async fn submit(c: &reqwest::Client, base: &str, i: usize, cb_url: &str) -> Stri
         .to_string()
 }
 
-async fn clear(conn: &mut redis::aio::MultiplexedConnection, prefix: &str) {
-    let keys: Vec<String> = redis::cmd("KEYS")
-        .arg(format!("{prefix}*"))
-        .query_async(conn)
-        .await
-        .unwrap();
-    if !keys.is_empty() {
-        let _: i64 = redis::cmd("DEL").arg(keys).query_async(conn).await.unwrap();
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill_9_one_of_three_replicas_with_tasks_queued_and_running() {
-    let Some(mut conn) = redis().await else {
-        assert!(
-            !required(),
-            "LEVEE_REQUIRE_REDIS=1 but Redis on 127.0.0.1:6379 is unreachable"
-        );
-        eprintln!("SKIPPED: Redis on 127.0.0.1:6379 is unreachable; set LEVEE_REQUIRE_REDIS=1 to fail instead");
+    let Some((mut conn, prefix)) = redis_or_skip("kill").await else {
         return;
     };
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_nanos();
-    let prefix = format!("levee-test:kill:{}:{nanos}:", std::process::id());
     let (url, be) = backend().await;
     be.hold.store(true, Ordering::SeqCst);
     let (cb_url, callbacks) = receiver().await;
-    let dir = std::env::temp_dir().join(format!("levee-fleet-kill-{}", std::process::id()));
+    let dir = common::fresh_dir("fleet-kill");
     let c = reqwest::Client::new();
     let (mut replicas, bases, admins) = start_fleet(&c, &dir, &url, &prefix).await;
 
@@ -459,23 +352,13 @@ async fn kill_9_one_of_three_replicas_with_tasks_queued_and_running() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill_9_amid_a_stream_of_completions() {
     const MANY: usize = 60;
-    let Some(mut conn) = redis().await else {
-        assert!(
-            !required(),
-            "LEVEE_REQUIRE_REDIS=1 but Redis on 127.0.0.1:6379 is unreachable"
-        );
-        eprintln!("SKIPPED: Redis on 127.0.0.1:6379 is unreachable; set LEVEE_REQUIRE_REDIS=1 to fail instead");
+    let Some((mut conn, prefix)) = redis_or_skip("kill-mid").await else {
         return;
     };
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_nanos();
-    let prefix = format!("levee-test:kill-mid:{}:{nanos}:", std::process::id());
     let (url, be) = backend().await;
     be.delay_ms.store(40, Ordering::SeqCst);
     let (cb_url, callbacks) = receiver().await;
-    let dir = std::env::temp_dir().join(format!("levee-fleet-kill-mid-{}", std::process::id()));
+    let dir = common::fresh_dir("fleet-kill-mid");
     let c = reqwest::Client::new();
     let (mut replicas, bases, admins) = start_fleet(&c, &dir, &url, &prefix).await;
     let mut ids = Vec::new();

@@ -6,11 +6,14 @@
 //! protecting capacity), any other status or a broken connection is an error.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod common;
+
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
+use common::serve;
 use levee_gateway::config::{BackendConfig, ModelConfig, TenantConfig};
 use levee_gateway::{hash_key, Config};
 use serde_json::json;
@@ -19,24 +22,13 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-async fn serve(app: axum::Router) -> String {
-    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = l.local_addr().unwrap();
-    tokio::spawn(async move {
-        let _ = axum::serve(l, app).await;
-    });
-    format!("http://{addr}")
-}
-
 /// An engine that takes 20 ms per answer.
 async fn engine() -> String {
     let app = axum::Router::new().route(
         "/v1/chat/completions",
         post(|| async {
             tokio::time::sleep(Duration::from_millis(20)).await;
-            axum::Json(json!({"id": "x", "object": "chat.completion", "model": "m",
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
-                "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}))
+            common::completion("ok", 1)
         }),
     );
     serve(app).await

@@ -4,9 +4,11 @@
 //! exactly one final state with its result.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod common;
+
 use axum::routing::post;
+use common::{free_port, ready, serve, task, Gateway};
 use serde_json::{json, Value};
-use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -26,73 +28,16 @@ async fn backend() -> (String, Arc<Backend>) {
         post(move |body: axum::Json<Value>| {
             let st = s2.clone();
             async move {
-                let tag = body["messages"][0]["content"].as_str().unwrap_or("").to_string();
+                let tag = common::tag(&body);
                 st.seen.lock().unwrap().push(tag.clone());
                 while st.hold.load(Ordering::SeqCst) {
                     tokio::time::sleep(Duration::from_millis(10)).await;
                 }
-                axum::Json(json!({"id": "x", "object": "chat.completion", "model": "m",
-                    "choices": [{"index": 0, "message": {"role": "assistant", "content": format!("done {tag}")}, "finish_reason": "stop"}],
-                    "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}))
+                common::completion(&format!("done {tag}"), 1)
             }
         }),
     );
-    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = l.local_addr().unwrap();
-    tokio::spawn(async move {
-        let _ = axum::serve(l, app).await;
-    });
-    (format!("http://{addr}"), st)
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-struct Gateway(Child);
-
-impl Drop for Gateway {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn spawn(config: &std::path::Path) -> Gateway {
-    let child = Command::new(env!("CARGO_BIN_EXE_levee"))
-        .args(["serve", "--config"])
-        .arg(config)
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::null())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .unwrap();
-    Gateway(child)
-}
-
-async fn ready(c: &reqwest::Client, base: &str) {
-    for _ in 0..400 {
-        if c.get(format!("{base}/healthz")).send().await.is_ok() {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
-    panic!("the gateway never came up at {base}");
-}
-
-async fn task(c: &reqwest::Client, base: &str, id: &str) -> Value {
-    c.get(format!("{base}/v1/tasks/{id}"))
-        .bearer_auth("key-a")
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap()
+    (serve(app).await, st)
 }
 
 async fn wait_status(c: &reqwest::Client, base: &str, id: &str, want: &str) -> Value {
@@ -111,9 +56,7 @@ async fn wait_status(c: &reqwest::Client, base: &str, id: &str, want: &str) -> V
 async fn kill_9_with_tasks_queued_and_running_then_restart() {
     let (url, be) = backend().await;
     be.hold.store(true, Ordering::SeqCst);
-    let dir = std::env::temp_dir().join(format!("levee-kill9-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = common::fresh_dir("kill9");
     let port = free_port();
     let base = format!("http://127.0.0.1:{port}");
     let config = format!(
@@ -150,20 +93,20 @@ tier = "batch"
 max_running = 2
 "#,
         admin = free_port(),
-        key = levee_gateway::hash_key("key-a"),
+        key = levee_gateway::hash_key(common::KEY),
         store = dir.join("tasks.redb").display(),
     );
     let cfg_path = dir.join("levee.toml");
     std::fs::write(&cfg_path, config).unwrap();
     let c = reqwest::Client::new();
 
-    let gw = spawn(&cfg_path);
+    let gw = Gateway::spawn(&cfg_path, &[]);
     ready(&c, &base).await;
     let mut ids = Vec::new();
     for i in 0..4 {
         let r = c
             .post(format!("{base}/v1/tasks"))
-            .bearer_auth("key-a")
+            .bearer_auth(common::KEY)
             .json(&json!({"model": "m", "max_tokens": 4,
                 "messages": [{"role": "user", "content": format!("t{i}")}]}))
             .send()
@@ -186,7 +129,7 @@ max_running = 2
     let before = be.seen.lock().unwrap().clone();
     assert_eq!(before, vec!["t0"]);
 
-    let _gw = spawn(&cfg_path);
+    let _gw = Gateway::spawn(&cfg_path, &[]);
     ready(&c, &base).await;
     let mut results = Vec::new();
     for id in &ids {
@@ -211,7 +154,7 @@ max_running = 2
     // Exactly one final state each: the list holds the four, each once, each succeeded.
     let list: Value = c
         .get(format!("{base}/v1/tasks?limit=100"))
-        .bearer_auth("key-a")
+        .bearer_auth(common::KEY)
         .send()
         .await
         .unwrap()
