@@ -12,7 +12,7 @@
 mod common;
 
 use axum::routing::post;
-use common::{clear, ready, redis_or_skip, serve, task, Gateway, REDIS};
+use common::{clear, ready, redis_or_skip, serve, task, wait_status, Gateway, REDIS};
 use serde_json::{json, Value};
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -176,11 +176,10 @@ async fn submit(c: &reqwest::Client, base: &str, i: usize, cb_url: &str) -> Stri
         .send()
         .await
         .unwrap();
-    assert_eq!(r.status(), 202);
-    r.json::<Value>().await.unwrap()["id"]
-        .as_str()
-        .unwrap()
-        .to_string()
+    let status = r.status();
+    let body: Value = r.json().await.unwrap();
+    assert_eq!(status, 202, "task t{i} through {base}: {body}");
+    body["id"].as_str().unwrap().to_string()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -257,15 +256,7 @@ async fn kill_9_one_of_three_replicas_with_tasks_queued_and_running() {
     let survivors = [bases[1].clone(), bases[2].clone()];
     let mut results = Vec::new();
     for (i, id) in ids.iter().enumerate() {
-        let mut last = Value::Null;
-        for _ in 0..800 {
-            last = task(&c, &survivors[i % 2], id).await;
-            if last["status"] == "succeeded" {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(25)).await;
-        }
-        assert_eq!(last["status"], "succeeded", "task t{i}: {last}");
+        let last = wait_status(&c, &survivors[i % 2], id, "succeeded").await;
         results.push(last);
     }
     let all_done = killed.elapsed();
@@ -377,15 +368,7 @@ async fn kill_9_amid_a_stream_of_completions() {
     let survivors = [bases[1].clone(), bases[2].clone()];
     let mut results = Vec::new();
     for (i, id) in ids.iter().enumerate() {
-        let mut last = Value::Null;
-        for _ in 0..800 {
-            last = task(&c, &survivors[i % 2], id).await;
-            if last["status"] == "succeeded" {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(25)).await;
-        }
-        assert_eq!(last["status"], "succeeded", "task t{i}: {last}");
+        let last = wait_status(&c, &survivors[i % 2], id, "succeeded").await;
         assert_eq!(
             last["result"]["choices"][0]["message"]["content"],
             format!("done t{i}")

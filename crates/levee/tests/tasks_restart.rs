@@ -7,7 +7,7 @@
 mod common;
 
 use axum::routing::post;
-use common::{free_port, ready, serve, task, Gateway};
+use common::{free_port, ready, serve, task, wait_status, Gateway};
 use serde_json::{json, Value};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -38,18 +38,6 @@ async fn backend() -> (String, Arc<Backend>) {
         }),
     );
     (serve(app).await, st)
-}
-
-async fn wait_status(c: &reqwest::Client, base: &str, id: &str, want: &str) -> Value {
-    let mut last = Value::Null;
-    for _ in 0..400 {
-        last = task(c, base, id).await;
-        if last["status"] == want {
-            return last;
-        }
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
-    panic!("task {id} never reached {want}: {last}");
 }
 
 #[tokio::test]

@@ -125,6 +125,19 @@ pub async fn task(c: &reqwest::Client, base: &str, id: &str) -> Value {
         .unwrap()
 }
 
+/// Polls task `id` until its status is `want` (for up to 20 s): the task then.
+pub async fn wait_status(c: &reqwest::Client, base: &str, id: &str, want: &str) -> Value {
+    let mut last = Value::Null;
+    for _ in 0..800 {
+        last = task(c, base, id).await;
+        if last["status"] == want {
+            return last;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    panic!("task {id} never reached {want}: {last}");
+}
+
 /// The Redis on 127.0.0.1:6379 and a key prefix of this run's own (`levee-test:{name}:…`),
 /// or `None` with a message when Redis is unreachable — a failure instead when
 /// `LEVEE_REQUIRE_REDIS=1`.
