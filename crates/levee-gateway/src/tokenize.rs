@@ -46,38 +46,55 @@ fn is_cjk(c: char) -> bool {
             | 0xF900..=0xFAFF | 0xFE30..=0xFE4F | 0xFF00..=0xFFEF | 0x20000..=0x3FFFF)
 }
 
-/// The fallback's count of one text: its CJK characters, plus ⌈other characters / 4⌉.
-fn fallback_count(text: &str) -> u64 {
-    let (mut cjk, mut other) = (0u64, 0u64);
-    for c in text.chars() {
-        if is_cjk(c) {
-            cjk += 1;
-        } else {
-            other += 1;
-        }
-    }
-    cjk + other.div_ceil(CHARS_PER_TOKEN)
+/// One walk over a text's characters: what the fallback counts and what the text's kind is
+/// judged by.
+#[derive(Debug, Default, Clone, Copy)]
+struct Tally {
+    /// CJK characters.
+    cjk: u64,
+    /// Every other character, whitespace included.
+    non_cjk: u64,
+    /// ASCII punctuation and digits.
+    symbols: u64,
+    /// Other characters that are not whitespace (letters, mostly).
+    letters: u64,
 }
 
-/// What the prompt's text is mostly made of (its parts and tools), for the lane's prompt
-/// correction: each kind is corrected by its own learned factor.
-pub fn text_kind(prompt: &PromptText) -> levee_policy::TextKind {
-    let (mut dense, mut symbols, mut other) = (0u64, 0u64, 0u64);
-    for c in prompt
-        .parts
-        .iter()
-        .chain(prompt.tools.iter())
-        .flat_map(|p| p.chars())
-    {
-        if c.is_ascii_punctuation() || c.is_ascii_digit() {
-            symbols += 1;
-        } else if is_cjk(c) {
-            dense += 1;
-        } else if !c.is_whitespace() {
-            other += 1;
+impl Tally {
+    fn of(text: &str) -> Tally {
+        let mut t = Tally::default();
+        for c in text.chars() {
+            if is_cjk(c) {
+                t.cjk += 1;
+                continue;
+            }
+            t.non_cjk += 1;
+            if c.is_ascii_punctuation() || c.is_ascii_digit() {
+                t.symbols += 1;
+            } else if !c.is_whitespace() {
+                t.letters += 1;
+            }
         }
+        t
     }
-    levee_policy::TextKind::of_counts(dense, symbols, other)
+
+    /// The fallback's count: the CJK characters, plus ⌈other characters / 4⌉.
+    fn fallback_tokens(&self) -> u64 {
+        self.cjk + self.non_cjk.div_ceil(CHARS_PER_TOKEN)
+    }
+
+    fn add(&mut self, o: Tally) {
+        self.cjk += o.cjk;
+        self.non_cjk += o.non_cjk;
+        self.symbols += o.symbols;
+        self.letters += o.letters;
+    }
+
+    /// What the text is mostly made of, for the lane's prompt correction: each kind is
+    /// corrected by its own learned factor.
+    fn kind(&self) -> levee_policy::TextKind {
+        levee_policy::TextKind::of_counts(self.cjk, self.symbols, self.letters)
+    }
 }
 
 /// How prompt tokens are counted for one model.
@@ -112,27 +129,36 @@ impl TokenCounter {
             })
     }
 
-    /// Prompt tokens of `prompt`.
-    pub fn count(&self, prompt: &PromptText) -> u64 {
-        let text_tokens: u64 = prompt
-            .parts
-            .iter()
-            .chain(prompt.tools.iter())
-            .map(|p| match self {
-                TokenCounter::CharsPerToken => fallback_count(p),
+    /// Prompt tokens of `prompt`, and what its text (parts and tools) is mostly made of:
+    /// one walk over its characters for both.
+    pub fn measure(&self, prompt: &PromptText) -> (u64, levee_policy::TextKind) {
+        let mut all = Tally::default();
+        let mut text_tokens = 0u64;
+        for p in prompt.parts.iter().chain(prompt.tools.iter()) {
+            let tally = Tally::of(p);
+            all.add(tally);
+            text_tokens += match self {
+                TokenCounter::CharsPerToken => tally.fallback_tokens(),
                 TokenCounter::Tokenizer(t) => match t.encode(p.as_str(), false) {
                     Ok(enc) => enc.len() as u64,
                     // A text the tokenizer cannot encode still costs something.
-                    Err(_) => fallback_count(p),
+                    Err(_) => tally.fallback_tokens(),
                 },
-            })
-            .sum();
+            };
+        }
         let framing = if prompt.chat {
             TOKENS_PER_CHAT + TOKENS_PER_MESSAGE * prompt.parts.len() as u64
         } else {
             0
         };
-        framing + text_tokens + prompt.token_ids + prompt.images * TOKENS_PER_IMAGE
+        let tokens = framing + text_tokens + prompt.token_ids + prompt.images * TOKENS_PER_IMAGE;
+        (tokens, all.kind())
+    }
+
+    /// Prompt tokens of `prompt` (tests: the request path measures).
+    #[cfg(test)]
+    pub fn count(&self, prompt: &PromptText) -> u64 {
+        self.measure(prompt).0
     }
 }
 
@@ -202,12 +228,10 @@ mod tests {
         };
         // 6 Han characters and "ok" (2 others): 6 + 1.
         assert_eq!(TokenCounter::CharsPerToken.count(&p("流量控制网关ok")), 7);
-        assert_eq!(text_kind(&p("流量控制网关ok")), TextKind::Dense);
-        assert_eq!(text_kind(&p("The river rose all night.")), TextKind::Prose);
-        assert_eq!(
-            text_kind(&p("fn f(x: u8) -> u8 { x + 1 }")),
-            TextKind::Symbols
-        );
-        assert_eq!(text_kind(&p("")), TextKind::Prose);
+        let kind = |t: &str| TokenCounter::CharsPerToken.measure(&p(t)).1;
+        assert_eq!(kind("流量控制网关ok"), TextKind::Dense);
+        assert_eq!(kind("The river rose all night."), TextKind::Prose);
+        assert_eq!(kind("fn f(x: u8) -> u8 { x + 1 }"), TextKind::Symbols);
+        assert_eq!(kind(""), TextKind::Prose);
     }
 }

@@ -87,8 +87,7 @@ pub(super) fn classify(
         return Err(GatewayError::unknown_model(&target.name));
     };
     ctx.lane = Some(lane.clone());
-    let prompt_estimate = target.counter.count(&prompt);
-    let prompt_kind = crate::tokenize::text_kind(&prompt);
+    let (prompt_estimate, prompt_kind) = target.counter.measure(&prompt);
     drop(prompt);
     let prompt_tokens = lane.prompt_reservation(prompt_kind, prompt_estimate);
     let context = max_context(&target, &lane);
