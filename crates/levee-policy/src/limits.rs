@@ -438,7 +438,7 @@ impl HeavyThresholds {
             let prompt = self.prompt_over.load(Ordering::Relaxed);
             let completion = self.completion_over.load(Ordering::Relaxed);
             fence(Ordering::Acquire);
-            if before % 2 == 0 && self.seq.load(Ordering::Relaxed) == before {
+            if before.is_multiple_of(2) && self.seq.load(Ordering::Relaxed) == before {
                 return (prompt, completion);
             }
             std::hint::spin_loop();
