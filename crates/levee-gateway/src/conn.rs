@@ -10,7 +10,7 @@ use parking_lot::Mutex;
 use prometheus_client::metrics::gauge::Gauge;
 use std::collections::HashMap;
 use std::net::IpAddr;
-use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::Notify;
@@ -155,6 +155,13 @@ pub struct IdlePolicy {
 }
 
 /// Requests in progress on one connection and when the last one ended.
+///
+/// A request's start and end wake nothing: the watch ([`Activity::expired`]) reads the
+/// figures again when its deadline passes (while a request is in progress, once per idle
+/// period) and closes at the same moments as if it had been woken. Only the request that
+/// spends the connection's budget, and once the connection is closing every request's end,
+/// wake it: a wake-up per request start and end cost each request two more polls of its
+/// connection's task and a timer taken out of the wheel and put back.
 #[derive(Debug)]
 pub struct Activity {
     started: Instant,
@@ -162,17 +169,23 @@ pub struct Activity {
     served: AtomicU64,
     /// Milliseconds from `started` to the end of the last request.
     last_end_ms: AtomicU64,
+    /// Requests served before the connection closes (0: no limit).
+    max_requests: u64,
+    /// The connection is closing: each request's end wakes [`Activity::quiet_for`].
+    closing: AtomicBool,
     changed: Notify,
 }
 
 impl Activity {
-    /// A new connection's activity, none yet.
-    pub fn new() -> Arc<Activity> {
+    /// A new connection's activity, none yet; it closes after `max_requests` (0: never).
+    pub fn new(max_requests: u64) -> Arc<Activity> {
         Arc::new(Activity {
             started: Instant::now(),
             active: AtomicU32::new(0),
             served: AtomicU64::new(0),
             last_end_ms: AtomicU64::new(0),
+            max_requests,
+            closing: AtomicBool::new(false),
             changed: Notify::new(),
         })
     }
@@ -180,8 +193,10 @@ impl Activity {
     /// A request began; it is in progress until the guard drops (with its response body).
     pub fn begin(self: &Arc<Self>) -> RequestActive {
         self.active.fetch_add(1, Ordering::Relaxed);
-        self.served.fetch_add(1, Ordering::Relaxed);
-        self.changed.notify_one();
+        let served = self.served.fetch_add(1, Ordering::Relaxed) + 1;
+        if self.max_requests > 0 && served >= self.max_requests {
+            self.changed.notify_one();
+        }
         RequestActive(self.clone())
     }
 
@@ -196,32 +211,36 @@ impl Activity {
                 // hyper finishes the request in progress, then closes.
                 return;
             }
-            if active > 0 {
-                changed.await;
-                continue;
-            }
-            let deadline = if served == 0 {
+            let now = Instant::now();
+            let deadline = if active > 0 {
+                // Busy: nothing can expire before an idle period after now.
+                now + policy.idle
+            } else if served == 0 {
                 self.started + policy.first_request
             } else {
                 let last = Duration::from_millis(self.last_end_ms.load(Ordering::Relaxed));
                 self.started + last + policy.idle
             };
+            if active == 0 && deadline <= now {
+                return;
+            }
             tokio::select! {
                 _ = changed => {}
-                _ = tokio::time::sleep_until(deadline) => {
-                    let still_idle = self.active.load(Ordering::Relaxed) == 0
-                        && self.served.load(Ordering::Relaxed) == served;
-                    if still_idle {
-                        return;
-                    }
-                }
+                _ = tokio::time::sleep_until(deadline) => {}
             }
         }
+    }
+
+    /// Marks the connection closing: from now on each request's end wakes
+    /// [`Activity::quiet_for`].
+    pub fn closing(&self) {
+        self.closing.store(true, Ordering::Release);
     }
 }
 
 impl Activity {
-    /// Resolves once no request has been in progress on the connection for `bound`.
+    /// Resolves once no request has been in progress on the connection for `bound` (call
+    /// [`Activity::closing`] first).
     pub async fn quiet_for(&self, bound: Duration) {
         loop {
             let changed = self.changed.notified();
@@ -251,7 +270,9 @@ impl Drop for RequestActive {
         let ms = u64::try_from(a.started.elapsed().as_millis()).unwrap_or(u64::MAX);
         a.last_end_ms.store(ms, Ordering::Relaxed);
         a.active.fetch_sub(1, Ordering::Relaxed);
-        a.changed.notify_one();
+        if a.closing.load(Ordering::Acquire) {
+            a.changed.notify_one();
+        }
     }
 }
 
@@ -332,12 +353,12 @@ mod tests {
             max_requests: 3,
         };
         // No first request: closed after `first_request`.
-        let a = Activity::new();
+        let a = Activity::new(policy.max_requests);
         let t0 = Instant::now();
         a.expired(policy).await;
         assert_eq!(t0.elapsed(), Duration::from_secs(5));
         // A request in progress for 10 minutes keeps it; idle after it ends counts from then.
-        let a = Activity::new();
+        let a = Activity::new(policy.max_requests);
         let r = a.begin();
         let watch = tokio::spawn({
             let a = a.clone();
@@ -350,12 +371,55 @@ mod tests {
         watch.await.unwrap();
         assert_eq!(ended.elapsed(), Duration::from_secs(60));
         // The request budget: expired once spent.
-        let a = Activity::new();
+        let a = Activity::new(policy.max_requests);
         for _ in 0..3 {
             drop(a.begin());
         }
         let t0 = Instant::now();
         a.expired(policy).await;
         assert_eq!(t0.elapsed(), Duration::ZERO);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_request_that_spends_the_budget_wakes_the_watch_at_once() {
+        let policy = IdlePolicy {
+            first_request: Duration::from_secs(5),
+            idle: Duration::from_secs(60),
+            max_requests: 3,
+        };
+        let a = Activity::new(policy.max_requests);
+        let watch = tokio::spawn({
+            let a = a.clone();
+            async move { a.expired(policy).await }
+        });
+        tokio::task::yield_now().await;
+        let t0 = Instant::now();
+        let _held: Vec<_> = (0..3).map(|_| a.begin()).collect();
+        watch.await.unwrap();
+        assert_eq!(
+            t0.elapsed(),
+            Duration::ZERO,
+            "not at the next periodic look"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn once_closing_a_request_end_starts_the_quiet_period() {
+        let a = Activity::new(0);
+        let r = a.begin();
+        a.closing();
+        let quiet = tokio::spawn({
+            let a = a.clone();
+            async move { a.quiet_for(Duration::from_secs(5)).await }
+        });
+        tokio::time::sleep(Duration::from_secs(100)).await;
+        assert!(!quiet.is_finished());
+        drop(r);
+        let ended = Instant::now();
+        tokio::time::timeout(Duration::from_secs(60), quiet)
+            .await
+            .expect("woken by the request's end")
+            .unwrap();
+        assert_eq!(ended.elapsed(), Duration::from_secs(5));
     }
 }

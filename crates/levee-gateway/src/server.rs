@@ -336,7 +336,7 @@ fn serve_connection(
         idle: Duration::from_millis(server_cfg.idle_timeout_ms),
         max_requests: server_cfg.max_requests_per_connection,
     };
-    let activity = Activity::new();
+    let activity = Activity::new(policy.max_requests);
     let svc = service(router, &conn, activity.clone());
     tokio::spawn(async move {
         let peer = conn.peer;
@@ -446,10 +446,12 @@ where
             _ = activity.quiet_for(policy.first_request), if closing => break,
             _ = c.stop.cancelled(), if !closing => {
                 closing = true;
+                activity.closing();
                 conn.as_mut().graceful_shutdown();
             }
             _ = activity.expired(policy), if !closing => {
                 closing = true;
+                activity.closing();
                 c.gw.metrics().connections_expired.inc();
                 conn.as_mut().graceful_shutdown();
             }

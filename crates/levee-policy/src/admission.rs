@@ -930,7 +930,7 @@ fn rate_scopes<'a, K>(
     heavy: bool,
 ) -> [(Option<&'a ScopeLimits>, Scope); 4] {
     [
-        (Some(&shared.global), Scope::Global),
+        (Some(&*shared.global), Scope::Global),
         (Some(model), Scope::Model),
         (Some(&tenant.limits), Scope::Tenant),
         (heavy.then_some(&tenant.heavy), Scope::TenantHeavy),

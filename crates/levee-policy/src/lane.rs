@@ -40,6 +40,7 @@ use crate::fasthash::FastState;
 use crate::fleet::Budget;
 use crate::queue::{Entry, FairQueue, Pick, QueueLimits, QueueStats, Tier};
 use crate::retry::DrainRate;
+use crate::units::ceil_u64;
 use crate::watermark::Watermarks;
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -1390,7 +1391,7 @@ impl TenantUse {
         // averages its share — is let through like its share, unless it has more than that
         // outstanding (a backlog is not a burst): a flooder gets its share, a quiet tenant
         // its share and its bursts.
-        let allowance = (OWN_Z * (share_requests as f64).sqrt()).ceil() as u64;
+        let allowance = ceil_u64(OWN_Z * (share_requests as f64).sqrt());
         let token_allowance = share_tokens.map(|t| t / share_requests.max(1) * allowance);
         let outstanding = (self.in_flight + self.queued) as u64;
         let outstanding_tokens = self.tokens + self.queued_tokens;
@@ -1468,7 +1469,7 @@ impl<K: Hash + Eq> LaneView<'_, K> {
         }
         let others = (sums.active - 1) as u64;
         let their_demand = sums.demand_requests.saturating_sub(own.requests);
-        let burst = (BURST_Z * ((their_demand + others) as f64).sqrt()).ceil() as u64;
+        let burst = ceil_u64(BURST_Z * ((their_demand + others) as f64).sqrt());
         let (free_requests, free_tokens) = self.free(now);
         // The others never need more than the room left under their own limits.
         let requests_ok = within_requests || {
@@ -1539,7 +1540,7 @@ impl<K: Hash + Eq> LaneView<'_, K> {
             return (0, 0);
         }
         let per_request = tokens / requests;
-        (slots, (slots as f64 * per_request).ceil() as u64)
+        (slots, ceil_u64(slots as f64 * per_request))
     }
 
     /// Whether `tenant`'s request of `tier` and `kv_cost` may take a slot now as far as the

@@ -25,7 +25,7 @@ use crate::tokens::{Refused, TokenBucket, TokenQuota};
 use parking_lot::{Mutex, MutexGuard, RwLock};
 use std::collections::HashMap;
 use std::hash::Hash;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{fence, AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -87,12 +87,6 @@ pub struct HeavyRule {
     pub completion_tokens_over: u64,
     /// Each tenant's limits for its heavy requests.
     pub per_tenant: LimitSpec,
-}
-
-impl HeavyRule {
-    pub(crate) fn applies(&self, prompt: u64, completion: u64) -> bool {
-        prompt > self.prompt_tokens_over || completion > self.completion_tokens_over
-    }
 }
 
 /// A tenant's limits and fairness weight.
@@ -394,18 +388,84 @@ struct Tenants<K> {
     others: BoundedMap<K, Arc<TenantLimits>, FastState>,
 }
 
+/// A value on cache lines of its own (128 bytes: two lines, as adjacent-line prefetchers
+/// fetch them in pairs), so that what other threads write next to it never takes its line
+/// away from the threads that read or write it.
+#[derive(Debug, Default)]
+#[repr(align(128))]
+pub(crate) struct Padded<T>(pub(crate) T);
+
+impl<T> std::ops::Deref for Padded<T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        &self.0
+    }
+}
+
+/// The heavy rule's thresholds, read by every decision without a lock: a sequence lock over
+/// two atomics, so that readers only ever load (their cache line stays shared by every
+/// core) and still see both thresholds of one configuration.
+#[derive(Debug, Default)]
+struct HeavyThresholds {
+    /// Odd while a reconfiguration writes.
+    seq: AtomicU64,
+    prompt_over: AtomicU64,
+    completion_over: AtomicU64,
+}
+
+impl HeavyThresholds {
+    fn of(heavy: Option<HeavyRule>) -> (u64, u64) {
+        // Without the rule nothing is over `u64::MAX`.
+        heavy.map_or((u64::MAX, u64::MAX), |h| {
+            (h.prompt_tokens_over, h.completion_tokens_over)
+        })
+    }
+
+    /// Writes new thresholds; one writer at a time (the caller holds the config's lock).
+    fn set(&self, heavy: Option<HeavyRule>) {
+        let (prompt, completion) = Self::of(heavy);
+        let seq = self.seq.load(Ordering::Relaxed);
+        self.seq.store(seq.wrapping_add(1), Ordering::Relaxed);
+        fence(Ordering::Release);
+        self.prompt_over.store(prompt, Ordering::Relaxed);
+        self.completion_over.store(completion, Ordering::Relaxed);
+        self.seq.store(seq.wrapping_add(2), Ordering::Release);
+    }
+
+    fn get(&self) -> (u64, u64) {
+        loop {
+            let before = self.seq.load(Ordering::Acquire);
+            let prompt = self.prompt_over.load(Ordering::Relaxed);
+            let completion = self.completion_over.load(Ordering::Relaxed);
+            fence(Ordering::Acquire);
+            if before.is_multiple_of(2) && self.seq.load(Ordering::Relaxed) == before {
+                return (prompt, completion);
+            }
+            std::hint::spin_loop();
+        }
+    }
+}
+
 /// The limits shared by every lane of one gateway: global and per tenant.
+///
+/// What every decision touches is on cache lines of its own: the global scope (written by
+/// every decision) and the heavy rule's thresholds (only read), apart from each other and
+/// from the configuration and tenant map locks.
 #[derive(Debug)]
 pub struct SharedLimits<K> {
     cfg: RwLock<LimitsConfig>,
-    pub(crate) global: ScopeLimits,
+    heavy: Padded<HeavyThresholds>,
+    pub(crate) global: Padded<ScopeLimits>,
     tenants: RwLock<Tenants<K>>,
 }
 
 impl<K: Hash + Eq + Clone> SharedLimits<K> {
     pub(crate) fn new(cfg: LimitsConfig) -> Self {
+        let heavy = Padded(HeavyThresholds::default());
+        heavy.set(cfg.heavy);
         SharedLimits {
-            global: ScopeLimits::new(&cfg.global),
+            global: Padded(ScopeLimits::new(&cfg.global)),
+            heavy,
             tenants: RwLock::new(Tenants {
                 configured: HashMap::default(),
                 others: BoundedMap::new(cfg.max_tracked_keys),
@@ -431,7 +491,9 @@ impl<K: Hash + Eq + Clone> SharedLimits<K> {
             let mut t = self.tenants.write();
             t.others = BoundedMap::new(cfg.max_tracked_keys);
         }
-        *self.cfg.write() = cfg;
+        let mut current = self.cfg.write();
+        self.heavy.set(cfg.heavy);
+        *current = cfg;
     }
 
     /// Configures a tenant's limits and weight. Debt already accrued is kept; a changed
@@ -509,10 +571,8 @@ impl<K: Hash + Eq + Clone> SharedLimits<K> {
 
     /// The heavy-request rule.
     pub(crate) fn heavy_applies(&self, prompt: u64, completion: u64) -> bool {
-        self.cfg
-            .read()
-            .heavy
-            .is_some_and(|h| h.applies(prompt, completion))
+        let (prompt_over, completion_over) = self.heavy.get();
+        prompt > prompt_over || completion > completion_over
     }
 }
 
@@ -534,4 +594,59 @@ pub struct RateLimitHeaders {
     pub tokens: Option<RateLimitInfo>,
     /// Outstanding requests and the limit, if limited.
     pub concurrency: Option<(usize, usize)>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(heavy: Option<(u64, u64)>) -> LimitsConfig {
+        LimitsConfig {
+            global: LimitSpec::UNLIMITED,
+            tenant_default: LimitSpec::UNLIMITED,
+            heavy: heavy.map(|(p, c)| HeavyRule {
+                prompt_tokens_over: p,
+                completion_tokens_over: c,
+                per_tenant: LimitSpec::UNLIMITED,
+            }),
+            max_tracked_keys: 16,
+        }
+    }
+
+    #[test]
+    fn the_heavy_rule_follows_reconfiguration() {
+        let s: SharedLimits<u64> = SharedLimits::new(config(None));
+        assert!(
+            !s.heavy_applies(u64::MAX, u64::MAX),
+            "no rule: nothing is heavy"
+        );
+        s.reconfigure(config(Some((100, 50))));
+        assert!(!s.heavy_applies(100, 50), "at the thresholds: not over");
+        assert!(s.heavy_applies(101, 0));
+        assert!(s.heavy_applies(0, 51));
+        s.reconfigure(config(Some((1_000, 500))));
+        assert!(!s.heavy_applies(101, 51));
+        assert!(s.heavy_applies(1_001, 0));
+        s.reconfigure(config(None));
+        assert!(!s.heavy_applies(u64::MAX, u64::MAX));
+    }
+
+    #[test]
+    fn a_decision_racing_a_reconfiguration_sees_one_rule_whole() {
+        // Two rules whose thresholds, mixed, would give a pair neither has.
+        let (a, b) = ((10, 20), (30, 40));
+        let s: SharedLimits<u64> = SharedLimits::new(config(Some(a)));
+        std::thread::scope(|sc| {
+            let s = &s;
+            sc.spawn(move || {
+                for i in 0..20_000 {
+                    s.reconfigure(config(Some(if i % 2 == 0 { b } else { a })));
+                }
+            });
+            for _ in 0..200_000 {
+                let seen = s.heavy.get();
+                assert!(seen == a || seen == b, "{seen:?}");
+            }
+        });
+    }
 }

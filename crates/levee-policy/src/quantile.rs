@@ -3,12 +3,41 @@
 /// The `q` quantile (0..=1, nearest rank) of `values`, sorting them in place; `None` when
 /// there are none.
 pub fn nearest_rank(values: &mut [f64], q: f64) -> Option<f64> {
-    if values.is_empty() {
+    values.sort_by(f64::total_cmp);
+    nearest_rank_sorted(values, q)
+}
+
+/// [`nearest_rank`] of values already sorted by [`f64::total_cmp`].
+pub(crate) fn nearest_rank_sorted(sorted: &[f64], q: f64) -> Option<f64> {
+    if sorted.is_empty() {
         return None;
     }
-    values.sort_by(f64::total_cmp);
-    let rank = (values.len() as f64 * q.clamp(0.0, 1.0)).ceil() as usize;
-    Some(values[rank.clamp(1, values.len()) - 1])
+    let rank = (sorted.len() as f64 * q.clamp(0.0, 1.0)).ceil() as usize;
+    Some(sorted[rank.clamp(1, sorted.len()) - 1])
+}
+
+/// Values kept sorted by [`f64::total_cmp`] as they come and go, so that a quantile of a
+/// sliding window costs a binary search and a shift, not a copy and a sort per change.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct SortedSamples(Vec<f64>);
+
+impl SortedSamples {
+    pub(crate) fn insert(&mut self, v: f64) {
+        let i = self.0.partition_point(|x| x.total_cmp(&v).is_lt());
+        self.0.insert(i, v);
+    }
+
+    /// Removes one value equal to `v` (under `total_cmp` equal values are the same bits).
+    pub(crate) fn remove(&mut self, v: f64) {
+        if let Ok(i) = self.0.binary_search_by(|x| x.total_cmp(&v)) {
+            self.0.remove(i);
+        }
+    }
+
+    /// The `q` quantile, nearest rank, as [`nearest_rank`] gives it.
+    pub(crate) fn nearest_rank(&self, q: f64) -> Option<f64> {
+        nearest_rank_sorted(&self.0, q)
+    }
 }
 
 #[cfg(test)]
@@ -22,5 +51,27 @@ mod tests {
         assert_eq!(nearest_rank(&mut v, 0.95), Some(10.0));
         assert_eq!(nearest_rank(&mut v, 0.0), Some(1.0));
         assert_eq!(nearest_rank(&mut [], 0.5), None);
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn sorted_samples_give_the_quantiles_of_the_values_held(
+            ops in proptest::collection::vec((proptest::bool::weighted(0.7), -4i32..40), 1..300),
+            q in 0.0f64..=1.0,
+        ) {
+            let (mut kept, mut held) = (SortedSamples::default(), Vec::new());
+            for (add, v) in ops {
+                let v = f64::from(v) / 4.0;
+                if add || held.is_empty() {
+                    kept.insert(v);
+                    held.push(v);
+                } else {
+                    let gone = held.remove(v.abs() as usize % held.len());
+                    kept.remove(gone);
+                }
+                let mut all = held.clone();
+                proptest::prop_assert_eq!(kept.nearest_rank(q), nearest_rank(&mut all, q));
+            }
+        }
     }
 }

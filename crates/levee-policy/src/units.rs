@@ -8,6 +8,19 @@
 use crate::clock::{duration_nanos, Timestamp};
 use std::time::Duration;
 
+/// `x.ceil() as u64`, for every `x` (negative, NaN and infinite ones included), without the
+/// call to libm's `ceil` that the baseline x86-64 target makes of `f64::ceil` (no SSE4.1
+/// `roundsd`): the fair-share rule rounds a square root up several times per decision.
+#[inline]
+pub(crate) fn ceil_u64(x: f64) -> u64 {
+    let t = x as u64;
+    if (t as f64) < x {
+        t.saturating_add(1)
+    } else {
+        t
+    }
+}
+
 /// A rate in exact units: `count` per `period_ns`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) struct RateUnits {
@@ -68,5 +81,49 @@ impl RateUnits {
             Err(_) => u64::try_from(units.div_ceil(self.ucount as u128)).unwrap_or(u64::MAX),
         };
         Duration::from_nanos(ns)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ceil_u64;
+    use proptest::prelude::*;
+
+    #[test]
+    fn ceil_u64_agrees_with_ceil_at_the_edges() {
+        let edges = [
+            0.0,
+            -0.0,
+            0.5,
+            1.0,
+            1.000_000_1,
+            -0.5,
+            -3.0,
+            2f64.powi(52) + 0.5,
+            2f64.powi(53),
+            2f64.powi(64) - 2048.0,
+            2f64.powi(64),
+            1e300,
+            f64::MIN_POSITIVE,
+            f64::INFINITY,
+            f64::NEG_INFINITY,
+            f64::NAN,
+        ];
+        for x in edges {
+            assert_eq!(ceil_u64(x), x.ceil() as u64, "{x}");
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn ceil_u64_agrees_with_ceil(x in proptest::num::f64::ANY) {
+            prop_assert_eq!(ceil_u64(x), x.ceil() as u64);
+        }
+
+        #[test]
+        fn ceil_u64_agrees_with_ceil_on_the_fair_share_inputs(n in 0u64..=u64::MAX, z in 0.0f64..10.0) {
+            let x = z * (n as f64).sqrt();
+            prop_assert_eq!(ceil_u64(x), x.ceil() as u64);
+        }
     }
 }
