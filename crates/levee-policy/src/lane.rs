@@ -281,6 +281,11 @@ struct TenantUse {
     last_seen: Timestamp,
     /// How far this tenant's waits ran past their predictions.
     calibration: WaitCalibration,
+    /// Its arrivals per second (recent).
+    arrivals: DrainRate,
+    /// The requests its traffic keeps in flight (its arrival rate × the lane's mean service
+    /// time), as of its last arrival; `None` before a service time was measured.
+    offered: Option<f64>,
 }
 
 impl TenantUse {
@@ -294,6 +299,8 @@ impl TenantUse {
             queued_tokens: 0,
             last_seen: now,
             calibration: WaitCalibration::default(),
+            arrivals: DrainRate::new(OFFERED_WINDOW),
+            offered: None,
         }
     }
 
@@ -711,7 +718,12 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
     /// Records an arrival of `tenant` (for the fair-share reserve) and sets its weight.
     pub fn note_arrival(&mut self, tenant: &K, tier: Tier, weight: u32, now: Timestamp) {
         self.tenant_entry(tenant, tier, weight, now);
-        self.update_tenant(tenant, now, |u| u.last_seen = now);
+        let service = self.service_secs;
+        self.update_tenant(tenant, now, |u| {
+            u.last_seen = now;
+            u.arrivals.record(1, now);
+            u.offered = service.map(|s| u.arrivals.per_second(now) * s);
+        });
         self.queue.set_weight(tenant.clone(), weight);
     }
 
@@ -1376,12 +1388,27 @@ struct Demand {
 /// Burst headroom, in standard deviations of the others' (Poisson-like) demand.
 const BURST_Z: f64 = 3.0;
 const OWN_Z: f64 = 2.0;
+/// A tenant's traffic is over its share when it keeps more than its share plus this many
+/// standard deviations of Poisson-like traffic at its share in flight.
+const OVER_Z: f64 = 1.0;
+/// The burst allowance of a tenant whose traffic is under its share.
+const UNDER_Z: f64 = 3.0;
+/// How far back a tenant's arrival rate looks.
+const OFFERED_WINDOW: Duration = Duration::from_secs(60);
 
 impl TenantUse {
     /// Its limit — its weighted share of `slots`/`tokens` (`weights` summed over the tenants
     /// at the judged priority), plus a burst allowance when it is not backlogged — its
     /// outstanding demand (running + queued) up to that limit, the part of it not yet
     /// running, and what it could still take before reaching the limit.
+    /// Whether its traffic keeps more requests in flight than its weighted share of `slots`
+    /// (unknown before a service time was measured: not over).
+    fn over_share(&self, slots: u64, weights: u64) -> bool {
+        let share = slots as f64 * f64::from(self.weight) / weights.max(1) as f64;
+        self.offered
+            .is_some_and(|o| o > share + OVER_Z * share.sqrt())
+    }
+
     fn demand(&self, slots: u64, tokens: Option<u64>, weights: u64) -> Demand {
         let share = |total: u64| total.saturating_mul(u64::from(self.weight)) / weights.max(1);
         let share_requests = share(slots);
@@ -1390,14 +1417,17 @@ impl TenantUse {
         // averages its share — is let through like its share, unless it has more than that
         // outstanding (a backlog is not a burst): a flooder gets its share, a quiet tenant
         // its share and its bursts.
-        let allowance = (OWN_Z * (share_requests as f64).sqrt()).ceil() as u64;
+        let under = self.offered.is_some() && !self.over_share(slots, weights);
+        let z = if under { UNDER_Z } else { OWN_Z };
+        let allowance = (z * (share_requests as f64).sqrt()).ceil() as u64;
         let token_allowance = share_tokens.map(|t| t / share_requests.max(1) * allowance);
         let outstanding = (self.in_flight + self.queued) as u64;
         let outstanding_tokens = self.tokens + self.queued_tokens;
-        let bursting = outstanding <= share_requests + allowance
-            && share_tokens
-                .zip(token_allowance)
-                .is_none_or(|(t, a)| outstanding_tokens <= t + a);
+        let bursting = under
+            || (outstanding <= share_requests + allowance
+                && share_tokens
+                    .zip(token_allowance)
+                    .is_none_or(|(t, a)| outstanding_tokens <= t + a));
         let (limit_requests, limit_tokens) = if bursting {
             (
                 share_requests + allowance,
@@ -1461,8 +1491,9 @@ impl<K: Hash + Eq> LaneView<'_, K> {
             return true; // alone at its priority: it may take everything
         }
         let own = me.demand(slots, tokens, sums.weights);
-        let within_requests = (me.in_flight as u64) < own.limit_requests;
-        let within_tokens = me.tokens.saturating_add(kv_cost) <= own.limit_tokens;
+        let over = me.over_share(slots, sums.weights);
+        let within_requests = !over && (me.in_flight as u64) < own.limit_requests;
+        let within_tokens = !over && me.tokens.saturating_add(kv_cost) <= own.limit_tokens;
         if within_requests && within_tokens {
             return true;
         }

@@ -43,6 +43,8 @@ struct Mix {
 struct Quiet {
     ttft: Vec<Duration>,
     failed: usize,
+    /// The flooder's requests served.
+    flooder_served: usize,
 }
 
 impl Quiet {
@@ -83,7 +85,9 @@ impl Fleet {
         grant: Grant<&'static str>,
         now: Timestamp,
     ) {
-        if tenant != "flooder" {
+        if tenant == "flooder" {
+            self.quiet.flooder_served += 1;
+        } else {
             self.quiet
                 .ttft
                 .push(now.saturating_duration_since(arrived) + PREFILL);
@@ -296,7 +300,7 @@ fn figures_of_every_mix() {
         let mut flooded = simulate(*mix, true);
         println!(
             "{} {} quiet x {}/s, {} slots, flood {}/s: quiet p99 TTFT alone {:?} ({} failed), \
-             beside the flooder {:?} ({} failed)",
+             beside the flooder {:?} ({} failed); flooder served {:.2}/s",
             if inside { "inside " } else { "outside" },
             mix.quiet,
             mix.quiet_rate,
@@ -306,6 +310,7 @@ fn figures_of_every_mix() {
             alone.failed,
             flooded.p99(),
             flooded.failed,
+            flooded.flooder_served as f64 / RUN.as_secs_f64(),
         );
     }
 }
