@@ -38,11 +38,12 @@ use crate::breaker::{Breaker, BreakerConfig, BreakerState, BreakerStats, Breaker
 use crate::clock::Timestamp;
 use crate::fasthash::FastState;
 use crate::fleet::Budget;
+use crate::latency::{LatencyFit, LatencySlo};
 use crate::queue::{Entry, FairQueue, Pick, QueueLimits, QueueStats, Tier};
 use crate::retry::DrainRate;
 use crate::watermark::Watermarks;
 use std::cell::RefCell;
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::hash::Hash;
 use std::sync::Arc;
 use std::time::Duration;
@@ -78,6 +79,24 @@ pub struct LaneConfig {
     pub shortest_first: bool,
     /// Session affinity with bounded load (`None`: off, backends are chosen by load alone).
     pub affinity: Option<AffinityConfig>,
+    /// Latency objectives per tier (index: the tier's priority; missing: none). With a time
+    /// per output token objective, each backend's batch is capped where its learned
+    /// slowdown meets the tightest one ([`LatencyFit::batch_cap`]); with a time to first
+    /// token objective, a request predicted to miss it even if admitted now is refused
+    /// ([`crate::RefusalReason::PredictedSloMiss`]).
+    pub slo: Vec<LatencySlo>,
+}
+
+impl LaneConfig {
+    /// The tightest time per output token objective of any tier.
+    fn tightest_tpot(&self) -> Option<Duration> {
+        self.slo.iter().filter_map(|s| s.tpot).min()
+    }
+
+    /// The time to first token objective of `tier`.
+    pub(crate) fn ttft_slo(&self, tier: Tier) -> Option<Duration> {
+        self.slo.get(usize::from(tier.0)).and_then(|s| s.ttft)
+    }
 }
 
 /// Session affinity settings of a lane.
@@ -106,6 +125,7 @@ impl LaneConfig {
             aging: None,
             shortest_first: false,
             affinity: None,
+            slo: Vec::new(),
         }
     }
 }
@@ -152,6 +172,21 @@ struct Backend {
     /// On a fleet: what the other replicas hold here, and the engine's whole KV budget
     /// (`limits` is then this replica's slice). The engine's report covers the whole fleet.
     fleet: Option<(Budget, Option<u64>)>,
+    /// Its latency against its batch and the prompt tokens it prefills, from its responses.
+    latency: LatencyFit,
+    /// Prompts placed here whose first token is not yet predicted to have come, oldest
+    /// first.
+    prefilling: VecDeque<Prefill>,
+}
+
+/// A prompt placed on a backend, until its first token is predicted to have come.
+#[derive(Debug, Clone, Copy)]
+struct Prefill {
+    until: Timestamp,
+    tokens: u64,
+    /// Its tenant was not over its share: a request of a tenant over its share keeps off
+    /// this backend meanwhile.
+    quiet: bool,
 }
 
 impl Backend {
@@ -172,12 +207,42 @@ impl Backend {
         (tokens as f64 * (1.0 - headroom.clamp(0.0, 0.95))).floor() as u64
     }
 
-    /// Requests it may hold now: its cap, or what it is running when it reports a queue.
+    /// Requests it may hold at most: its slots, or fewer when the lane has a time per
+    /// output token objective and its learned slowdown caps the batch below them.
+    fn slot_cap(&self, cfg: &LaneConfig) -> usize {
+        let slots = self.limits.max_in_flight;
+        match cfg.tightest_tpot() {
+            Some(slo) => self.latency.batch_cap(slo).map_or(slots, |c| c.min(slots)),
+            None => slots,
+        }
+    }
+
+    /// Prompt tokens being prefilled here now, and until when a quiet tenant's prompt is.
+    fn prefill_now(&self, now: Timestamp) -> (u64, Option<Timestamp>) {
+        let mut tokens = 0;
+        let mut quiet = None;
+        for p in self.prefilling.iter().filter(|p| p.until > now) {
+            tokens += p.tokens;
+            if p.quiet {
+                quiet = Some(quiet.map_or(p.until, |q: Timestamp| q.max(p.until)));
+            }
+        }
+        (tokens, quiet)
+    }
+
+    /// The predicted time to first token of a prompt of `prompt_tokens` placed here now.
+    fn predict_ttft(&self, prompt_tokens: u64, now: Timestamp) -> Option<Duration> {
+        let (ahead, _) = self.prefill_now(now);
+        self.latency.ttft_for(ahead + prompt_tokens)
+    }
+
+    /// Requests it may hold now: its cap ([`Backend::slot_cap`]), or what it is running
+    /// when it reports a queue.
     ///
     /// On a fleet the engine runs the other replicas' requests too: this replica's part of
     /// what it runs is at least what it runs less what the others hold.
     fn request_cap(&self, now: Timestamp, cfg: &LaneConfig) -> usize {
-        let cap = self.limits.max_in_flight;
+        let cap = self.slot_cap(cfg);
         let others = self.fleet.map_or(0.0, |(o, _)| o.slots as f64);
         match self.fresh_report(now, cfg.report_max_age) {
             Some(r) if r.waiting >= 1.0 => cap.min(((r.running - others).max(1.0)) as usize),
@@ -256,7 +321,7 @@ impl Backend {
     /// Fill in [0, 1+]: the larger of its request and token fill, plus half the engine's own
     /// queue (a tie-breaker that lags by a scrape).
     fn fill(&self, now: Timestamp, cfg: &LaneConfig) -> f64 {
-        let cap = self.limits.max_in_flight.max(1) as f64;
+        let cap = self.slot_cap(cfg).max(1) as f64;
         let by_requests = self.in_flight as f64 / cap;
         let by_tokens = match self.usable_tokens(cfg.kv_headroom) {
             Some(u) if u > 0 => self.tokens_in_use(now, cfg) as f64 / u as f64,
@@ -333,6 +398,12 @@ pub struct Placement {
     pub kv_tokens: u64,
     ticket: Option<BreakerTicket>,
     at: Timestamp,
+    /// Requests there once it was placed, itself included.
+    batch: usize,
+    /// Prompt tokens being prefilled there once it was placed, its own included.
+    prefill_tokens: u64,
+    /// Its time to first token as predicted when it was placed.
+    predicted_ttft: Option<Duration>,
 }
 
 impl Placement {
@@ -592,6 +663,8 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
                     last_dispatch: None,
                     dispatches: DrainRate::new(Duration::from_secs(5)),
                     fleet: None,
+                    latency: LatencyFit::new(),
+                    prefilling: VecDeque::new(),
                 },
             };
             self.backends.push(b);
@@ -764,7 +837,8 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
         if !v.may_take(tier, tenant, kv_cost, now) {
             return None;
         }
-        v.pick(tier, kv_cost, now, except, session)
+        let spare_quiet = v.over_share(tenant, now);
+        v.pick(tier, kv_cost, now, except, session, spare_quiet)
     }
 
     /// Records that backend `i` took a request of `session` (affinity remembers it).
@@ -806,21 +880,38 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
             .min()
     }
 
-    /// Takes backend `i` for `tenant`'s request of `kv_cost`. `None` if its breaker refused
-    /// at the last moment.
+    /// Takes backend `i` for `tenant`'s request of `kv_cost` with a prompt of
+    /// `prompt_tokens`. `None` if its breaker refused at the last moment.
     pub(crate) fn place(
         &mut self,
         i: usize,
         tenant: &K,
         kv_cost: u64,
+        prompt_tokens: u64,
         now: Timestamp,
     ) -> Option<Placement> {
+        let quiet = !self.view().over_share(tenant, now);
         let b = self.backends.get_mut(i)?;
         let ticket = b.breaker.try_acquire(now).ok()?;
         b.in_flight += 1;
         b.tokens += kv_cost;
         b.last_dispatch = Some(now);
         b.dispatches.record(1, now);
+        while b.prefilling.front().is_some_and(|p| p.until <= now) {
+            b.prefilling.pop_front();
+        }
+        let (ahead, _) = b.prefill_now(now);
+        let prefill_tokens = ahead + prompt_tokens;
+        let predicted_ttft = b.latency.ttft_for(prefill_tokens);
+        let until = predicted_ttft.map_or(self.prefill_window, |t| t);
+        if !until.is_zero() {
+            b.prefilling.push_back(Prefill {
+                until: now + until,
+                tokens: prompt_tokens,
+                quiet,
+            });
+        }
+        let batch = b.in_flight;
         let id = b.id.clone();
         self.in_flight += 1;
         self.drain.record(1, now);
@@ -833,7 +924,50 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
             kv_tokens: kv_cost,
             ticket: Some(ticket),
             at: now,
+            batch,
+            prefill_tokens,
+            predicted_ttft,
         })
+    }
+
+    /// Feeds what a placed request's response showed — its time to first token and time per
+    /// output token after the first, as far as known — to its backend's latency fit, and
+    /// returns the time to first token predicted when it was placed (for the prediction's
+    /// error). A change of the backend's batch cap changes the fair shares.
+    pub(crate) fn observe(
+        &mut self,
+        p: &Placement,
+        ttft: Option<Duration>,
+        tpot: Option<Duration>,
+    ) -> Option<Duration> {
+        let cfg = &self.cfg;
+        let b = self.backends.iter_mut().find(|b| b.id == p.backend)?;
+        let before = b.slot_cap(cfg);
+        b.latency.note(p.batch, p.prefill_tokens, ttft, tpot);
+        if b.slot_cap(cfg) != before {
+            self.forget_shares();
+        }
+        p.predicted_ttft
+    }
+
+    /// The predicted time to first token of a prompt of `prompt_tokens` on backend `i` if
+    /// placed now, or with `None` on the routable backend where it is least; `None` while
+    /// no such backend's fit predicts anything.
+    pub(crate) fn predict_ttft(
+        &self,
+        prompt_tokens: u64,
+        i: Option<usize>,
+        now: Timestamp,
+    ) -> Option<Duration> {
+        match i {
+            Some(i) => self.backends.get(i)?.predict_ttft(prompt_tokens, now),
+            None => self
+                .backends
+                .iter()
+                .filter(|b| b.routable)
+                .filter_map(|b| b.predict_ttft(prompt_tokens, now))
+                .min(),
+        }
     }
 
     /// Counts a request dispatched at once in the fair order (see [`FairQueue::charge`]).
@@ -849,6 +983,7 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
             kv_tokens,
             ticket,
             at,
+            ..
         } = p;
         if let Some(b) = self.backend_mut(&backend) {
             b.in_flight = b.in_flight.saturating_sub(1);
@@ -937,10 +1072,16 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
             if !view.clear_of_reserve(tier, kv, now) {
                 return Pick::Stop;
             }
-            match view.pick(tier, kv, now, None, session_of(item)) {
+            let session = session_of(item);
+            let spare_quiet = view.over_share(tenant, now);
+            match view.pick(tier, kv, now, None, session, spare_quiet) {
                 Some(i) => {
                     target = Some(i);
                     Pick::Take
+                }
+                // Held back only to spare a quiet tenant's prefill: the others may go.
+                None if spare_quiet && view.pick(tier, kv, now, None, session, false).is_some() => {
+                    Pick::SkipTenant
                 }
                 None => Pick::Stop,
             }
@@ -1006,6 +1147,19 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
     /// tier waits ([`LaneConfig::isolated_tier`]).
     pub fn next_deadline(&self, now: Timestamp) -> Option<Timestamp> {
         let deadline = self.queue.next_deadline();
+        // A request held back to spare a quiet tenant's prefill may go once it ends.
+        let quiet_prefill = (!self.queue.is_empty())
+            .then(|| {
+                self.backends
+                    .iter()
+                    .filter_map(|b| b.prefill_now(now).1)
+                    .min()
+            })
+            .flatten();
+        let deadline = match (deadline, quiet_prefill) {
+            (Some(d), Some(q)) => Some(d.min(q)),
+            (d, q) => d.or(q),
+        };
         let isolated_waiting = self.cfg.isolated_tier.is_some_and(|t| {
             let above =
                 t.0.checked_sub(1)
@@ -1303,7 +1457,7 @@ impl ShareTable {
     ) -> Self {
         let window = cfg.fair_share_window;
         let routable = || backends.iter().filter(|b| b.routable);
-        let slots: u64 = routable().map(|b| b.limits.max_in_flight as u64).sum();
+        let slots: u64 = routable().map(|b| b.slot_cap(cfg) as u64).sum();
         let tokens: Option<u64> = routable().map(|b| b.usable_tokens(cfg.kv_headroom)).sum();
         let tiers = tenants
             .values()
@@ -1353,6 +1507,12 @@ impl ShareTable {
             add(&mut sums.waiting_tokens, d.waiting_tokens);
             add(&mut sums.room_requests, d.room_requests);
             add(&mut sums.room_tokens, d.room_tokens);
+            if !u.over_share(slots, sums.weights) {
+                add(&mut sums.under.active, 1);
+                add(&mut sums.under.demand_requests, d.requests);
+                add(&mut sums.under.waiting_requests, d.waiting_requests);
+                add(&mut sums.under.room_requests, d.room_requests);
+            }
         }
     }
 }
@@ -1370,6 +1530,18 @@ struct TierSums {
     /// What these tenants could still take before reaching their limits.
     room_requests: u64,
     room_tokens: u64,
+    /// The same, in requests, over the tenants whose traffic is not over their share.
+    under: UnderSums,
+}
+
+/// Sums over the active tenants whose traffic is not over their share
+/// ([`TenantUse::over_share`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct UnderSums {
+    active: u64,
+    demand_requests: u64,
+    waiting_requests: u64,
+    room_requests: u64,
 }
 
 /// One tenant's outstanding demand as the fair-share rule counts it.
@@ -1423,11 +1595,10 @@ impl TenantUse {
         let token_allowance = share_tokens.map(|t| t / share_requests.max(1) * allowance);
         let outstanding = (self.in_flight + self.queued) as u64;
         let outstanding_tokens = self.tokens + self.queued_tokens;
-        let bursting = under
-            || (outstanding <= share_requests + allowance
-                && share_tokens
-                    .zip(token_allowance)
-                    .is_none_or(|(t, a)| outstanding_tokens <= t + a));
+        let bursting = outstanding <= share_requests + allowance
+            && share_tokens
+                .zip(token_allowance)
+                .is_none_or(|(t, a)| outstanding_tokens <= t + a);
         let (limit_requests, limit_tokens) = if bursting {
             (
                 share_requests + allowance,
@@ -1473,6 +1644,18 @@ impl<K: Hash + Eq> LaneView<'_, K> {
         Some((t.slots, t.tokens, *t.by_tier.get(usize::from(tier.0))?))
     }
 
+    /// Whether `tenant`'s traffic is over its weighted share of the lane (see
+    /// [`TenantUse::over_share`]).
+    fn over_share(&self, tenant: &K, now: Timestamp) -> bool {
+        let Some(me) = self.tenants.get(tenant) else {
+            return false;
+        };
+        match self.sums(me.tier, now) {
+            Some((slots, _, sums)) if sums.active >= 2 => me.over_share(slots, sums.weights),
+            _ => false,
+        }
+    }
+
     /// Whether `tenant` may take one more request of `kv_cost` under the fair-share rule:
     /// within its weighted share always; beyond it only if what stays free afterwards covers
     /// the other active tenants' waiting demand plus their pooled burst headroom.
@@ -1491,11 +1674,23 @@ impl<K: Hash + Eq> LaneView<'_, K> {
             return true; // alone at its priority: it may take everything
         }
         let own = me.demand(slots, tokens, sums.weights);
-        let over = me.over_share(slots, sums.weights);
-        let within_requests = !over && (me.in_flight as u64) < own.limit_requests;
-        let within_tokens = !over && me.tokens.saturating_add(kv_cost) <= own.limit_tokens;
+        let within_requests = (me.in_flight as u64) < own.limit_requests;
+        let within_tokens = me.tokens.saturating_add(kv_cost) <= own.limit_tokens;
         if within_requests && within_tokens {
-            return true;
+            // A tenant whose traffic is over its share takes even its share only while
+            // what stays free covers the tenants under theirs: their waiting demand and
+            // pooled burst headroom (as below), so that its requests do not fill the slots
+            // their next burst needs.
+            if !me.over_share(slots, sums.weights) {
+                return true;
+            }
+            let u = sums.under;
+            if u.active == 0 {
+                return true;
+            }
+            let burst = (BURST_Z * ((u.demand_requests + u.active) as f64).sqrt()).ceil() as u64;
+            let need = (u.waiting_requests + burst).min(u.room_requests);
+            return self.free(now).0.saturating_sub(1) >= need;
         }
         let others = (sums.active - 1) as u64;
         let their_demand = sums.demand_requests.saturating_sub(own.requests);
@@ -1601,6 +1796,10 @@ impl<K: Hash + Eq> LaneView<'_, K> {
     /// waits for the engine's next step; the fenced engine's, for a whole long prefill). A
     /// request of the isolated tier goes only to a backend neither fenced nor within its
     /// prefill window ([`LaneConfig::isolated_tier`]).
+    ///
+    /// With `spare_quiet` (its tenant is over its share), a backend prefilling a quiet
+    /// tenant's prompt, or about to (placed there and its first token not yet predicted to
+    /// have come), is skipped: the request waits rather than lengthen that prefill.
     fn pick(
         &self,
         tier: Tier,
@@ -1608,14 +1807,21 @@ impl<K: Hash + Eq> LaneView<'_, K> {
         now: Timestamp,
         except: Option<&str>,
         session: Option<SessionKey>,
+        spare_quiet: bool,
     ) -> Option<usize> {
+        let prefilling_quiet = |b: &Backend| spare_quiet && b.prefill_now(now).1.is_some();
         if let Some(i) = self.session_pick(tier, kv_cost, now, except, session) {
-            return Some(i);
+            if !self.backends.get(i).is_some_and(prefilling_quiet) {
+                return Some(i);
+            }
         }
         let isolated = self.cfg.isolated_tier == Some(tier);
         let mut best: Option<(usize, (u8, f64))> = None;
         for (i, b) in self.backends.iter().enumerate() {
             if except == Some(&*b.id) || !b.has_room(kv_cost, now, self.cfg) {
+                continue;
+            }
+            if prefilling_quiet(b) {
                 continue;
             }
             if isolated && (b.fenced(now) || !b.quiet(self.prefill_window, now)) {
@@ -1627,7 +1833,11 @@ impl<K: Hash + Eq> LaneView<'_, K> {
             }
         }
         match best {
-            Some((i, (1, _))) => Some(self.past_report_unfenced(kv_cost, now, except).unwrap_or(i)),
+            Some((i, (1, _))) => Some(
+                self.past_report_unfenced(kv_cost, now, except)
+                    .filter(|j| !self.backends.get(*j).is_some_and(prefilling_quiet))
+                    .unwrap_or(i),
+            ),
             other => other.map(|(i, _)| i),
         }
     }
@@ -1661,7 +1871,7 @@ impl<K: Hash + Eq> LaneView<'_, K> {
             }
             cands.push(Candidate {
                 load: b.in_flight as u64,
-                capacity: b.limits.max_in_flight as u64,
+                capacity: b.slot_cap(self.cfg) as u64,
                 room: true,
             });
         }
@@ -1683,7 +1893,7 @@ impl<K: Hash + Eq> LaneView<'_, K> {
             .iter()
             .enumerate()
             .filter(|(_, b)| except != Some(&*b.id) && !b.fenced(now))
-            .filter(|(_, b)| b.has_room_under(b.limits.max_in_flight, kv_cost, now, self.cfg))
+            .filter(|(_, b)| b.has_room_under(b.slot_cap(self.cfg), kv_cost, now, self.cfg))
             .min_by(|(_, a), (_, b)| a.fill(now, self.cfg).total_cmp(&b.fill(now, self.cfg)))
             .map(|(i, _)| i)
     }
@@ -1734,7 +1944,7 @@ mod tests {
             let mut held = Vec::new();
             for (i, n) in loads.iter().enumerate() {
                 for _ in 0..*n {
-                    held.push(lane.place(i, &0u8, 1, now).unwrap());
+                    held.push(lane.place(i, &0u8, 1, 0, now).unwrap());
                 }
             }
             let until = now + Duration::from_millis(fence_ms);
@@ -1785,7 +1995,7 @@ mod tests {
                     }
                     Op::Dispatch => {
                         if let Some((e, i)) = lane.next_ready(now, |_, c| c, |_| None) {
-                            if let Some(p) = lane.place(i, &e.tenant, e.cost, now) {
+                            if let Some(p) = lane.place(i, &e.tenant, e.cost, 0, now) {
                                 running.push((e.tenant, p));
                             }
                         }

@@ -79,8 +79,8 @@ impl Line {
         let (mx, my) = (self.sx / nf, self.sy / nf);
         let var = self.sxx / nf - mx * mx;
         // Spread below a thousandth of the mean's square is rounding, not spread.
-        let slope = (var > 1e-3 * mx.abs().max(1.0).powi(2))
-            .then(|| (self.sxy / nf - mx * my) / var);
+        let slope =
+            (var > 1e-3 * mx.abs().max(1.0).powi(2)).then(|| (self.sxy / nf - mx * my) / var);
         Some(Fitted { mx, my, slope })
     }
 }
