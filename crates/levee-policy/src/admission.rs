@@ -1163,6 +1163,18 @@ impl<T, K: Hash + Eq + Ord + Clone> Admission<T, K> {
         self.models.get_mut(model)?.dequeue(&self.shared, now)
     }
 
+    /// See [`LaneAdmission::observe`].
+    pub fn observe(
+        &mut self,
+        grant: &Grant<K>,
+        ttft: Option<Duration>,
+        tpot: Option<Duration>,
+    ) -> Option<Duration> {
+        self.models
+            .get_mut(&grant.model)?
+            .observe(grant, ttft, tpot)
+    }
+
     /// See [`LaneAdmission::expire`].
     pub fn expire(&mut self, model: &K, now: Timestamp) -> Vec<Expired<T>> {
         match self.models.get_mut(model) {

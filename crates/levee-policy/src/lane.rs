@@ -1563,6 +1563,10 @@ const OWN_Z: f64 = 2.0;
 /// A tenant's traffic is over its share when it keeps more than its share plus this many
 /// standard deviations of Poisson-like traffic at its share in flight.
 const OVER_Z: f64 = 1.0;
+/// The burst headroom a tenant over its share leaves the tenants under theirs even within its
+/// share, in standard deviations of their demand (about the 98th percentile): less than
+/// [`BURST_Z`], so that it is still served about its share beside them.
+const UNDER_Z_HEADROOM: f64 = 2.0;
 /// The burst allowance of a tenant whose traffic is under its share.
 const UNDER_Z: f64 = 3.0;
 /// How far back a tenant's arrival rate looks.
@@ -1688,7 +1692,8 @@ impl<K: Hash + Eq> LaneView<'_, K> {
             if u.active == 0 {
                 return true;
             }
-            let burst = (BURST_Z * ((u.demand_requests + u.active) as f64).sqrt()).ceil() as u64;
+            let burst =
+                (UNDER_Z_HEADROOM * ((u.demand_requests + u.active) as f64).sqrt()).ceil() as u64;
             let need = (u.waiting_requests + burst).min(u.room_requests);
             return self.free(now).0.saturating_sub(1) >= need;
         }
