@@ -197,6 +197,14 @@ impl Admitted {
         moved
     }
 
+    /// Feeds its response's time to first token and time per output token (from sending)
+    /// to its backend's latency fit; returns the time to first token predicted when it was
+    /// placed.
+    pub fn observe(&self, ttft: Duration, tpot: Option<Duration>) -> Option<Duration> {
+        let g = self.grant.as_ref()?;
+        self.lane.admission().observe(g, Some(ttft), tpot)
+    }
+
     /// Ends it with the backend's outcome and real usage.
     pub fn complete(mut self, done: Completion) {
         if let Some(g) = self.grant.take() {
@@ -440,6 +448,7 @@ fn refusal_error(
             ),
             retry,
         ),
+        RefusalReason::PredictedSloMiss => GatewayError::slo_unattainable(&req.model, retry),
         reason => lane_error(req, reason, retry),
     };
     let e = e.with_refusal(r.reason);
