@@ -1682,6 +1682,28 @@ mod tests {
     }
 
     #[test]
+    fn a_latency_objective_of_zero_is_refused_and_one_set_reaches_the_tier() {
+        let mut cfg = Config::default();
+        if let Some(t) = cfg.tiers.get_mut("standard") {
+            t.ttft_slo_ms = Some(0);
+            t.tpot_slo_ms = Some(0);
+        }
+        let errs = cfg.validate().join("\n");
+        assert!(
+            errs.contains("tiers.standard.ttft_slo_ms: must be > 0"),
+            "{errs}"
+        );
+        assert!(
+            errs.contains("tiers.standard.tpot_slo_ms: must be > 0"),
+            "{errs}"
+        );
+        let text = "[tiers.standard]\npriority = 1\nttft_slo_ms = 2000\ntpot_slo_ms = 100\n";
+        let cfg = Config::from_toml_str(text).unwrap();
+        let t = &cfg.tiers["standard"];
+        assert_eq!((t.ttft_slo_ms, t.tpot_slo_ms), (Some(2000), Some(100)));
+    }
+
+    #[test]
     fn semantic_errors_each_name_a_path() {
         let k = hash_key("k1");
         let text = format!(
