@@ -1980,6 +1980,92 @@ mod tests {
             }
         }
 
+        /// With a time per token objective, a backend takes requests up to the batch its
+        /// learned slowdown allows under it (never past its slots), and no further.
+        #[test]
+        fn a_backend_holds_no_more_than_its_latency_cap(
+            c in 1.0f64..20.0,
+            d in 0.05f64..3.0,
+            slo in 2.0f64..60.0,
+            slots in 1usize..48,
+        ) {
+            let mut cfg = LaneConfig::new(Watermarks { safe: 1_000, soft: 2_000, hard: 3_000 });
+            let slo = Duration::from_secs_f64(slo / 1000.0);
+            cfg.slo = vec![LatencySlo { ttft: None, tpot: Some(slo) }];
+            let mut lane: Lane<u32, u8> = Lane::new(cfg, 1);
+            let limits = BackendLimits { max_in_flight: slots, kv_tokens: None };
+            lane.set_backends(vec![(Arc::from("b"), limits)]);
+            for i in 0..64usize {
+                let batch = 1 + i % 32;
+                let tpot = Duration::from_secs_f64((c + d * batch as f64) / 1000.0);
+                lane.backends[0].latency.note(batch, 0, None, Some(tpot));
+            }
+            let cap = lane.backends[0].latency.batch_cap(slo).unwrap().min(slots);
+            let now = Timestamp::from_nanos(1);
+            let mut held = Vec::new();
+            while let Some(i) = lane.can_dispatch(Tier(0), &0u8, 1, now, None, None) {
+                held.push(lane.place(i, &0u8, 1, 0, now).unwrap());
+                prop_assert!(held.len() <= slots);
+            }
+            prop_assert_eq!(held.len(), cap);
+            prop_assert_eq!(lane.backend_stats(now)[0].request_cap, cap);
+        }
+
+        /// A tenant whose traffic is over its share goes to no backend that is prefilling a
+        /// quiet tenant's prompt (or about to) while that lasts: elsewhere if another has
+        /// room, else it waits while the quiet tenant may still go; once the prefill is
+        /// predicted done it may go there again.
+        #[test]
+        fn a_tenant_over_its_share_spares_a_quiet_tenants_prefill(
+            other_load in 0usize..=4,
+            window_ms in 1u64..2_000,
+        ) {
+            let cfg = LaneConfig::new(Watermarks { safe: 1_000, soft: 2_000, hard: 3_000 });
+            let mut lane: Lane<u32, u8> = Lane::new(cfg, 1);
+            let limits = BackendLimits { max_in_flight: 4, kv_tokens: None };
+            lane.set_backends(vec![(Arc::from("a"), limits), (Arc::from("b"), limits)]);
+            lane.service_secs = Some(1.0);
+            lane.set_prefill_window(Duration::from_millis(window_ms));
+            let now = Timestamp::from_nanos(20_000_000_000);
+            // The flooder (1) arrives at 30/s for 20 s (offered ≈ 8.5 in flight, over its
+            // share of 4 + 2); the quiet tenant (0) once.
+            for k in 0..600u64 {
+                lane.note_arrival(&1u8, Tier(0), 1, Timestamp::from_nanos(k * 33_000_000));
+            }
+            lane.note_arrival(&0u8, Tier(0), 1, now);
+            // Backend "b" holds `other_load` of the quiet tenant's requests, long prefilled.
+            let earlier = now.saturating_sub(Duration::from_secs(3));
+            let mut held = Vec::new();
+            for _ in 0..other_load {
+                held.push((0u8, lane.place(1, &0u8, 1, 0, earlier).unwrap()));
+            }
+            prop_assert!(lane.view().over_share(&1u8, now));
+            prop_assert!(!lane.view().over_share(&0u8, now));
+            // The quiet tenant's prompt goes to backend "a" (the emptier, or the first).
+            let q = lane.can_dispatch(Tier(0), &0u8, 1, now, None, None);
+            prop_assert_eq!(q, Some(0));
+            held.push((0u8, lane.place(0, &0u8, 1, 600, now).unwrap()));
+            let f = lane.can_dispatch(Tier(0), &1u8, 1, now, None, None);
+            if other_load < 4 {
+                prop_assert_eq!(f, Some(1));
+            } else {
+                prop_assert_eq!(f, None);
+                prop_assert!(lane.can_dispatch(Tier(0), &0u8, 1, now, None, None).is_some());
+                prop_assert_eq!(
+                    lane.next_deadline(now),
+                    None,
+                    "nothing queued: nothing to wake for"
+                );
+            }
+            let after = now + Duration::from_millis(window_ms);
+            let f = lane.can_dispatch(Tier(0), &1u8, 1, after, None, None);
+            let least = if other_load < 1 { 1 } else { 0 };
+            prop_assert_eq!(f, Some(least));
+            for (t, p) in held {
+                lane.release(&t, p, Outcome::Success, after);
+            }
+        }
+
         /// The sums kept in step as tenants change are the sums a fresh pass over the
         /// tenants gives, whatever happened and however much time passed.
         #[test]
