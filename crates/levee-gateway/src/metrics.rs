@@ -545,8 +545,6 @@ impl Metrics {
         add(r, "request_queue_seconds", queue, &self.request_queue);
         let ratio = "Prompt token estimate divided by the backend's own count";
         add(r, "prompt_estimate_ratio", ratio, &self.estimate_ratio);
-        let pred = "Time to first token (from dispatch) divided by the one predicted at dispatch";
-        add(r, "ttft_prediction_ratio", pred, &self.ttft_prediction);
     }
 
     /// Per-backend gauges and breaker counters.
@@ -585,6 +583,12 @@ impl Metrics {
         add(r, "breaker_open_seconds", help, &self.breaker_open_seconds);
         let help = "Streams ended with an SSE error event, by backend and reason";
         add(r, "stream_cuts", help, &self.stream_cuts);
+        add(
+            r,
+            "ttft_prediction_ratio",
+            "Time to first token (from dispatch) divided by the one predicted at dispatch",
+            &self.ttft_prediction,
+        );
     }
 
     /// Per-model lanes: load, watermarks, degradation, scaling.
