@@ -179,6 +179,9 @@ struct Backend {
     prefilling: VecDeque<Prefill>,
 }
 
+/// Prompts a backend remembers before those whose prefill ended are swept out.
+const PREFILLS_KEPT: usize = 64;
+
 /// A prompt placed on a backend, until its first token is predicted to have come.
 #[derive(Debug, Clone, Copy)]
 struct Prefill {
@@ -897,8 +900,13 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
         b.tokens += kv_cost;
         b.last_dispatch = Some(now);
         b.dispatches.record(1, now);
+        // Predictions differ in length, so an ended prefill may sit behind one still going:
+        // the front is dropped as it ends, the rest once there are more than a few.
         while b.prefilling.front().is_some_and(|p| p.until <= now) {
             b.prefilling.pop_front();
+        }
+        if b.prefilling.len() > PREFILLS_KEPT {
+            b.prefilling.retain(|p| p.until > now);
         }
         let (ahead, _) = b.prefill_now(now);
         let prefill_tokens = ahead + prompt_tokens;
