@@ -539,3 +539,40 @@ fn scope_name(s: Scope, req: &AdmissionRequest<Key>) -> String {
         Scope::TenantHeavy => format!("tenant {} heavy requests", req.tenant),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A request predicted to miss its tier's time to first token objective is answered
+    /// 429 `slo_unattainable`, from the gateway, with the predicted excess as Retry-After.
+    #[test]
+    fn a_predicted_slo_miss_is_a_429_with_its_own_code_and_the_excess_as_retry_after() {
+        let (tx, _rx) = oneshot::channel();
+        let req = AdmissionRequest {
+            tenant: Key::new("t"),
+            model: Key::new("m"),
+            tier: levee_policy::Tier(1),
+            prompt_tokens: 1_000,
+            completion_tokens: 10,
+            max_wait: None,
+            session: None,
+        };
+        let refusal = Refusal {
+            item: Waiter {
+                tx,
+                tier: Arc::from("standard"),
+            },
+            reason: RefusalReason::PredictedSloMiss,
+            retry_after: Some(levee_policy::RetryAfter::from_duration(
+                Duration::from_millis(600),
+            )),
+            position: None,
+        };
+        let e = refusal_error(&req, refusal, RateLimitHeaders::default());
+        assert_eq!(e.code(), crate::error::ErrorCode::SloUnattainable);
+        assert_eq!(e.status().as_u16(), 429);
+        assert_eq!(e.retry_after(), Some(Duration::from_millis(600)));
+        assert!(e.code().is_capacity_refusal());
+    }
+}
