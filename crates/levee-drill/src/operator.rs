@@ -201,7 +201,7 @@ pub(crate) fn calibrated_config(fleet: &Fleet, basis: &Basis, scenario: &Scenari
          #   S + 2 × C × premium's wait); tier waits: premium 0.75 T, standard and free 0.5 T\n\
          #   (soft: 0.75 T, 0.25 T, 0); quotas: premium 0.5 C, standard 0.4 C, free 0.2 C per\n\
          #   second (× 60 per minute), burst 2 s of it (≥ 8), concurrency = rate × (wait + E)\n\
-         #   (4 ≤ it ≤ S).\n\n\
+         #   (4 ≤ it ≤ S); every tier's ttft_slo_ms = T.\n\n\
          [listen]\npublic = \"127.0.0.1:8080\"\nadmin = \"127.0.0.1:9090\"\n\n\
          [ip_guard]\nenabled = false  # the drill's clients share 127.0.0.1; decide for your edge\n\n\
          [scrape]\ninterval_ms = 250\ntimeout_ms = 200\nunhealthy_after = 3\n\n\
@@ -218,10 +218,11 @@ pub(crate) fn calibrated_config(fleet: &Fleet, basis: &Basis, scenario: &Scenari
         let _ = write!(
             s,
             "[tiers.{name}]\npriority = {i}\nqueue_wait_ms = {}\nsoft_queue_wait_ms = {}\n\
-             sheddable = {}\n\n",
+             sheddable = {}\nttft_slo_ms = {}\n\n",
             k.queue_wait_ms,
             k.soft_queue_wait_ms,
-            *name == "free"
+            *name == "free",
+            basis.ttft_slo_ms.round() as u64,
         );
     }
     let _ = write!(

@@ -225,6 +225,7 @@ fn the_shipped_config_follows_its_formula_from_its_stated_capacity() {
             (k.queue_wait_ms, k.soft_queue_wait_ms),
             "{tier}"
         );
+        assert_eq!(t.ttft_slo_ms, Some(basis.ttft_slo_ms as u64), "{tier}");
         for tenant in cfg.tenants.iter().filter(|t| t.tier == *tier) {
             assert_eq!(
                 (
@@ -260,6 +261,10 @@ fn the_shipped_config_follows_its_formula_from_its_stated_capacity() {
     let out =
         levee_gateway::Config::from_toml_str(&text).unwrap_or_else(|e| panic!("{e:?}\n{text}"));
     assert_eq!(out.queue.hard, cfg.queue.hard);
+    assert!(out
+        .tiers
+        .values()
+        .all(|t| t.ttft_slo_ms == Some(basis.ttft_slo_ms as u64)));
     let noisy = out.tenants.iter().find(|t| t.name == "noisy").unwrap();
     assert_eq!(noisy.requests_per_minute, standard.requests_per_minute);
     assert!(gateway_config(&text, &s, &fleet.urls).is_ok());

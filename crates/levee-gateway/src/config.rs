@@ -70,6 +70,8 @@ impl Default for Config {
                 soft_queue_wait_ms: 15_000,
                 sheddable: false,
                 queue_updates: false,
+                ttft_slo_ms: None,
+                tpot_slo_ms: None,
             },
         );
         tiers.insert(
@@ -80,6 +82,8 @@ impl Default for Config {
                 soft_queue_wait_ms: 2_000,
                 sheddable: false,
                 queue_updates: false,
+                ttft_slo_ms: None,
+                tpot_slo_ms: None,
             },
         );
         tiers.insert(
@@ -90,6 +94,8 @@ impl Default for Config {
                 soft_queue_wait_ms: 0,
                 sheddable: true,
                 queue_updates: false,
+                ttft_slo_ms: None,
+                tpot_slo_ms: None,
             },
         );
         Config {
@@ -327,6 +333,16 @@ pub struct TierConfig {
     /// `x-levee-queue-updates: 1`. Once the first comment is out the status is 200, so a
     /// later refusal arrives as an SSE error event instead of a 429.
     pub queue_updates: bool,
+    /// Time to first token objective of this tier (ms, as the client sees it: queue wait
+    /// included). A request whose predicted time to first token — its predicted wait, then
+    /// the time to first token learned for the backend with the prompt tokens being
+    /// prefilled there — misses it even if admitted now is refused at once with 429
+    /// `slo_unattainable` and a Retry-After of the predicted excess. Unset: no such refusal.
+    pub ttft_slo_ms: Option<u64>,
+    /// Time per output token objective of this tier (ms). Each backend of a lane is held to
+    /// the batch its learned slowdown allows under the tightest such objective of any tier
+    /// (beside `max_in_flight` and KV tokens). Unset: no latency cap from this tier.
+    pub tpot_slo_ms: Option<u64>,
 }
 
 impl Default for TierConfig {
@@ -337,6 +353,8 @@ impl Default for TierConfig {
             soft_queue_wait_ms: 2_000,
             sheddable: false,
             queue_updates: false,
+            ttft_slo_ms: None,
+            tpot_slo_ms: None,
         }
     }
 }
@@ -1262,6 +1280,14 @@ impl Config {
                     "tiers.{name}.queue_wait_ms: must be > 0 (use a small value to refuse fast)"
                 ));
             }
+            for (field, v) in [
+                ("ttft_slo_ms", t.ttft_slo_ms),
+                ("tpot_slo_ms", t.tpot_slo_ms),
+            ] {
+                if v == Some(0) {
+                    errs.push(format!("tiers.{name}.{field}: must be > 0 (or unset)"));
+                }
+            }
         }
     }
 
@@ -1653,6 +1679,28 @@ mod tests {
     fn wrong_type_is_named_with_its_path() {
         let errs = Config::from_toml_str("[queue]\nhard = \"lots\"\n").unwrap_err();
         assert!(errs[0].starts_with("queue.hard"), "{errs:?}");
+    }
+
+    #[test]
+    fn a_latency_objective_of_zero_is_refused_and_one_set_reaches_the_tier() {
+        let mut cfg = Config::default();
+        if let Some(t) = cfg.tiers.get_mut("standard") {
+            t.ttft_slo_ms = Some(0);
+            t.tpot_slo_ms = Some(0);
+        }
+        let errs = cfg.validate().join("\n");
+        assert!(
+            errs.contains("tiers.standard.ttft_slo_ms: must be > 0"),
+            "{errs}"
+        );
+        assert!(
+            errs.contains("tiers.standard.tpot_slo_ms: must be > 0"),
+            "{errs}"
+        );
+        let text = "[tiers.standard]\npriority = 1\nttft_slo_ms = 2000\ntpot_slo_ms = 100\n";
+        let cfg = Config::from_toml_str(text).unwrap();
+        let t = &cfg.tiers["standard"];
+        assert_eq!((t.ttft_slo_ms, t.tpot_slo_ms), (Some(2000), Some(100)));
     }
 
     #[test]

@@ -132,6 +132,9 @@ pub enum ErrorCode {
     CapacityOverload,
     /// 429: the request waited its whole budget in the queue.
     QueueTimeout,
+    /// 429: its time to first token, predicted from its wait and the backends' learned
+    /// latency, misses its tier's `ttft_slo_ms` even if it were admitted now.
+    SloUnattainable,
     /// 503: every backend of the model is failing.
     CircuitOpen,
     /// 503: no backend of the model is healthy.
@@ -189,6 +192,7 @@ impl ErrorCode {
             RateLimitExceeded => "rate_limit_exceeded",
             CapacityOverload => "capacity_overload",
             QueueTimeout => "queue_timeout",
+            SloUnattainable => "slo_unattainable",
             CircuitOpen => "circuit_open",
             NoHealthyBackend => "no_healthy_backend",
             SharedStateUnavailable => "shared_state_unavailable",
@@ -215,7 +219,9 @@ impl ErrorCode {
             InvalidApiKey | InvalidAdminToken => StatusCode::UNAUTHORIZED,
             AdminActionsDisabled | AdminRequestRefused => StatusCode::FORBIDDEN,
             RequestTimeout => StatusCode::REQUEST_TIMEOUT,
-            RateLimitExceeded | CapacityOverload | QueueTimeout => StatusCode::TOO_MANY_REQUESTS,
+            RateLimitExceeded | CapacityOverload | QueueTimeout | SloUnattainable => {
+                StatusCode::TOO_MANY_REQUESTS
+            }
             CircuitOpen
             | NoHealthyBackend
             | SharedStateUnavailable
@@ -233,6 +239,7 @@ impl ErrorCode {
         match self {
             CapacityOverload
             | QueueTimeout
+            | SloUnattainable
             | SharedStateUnavailable
             | TaskStoreUnavailable
             | Draining
@@ -250,7 +257,9 @@ impl ErrorCode {
         match self {
             InvalidApiKey | InvalidAdminToken => "authentication_error",
             AdminActionsDisabled | AdminRequestRefused => "permission_error",
-            RateLimitExceeded | CapacityOverload | QueueTimeout => "rate_limit_error",
+            RateLimitExceeded | CapacityOverload | QueueTimeout | SloUnattainable => {
+                "rate_limit_error"
+            }
             CircuitOpen
             | NoHealthyBackend
             | SharedStateUnavailable
@@ -264,7 +273,10 @@ impl ErrorCode {
 
     /// Whether the gateway refused to protect capacity (what degradation counts).
     pub fn is_capacity_refusal(self) -> bool {
-        matches!(self, ErrorCode::CapacityOverload | ErrorCode::QueueTimeout)
+        matches!(
+            self,
+            ErrorCode::CapacityOverload | ErrorCode::QueueTimeout | ErrorCode::SloUnattainable
+        )
     }
 
     /// Whether sending the same request again, later, may succeed.
@@ -504,6 +516,19 @@ impl GatewayError {
         Self::new(
             ErrorCode::CapacityOverload,
             format!("the service is over capacity ({why}); retry later"),
+        )
+        .with_retry_after(retry_after)
+    }
+
+    /// 429 `slo_unattainable`: the request's predicted time to first token misses its tier's
+    /// objective even if it were admitted now.
+    pub fn slo_unattainable(model: &str, retry_after: Duration) -> Self {
+        Self::new(
+            ErrorCode::SloUnattainable,
+            format!(
+                "the predicted time to first token on {model:?} misses this tier's objective \
+                 (ttft_slo_ms) even if the request were admitted now; retry later"
+            ),
         )
         .with_retry_after(retry_after)
     }
@@ -770,6 +795,7 @@ mod tests {
             RateLimitExceeded,
             CapacityOverload,
             QueueTimeout,
+            SloUnattainable,
             CircuitOpen,
             NoHealthyBackend,
             SharedStateUnavailable,

@@ -196,6 +196,9 @@ pub struct Metrics {
     pub backend_kv_budget: Family<BackendLabel, Gauge>,
     /// `levee_prompt_estimate_ratio{model}`: prompt estimate ÷ the backend's count.
     pub estimate_ratio: Family<ModelLabel, Histogram>,
+    /// `levee_ttft_prediction_ratio{backend}`: a streamed response's time to first token
+    /// (from dispatch) ÷ the one predicted when it was placed.
+    pub ttft_prediction: Family<BackendLabel, Histogram>,
     /// `levee_prompt_cached_tokens_total{model}`: prompt tokens the backends found in their
     /// prefix cache (`usage.prompt_tokens_details.cached_tokens`).
     pub prompt_cached_tokens: Family<ModelLabel, Counter>,
@@ -336,6 +339,10 @@ fn ratio_histogram() -> Histogram {
     Histogram::new([0.5, 0.75, 0.9, 0.95, 1.0, 1.05, 1.1, 1.25, 1.5, 2.0, 4.0])
 }
 
+fn prediction_histogram() -> Histogram {
+    Histogram::new([0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0, 8.0])
+}
+
 /// Registers a clone of `metric` (metrics are handles to shared values).
 /// A registry being filled, and the name and type of every family put in it.
 struct Reg {
@@ -415,6 +422,7 @@ impl Metrics {
             backend_tokens_in_flight: Family::default(),
             backend_kv_budget: Family::default(),
             estimate_ratio: histograms(ratio_histogram),
+            ttft_prediction: histograms(prediction_histogram),
             prompt_cached_tokens: Family::default(),
             backend_load: Family::default(),
             backend_kv: Family::default(),
@@ -575,6 +583,12 @@ impl Metrics {
         add(r, "breaker_open_seconds", help, &self.breaker_open_seconds);
         let help = "Streams ended with an SSE error event, by backend and reason";
         add(r, "stream_cuts", help, &self.stream_cuts);
+        add(
+            r,
+            "ttft_prediction_ratio",
+            "Time to first token (from dispatch) divided by the one predicted at dispatch",
+            &self.ttft_prediction,
+        );
     }
 
     /// Per-model lanes: load, watermarks, degradation, scaling.

@@ -391,6 +391,24 @@ impl Runtime {
             .then(|| self.cfg.tiers.get(&self.cfg.tasks.tier))
             .flatten()
             .map(|t| levee_policy::Tier(t.priority));
+        lane.slo = tier_slos(&self.cfg);
         lane
     }
+}
+
+/// Each tier's latency objectives, indexed by its priority.
+fn tier_slos(cfg: &Config) -> Vec<levee_policy::LatencySlo> {
+    let ms = |v: Option<u64>| v.filter(|v| *v > 0).map(Duration::from_millis);
+    let mut slos = Vec::new();
+    for t in cfg.tiers.values() {
+        let i = usize::from(t.priority);
+        if slos.len() <= i {
+            slos.resize(i + 1, levee_policy::LatencySlo::default());
+        }
+        slos[i] = levee_policy::LatencySlo {
+            ttft: ms(t.ttft_slo_ms),
+            tpot: ms(t.tpot_slo_ms),
+        };
+    }
+    slos
 }

@@ -155,6 +155,8 @@ pub struct Grant<K> {
     model: K,
     tier: Tier,
     tokens: u64,
+    /// Its prompt's tokens (levee's estimate).
+    prompt_tokens: u64,
     /// `(request rate, token rate)` charged at each scope (global, model, tenant, heavy).
     charged: [Charged; 4],
     admitted_at: Timestamp,
@@ -427,6 +429,7 @@ impl<T, K: Hash + Eq + Ord + Clone> LaneAdmission<T, K> {
             model: req.model.clone(),
             tier: req.tier,
             tokens: est,
+            prompt_tokens: req.prompt_tokens,
             charged,
             admitted_at: now,
             session: req.session,
@@ -469,7 +472,7 @@ impl<T, K: Hash + Eq + Ord + Clone> LaneAdmission<T, K> {
         }
         lane.note_admitted(req.tier, est, now);
         if let Some(i) = placed.target {
-            if let Some(p) = lane.place(i, &req.tenant, est, now) {
+            if let Some(p) = lane.place(i, &req.tenant, est, req.prompt_tokens, now) {
                 lane.note_session(req.session, i);
                 lane.charge(req.tier, &req.tenant, est);
                 grant.placement = Some(p);
@@ -531,7 +534,10 @@ impl<T, K: Hash + Eq + Ord + Clone> LaneAdmission<T, K> {
                 mut grant,
                 predicted,
             } = e.item;
-            match self.lane.place(i, &e.tenant, e.cost, now) {
+            match self
+                .lane
+                .place(i, &e.tenant, e.cost, grant.prompt_tokens, now)
+            {
                 Some(p) => {
                     self.lane.note_session(grant.session, i);
                     grant.placement = Some(p);
@@ -714,12 +720,29 @@ impl<T, K: Hash + Eq + Ord + Clone> LaneAdmission<T, K> {
         ) else {
             return false;
         };
-        grant.placement = self.lane.place(i, &grant.tenant, grant.tokens, now);
+        grant.placement = self
+            .lane
+            .place(i, &grant.tenant, grant.tokens, grant.prompt_tokens, now);
         if grant.placement.is_some() {
             // The session's prefix is warm there now.
             self.lane.note_session(grant.session, i);
         }
         grant.placement.is_some()
+    }
+
+    /// Feeds what a dispatched request's response showed — its time to first token and its
+    /// time per output token after the first, from the moment it was sent, as far as known —
+    /// to its backend's latency fit ([`crate::LatencyFit`]); returns the time to first token
+    /// predicted when it was placed, to measure the prediction's error. `None` for a grant
+    /// that holds no placement.
+    pub fn observe(
+        &mut self,
+        grant: &Grant<K>,
+        ttft: Option<Duration>,
+        tpot: Option<Duration>,
+    ) -> Option<Duration> {
+        let p = grant.placement.as_ref()?;
+        self.lane.observe(p, ttft, tpot)
     }
 
     /// Ends a request that was never served (refused after admission, expired, cancelled,
@@ -829,7 +852,9 @@ fn place_or_queue<P, K: Hash + Eq + Ord + Clone>(
         position: 0,
         raw_wait: None,
     };
-    if target.is_none() {
+    if let Some(i) = target {
+        slo_check(lane, req, &retry, Some(i), Duration::ZERO, now)?;
+    } else {
         // A background request held back only until a backend is quiet waits that long,
         // whatever the queue model says.
         let quiet = nobody_ahead
@@ -847,8 +872,38 @@ fn place_or_queue<P, K: Hash + Eq + Ord + Clone>(
         {
             return Err((reason, retry_after, Some(pos)));
         }
+        if let Some(wait) = predicted {
+            slo_check(lane, req, &retry, None, wait, now).map_err(|(r, a, _)| (r, a, Some(pos)))?;
+        }
     }
     Ok(placed)
+}
+
+/// Refuses a request whose predicted time to first token — `wait` before it is placed,
+/// then the time to first token learned for backend `target` (or the best backend, for a
+/// request that queues) with the prompt tokens being prefilled there — misses its tier's
+/// objective ([`LaneConfig::slo`]). Retry-After is the predicted excess: what must drain
+/// before a request like it would make it. Nothing without an objective or a prediction.
+fn slo_check<P, K: Hash + Eq + Ord + Clone>(
+    lane: &Lane<P, K>,
+    req: &AdmissionRequest<K>,
+    retry: &RetryBounds,
+    target: Option<usize>,
+    wait: Duration,
+    now: Timestamp,
+) -> Result<(), (RefusalReason, Option<RetryAfter>, Option<usize>)> {
+    let Some(slo) = lane.config().ttft_slo(req.tier) else {
+        return Ok(());
+    };
+    let Some(engine) = lane.predict_ttft(req.prompt_tokens, target, now) else {
+        return Ok(());
+    };
+    let predicted = wait.saturating_add(engine);
+    if predicted <= slo {
+        return Ok(());
+    }
+    let r = RetryAfter::from_duration(predicted - slo).clamp(retry.min, retry.max);
+    Err((RefusalReason::PredictedSloMiss, Some(r), None))
 }
 
 /// What the lane decided before the charges were taken.
@@ -1106,6 +1161,18 @@ impl<T, K: Hash + Eq + Ord + Clone> Admission<T, K> {
     /// See [`LaneAdmission::dequeue`].
     pub fn dequeue(&mut self, model: &K, now: Timestamp) -> Option<Dispatched<T, K>> {
         self.models.get_mut(model)?.dequeue(&self.shared, now)
+    }
+
+    /// See [`LaneAdmission::observe`].
+    pub fn observe(
+        &mut self,
+        grant: &Grant<K>,
+        ttft: Option<Duration>,
+        tpot: Option<Duration>,
+    ) -> Option<Duration> {
+        self.models
+            .get_mut(&grant.model)?
+            .observe(grant, ttft, tpot)
     }
 
     /// See [`LaneAdmission::expire`].

@@ -38,12 +38,13 @@ use crate::breaker::{Breaker, BreakerConfig, BreakerState, BreakerStats, Breaker
 use crate::clock::Timestamp;
 use crate::fasthash::FastState;
 use crate::fleet::Budget;
+use crate::latency::{LatencyFit, LatencySlo};
 use crate::queue::{Entry, FairQueue, Pick, QueueLimits, QueueStats, Tier};
 use crate::retry::DrainRate;
 use crate::units::ceil_u64;
 use crate::watermark::Watermarks;
 use std::cell::RefCell;
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::hash::Hash;
 use std::sync::Arc;
 use std::time::Duration;
@@ -79,6 +80,24 @@ pub struct LaneConfig {
     pub shortest_first: bool,
     /// Session affinity with bounded load (`None`: off, backends are chosen by load alone).
     pub affinity: Option<AffinityConfig>,
+    /// Latency objectives per tier (index: the tier's priority; missing: none). With a time
+    /// per output token objective, each backend's batch is capped where its learned
+    /// slowdown meets the tightest one ([`LatencyFit::batch_cap`]); with a time to first
+    /// token objective, a request predicted to miss it even if admitted now is refused
+    /// ([`crate::RefusalReason::PredictedSloMiss`]).
+    pub slo: Vec<LatencySlo>,
+}
+
+impl LaneConfig {
+    /// The tightest time per output token objective of any tier.
+    fn tightest_tpot(&self) -> Option<Duration> {
+        self.slo.iter().filter_map(|s| s.tpot).min()
+    }
+
+    /// The time to first token objective of `tier`.
+    pub(crate) fn ttft_slo(&self, tier: Tier) -> Option<Duration> {
+        self.slo.get(usize::from(tier.0)).and_then(|s| s.ttft)
+    }
 }
 
 /// Session affinity settings of a lane.
@@ -107,6 +126,7 @@ impl LaneConfig {
             aging: None,
             shortest_first: false,
             affinity: None,
+            slo: Vec::new(),
         }
     }
 }
@@ -153,6 +173,24 @@ struct Backend {
     /// On a fleet: what the other replicas hold here, and the engine's whole KV budget
     /// (`limits` is then this replica's slice). The engine's report covers the whole fleet.
     fleet: Option<(Budget, Option<u64>)>,
+    /// Its latency against its batch and the prompt tokens it prefills, from its responses.
+    latency: LatencyFit,
+    /// Prompts placed here whose first token is not yet predicted to have come, oldest
+    /// first.
+    prefilling: VecDeque<Prefill>,
+}
+
+/// Prompts a backend remembers before those whose prefill ended are swept out.
+const PREFILLS_KEPT: usize = 64;
+
+/// A prompt placed on a backend, until its first token is predicted to have come.
+#[derive(Debug, Clone, Copy)]
+struct Prefill {
+    until: Timestamp,
+    tokens: u64,
+    /// Its tenant was not over its share: a request of a tenant over its share keeps off
+    /// this backend meanwhile.
+    quiet: bool,
 }
 
 impl Backend {
@@ -173,12 +211,42 @@ impl Backend {
         (tokens as f64 * (1.0 - headroom.clamp(0.0, 0.95))).floor() as u64
     }
 
-    /// Requests it may hold now: its cap, or what it is running when it reports a queue.
+    /// Requests it may hold at most: its slots, or fewer when the lane has a time per
+    /// output token objective and its learned slowdown caps the batch below them.
+    fn slot_cap(&self, cfg: &LaneConfig) -> usize {
+        let slots = self.limits.max_in_flight;
+        match cfg.tightest_tpot() {
+            Some(slo) => self.latency.batch_cap(slo).map_or(slots, |c| c.min(slots)),
+            None => slots,
+        }
+    }
+
+    /// Prompt tokens being prefilled here now, and until when a quiet tenant's prompt is.
+    fn prefill_now(&self, now: Timestamp) -> (u64, Option<Timestamp>) {
+        let mut tokens = 0;
+        let mut quiet = None;
+        for p in self.prefilling.iter().filter(|p| p.until > now) {
+            tokens += p.tokens;
+            if p.quiet {
+                quiet = Some(quiet.map_or(p.until, |q: Timestamp| q.max(p.until)));
+            }
+        }
+        (tokens, quiet)
+    }
+
+    /// The predicted time to first token of a prompt of `prompt_tokens` placed here now.
+    fn predict_ttft(&self, prompt_tokens: u64, now: Timestamp) -> Option<Duration> {
+        let (ahead, _) = self.prefill_now(now);
+        self.latency.ttft_for(ahead + prompt_tokens)
+    }
+
+    /// Requests it may hold now: its cap ([`Backend::slot_cap`]), or what it is running
+    /// when it reports a queue.
     ///
     /// On a fleet the engine runs the other replicas' requests too: this replica's part of
     /// what it runs is at least what it runs less what the others hold.
     fn request_cap(&self, now: Timestamp, cfg: &LaneConfig) -> usize {
-        let cap = self.limits.max_in_flight;
+        let cap = self.slot_cap(cfg);
         let others = self.fleet.map_or(0.0, |(o, _)| o.slots as f64);
         match self.fresh_report(now, cfg.report_max_age) {
             Some(r) if r.waiting >= 1.0 => cap.min(((r.running - others).max(1.0)) as usize),
@@ -257,7 +325,7 @@ impl Backend {
     /// Fill in [0, 1+]: the larger of its request and token fill, plus half the engine's own
     /// queue (a tie-breaker that lags by a scrape).
     fn fill(&self, now: Timestamp, cfg: &LaneConfig) -> f64 {
-        let cap = self.limits.max_in_flight.max(1) as f64;
+        let cap = self.slot_cap(cfg).max(1) as f64;
         let by_requests = self.in_flight as f64 / cap;
         let by_tokens = match self.usable_tokens(cfg.kv_headroom) {
             Some(u) if u > 0 => self.tokens_in_use(now, cfg) as f64 / u as f64,
@@ -282,6 +350,11 @@ struct TenantUse {
     last_seen: Timestamp,
     /// How far this tenant's waits ran past their predictions.
     calibration: WaitCalibration,
+    /// Its arrivals per second (recent).
+    arrivals: DrainRate,
+    /// The requests its traffic keeps in flight (its arrival rate × the lane's mean service
+    /// time), as of its last arrival; `None` before a service time was measured.
+    offered: Option<f64>,
 }
 
 impl TenantUse {
@@ -295,6 +368,8 @@ impl TenantUse {
             queued_tokens: 0,
             last_seen: now,
             calibration: WaitCalibration::default(),
+            arrivals: DrainRate::new(OFFERED_WINDOW),
+            offered: None,
         }
     }
 
@@ -327,6 +402,12 @@ pub struct Placement {
     pub kv_tokens: u64,
     ticket: Option<BreakerTicket>,
     at: Timestamp,
+    /// Requests there once it was placed, itself included.
+    batch: usize,
+    /// Prompt tokens being prefilled there once it was placed, its own included.
+    prefill_tokens: u64,
+    /// Its time to first token as predicted when it was placed.
+    predicted_ttft: Option<Duration>,
 }
 
 impl Placement {
@@ -586,6 +667,8 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
                     last_dispatch: None,
                     dispatches: DrainRate::new(Duration::from_secs(5)),
                     fleet: None,
+                    latency: LatencyFit::new(),
+                    prefilling: VecDeque::new(),
                 },
             };
             self.backends.push(b);
@@ -712,7 +795,12 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
     /// Records an arrival of `tenant` (for the fair-share reserve) and sets its weight.
     pub fn note_arrival(&mut self, tenant: &K, tier: Tier, weight: u32, now: Timestamp) {
         self.tenant_entry(tenant, tier, weight, now);
-        self.update_tenant(tenant, now, |u| u.last_seen = now);
+        let service = self.service_secs;
+        self.update_tenant(tenant, now, |u| {
+            u.last_seen = now;
+            u.arrivals.record(1, now);
+            u.offered = service.map(|s| u.arrivals.per_second(now) * s);
+        });
         self.queue.set_weight(tenant.clone(), weight);
     }
 
@@ -753,7 +841,8 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
         if !v.may_take(tier, tenant, kv_cost, now) {
             return None;
         }
-        v.pick(tier, kv_cost, now, except, session)
+        let spare_quiet = v.over_share(tenant, now);
+        v.pick(tier, kv_cost, now, except, session, spare_quiet)
     }
 
     /// Records that backend `i` took a request of `session` (affinity remembers it).
@@ -795,21 +884,42 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
             .min()
     }
 
-    /// Takes backend `i` for `tenant`'s request of `kv_cost`. `None` if its breaker refused
-    /// at the last moment.
+    /// Takes backend `i` for `tenant`'s request of `kv_cost` with a prompt of
+    /// `prompt_tokens`. `None` if its breaker refused at the last moment.
     pub(crate) fn place(
         &mut self,
         i: usize,
         tenant: &K,
         kv_cost: u64,
+        prompt_tokens: u64,
         now: Timestamp,
     ) -> Option<Placement> {
+        let quiet = !self.view().over_share(tenant, now);
         let b = self.backends.get_mut(i)?;
         let ticket = b.breaker.try_acquire(now).ok()?;
         b.in_flight += 1;
         b.tokens += kv_cost;
         b.last_dispatch = Some(now);
         b.dispatches.record(1, now);
+        // Predictions differ in length, so an ended prefill may sit behind one still going:
+        // the front is dropped as it ends, the rest once there are more than a few.
+        while b.prefilling.front().is_some_and(|p| p.until <= now) {
+            b.prefilling.pop_front();
+        }
+        if b.prefilling.len() > PREFILLS_KEPT {
+            b.prefilling.retain(|p| p.until > now);
+        }
+        let (ahead, _) = b.prefill_now(now);
+        let prefill_tokens = ahead + prompt_tokens;
+        let predicted_ttft = b.latency.ttft_for(prefill_tokens);
+        if let Some(t) = predicted_ttft.filter(|t| !t.is_zero()) {
+            b.prefilling.push_back(Prefill {
+                until: now + t,
+                tokens: prompt_tokens,
+                quiet,
+            });
+        }
+        let batch = b.in_flight;
         let id = b.id.clone();
         self.in_flight += 1;
         self.drain.record(1, now);
@@ -822,7 +932,50 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
             kv_tokens: kv_cost,
             ticket: Some(ticket),
             at: now,
+            batch,
+            prefill_tokens,
+            predicted_ttft,
         })
+    }
+
+    /// Feeds what a placed request's response showed — its time to first token and time per
+    /// output token after the first, as far as known — to its backend's latency fit, and
+    /// returns the time to first token predicted when it was placed (for the prediction's
+    /// error). A change of the backend's batch cap changes the fair shares.
+    pub(crate) fn observe(
+        &mut self,
+        p: &Placement,
+        ttft: Option<Duration>,
+        tpot: Option<Duration>,
+    ) -> Option<Duration> {
+        let cfg = &self.cfg;
+        let b = self.backends.iter_mut().find(|b| b.id == p.backend)?;
+        let before = b.slot_cap(cfg);
+        b.latency.note(p.batch, p.prefill_tokens, ttft, tpot);
+        if b.slot_cap(cfg) != before {
+            self.forget_shares();
+        }
+        p.predicted_ttft
+    }
+
+    /// The predicted time to first token of a prompt of `prompt_tokens` on backend `i` if
+    /// placed now, or with `None` on the routable backend where it is least; `None` while
+    /// no such backend's fit predicts anything.
+    pub(crate) fn predict_ttft(
+        &self,
+        prompt_tokens: u64,
+        i: Option<usize>,
+        now: Timestamp,
+    ) -> Option<Duration> {
+        match i {
+            Some(i) => self.backends.get(i)?.predict_ttft(prompt_tokens, now),
+            None => self
+                .backends
+                .iter()
+                .filter(|b| b.routable)
+                .filter_map(|b| b.predict_ttft(prompt_tokens, now))
+                .min(),
+        }
     }
 
     /// Counts a request dispatched at once in the fair order (see [`FairQueue::charge`]).
@@ -838,6 +991,7 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
             kv_tokens,
             ticket,
             at,
+            ..
         } = p;
         if let Some(b) = self.backend_mut(&backend) {
             b.in_flight = b.in_flight.saturating_sub(1);
@@ -926,7 +1080,8 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
             if !view.clear_of_reserve(tier, kv, now) {
                 return Pick::Stop;
             }
-            match view.pick(tier, kv, now, None, session_of(item)) {
+            let spare_quiet = view.over_share(tenant, now);
+            match view.pick(tier, kv, now, None, session_of(item), spare_quiet) {
                 Some(i) => {
                     target = Some(i);
                     Pick::Take
@@ -1292,7 +1447,7 @@ impl ShareTable {
     ) -> Self {
         let window = cfg.fair_share_window;
         let routable = || backends.iter().filter(|b| b.routable);
-        let slots: u64 = routable().map(|b| b.limits.max_in_flight as u64).sum();
+        let slots: u64 = routable().map(|b| b.slot_cap(cfg) as u64).sum();
         let tokens: Option<u64> = routable().map(|b| b.usable_tokens(cfg.kv_headroom)).sum();
         let tiers = tenants
             .values()
@@ -1342,6 +1497,12 @@ impl ShareTable {
             add(&mut sums.waiting_tokens, d.waiting_tokens);
             add(&mut sums.room_requests, d.room_requests);
             add(&mut sums.room_tokens, d.room_tokens);
+            if !u.over_share(slots, sums.weights) {
+                add(&mut sums.under.active, 1);
+                add(&mut sums.under.demand_requests, d.requests);
+                add(&mut sums.under.waiting_requests, d.waiting_requests);
+                add(&mut sums.under.room_requests, d.room_requests);
+            }
         }
     }
 }
@@ -1359,6 +1520,18 @@ struct TierSums {
     /// What these tenants could still take before reaching their limits.
     room_requests: u64,
     room_tokens: u64,
+    /// The same, in requests, over the tenants whose traffic is not over their share.
+    under: UnderSums,
+}
+
+/// Sums over the active tenants whose traffic is not over their share
+/// ([`TenantUse::over_share`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct UnderSums {
+    active: u64,
+    demand_requests: u64,
+    waiting_requests: u64,
+    room_requests: u64,
 }
 
 /// One tenant's outstanding demand as the fair-share rule counts it.
@@ -1377,12 +1550,31 @@ struct Demand {
 /// Burst headroom, in standard deviations of the others' (Poisson-like) demand.
 const BURST_Z: f64 = 3.0;
 const OWN_Z: f64 = 2.0;
+/// A tenant's traffic is over its share when it keeps more than its share plus this many
+/// standard deviations of Poisson-like traffic at its share in flight.
+const OVER_Z: f64 = 1.0;
+/// The burst headroom a tenant over its share leaves the tenants under theirs even within its
+/// share, in standard deviations of their demand (about the 98th percentile): less than
+/// [`BURST_Z`], so that it is still served about its share beside them.
+const UNDER_Z_HEADROOM: f64 = 2.0;
+/// The burst allowance of a tenant whose traffic is under its share.
+const UNDER_Z: f64 = 3.0;
+/// How far back a tenant's arrival rate looks.
+const OFFERED_WINDOW: Duration = Duration::from_secs(60);
 
 impl TenantUse {
     /// Its limit — its weighted share of `slots`/`tokens` (`weights` summed over the tenants
     /// at the judged priority), plus a burst allowance when it is not backlogged — its
     /// outstanding demand (running + queued) up to that limit, the part of it not yet
     /// running, and what it could still take before reaching the limit.
+    /// Whether its traffic keeps more requests in flight than its weighted share of `slots`
+    /// (unknown before a service time was measured: not over).
+    fn over_share(&self, slots: u64, weights: u64) -> bool {
+        let share = slots as f64 * f64::from(self.weight) / weights.max(1) as f64;
+        self.offered
+            .is_some_and(|o| o > share + OVER_Z * share.sqrt())
+    }
+
     fn demand(&self, slots: u64, tokens: Option<u64>, weights: u64) -> Demand {
         let share = |total: u64| total.saturating_mul(u64::from(self.weight)) / weights.max(1);
         let share_requests = share(slots);
@@ -1391,7 +1583,9 @@ impl TenantUse {
         // averages its share — is let through like its share, unless it has more than that
         // outstanding (a backlog is not a burst): a flooder gets its share, a quiet tenant
         // its share and its bursts.
-        let allowance = ceil_u64(OWN_Z * (share_requests as f64).sqrt());
+        let under = self.offered.is_some() && !self.over_share(slots, weights);
+        let z = if under { UNDER_Z } else { OWN_Z };
+        let allowance = ceil_u64(z * (share_requests as f64).sqrt());
         let token_allowance = share_tokens.map(|t| t / share_requests.max(1) * allowance);
         let outstanding = (self.in_flight + self.queued) as u64;
         let outstanding_tokens = self.tokens + self.queued_tokens;
@@ -1444,6 +1638,18 @@ impl<K: Hash + Eq> LaneView<'_, K> {
         Some((t.slots, t.tokens, *t.by_tier.get(usize::from(tier.0))?))
     }
 
+    /// Whether `tenant`'s traffic is over its weighted share of the lane (see
+    /// [`TenantUse::over_share`]).
+    fn over_share(&self, tenant: &K, now: Timestamp) -> bool {
+        let Some(me) = self.tenants.get(tenant) else {
+            return false;
+        };
+        match self.sums(me.tier, now) {
+            Some((slots, _, sums)) if sums.active >= 2 => me.over_share(slots, sums.weights),
+            _ => false,
+        }
+    }
+
     /// Whether `tenant` may take one more request of `kv_cost` under the fair-share rule:
     /// within its weighted share always; beyond it only if what stays free afterwards covers
     /// the other active tenants' waiting demand plus their pooled burst headroom.
@@ -1465,7 +1671,21 @@ impl<K: Hash + Eq> LaneView<'_, K> {
         let within_requests = (me.in_flight as u64) < own.limit_requests;
         let within_tokens = me.tokens.saturating_add(kv_cost) <= own.limit_tokens;
         if within_requests && within_tokens {
-            return true;
+            // A tenant whose traffic is over its share takes even its share only while
+            // what stays free covers the tenants under theirs: their waiting demand and
+            // pooled burst headroom (as below), so that its requests do not fill the slots
+            // their next burst needs.
+            if !me.over_share(slots, sums.weights) {
+                return true;
+            }
+            let u = sums.under;
+            if u.active == 0 {
+                return true;
+            }
+            let burst =
+                (UNDER_Z_HEADROOM * ((u.demand_requests + u.active) as f64).sqrt()).ceil() as u64;
+            let need = (u.waiting_requests + burst).min(u.room_requests);
+            return self.free(now).0.saturating_sub(1) >= need;
         }
         let others = (sums.active - 1) as u64;
         let their_demand = sums.demand_requests.saturating_sub(own.requests);
@@ -1571,6 +1791,11 @@ impl<K: Hash + Eq> LaneView<'_, K> {
     /// waits for the engine's next step; the fenced engine's, for a whole long prefill). A
     /// request of the isolated tier goes only to a backend neither fenced nor within its
     /// prefill window ([`LaneConfig::isolated_tier`]).
+    ///
+    /// With `spare_quiet` (its tenant is over its share), a backend prefilling a quiet
+    /// tenant's prompt, or about to (placed there and its first token not yet predicted to
+    /// have come), is taken only when no other has room: the request goes elsewhere rather
+    /// than lengthen that prefill, but never waits for it (that would idle the engines).
     fn pick(
         &self,
         tier: Tier,
@@ -1578,12 +1803,16 @@ impl<K: Hash + Eq> LaneView<'_, K> {
         now: Timestamp,
         except: Option<&str>,
         session: Option<SessionKey>,
+        spare_quiet: bool,
     ) -> Option<usize> {
+        let prefilling_quiet = |b: &Backend| spare_quiet && b.prefill_now(now).1.is_some();
         if let Some(i) = self.session_pick(tier, kv_cost, now, except, session) {
-            return Some(i);
+            if !self.backends.get(i).is_some_and(prefilling_quiet) {
+                return Some(i);
+            }
         }
         let isolated = self.cfg.isolated_tier == Some(tier);
-        let mut best: Option<(usize, (u8, f64))> = None;
+        let mut best: Option<(usize, (u8, u8, f64))> = None;
         for (i, b) in self.backends.iter().enumerate() {
             if except == Some(&*b.id) || !b.has_room(kv_cost, now, self.cfg) {
                 continue;
@@ -1591,13 +1820,22 @@ impl<K: Hash + Eq> LaneView<'_, K> {
             if isolated && (b.fenced(now) || !b.quiet(self.prefill_window, now)) {
                 continue;
             }
-            let key = (u8::from(b.fenced(now)), b.fill(now, self.cfg));
-            if best.is_none_or(|(_, bk)| key.0 < bk.0 || (key.0 == bk.0 && key.1 < bk.1)) {
+            let key = (
+                u8::from(b.fenced(now)),
+                u8::from(prefilling_quiet(b)),
+                b.fill(now, self.cfg),
+            );
+            let better = |bk: (u8, u8, f64)| {
+                (key.0, key.1) < (bk.0, bk.1) || ((key.0, key.1) == (bk.0, bk.1) && key.2 < bk.2)
+            };
+            if best.is_none_or(|(_, bk)| better(bk)) {
                 best = Some((i, key));
             }
         }
         match best {
-            Some((i, (1, _))) => Some(self.past_report_unfenced(kv_cost, now, except).unwrap_or(i)),
+            Some((i, (1, _, _))) => {
+                Some(self.past_report_unfenced(kv_cost, now, except).unwrap_or(i))
+            }
             other => other.map(|(i, _)| i),
         }
     }
@@ -1631,7 +1869,7 @@ impl<K: Hash + Eq> LaneView<'_, K> {
             }
             cands.push(Candidate {
                 load: b.in_flight as u64,
-                capacity: b.limits.max_in_flight as u64,
+                capacity: b.slot_cap(self.cfg) as u64,
                 room: true,
             });
         }
@@ -1653,7 +1891,7 @@ impl<K: Hash + Eq> LaneView<'_, K> {
             .iter()
             .enumerate()
             .filter(|(_, b)| except != Some(&*b.id) && !b.fenced(now))
-            .filter(|(_, b)| b.has_room_under(b.limits.max_in_flight, kv_cost, now, self.cfg))
+            .filter(|(_, b)| b.has_room_under(b.slot_cap(self.cfg), kv_cost, now, self.cfg))
             .min_by(|(_, a), (_, b)| a.fill(now, self.cfg).total_cmp(&b.fill(now, self.cfg)))
             .map(|(i, _)| i)
     }
@@ -1704,7 +1942,7 @@ mod tests {
             let mut held = Vec::new();
             for (i, n) in loads.iter().enumerate() {
                 for _ in 0..*n {
-                    held.push(lane.place(i, &0u8, 1, now).unwrap());
+                    held.push(lane.place(i, &0u8, 1, 0, now).unwrap());
                 }
             }
             let until = now + Duration::from_millis(fence_ms);
@@ -1735,6 +1973,88 @@ mod tests {
             }
         }
 
+        /// With a time per token objective, a backend takes requests up to the batch its
+        /// learned slowdown allows under it (never past its slots), and no further.
+        #[test]
+        fn a_backend_holds_no_more_than_its_latency_cap(
+            c in 1.0f64..20.0,
+            d in 0.05f64..3.0,
+            slo in 2.0f64..60.0,
+            slots in 1usize..48,
+        ) {
+            let mut cfg = LaneConfig::new(Watermarks { safe: 1_000, soft: 2_000, hard: 3_000 });
+            let slo = Duration::from_secs_f64(slo / 1000.0);
+            cfg.slo = vec![LatencySlo { ttft: None, tpot: Some(slo) }];
+            let mut lane: Lane<u32, u8> = Lane::new(cfg, 1);
+            let limits = BackendLimits { max_in_flight: slots, kv_tokens: None };
+            lane.set_backends(vec![(Arc::from("b"), limits)]);
+            for i in 0..64usize {
+                let batch = 1 + i % 32;
+                let tpot = Duration::from_secs_f64((c + d * batch as f64) / 1000.0);
+                lane.backends[0].latency.note(batch, 0, None, Some(tpot));
+            }
+            let cap = lane.backends[0].latency.batch_cap(slo).unwrap().min(slots);
+            let now = Timestamp::from_nanos(1);
+            let mut held = Vec::new();
+            while let Some(i) = lane.can_dispatch(Tier(0), &0u8, 1, now, None, None) {
+                held.push(lane.place(i, &0u8, 1, 0, now).unwrap());
+                prop_assert!(held.len() <= slots);
+            }
+            prop_assert_eq!(held.len(), cap);
+            prop_assert_eq!(lane.backend_stats(now)[0].request_cap, cap);
+        }
+
+        /// A request of a tenant whose traffic is over its share goes elsewhere than to a
+        /// backend that is prefilling a quiet tenant's prompt (or about to) while another has
+        /// room, and there all the same when none has (it never waits for it); once the
+        /// prefill is predicted done, by fill alone again.
+        #[test]
+        fn a_tenant_over_its_share_spares_a_quiet_tenants_prefill(
+            other_load in 0usize..=4,
+            window_ms in 1u64..2_000,
+        ) {
+            let cfg = LaneConfig::new(Watermarks { safe: 1_000, soft: 2_000, hard: 3_000 });
+            let mut lane: Lane<u32, u8> = Lane::new(cfg, 1);
+            let limits = BackendLimits { max_in_flight: 4, kv_tokens: None };
+            lane.set_backends(vec![(Arc::from("a"), limits), (Arc::from("b"), limits)]);
+            lane.service_secs = Some(1.0);
+            // Both backends answer a first token `window_ms` after dispatch.
+            for b in &mut lane.backends {
+                for _ in 0..LatencyFit::MIN_SAMPLES {
+                    b.latency.note(1, 600, Some(Duration::from_millis(window_ms)), None);
+                }
+            }
+            let now = Timestamp::from_nanos(20_000_000_000);
+            // The flooder (1) arrives at 30/s for 20 s (offered ≈ 8.5 in flight, over its
+            // share of 4 + 2); the quiet tenant (0) once.
+            for k in 0..600u64 {
+                lane.note_arrival(&1u8, Tier(0), 1, Timestamp::from_nanos(k * 33_000_000));
+            }
+            lane.note_arrival(&0u8, Tier(0), 1, now);
+            // Backend "b" holds `other_load` of the quiet tenant's requests, long prefilled.
+            let earlier = now.saturating_sub(Duration::from_secs(3));
+            let mut held = Vec::new();
+            for _ in 0..other_load {
+                held.push((0u8, lane.place(1, &0u8, 1, 0, earlier).unwrap()));
+            }
+            prop_assert!(lane.view().over_share(&1u8, now));
+            prop_assert!(!lane.view().over_share(&0u8, now));
+            // The quiet tenant's prompt goes to backend "a" (the emptier, or the first).
+            let q = lane.can_dispatch(Tier(0), &0u8, 1, now, None, None);
+            prop_assert_eq!(q, Some(0));
+            held.push((0u8, lane.place(0, &0u8, 1, 600, now).unwrap()));
+            // Elsewhere while "b" has room; to "a" all the same when it has none.
+            let f = lane.can_dispatch(Tier(0), &1u8, 1, now, None, None);
+            prop_assert_eq!(f, Some(if other_load < 4 { 1 } else { 0 }));
+            let after = now + Duration::from_millis(window_ms);
+            let f = lane.can_dispatch(Tier(0), &1u8, 1, after, None, None);
+            let least = if other_load < 1 { 1 } else { 0 };
+            prop_assert_eq!(f, Some(least));
+            for (t, p) in held {
+                lane.release(&t, p, Outcome::Success, after);
+            }
+        }
+
         /// The sums kept in step as tenants change are the sums a fresh pass over the
         /// tenants gives, whatever happened and however much time passed.
         #[test]
@@ -1755,7 +2075,7 @@ mod tests {
                     }
                     Op::Dispatch => {
                         if let Some((e, i)) = lane.next_ready(now, |_, c| c, |_| None) {
-                            if let Some(p) = lane.place(i, &e.tenant, e.cost, now) {
+                            if let Some(p) = lane.place(i, &e.tenant, e.cost, 0, now) {
                                 running.push((e.tenant, p));
                             }
                         }

@@ -25,6 +25,7 @@ mod gcra;
 mod key;
 mod keyed;
 mod lane;
+mod latency;
 mod limits;
 mod prefill;
 mod quantile;
@@ -66,6 +67,7 @@ pub use lane::{
     AffinityConfig, BackendLimits, BackendReport, BackendStats, Lane, LaneConfig, Placement,
     Unservable,
 };
+pub use latency::{LatencyFit, LatencySlo};
 pub use limits::{HeavyRule, LimitSpec, RateLimitHeaders, SharedLimits, TenantLimits, TenantSpec};
 pub use prefill::PrefillFit;
 pub use quantile::nearest_rank;

@@ -48,6 +48,9 @@ pub enum RefusalReason {
     QueueFull(PushRefusal),
     /// The wait predicted from its place in the queue exceeds its budget.
     PredictedWait,
+    /// Its time to first token, predicted from its wait and the backend's learned latency,
+    /// misses its tier's objective even if it were admitted now.
+    PredictedSloMiss,
     /// It waited its whole budget in the queue.
     QueueTimeout,
     /// The lane cannot serve anything now (no healthy backend, every breaker open).
@@ -74,6 +77,7 @@ impl RefusalReason {
             | RefusalReason::QueueFull(_)
             | RefusalReason::Displaced
             | RefusalReason::PredictedWait => "capacity_overload",
+            RefusalReason::PredictedSloMiss => "slo_unattainable",
             RefusalReason::ExceedsKvBudget => "context_length_exceeded",
             RefusalReason::QueueTimeout => "queue_timeout",
             RefusalReason::Unservable(Unservable::NoHealthyBackend) => "no_healthy_backend",
@@ -103,6 +107,7 @@ impl RefusalReason {
             RefusalReason::Watermark(_) => "soft_watermark",
             RefusalReason::QueueFull(p) => p.as_str(),
             RefusalReason::PredictedWait => "predicted_wait",
+            RefusalReason::PredictedSloMiss => "predicted_slo_miss",
             RefusalReason::QueueTimeout => "queue_timeout",
             RefusalReason::Unservable(Unservable::NoHealthyBackend) => "no_healthy_backend",
             RefusalReason::Unservable(Unservable::CircuitOpen) => "circuit_open",

@@ -59,7 +59,7 @@ impl RetryAfter {
 /// time-decayed average: each event adds `1/τ`, and the estimate decays by `e^(-Δt/τ)`.
 /// Under a steady rate `λ` it converges to `λ`; when events stop it decays toward zero, so
 /// Retry-After grows when the queue stops draining.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Copy)]
 pub struct DrainRate {
     tau_secs: f64,
     rate: f64,

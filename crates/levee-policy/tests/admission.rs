@@ -889,3 +889,52 @@ fn without_affinity_a_session_goes_by_load() {
     let second = dispatched(a.admit(&in_session(7), 4, t0));
     assert_eq!(second.grant.backend().map(|b| &**b), Some("b1"));
 }
+
+/// A request whose time to first token, learned from the backend's responses, would miss
+/// its tier's objective even if dispatched now is refused at once, with the predicted
+/// excess as Retry-After; one that meets it goes; a tier without an objective is never
+/// refused for it; and before the backend's fit predicts anything nothing is refused.
+#[test]
+fn a_request_predicted_to_miss_its_tiers_ttft_objective_is_refused_at_once() {
+    let clock = ManualClock::new();
+    let mut cfg = lane(100, 200, 300);
+    cfg.slo = vec![
+        LatencySlo {
+            ttft: Some(MS(500)),
+            tpot: None,
+        },
+        LatencySlo::default(),
+    ];
+    let mut a = admission(8, None, cfg);
+    // The engine: 100 ms plus 1 ms per prompt token to the first token. Before 16 answers
+    // nothing is predicted: a long prompt still goes.
+    let long = dispatched(a.admit(&req("t", 0, 2_000), 0, clock.now()));
+    a.complete(long.grant, ok(), clock.now());
+    for i in 0..20u64 {
+        let prompt = 50 + 17 * i;
+        let d = dispatched(a.admit(&req("t", 0, prompt), 1, clock.now()));
+        let ttft = MS(100 + prompt);
+        // Each request is alone: the prefill ahead of it is its own prompt.
+        a.observe(&d.grant, Some(ttft), None);
+        clock.advance(MS(1_000));
+        a.complete(d.grant, ok(), clock.now());
+    }
+    // 300 tokens: 400 ms predicted, within 500 ms.
+    let short = dispatched(a.admit(&req("t", 0, 300), 2, clock.now()));
+    a.complete(short.grant, ok(), clock.now());
+    // 1,000 tokens, while those 300 are still being prefilled: 1.4 s predicted, 900 ms past
+    // the objective.
+    let r = refusal(a.admit(&req("t", 0, 1_000), 3, clock.now()));
+    assert_eq!(r.reason, RefusalReason::PredictedSloMiss);
+    assert_eq!(r.reason.code(), "slo_unattainable");
+    let retry = r.retry_after.unwrap().as_duration();
+    assert!(retry >= MS(890) && retry <= MS(910), "{retry:?}");
+    // Once they are predicted done: 1.1 s, 600 ms past.
+    clock.advance(MS(400));
+    let r = refusal(a.admit(&req("t", 0, 1_000), 3, clock.now()));
+    let retry = r.retry_after.unwrap().as_duration();
+    assert!(retry >= MS(590) && retry <= MS(610), "{retry:?}");
+    // Tier 1 has no objective: the same request goes.
+    let other = dispatched(a.admit(&req("u", 1, 1_000), 4, clock.now()));
+    a.complete(other.grant, ok(), clock.now());
+}

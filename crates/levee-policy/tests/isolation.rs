@@ -3,7 +3,9 @@
 //! token is its wait in levee plus a fixed prefill. Quiet tenants send Poisson traffic well
 //! within the fleet; a flooder of the SAME tier, with no quota to stop it, sends 2.5× the
 //! fleet's capacity. Its quiet neighbours' p99 TTFT must move by at most 10% against the same
-//! run without the flooder, and none of their requests may fail.
+//! run without the flooder, none of their requests may fail, and the flooder must still be
+//! served at least its weighted share of the fleet. (`latency.rs` runs the same mixes on
+//! engines whose decode slows with the batch and whose prefills delay each other.)
 //!
 //! Deterministic (seeded arrivals, manual time): the figures do not depend on the machine.
 
@@ -39,10 +41,25 @@ struct Mix {
     seed: u64,
 }
 
+impl Mix {
+    /// The quiet tenants' share of the fleet's slots.
+    fn quiet_share(&self) -> f64 {
+        self.quiet as f64 * self.quiet_rate * SERVICE.as_secs_f64()
+            / (2 * self.slots_per_backend) as f64
+    }
+
+    /// The flooder's weighted share of the fleet, in requests per second.
+    fn flooder_share(&self) -> f64 {
+        (2 * self.slots_per_backend) as f64 / (self.quiet + 1) as f64 / SERVICE.as_secs_f64()
+    }
+}
+
 #[derive(Debug, Default)]
 struct Quiet {
     ttft: Vec<Duration>,
     failed: usize,
+    /// The flooder's requests served.
+    flooder_served: usize,
 }
 
 impl Quiet {
@@ -50,6 +67,11 @@ impl Quiet {
         self.ttft.sort();
         let i = ((self.ttft.len() as f64) * 0.99).ceil() as usize;
         self.ttft[i.saturating_sub(1).min(self.ttft.len() - 1)]
+    }
+
+    /// The flooder's requests served per second.
+    fn flooder_rate(&self) -> f64 {
+        self.flooder_served as f64 / RUN.as_secs_f64()
     }
 }
 
@@ -83,7 +105,9 @@ impl Fleet {
         grant: Grant<&'static str>,
         now: Timestamp,
     ) {
-        if tenant != "flooder" {
+        if tenant == "flooder" {
+            self.quiet.flooder_served += 1;
+        } else {
             self.quiet
                 .ttft
                 .push(now.saturating_duration_since(arrived) + PREFILL);
@@ -195,11 +219,53 @@ fn simulate(mix: Mix, with_flooder: bool) -> Quiet {
     fleet.quiet
 }
 
-/// Mixes inside the envelope the fair-share rule promises: the quiet tenants' load plus
-/// its bursts fits in what the flooder's weighted share leaves. Outside it the bound does not
-/// hold, and this file does not pretend otherwise: [`OUTSIDE`] are two such mixes, whose
-/// figures `figures_of_every_mix` prints.
-const MIXES: [Mix; 5] = [
+/// Checks one mix: the quiet tenants alone and beside the flooder. `Err` says what missed.
+fn judge(mix: Mix) -> (String, Result<(), String>) {
+    let mut alone = simulate(mix, false);
+    let mut flooded = simulate(mix, true);
+    let (a, f) = (alone.p99(), flooded.p99());
+    let line = format!(
+        "{:>2} quiet x {}/s ({:.0}% of the fleet), {} slots, flood {}/s: quiet p99 TTFT alone \
+         {:?}, beside the flooder {:?} ({:+.0}%); quiet failed {} / {}; flooder served {:.2}/s (weighted share {:.2}/s)",
+        mix.quiet,
+        mix.quiet_rate,
+        100.0 * mix.quiet_share(),
+        2 * mix.slots_per_backend,
+        mix.flood_rate,
+        a,
+        f,
+        100.0 * (f.as_secs_f64() / a.as_secs_f64() - 1.0),
+        alone.failed,
+        flooded.failed,
+        flooded.flooder_rate(),
+        mix.flooder_share(),
+    );
+    let mut misses = Vec::new();
+    if alone.failed > 0 || flooded.failed > 0 {
+        misses.push("quiet requests failed");
+    }
+    if alone.ttft.len() != flooded.ttft.len() {
+        misses.push("quiet requests served differ");
+    }
+    if f.as_secs_f64() > a.as_secs_f64() * 1.10 {
+        misses.push("quiet p99 TTFT more than +10%");
+    }
+    if flooded.flooder_rate() < mix.flooder_share() {
+        misses.push("flooder below its weighted share");
+    }
+    let verdict = if misses.is_empty() {
+        Ok(())
+    } else {
+        Err(misses.join(", "))
+    };
+    (line, verdict)
+}
+
+/// Mixes inside the envelope: the quiet tenants' load plus its bursts fits beside what the
+/// flooder's weighted share takes. Outside it the bound does not hold, and this file does
+/// not pretend otherwise: [`OUTSIDE`] are such mixes, whose figures `figures_of_every_mix`
+/// prints, misses included.
+const MIXES: [Mix; 6] = [
     // 6 quiet tenants at 1/s: 12 of 32 slots on average; the flooder sends 80 slots' worth.
     Mix {
         quiet: 6,
@@ -240,32 +306,7 @@ const MIXES: [Mix; 5] = [
         slots_per_backend: 64,
         seed: 500,
     },
-];
-
-#[test]
-fn a_same_tier_flooder_moves_its_quiet_neighbours_p99_ttft_by_at_most_ten_percent() {
-    for mix in MIXES {
-        let mut alone = simulate(mix, false);
-        let mut flooded = simulate(mix, true);
-        assert_eq!(
-            alone.failed, 0,
-            "{mix:?}: quiet tenants failed without any flood"
-        );
-        assert_eq!(
-            flooded.failed, 0,
-            "{mix:?}: quiet tenants failed while a peer flooded"
-        );
-        assert_eq!(alone.ttft.len(), flooded.ttft.len());
-        let (a, f) = (alone.p99(), flooded.p99());
-        assert!(
-            f.as_secs_f64() <= a.as_secs_f64() * 1.10,
-            "{mix:?}: quiet p99 TTFT {a:?} alone, {f:?} beside a same-tier flooder (more than +10%)"
-        );
-    }
-}
-
-/// Mixes outside the envelope: 6 quiet tenants at 1.5/s (56% of the fleet) and 12 at 1/s (75%).
-const OUTSIDE: [Mix; 2] = [
+    // 6 quiet tenants at 1.5/s: 56% of the fleet.
     Mix {
         quiet: 6,
         quiet_rate: 1.5,
@@ -273,6 +314,37 @@ const OUTSIDE: [Mix; 2] = [
         slots_per_backend: 16,
         seed: 600,
     },
+];
+
+#[test]
+fn a_same_tier_flooder_moves_its_quiet_neighbours_p99_ttft_by_at_most_ten_percent() {
+    for mix in MIXES {
+        let (line, verdict) = judge(mix);
+        if let Err(miss) = verdict {
+            panic!("{mix:?}: {miss}: {line}");
+        }
+    }
+}
+
+/// Mixes outside the envelope: busier quiet tenants, up to 75% of the fleet.
+const OUTSIDE: [Mix; 4] = [
+    // 8 quiet tenants at 1.25/s: 62.5% of the fleet.
+    Mix {
+        quiet: 8,
+        quiet_rate: 1.25,
+        flood_rate: 40.0,
+        slots_per_backend: 16,
+        seed: 800,
+    },
+    // 10 quiet tenants at 1.1/s: 69% of the fleet.
+    Mix {
+        quiet: 10,
+        quiet_rate: 1.1,
+        flood_rate: 40.0,
+        slots_per_backend: 16,
+        seed: 900,
+    },
+    // 12 quiet tenants at 1/s: 75% of the fleet.
     Mix {
         quiet: 12,
         quiet_rate: 1.0,
@@ -280,10 +352,18 @@ const OUTSIDE: [Mix; 2] = [
         slots_per_backend: 16,
         seed: 700,
     },
+    // 6 quiet tenants at 8/s on 128 slots: 75% of the fleet.
+    Mix {
+        quiet: 6,
+        quiet_rate: 8.0,
+        flood_rate: 100.0,
+        slots_per_backend: 64,
+        seed: 1000,
+    },
 ];
 
-/// The figures behind BENCHMARKS.md, inside and outside the envelope (asserts nothing):
-/// `cargo test -p levee-policy --test isolation -- --ignored --nocapture`.
+/// The figures behind BENCHMARKS.md, inside and outside the envelope, misses included
+/// (asserts nothing): `cargo test -p levee-policy --test isolation -- --ignored --nocapture`.
 #[test]
 #[ignore = "prints figures; run on demand"]
 fn figures_of_every_mix() {
@@ -292,20 +372,14 @@ fn figures_of_every_mix() {
         .map(|m| (true, m))
         .chain(OUTSIDE.iter().map(|m| (false, m)))
     {
-        let mut alone = simulate(*mix, false);
-        let mut flooded = simulate(*mix, true);
+        let (line, verdict) = judge(*mix);
+        let verdict = match verdict {
+            Ok(()) => "holds".to_string(),
+            Err(miss) => format!("MISS: {miss}"),
+        };
         println!(
-            "{} {} quiet x {}/s, {} slots, flood {}/s: quiet p99 TTFT alone {:?} ({} failed), \
-             beside the flooder {:?} ({} failed)",
-            if inside { "inside " } else { "outside" },
-            mix.quiet,
-            mix.quiet_rate,
-            2 * mix.slots_per_backend,
-            mix.flood_rate,
-            alone.p99(),
-            alone.failed,
-            flooded.p99(),
-            flooded.failed,
+            "{} {line}: {verdict}",
+            if inside { "inside " } else { "outside" }
         );
     }
 }

@@ -197,6 +197,14 @@ impl Admitted {
         moved
     }
 
+    /// Feeds its response's time to first token and time per output token (from sending)
+    /// to its backend's latency fit; returns the time to first token predicted when it was
+    /// placed.
+    pub fn observe(&self, ttft: Duration, tpot: Option<Duration>) -> Option<Duration> {
+        let g = self.grant.as_ref()?;
+        self.lane.admission().observe(g, Some(ttft), tpot)
+    }
+
     /// Ends it with the backend's outcome and real usage.
     pub fn complete(mut self, done: Completion) {
         if let Some(g) = self.grant.take() {
@@ -440,6 +448,7 @@ fn refusal_error(
             ),
             retry,
         ),
+        RefusalReason::PredictedSloMiss => GatewayError::slo_unattainable(&req.model, retry),
         reason => lane_error(req, reason, retry),
     };
     let e = e.with_refusal(r.reason);
@@ -528,5 +537,42 @@ fn scope_name(s: Scope, req: &AdmissionRequest<Key>) -> String {
         Scope::Model => format!("model {}", req.model),
         Scope::Tenant => format!("tenant {}", req.tenant),
         Scope::TenantHeavy => format!("tenant {} heavy requests", req.tenant),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A request predicted to miss its tier's time to first token objective is answered
+    /// 429 `slo_unattainable`, from the gateway, with the predicted excess as Retry-After.
+    #[test]
+    fn a_predicted_slo_miss_is_a_429_with_its_own_code_and_the_excess_as_retry_after() {
+        let (tx, _rx) = oneshot::channel();
+        let req = AdmissionRequest {
+            tenant: Key::new("t"),
+            model: Key::new("m"),
+            tier: levee_policy::Tier(1),
+            prompt_tokens: 1_000,
+            completion_tokens: 10,
+            max_wait: None,
+            session: None,
+        };
+        let refusal = Refusal {
+            item: Waiter {
+                tx,
+                tier: Arc::from("standard"),
+            },
+            reason: RefusalReason::PredictedSloMiss,
+            retry_after: Some(levee_policy::RetryAfter::from_duration(
+                Duration::from_millis(600),
+            )),
+            position: None,
+        };
+        let e = refusal_error(&req, refusal, RateLimitHeaders::default());
+        assert_eq!(e.code(), crate::error::ErrorCode::SloUnattainable);
+        assert_eq!(e.status().as_u16(), 429);
+        assert_eq!(e.retry_after(), Some(Duration::from_millis(600)));
+        assert!(e.code().is_capacity_refusal());
     }
 }

@@ -59,6 +59,7 @@ impl Settle for RequestSettle {
             .unwrap_or(0);
         self.backend
             .adaptive_sample(outcome.ttft, failed, in_flight);
+        self.observe_latency(&outcome);
         if let Some(a) = self.admitted.take() {
             a.complete(Completion {
                 outcome: breaker_outcome,
@@ -118,7 +119,39 @@ fn outcome_label(o: &Outcome) -> &'static str {
     }
 }
 
+/// The time per output token after the first of a streamed answer of `completion` tokens
+/// whose first came `ttft` after sending and whose last `total` after; `None` with fewer
+/// than two.
+fn per_token(ttft: Duration, total: Duration, completion: u64) -> Option<Duration> {
+    let steps = u32::try_from(completion.checked_sub(1)?).ok()?;
+    (steps > 0).then(|| total.saturating_sub(ttft) / steps)
+}
+
 impl RequestSettle {
+    /// A successful streamed answer's time to first token and time per output token go to
+    /// its backend's latency fit; the error of the time to first token predicted at dispatch
+    /// goes to `levee_ttft_prediction_ratio`.
+    fn observe_latency(&self, outcome: &Outcome) {
+        let (Some(a), Some(ttft)) = (&self.admitted, outcome.ttft) else {
+            return;
+        };
+        if !self.streamed || !(200..300).contains(&outcome.status) || outcome.client_gone {
+            return;
+        }
+        let completion = outcome.usage.map_or(0, |u| u.completion_tokens);
+        let tpot = per_token(ttft, self.sent_at.elapsed(), completion);
+        if let Some(p) = a.observe(ttft, tpot).filter(|p| !p.is_zero()) {
+            let label = crate::metrics::BackendLabel {
+                backend: self.backend.id.clone(),
+            };
+            self.gw
+                .metrics()
+                .ttft_prediction
+                .get_or_create(&label)
+                .observe(ttft.as_secs_f64() / p.as_secs_f64());
+        }
+    }
+
     /// Token counts, the prompt estimate's error, time to first token and the prefill fit.
     fn record_usage(&self, outcome: &Outcome, now: levee_policy::Timestamp) {
         let m = self.gw.metrics();
@@ -204,6 +237,16 @@ mod tests {
     use super::*;
     use crate::proxy::{PromptTokensDetails, Usage};
     use std::time::Duration;
+
+    #[test]
+    fn time_per_token_is_the_rest_of_the_answer_over_the_tokens_after_the_first() {
+        let ms = Duration::from_millis;
+        assert_eq!(per_token(ms(100), ms(1_100), 11), Some(ms(100)));
+        assert_eq!(per_token(ms(100), ms(1_100), 1), None);
+        assert_eq!(per_token(ms(100), ms(1_100), 0), None);
+        // A clock that reads the end before the first token: no negative time.
+        assert_eq!(per_token(ms(100), ms(50), 3), Some(ms(0)));
+    }
 
     #[test]
     fn a_warm_prefix_is_not_counted_as_prefilled() {
