@@ -1682,8 +1682,7 @@ impl<K: Hash + Eq> LaneView<'_, K> {
             if u.active == 0 {
                 return true;
             }
-            let burst =
-                (UNDER_Z_HEADROOM * ((u.demand_requests + u.active) as f64).sqrt()).ceil() as u64;
+            let burst = ceil_u64(UNDER_Z_HEADROOM * ((u.demand_requests + u.active) as f64).sqrt());
             let need = (u.waiting_requests + burst).min(u.room_requests);
             return self.free(now).0.saturating_sub(1) >= need;
         }
