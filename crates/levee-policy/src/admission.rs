@@ -469,7 +469,7 @@ impl<T, K: Hash + Eq + Ord + Clone> LaneAdmission<T, K> {
         }
         lane.note_admitted(req.tier, est, now);
         if let Some(i) = placed.target {
-            if let Some(p) = lane.place(i, &req.tenant, est, now) {
+            if let Some(p) = lane.place(i, req.tier, &req.tenant, est, now) {
                 lane.note_session(req.session, i);
                 lane.charge(req.tier, &req.tenant, est);
                 grant.placement = Some(p);
@@ -531,7 +531,7 @@ impl<T, K: Hash + Eq + Ord + Clone> LaneAdmission<T, K> {
                 mut grant,
                 predicted,
             } = e.item;
-            match self.lane.place(i, &e.tenant, e.cost, now) {
+            match self.lane.place(i, e.tier, &e.tenant, e.cost, now) {
                 Some(p) => {
                     self.lane.note_session(grant.session, i);
                     grant.placement = Some(p);
@@ -714,7 +714,7 @@ impl<T, K: Hash + Eq + Ord + Clone> LaneAdmission<T, K> {
         ) else {
             return false;
         };
-        grant.placement = self.lane.place(i, &grant.tenant, grant.tokens, now);
+        grant.placement = self.lane.place(i, grant.tier, &grant.tenant, grant.tokens, now);
         if grant.placement.is_some() {
             // The session's prefix is warm there now.
             self.lane.note_session(grant.session, i);

@@ -139,6 +139,8 @@ struct Backend {
     breaker: Breaker,
     in_flight: usize,
     tokens: u64,
+    /// Of those, per tier (index = tier): requests and KV tokens.
+    by_tier: Vec<(u64, u64)>,
     report: Option<(BackendReport, Timestamp)>,
     /// Out of routing by outlier ejection until then (its breaker is held open as well).
     ejected_until: Option<Timestamp>,
@@ -324,6 +326,7 @@ pub struct Placement {
     pub backend: Arc<str>,
     /// KV tokens reserved there.
     pub kv_tokens: u64,
+    tier: Tier,
     ticket: Option<BreakerTicket>,
     at: Timestamp,
 }
@@ -579,6 +582,7 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
                     breaker: Breaker::new(self.cfg.breaker),
                     in_flight: 0,
                     tokens: 0,
+                    by_tier: Vec::new(),
                     report: None,
                     ejected_until: None,
                     fenced_until: None,
@@ -799,6 +803,7 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
     pub(crate) fn place(
         &mut self,
         i: usize,
+        tier: Tier,
         tenant: &K,
         kv_cost: u64,
         now: Timestamp,
@@ -807,6 +812,12 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
         let ticket = b.breaker.try_acquire(now).ok()?;
         b.in_flight += 1;
         b.tokens += kv_cost;
+        let t = usize::from(tier.0);
+        if b.by_tier.len() <= t {
+            b.by_tier.resize(t + 1, (0, 0));
+        }
+        b.by_tier[t].0 += 1;
+        b.by_tier[t].1 += kv_cost;
         b.last_dispatch = Some(now);
         b.dispatches.record(1, now);
         let id = b.id.clone();
@@ -819,6 +830,7 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
         Some(Placement {
             backend: id,
             kv_tokens: kv_cost,
+            tier,
             ticket: Some(ticket),
             at: now,
         })
@@ -835,12 +847,17 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
         let Placement {
             backend,
             kv_tokens,
+            tier,
             ticket,
             at,
         } = p;
         if let Some(b) = self.backend_mut(&backend) {
             b.in_flight = b.in_flight.saturating_sub(1);
             b.tokens = b.tokens.saturating_sub(kv_tokens);
+            if let Some(t) = b.by_tier.get_mut(usize::from(tier.0)) {
+                t.0 = t.0.saturating_sub(1);
+                t.1 = t.1.saturating_sub(kv_tokens);
+            }
             if let Some(t) = ticket {
                 b.breaker.record(t, outcome, now);
             }
@@ -1210,6 +1227,32 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
     /// Backlogged tenants: `(tier, tenant, entries, tokens)`.
     pub fn backlogged(&self) -> impl Iterator<Item = (Tier, &K, usize, u64)> + '_ {
         self.queue.backlogged()
+    }
+
+    /// What this lane has of backend `id` and waiting for it, per tier (index = tier), as a
+    /// fleet's split reads it ([`crate::slice_want`]): its requests and KV tokens in flight
+    /// there, and its share of each tier's queue (split evenly over the lane's backends).
+    pub fn fleet_demand(&self, id: &str) -> Vec<crate::SliceDemand> {
+        let n = self.backends.len().max(1) as u64;
+        let q = self.queue.stats();
+        let mine = self.backends.iter().find(|b| &*b.id == id);
+        let by_tier = mine.map_or(&[][..], |b| &b.by_tier[..]);
+        let tiers = q.tiers.len().max(by_tier.len());
+        (0..tiers)
+            .map(|t| {
+                let (in_flight, kv_in_flight) = by_tier.get(t).copied().unwrap_or((0, 0));
+                let (queued, queued_kv) = q
+                    .tiers
+                    .get(t)
+                    .map_or((0, 0), |s| ((s.len as u64).div_ceil(n), s.tokens.div_ceil(n)));
+                crate::SliceDemand {
+                    in_flight,
+                    kv_in_flight,
+                    queued,
+                    queued_kv,
+                }
+            })
+            .collect()
     }
 
     /// Per-backend figures.
@@ -1703,7 +1746,7 @@ mod tests {
             let mut held = Vec::new();
             for (i, n) in loads.iter().enumerate() {
                 for _ in 0..*n {
-                    held.push(lane.place(i, &0u8, 1, now).unwrap());
+                    held.push(lane.place(i, Tier(0), &0u8, 1, now).unwrap());
                 }
             }
             let until = now + Duration::from_millis(fence_ms);
@@ -1754,7 +1797,7 @@ mod tests {
                     }
                     Op::Dispatch => {
                         if let Some((e, i)) = lane.next_ready(now, |_, c| c, |_| None) {
-                            if let Some(p) = lane.place(i, &e.tenant, e.cost, now) {
+                            if let Some(p) = lane.place(i, e.tier, &e.tenant, e.cost, now) {
                                 running.push((e.tenant, p));
                             }
                         }
