@@ -714,7 +714,9 @@ impl<T, K: Hash + Eq + Ord + Clone> LaneAdmission<T, K> {
         ) else {
             return false;
         };
-        grant.placement = self.lane.place(i, grant.tier, &grant.tenant, grant.tokens, now);
+        grant.placement = self
+            .lane
+            .place(i, grant.tier, &grant.tenant, grant.tokens, now);
         if grant.placement.is_some() {
             // The session's prefix is warm there now.
             self.lane.note_session(grant.session, i);

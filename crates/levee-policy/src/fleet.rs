@@ -142,7 +142,10 @@ pub fn tiered_split(wants: &[Vec<u64>], budget: u64) -> Vec<u64> {
     let mut out = vec![0u64; wants.len()];
     let mut left = budget;
     for c in 0..classes {
-        let column: Vec<u64> = wants.iter().map(|w| w.get(c).copied().unwrap_or(0)).collect();
+        let column: Vec<u64> = wants
+            .iter()
+            .map(|w| w.get(c).copied().unwrap_or(0))
+            .collect();
         for (o, part) in out.iter_mut().zip(fair_split(&column, left)) {
             *o += part;
             left -= part;
@@ -262,7 +265,10 @@ mod tests {
         assert_eq!(tiered_split(&wants, 16), vec![2, 7, 7]);
         assert_eq!(tiered_split(&wants, 30), vec![6, 10, 14]);
         // One class: the plain split.
-        assert_eq!(tiered_split(&[vec![2], vec![10], vec![10]], 12), vec![2, 5, 5]);
+        assert_eq!(
+            tiered_split(&[vec![2], vec![10], vec![10]], 12),
+            vec![2, 5, 5]
+        );
         assert_eq!(tiered_split(&[], 8), Vec::<u64>::new());
         assert_eq!(tiered_split(&[vec![], vec![3]], 8), vec![0, 3]);
     }

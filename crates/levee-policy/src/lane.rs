@@ -1241,10 +1241,9 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
         (0..tiers)
             .map(|t| {
                 let (in_flight, kv_in_flight) = by_tier.get(t).copied().unwrap_or((0, 0));
-                let (queued, queued_kv) = q
-                    .tiers
-                    .get(t)
-                    .map_or((0, 0), |s| ((s.len as u64).div_ceil(n), s.tokens.div_ceil(n)));
+                let (queued, queued_kv) = q.tiers.get(t).map_or((0, 0), |s| {
+                    ((s.len as u64).div_ceil(n), s.tokens.div_ceil(n))
+                });
                 crate::SliceDemand {
                     in_flight,
                     kv_in_flight,

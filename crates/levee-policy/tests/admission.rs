@@ -331,9 +331,8 @@ fn a_fleet_split_by_tier_gives_premium_waiting_on_one_replica_the_room_first() {
             queued_kv: 4_000
         }
     );
-    let slots = |d: &[SliceDemand]| -> Vec<u64> {
-        slice_want(budget, d).iter().map(|w| w.slots).collect()
-    };
+    let slots =
+        |d: &[SliceDemand]| -> Vec<u64> { slice_want(budget, d).iter().map(|w| w.slots).collect() };
     // A: standard 4 running + 4 queued + a margin of 2, cut to the budget. B: premium 2
     // queued + the margin's shortfall of 1; standard 4 running + 1.
     assert_eq!(&slots(&da)[..2], &[0, 8]);
@@ -343,13 +342,16 @@ fn a_fleet_split_by_tier_gives_premium_waiting_on_one_replica_the_room_first() {
     let split = tiered_split(&[slots(&da), slots(&db)], 8);
     assert_eq!(split, vec![3, 5]);
     let slice = |x: &mut Admission<u32, &'static str>, slots: u64| {
-        x.lane_admission(&"m").unwrap().lane_mut().set_backend_limits(
-            "b0",
-            BackendLimits {
-                max_in_flight: slots as usize,
-                kv_tokens: Some(slots * 1_000),
-            },
-        );
+        x.lane_admission(&"m")
+            .unwrap()
+            .lane_mut()
+            .set_backend_limits(
+                "b0",
+                BackendLimits {
+                    max_in_flight: slots as usize,
+                    kv_tokens: Some(slots * 1_000),
+                },
+            );
     };
     slice(&mut a, split[0]);
     slice(&mut b, split[1]);

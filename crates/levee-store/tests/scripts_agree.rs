@@ -249,10 +249,7 @@ type Renewal = (usize, Option<Vec<(u64, u64)>>, (u64, u64));
 fn renewal() -> impl Strategy<Value = Renewal> {
     (
         0usize..4,
-        prop::option::weighted(
-            0.9,
-            prop::collection::vec((0u64..30, 0u64..3_000), 0..4),
-        ),
+        prop::option::weighted(0.9, prop::collection::vec((0u64..30, 0u64..3_000), 0..4)),
         (0u64..20, 0u64..2_000),
     )
 }
@@ -275,7 +272,11 @@ fn fleet_script_splits_as_the_rust_rule() {
         ..ProptestConfig::default()
     });
     let result = runner.run(
-        &(1u64..40, 1u64..10_000, prop::collection::vec(renewal(), 1..40)),
+        &(
+            1u64..40,
+            1u64..10_000,
+            prop::collection::vec(renewal(), 1..40),
+        ),
         |(slots, kv, ops)| {
             n.set(n.get() + 1);
             let backend = format!("m@agree{}", n.get());
@@ -336,7 +337,8 @@ fn fleet_script_splits_as_the_rust_rule() {
                         .map(|(_, h)| if k == 0 { h.0 } else { h.1 })
                         .sum()
                 };
-                let expect_s = tiered_split(&column(0), slots)[r].min(slots.saturating_sub(others(0)));
+                let expect_s =
+                    tiered_split(&column(0), slots)[r].min(slots.saturating_sub(others(0)));
                 let expect_k = tiered_split(&column(1), kv)[r].min(kv.saturating_sub(others(1)));
                 let replicas = 1 + live
                     .iter()
@@ -364,7 +366,10 @@ fn fleet_script_splits_as_the_rust_rule() {
                 live[r] = active.then(|| {
                     (
                         wants,
-                        (expect_s.max(in_flight.slots), expect_k.max(in_flight.kv_tokens)),
+                        (
+                            expect_s.max(in_flight.slots),
+                            expect_k.max(in_flight.kv_tokens),
+                        ),
                     )
                 });
             }

@@ -551,14 +551,7 @@ fn redis_backend_slices_of_a_dead_replica_come_back_after_the_lease() {
         );
         // A clean return frees at once.
         store
-            .lease_backend(
-                "m@b",
-                "live",
-                lease,
-                budget,
-                &[],
-                Budget::default(),
-            )
+            .lease_backend("m@b", "live", lease, budget, &[], Budget::default())
             .await
             .unwrap();
         let again = lease_for("dead").await;
