@@ -246,6 +246,9 @@ fn without_a_clock_the_scripts_use_the_servers_time() {
 /// its slice.
 type Renewal = (usize, Option<Vec<(u64, u64)>>, (u64, u64));
 
+/// What the model keeps of a replica's record: its wants per class and its holding.
+type Record = (Vec<(u64, u64)>, (u64, u64));
+
 fn renewal() -> impl Strategy<Value = Renewal> {
     (
         0usize..4,
@@ -285,7 +288,7 @@ fn fleet_script_splits_as_the_rust_rule() {
                 kv_tokens: kv,
             };
             // Per replica, while it holds a record: its wants per class and its holding.
-            let mut live: [Option<(Vec<(u64, u64)>, (u64, u64))>; 4] = Default::default();
+            let mut live: [Option<Record>; 4] = Default::default();
             for (step, (r, wants, used)) in ops.into_iter().enumerate() {
                 let wants: Vec<(u64, u64)> = wants
                     .unwrap_or_default()
