@@ -1112,6 +1112,14 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
     /// its own pace: its requests in flight ÷ `s`). When higher tiers
     /// take nearly everything the wait is unbounded (reported as a very long one). `None`
     /// until a service time has been measured.
+    ///
+    /// On a fleet of gateways whose backend slices are split by tier (see `fleet.rs`), the
+    /// replicas' queues are served as one: this replica's queue is its part of a fleet queue
+    /// about `k` times longer, drained about `k` times faster, `k` being what the fleet has
+    /// in flight on this lane's backends over what this replica has (what the other
+    /// replicas hold there, plus its own, over its own). The mean wait is the same, but the
+    /// spread of an Erlang time over `k·n` places is `√k` times smaller relative to its mean:
+    /// the lane's wait is taken at `(n + 1.65·√(n/k)) / (μ − λ)`. Alone, `k = 1`.
     pub fn predict_wait(
         &self,
         tier: Tier,
@@ -1125,27 +1133,41 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
             .take(usize::from(tier.0))
             .map(|r| r.requests.per_second(now))
             .sum();
+        let k = self.fleet_scale();
         let wait = self.service_secs.map(|s| {
-            let erlang_p95 = |n: usize, rate: f64| {
+            let erlang_p95 = |n: usize, rate: f64, k: f64| {
                 let n = n as f64;
-                (n + WAIT_Z * n.sqrt()) / rate
+                (n + WAIT_Z * (n / k).sqrt()) / rate
             };
             let served = self.in_flight.max(1) as f64 / s;
             let lane = if ahead < 0.95 * served {
-                erlang_p95(position, served - ahead)
+                erlang_p95(position, served - ahead, k)
             } else {
                 f64::INFINITY
             };
             // Only a tenant the fair-share rule holds back drains at its own pace.
             let own = match self.tenants.get(tenant) {
                 Some(u) if u.queued > 0 && !self.view().within_share(tenant, 1, now) => {
-                    erlang_p95(u.queued + 1, u.in_flight.max(1) as f64 / s)
+                    erlang_p95(u.queued + 1, u.in_flight.max(1) as f64 / s, 1.0)
                 }
                 _ => 0.0,
             };
             Duration::from_secs_f64(lane.max(own).min(1e6))
         });
         (position, wait)
+    }
+
+    /// On a fleet: what the fleet has in flight on this lane's backends (what the other
+    /// replicas hold there, plus this replica's own) over this replica's own, at least 1;
+    /// alone, 1 (see [`Lane::predict_wait`]).
+    fn fleet_scale(&self) -> f64 {
+        let others: u64 = self
+            .backends
+            .iter()
+            .filter_map(|b| b.fleet.map(|(o, _)| o.slots))
+            .sum();
+        let own = self.in_flight.max(1) as f64;
+        (own + others as f64) / own
     }
 
     /// `predicted` corrected by what `tenant`'s waits have actually been: multiplied by the

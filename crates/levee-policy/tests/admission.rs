@@ -366,6 +366,38 @@ fn a_fleet_split_by_tier_gives_premium_waiting_on_one_replica_the_room_first() {
     }
 }
 
+/// On a fleet, a replica's queue is its part of the fleet's, which the fleet drains as one:
+/// the same place predicts the same mean wait, but its 95th percentile is taken over a queue
+/// `k` times longer (k = what the fleet holds over what this replica has), nearer the mean.
+#[test]
+fn on_a_fleet_the_predicted_wait_is_taken_over_the_fleets_queue() {
+    let clock = ManualClock::new();
+    let mut a = admission(4, None, lane(100, 200, 300));
+    // A service time of 1 s; nothing in flight now: the lane serves 1 request a second.
+    serve(&mut a, &clock, "s", 0, 1, Duration::from_secs(1));
+    let wait = |a: &mut Admission<u32, &'static str>| {
+        let l = a.lane_admission(&"m").unwrap().lane();
+        l.predict_wait(Tier(0), &"p", clock.now()).1.unwrap()
+    };
+    // Alone: place 1 at (1 + 1.65) / 1 s.
+    assert_eq!(wait(&mut a), Duration::from_secs_f64(2.65));
+    // The other replicas hold 8 slots: k = 9, (1 + 1.65 / 3) / 1 s.
+    a.lane_admission(&"m")
+        .unwrap()
+        .lane_mut()
+        .set_backend_fleet(
+            "b0",
+            Some((
+                Budget {
+                    slots: 8,
+                    kv_tokens: 0,
+                },
+                None,
+            )),
+        );
+    assert_eq!(wait(&mut a), Duration::from_secs_f64(1.55));
+}
+
 #[test]
 fn rate_refusals_say_when_and_charge_nothing() {
     let clock = ManualClock::starting_at(Timestamp::from_nanos(1));
