@@ -163,10 +163,14 @@ pub struct StateConfig {
     pub timeout_ms: u64,
     /// `fail_open` (default) or `fail_closed`.
     pub on_failure: OnFailure,
-    /// How often this replica reports itself alive, probes Redis, renews its slice of every
-    /// backend's budget and publishes its demand (milliseconds); a replica silent for three
-    /// intervals no longer counts as live, and its leases and slices expire.
+    /// How often this replica reports itself alive, probes Redis and publishes its demand
+    /// (milliseconds); a replica silent for three intervals no longer counts as live, and
+    /// its leases and slices expire.
     pub heartbeat_ms: u64,
+    /// How often this replica renews its slice of every backend's budget (milliseconds, at
+    /// least 10; more than `heartbeat_ms` counts as `heartbeat_ms`): how soon the fleet moves room freed on one replica to a
+    /// higher tier's requests waiting on another (see docs/replicas.md).
+    pub slice_renew_ms: u64,
     /// This replica's name among its peers (empty: host name and process id).
     pub replica_id: String,
     /// Local batching: requests per slice of a tenant's budget taken from Redis at once
@@ -186,6 +190,7 @@ impl Default for StateConfig {
             timeout_ms: 25,
             on_failure: OnFailure::FailOpen,
             heartbeat_ms: 1000,
+            slice_renew_ms: 100,
             replica_id: String::new(),
             batch: 0,
         }
@@ -1305,6 +1310,9 @@ impl Config {
             }
             if self.state.heartbeat_ms < 50 {
                 errs.push("state.heartbeat_ms: must be at least 50".to_string());
+            }
+            if self.state.slice_renew_ms < 10 {
+                errs.push("state.slice_renew_ms: must be at least 10".to_string());
             }
         }
     }

@@ -119,6 +119,8 @@ pub struct Shared {
     timeout: Duration,
     mode: OnFailure,
     heartbeat: Duration,
+    /// How often the backend slices are renewed (at most `heartbeat`).
+    slice_renew: Duration,
     replica: String,
     url: String,
     prefix: String,
@@ -212,6 +214,7 @@ impl Shared {
             timeout,
             mode: cfg.on_failure,
             heartbeat,
+            slice_renew: Duration::from_millis(cfg.slice_renew_ms.max(10)).min(heartbeat),
             replica,
             url: redacted(&cfg.url),
             prefix: cfg.key_prefix.clone(),
@@ -360,6 +363,11 @@ impl Shared {
         self.heartbeat
     }
 
+    /// How often [`Shared::renew_slice`] runs for every backend.
+    pub fn slice_renew_interval(&self) -> Duration {
+        self.slice_renew
+    }
+
     /// Renews this replica's slice of backend `key`'s `budget` for what it has there and
     /// waiting (`demand`), waiting at most the decision timeout; when Redis does not answer
     /// in time it keeps its current slice. Returns the slice to admit against now.
@@ -367,13 +375,13 @@ impl Shared {
         &self,
         key: &Arc<str>,
         budget: Budget,
-        demand: SliceDemand,
+        demand: &[SliceDemand],
         now: Timestamp,
     ) -> FleetSlice {
         let want = levee_policy::slice_want(budget, demand);
         let in_flight = Budget {
-            slots: demand.in_flight,
-            kv_tokens: demand.kv_in_flight,
+            slots: demand.iter().map(|d| d.in_flight).sum(),
+            kv_tokens: demand.iter().map(|d| d.kv_in_flight).sum(),
         };
         let lease = self.ledger.lock().lease();
         if self.left.load(Ordering::Acquire) {
@@ -381,7 +389,7 @@ impl Shared {
         }
         let asked = self
             .store
-            .lease_backend(key, &self.replica, lease, budget, want, in_flight);
+            .lease_backend(key, &self.replica, lease, budget, &want, in_flight);
         match tokio::time::timeout(self.timeout, asked).await {
             Ok(Ok(grant)) => self.ledger.lock().granted(key, grant, now),
             Ok(Err(e)) => {
@@ -449,7 +457,7 @@ impl Shared {
             let none = Budget::default();
             let give_back = self
                 .store
-                .lease_backend(&key, &self.replica, lease, none, none, none);
+                .lease_backend(&key, &self.replica, lease, none, &[], none);
             let _ = tokio::time::timeout(self.timeout, give_back).await;
         }
         let slices: Vec<LocalSlice> = self.slices.lock().drain().map(|(_, s)| s).collect();

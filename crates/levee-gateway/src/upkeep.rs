@@ -9,21 +9,33 @@ use std::sync::Arc;
 use std::time::Duration;
 
 /// Spawns the scraper, the degradation ticker, the autoscaling and gauges ticker and, with a
-/// shared store, the heartbeat; they end when the gateway stops.
+/// shared store, the heartbeat and the renewal of the backend slices (each on its own
+/// period); they end when the gateway stops.
 pub(crate) fn spawn(gw: &Arc<Gateway>) {
     let stop = gw.stopped_token();
     if let Some(shared) = gw.shared().cloned() {
-        let stop = stop.clone();
-        let weak = Arc::downgrade(gw);
+        let (stop, weak, beating) = (stop.clone(), Arc::downgrade(gw), shared.clone());
         tokio::spawn(async move {
             loop {
-                shared.beat().await;
+                beating.beat().await;
                 let Some(gw) = weak.upgrade() else { break };
-                futures::future::join(renew_slices(&gw, &shared), share_demand(&gw, &shared)).await;
+                share_demand(&gw, &beating).await;
                 drop(gw);
                 tokio::select! {
                     _ = stop.cancelled() => break,
-                    _ = tokio::time::sleep(shared.heartbeat_interval()) => {}
+                    _ = tokio::time::sleep(beating.heartbeat_interval()) => {}
+                }
+            }
+        });
+        let (stop, weak) = (gw.stopped_token(), Arc::downgrade(gw));
+        tokio::spawn(async move {
+            loop {
+                let Some(gw) = weak.upgrade() else { break };
+                renew_slices(&gw, &shared).await;
+                drop(gw);
+                tokio::select! {
+                    _ = stop.cancelled() => break,
+                    _ = tokio::time::sleep(shared.slice_renew_interval()) => {}
                 }
             }
         });
@@ -47,7 +59,7 @@ async fn renew_slices(gw: &Gateway, shared: &crate::shared::Shared) {
     let jobs = lanes.iter().flat_map(|lane| {
         lane.backends().into_iter().map(move |b| async move {
             let slice = shared
-                .renew_slice(&b.key, b.budget(), lane.demand(&b.key), now)
+                .renew_slice(&b.key, b.budget(), &lane.demand(&b.key), now)
                 .await;
             b.set_fleet_slice(slice);
             lane.slice_changed(&b);

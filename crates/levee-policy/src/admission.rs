@@ -472,7 +472,7 @@ impl<T, K: Hash + Eq + Ord + Clone> LaneAdmission<T, K> {
         }
         lane.note_admitted(req.tier, est, now);
         if let Some(i) = placed.target {
-            if let Some(p) = lane.place(i, &req.tenant, est, req.prompt_tokens, now) {
+            if let Some(p) = lane.place(i, req.tier, &req.tenant, est, req.prompt_tokens, now) {
                 lane.note_session(req.session, i);
                 lane.charge(req.tier, &req.tenant, est);
                 grant.placement = Some(p);
@@ -536,7 +536,7 @@ impl<T, K: Hash + Eq + Ord + Clone> LaneAdmission<T, K> {
             } = e.item;
             match self
                 .lane
-                .place(i, &e.tenant, e.cost, grant.prompt_tokens, now)
+                .place(i, e.tier, &e.tenant, e.cost, grant.prompt_tokens, now)
             {
                 Some(p) => {
                     self.lane.note_session(grant.session, i);
@@ -720,9 +720,14 @@ impl<T, K: Hash + Eq + Ord + Clone> LaneAdmission<T, K> {
         ) else {
             return false;
         };
-        grant.placement = self
-            .lane
-            .place(i, &grant.tenant, grant.tokens, grant.prompt_tokens, now);
+        grant.placement = self.lane.place(
+            i,
+            grant.tier,
+            &grant.tenant,
+            grant.tokens,
+            grant.prompt_tokens,
+            now,
+        );
         if grant.placement.is_some() {
             // The session's prefix is warm there now.
             self.lane.note_session(grant.session, i);

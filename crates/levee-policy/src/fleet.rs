@@ -8,17 +8,21 @@
 //!
 //! This module is the arithmetic, apart from any I/O:
 //!
-//! * [`slice_want`] — what a replica asks for: what it uses, what waits in its queue, and a margin
-//!   to grow into before its next renewal, never more than the whole budget.
-//! * [`fair_split`] — how the shared state splits a budget when the replicas together want
-//!   more than it holds: max-min fair (each gets its want when it wants less than an equal
-//!   share; the rest split equally among the others). The Redis script that decides leases
-//!   implements the same rule; levee-store's tests hold the two against each other.
+//! * [`slice_want`] — what a replica asks for, per priority class (tier): what it uses and
+//!   what waits in its queue of that tier, and a margin to grow into before its next
+//!   renewal, never more than the whole budget.
+//! * [`tiered_split`] — how the shared state splits a budget when the replicas together want
+//!   more than it holds: class by class, highest first, so that the fleet serves a higher
+//!   tier's demand on any replica before a lower tier's on any other (as one gateway's queue
+//!   does); within a class max-min fair ([`fair_split`]: each gets its want when it wants
+//!   less than an equal share; the rest split equally among the others). The Redis script
+//!   that decides leases implements the same rule; levee-store's tests hold the two against
+//!   each other.
 //! * [`FleetLedger`] — one replica's view: the last grant per backend, what it may admit
 //!   now ([`FleetLedger::allowance`]), and the figure it used before its first grant or
 //!   while the shared state does not answer (it keeps its current slice).
 //!
-//! A grant is `min(fair share, budget − what the others hold)`; a replica's holding in the
+//! A grant is `min(tiered share, budget − what the others hold)`; a replica's holding in the
 //! shared state is `max(grant, what it has in flight)`, so a replica whose slice shrank
 //! keeps counting what it still runs until that ends. Holdings expire after the lease time
 //! unless renewed: a dead replica's slice comes back to the others then.
@@ -38,7 +42,7 @@ pub struct Budget {
     pub kv_tokens: u64,
 }
 
-/// What one replica has of a backend and waiting for it.
+/// What one replica has of a backend and waiting for it, in one priority class (a tier).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct SliceDemand {
     /// Requests it has in flight there.
@@ -55,33 +59,56 @@ pub struct SliceDemand {
 /// its next renewal.
 pub const MIN_MARGIN_SLOTS: u64 = 2;
 
-/// What a replica asks the fleet for: what it has in flight and queued, plus a margin to
-/// grow into until the next renewal — a quarter of its use, at least [`MIN_MARGIN_SLOTS`]
-/// slots, and as many KV tokens as that many requests of the largest of: its requests in
-/// flight on average, its queued ones on average, the budget per slot — never more than
-/// the budget itself.
-pub fn slice_want(budget: Budget, d: SliceDemand) -> Budget {
-    let margin = MIN_MARGIN_SLOTS.max(d.in_flight.div_ceil(4));
-    let per_slot = [
-        budget.kv_tokens.checked_div(budget.slots),
-        d.kv_in_flight.checked_div(d.in_flight),
-        d.queued_kv.checked_div(d.queued),
-    ]
-    .into_iter()
-    .flatten()
-    .max()
-    .unwrap_or(0);
-    let slots = d
-        .in_flight
-        .saturating_add(d.queued)
-        .saturating_add(margin)
-        .min(budget.slots);
-    let kv_tokens = d
-        .kv_in_flight
-        .saturating_add(d.queued_kv)
-        .saturating_add(margin.saturating_mul(per_slot))
-        .min(budget.kv_tokens);
-    Budget { slots, kv_tokens }
+/// What a replica asks the fleet for, per priority class (`tiers[0]` the highest tier; one
+/// entry per tier): in each, what it has in flight and queued of that tier, plus a margin to
+/// grow into until the next renewal — a quarter of that tier's use, and in all at least
+/// [`MIN_MARGIN_SLOTS`] slots (the shortfall counted in the highest tier it has demand in,
+/// the first when it has none) — and as many KV tokens per margin slot as the largest of:
+/// the tier's requests in flight on average, its queued ones on average, the budget per
+/// slot. The classes add up to at most the budget (the lowest ones are cut first).
+pub fn slice_want(budget: Budget, tiers: &[SliceDemand]) -> Vec<Budget> {
+    let per_slot_of = |d: &SliceDemand| {
+        [
+            budget.kv_tokens.checked_div(budget.slots),
+            d.kv_in_flight.checked_div(d.in_flight),
+            d.queued_kv.checked_div(d.queued),
+        ]
+        .into_iter()
+        .flatten()
+        .max()
+        .unwrap_or(0)
+    };
+    let mut margins: Vec<u64> = tiers.iter().map(|d| d.in_flight.div_ceil(4)).collect();
+    if margins.is_empty() {
+        margins.push(0);
+    }
+    let shortfall = MIN_MARGIN_SLOTS.saturating_sub(margins.iter().sum());
+    let first = tiers
+        .iter()
+        .position(|d| d.in_flight + d.queued > 0)
+        .unwrap_or(0);
+    margins[first] += shortfall;
+    let mut left = budget;
+    margins
+        .iter()
+        .enumerate()
+        .map(|(t, &margin)| {
+            let d = tiers.get(t).copied().unwrap_or_default();
+            let slots = d
+                .in_flight
+                .saturating_add(d.queued)
+                .saturating_add(margin)
+                .min(left.slots);
+            let kv_tokens = d
+                .kv_in_flight
+                .saturating_add(d.queued_kv)
+                .saturating_add(margin.saturating_mul(per_slot_of(&d)))
+                .min(left.kv_tokens);
+            left.slots -= slots;
+            left.kv_tokens -= kv_tokens;
+            Budget { slots, kv_tokens }
+        })
+        .collect()
 }
 
 /// Splits `budget` over `wants`, max-min fair: taken in ascending order of want (ties: the
@@ -100,6 +127,29 @@ pub fn fair_split(wants: &[u64], budget: u64) -> Vec<u64> {
         let part = wants[i].min(share);
         out[i] = part;
         left -= part;
+    }
+    out
+}
+
+/// Splits `budget` over entries that each want something per priority class
+/// (`wants[i][c]`, class 0 first; a missing class wants nothing), class by class: the first
+/// class's wants are split max-min fair ([`fair_split`]) over the whole budget, the next
+/// class's over what is left, and so on. No entry gets anything for a class while another
+/// entry's want in a higher class is not met in full; within a class the split is
+/// [`fair_split`]'s. Returns each entry's total.
+pub fn tiered_split(wants: &[Vec<u64>], budget: u64) -> Vec<u64> {
+    let classes = wants.iter().map(Vec::len).max().unwrap_or(0);
+    let mut out = vec![0u64; wants.len()];
+    let mut left = budget;
+    for c in 0..classes {
+        let column: Vec<u64> = wants
+            .iter()
+            .map(|w| w.get(c).copied().unwrap_or(0))
+            .collect();
+        for (o, part) in out.iter_mut().zip(fair_split(&column, left)) {
+            *o += part;
+            left -= part;
+        }
     }
     out
 }
@@ -204,6 +254,26 @@ mod tests {
     }
 
     #[test]
+    fn tiered_split_serves_a_higher_class_on_any_entry_first() {
+        // Replica 0 has premium waiting (class 0), replica 1 only standard (class 1): the
+        // split by totals gave each half, starving premium while standard was served.
+        let wants = vec![vec![8, 0], vec![0, 16]];
+        assert_eq!(fair_split(&[8, 16], 12), vec![6, 6]);
+        assert_eq!(tiered_split(&wants, 12), vec![8, 4]);
+        // Within a class, max-min fair; what is left goes to the next class.
+        let wants = vec![vec![2, 10], vec![10, 0], vec![10, 5]];
+        assert_eq!(tiered_split(&wants, 16), vec![2, 7, 7]);
+        assert_eq!(tiered_split(&wants, 30), vec![6, 10, 14]);
+        // One class: the plain split.
+        assert_eq!(
+            tiered_split(&[vec![2], vec![10], vec![10]], 12),
+            vec![2, 5, 5]
+        );
+        assert_eq!(tiered_split(&[], 8), Vec::<u64>::new());
+        assert_eq!(tiered_split(&[vec![], vec![3]], 8), vec![0, 3]);
+    }
+
+    #[test]
     fn want_is_use_queue_and_margin_within_the_budget() {
         let b = Budget {
             slots: 16,
@@ -218,11 +288,11 @@ mod tests {
         // margin: max(2, 4/4) = 2 slots, 2 × 1000 tokens (the budget per slot; in flight
         // 750 on average, queued 500).
         assert_eq!(
-            slice_want(b, d),
-            Budget {
+            slice_want(b, &[d]),
+            vec![Budget {
                 slots: 7,
                 kv_tokens: 5_500
-            }
+            }]
         );
         let flood = SliceDemand {
             in_flight: 16,
@@ -230,8 +300,50 @@ mod tests {
             queued: 40,
             queued_kv: 40_000,
         };
-        assert_eq!(slice_want(b, flood), b);
-        assert_eq!(slice_want(b, SliceDemand::default()).slots, 2);
+        assert_eq!(slice_want(b, &[flood]), vec![b]);
+        assert_eq!(slice_want(b, &[])[0].slots, 2);
+        assert_eq!(slice_want(b, &[SliceDemand::default(); 3])[0].slots, 2);
+    }
+
+    #[test]
+    fn want_per_tier_keeps_each_tiers_demand_in_its_class() {
+        let b = Budget {
+            slots: 16,
+            kv_tokens: 16_000,
+        };
+        let premium = SliceDemand {
+            in_flight: 0,
+            kv_in_flight: 0,
+            queued: 1,
+            queued_kv: 4_000,
+        };
+        let standard = SliceDemand {
+            in_flight: 8,
+            kv_in_flight: 8_000,
+            queued: 20,
+            queued_kv: 20_000,
+        };
+        let w = slice_want(b, &[premium, standard]);
+        // Premium: its queued request and the margin's shortfall (2 − 8/4 = 0: none) → 1
+        // slot, 4,000 tokens. Standard: 8 + 20 + 2 slots, cut to the 15 left; its tokens
+        // cut to the 12,000 left.
+        assert_eq!(
+            w,
+            vec![
+                Budget {
+                    slots: 1,
+                    kv_tokens: 4_000
+                },
+                Budget {
+                    slots: 15,
+                    kv_tokens: 12_000
+                }
+            ]
+        );
+        // Idle in the first tier: the minimum margin goes to the first tier with demand.
+        let w = slice_want(b, &[SliceDemand::default(), premium]);
+        assert_eq!(w[0], Budget::default());
+        assert_eq!(w[1].slots, 3);
     }
 
     #[test]

@@ -160,6 +160,8 @@ struct Backend {
     breaker: Breaker,
     in_flight: usize,
     tokens: u64,
+    /// Of those, per tier (index = tier): requests and KV tokens.
+    by_tier: Vec<(u64, u64)>,
     report: Option<(BackendReport, Timestamp)>,
     /// Out of routing by outlier ejection until then (its breaker is held open as well).
     ejected_until: Option<Timestamp>,
@@ -400,6 +402,7 @@ pub struct Placement {
     pub backend: Arc<str>,
     /// KV tokens reserved there.
     pub kv_tokens: u64,
+    tier: Tier,
     ticket: Option<BreakerTicket>,
     at: Timestamp,
     /// Requests there once it was placed, itself included.
@@ -661,6 +664,7 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
                     breaker: Breaker::new(self.cfg.breaker),
                     in_flight: 0,
                     tokens: 0,
+                    by_tier: Vec::new(),
                     report: None,
                     ejected_until: None,
                     fenced_until: None,
@@ -889,6 +893,7 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
     pub(crate) fn place(
         &mut self,
         i: usize,
+        tier: Tier,
         tenant: &K,
         kv_cost: u64,
         prompt_tokens: u64,
@@ -899,6 +904,12 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
         let ticket = b.breaker.try_acquire(now).ok()?;
         b.in_flight += 1;
         b.tokens += kv_cost;
+        let t = usize::from(tier.0);
+        if b.by_tier.len() <= t {
+            b.by_tier.resize(t + 1, (0, 0));
+        }
+        b.by_tier[t].0 += 1;
+        b.by_tier[t].1 += kv_cost;
         b.last_dispatch = Some(now);
         b.dispatches.record(1, now);
         // Predictions differ in length, so an ended prefill may sit behind one still going:
@@ -930,6 +941,7 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
         Some(Placement {
             backend: id,
             kv_tokens: kv_cost,
+            tier,
             ticket: Some(ticket),
             at: now,
             batch,
@@ -989,6 +1001,7 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
         let Placement {
             backend,
             kv_tokens,
+            tier,
             ticket,
             at,
             ..
@@ -996,6 +1009,10 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
         if let Some(b) = self.backend_mut(&backend) {
             b.in_flight = b.in_flight.saturating_sub(1);
             b.tokens = b.tokens.saturating_sub(kv_tokens);
+            if let Some(t) = b.by_tier.get_mut(usize::from(tier.0)) {
+                t.0 = t.0.saturating_sub(1);
+                t.1 = t.1.saturating_sub(kv_tokens);
+            }
             if let Some(t) = ticket {
                 b.breaker.record(t, outcome, now);
             }
@@ -1251,6 +1268,14 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
     /// its own pace: its requests in flight ÷ `s`). When higher tiers
     /// take nearly everything the wait is unbounded (reported as a very long one). `None`
     /// until a service time has been measured.
+    ///
+    /// On a fleet of gateways whose backend slices are split by tier (see `fleet.rs`), the
+    /// replicas' queues are served as one: this replica's queue is its part of a fleet queue
+    /// about `k` times longer, drained about `k` times faster, `k` being what the fleet has
+    /// in flight on this lane's backends over what this replica has (what the other
+    /// replicas hold there, plus its own, over its own). The mean wait is the same, but the
+    /// spread of an Erlang time over `k·n` places is `√k` times smaller relative to its mean:
+    /// the lane's wait is taken at `(n + 1.65·√(n/k)) / (μ − λ)`. Alone, `k = 1`.
     pub fn predict_wait(
         &self,
         tier: Tier,
@@ -1264,27 +1289,41 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
             .take(usize::from(tier.0))
             .map(|r| r.requests.per_second(now))
             .sum();
+        let k = self.fleet_scale();
         let wait = self.service_secs.map(|s| {
-            let erlang_p95 = |n: usize, rate: f64| {
+            let erlang_p95 = |n: usize, rate: f64, k: f64| {
                 let n = n as f64;
-                (n + WAIT_Z * n.sqrt()) / rate
+                (n + WAIT_Z * (n / k).sqrt()) / rate
             };
             let served = self.in_flight.max(1) as f64 / s;
             let lane = if ahead < 0.95 * served {
-                erlang_p95(position, served - ahead)
+                erlang_p95(position, served - ahead, k)
             } else {
                 f64::INFINITY
             };
             // Only a tenant the fair-share rule holds back drains at its own pace.
             let own = match self.tenants.get(tenant) {
                 Some(u) if u.queued > 0 && !self.view().within_share(tenant, 1, now) => {
-                    erlang_p95(u.queued + 1, u.in_flight.max(1) as f64 / s)
+                    erlang_p95(u.queued + 1, u.in_flight.max(1) as f64 / s, 1.0)
                 }
                 _ => 0.0,
             };
             Duration::from_secs_f64(lane.max(own).min(1e6))
         });
         (position, wait)
+    }
+
+    /// On a fleet: what the fleet has in flight on this lane's backends (what the other
+    /// replicas hold there, plus this replica's own) over this replica's own, at least 1;
+    /// alone, 1 (see [`Lane::predict_wait`]).
+    fn fleet_scale(&self) -> f64 {
+        let others: u64 = self
+            .backends
+            .iter()
+            .filter_map(|b| b.fleet.map(|(o, _)| o.slots))
+            .sum();
+        let own = self.in_flight.max(1) as f64;
+        (own + others as f64) / own
     }
 
     /// `predicted` corrected by what `tenant`'s waits have actually been: multiplied by the
@@ -1366,6 +1405,31 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
     /// Backlogged tenants: `(tier, tenant, entries, tokens)`.
     pub fn backlogged(&self) -> impl Iterator<Item = (Tier, &K, usize, u64)> + '_ {
         self.queue.backlogged()
+    }
+
+    /// What this lane has of backend `id` and waiting for it, per tier (index = tier), as a
+    /// fleet's split reads it ([`crate::slice_want`]): its requests and KV tokens in flight
+    /// there, and its share of each tier's queue (split evenly over the lane's backends).
+    pub fn fleet_demand(&self, id: &str) -> Vec<crate::SliceDemand> {
+        let n = self.backends.len().max(1) as u64;
+        let q = self.queue.stats();
+        let mine = self.backends.iter().find(|b| &*b.id == id);
+        let by_tier = mine.map_or(&[][..], |b| &b.by_tier[..]);
+        let tiers = q.tiers.len().max(by_tier.len());
+        (0..tiers)
+            .map(|t| {
+                let (in_flight, kv_in_flight) = by_tier.get(t).copied().unwrap_or((0, 0));
+                let (queued, queued_kv) = q.tiers.get(t).map_or((0, 0), |s| {
+                    ((s.len as u64).div_ceil(n), s.tokens.div_ceil(n))
+                });
+                crate::SliceDemand {
+                    in_flight,
+                    kv_in_flight,
+                    queued,
+                    queued_kv,
+                }
+            })
+            .collect()
     }
 
     /// Per-backend figures.
@@ -1941,7 +2005,7 @@ mod tests {
             let mut held = Vec::new();
             for (i, n) in loads.iter().enumerate() {
                 for _ in 0..*n {
-                    held.push(lane.place(i, &0u8, 1, 0, now).unwrap());
+                    held.push(lane.place(i, Tier(0), &0u8, 1, 0, now).unwrap());
                 }
             }
             let until = now + Duration::from_millis(fence_ms);
@@ -1996,7 +2060,7 @@ mod tests {
             let now = Timestamp::from_nanos(1);
             let mut held = Vec::new();
             while let Some(i) = lane.can_dispatch(Tier(0), &0u8, 1, now, None, None) {
-                held.push(lane.place(i, &0u8, 1, 0, now).unwrap());
+                held.push(lane.place(i, Tier(0), &0u8, 1, 0, now).unwrap());
                 prop_assert!(held.len() <= slots);
             }
             prop_assert_eq!(held.len(), cap);
@@ -2034,14 +2098,14 @@ mod tests {
             let earlier = now.saturating_sub(Duration::from_secs(3));
             let mut held = Vec::new();
             for _ in 0..other_load {
-                held.push((0u8, lane.place(1, &0u8, 1, 0, earlier).unwrap()));
+                held.push((0u8, lane.place(1, Tier(0), &0u8, 1, 0, earlier).unwrap()));
             }
             prop_assert!(lane.view().over_share(&1u8, now));
             prop_assert!(!lane.view().over_share(&0u8, now));
             // The quiet tenant's prompt goes to backend "a" (the emptier, or the first).
             let q = lane.can_dispatch(Tier(0), &0u8, 1, now, None, None);
             prop_assert_eq!(q, Some(0));
-            held.push((0u8, lane.place(0, &0u8, 1, 600, now).unwrap()));
+            held.push((0u8, lane.place(0, Tier(0), &0u8, 1, 600, now).unwrap()));
             // Elsewhere while "b" has room; to "a" all the same when it has none.
             let f = lane.can_dispatch(Tier(0), &1u8, 1, now, None, None);
             prop_assert_eq!(f, Some(if other_load < 4 { 1 } else { 0 }));
@@ -2074,7 +2138,7 @@ mod tests {
                     }
                     Op::Dispatch => {
                         if let Some((e, i)) = lane.next_ready(now, |_, c| c, |_| None) {
-                            if let Some(p) = lane.place(i, &e.tenant, e.cost, 0, now) {
+                            if let Some(p) = lane.place(i, e.tier, &e.tenant, e.cost, 0, now) {
                                 running.push((e.tenant, p));
                             }
                         }

@@ -59,7 +59,8 @@ pub use degrade::{
     DegradeConfig, DegradeLevel, DegradePlan, DegradePlanner, DegradeStep, LoadSignals,
 };
 pub use fleet::{
-    fair_split, slice_want, Budget, FleetLedger, SliceDemand, SliceGrant, MIN_MARGIN_SLOTS,
+    fair_split, slice_want, tiered_split, Budget, FleetLedger, SliceDemand, SliceGrant,
+    MIN_MARGIN_SLOTS,
 };
 pub use gcra::{Gcra, KeyedGcra, NotUntil, Quota, RateLimitInfo};
 pub use key::Key;

@@ -283,6 +283,121 @@ fn on_a_fleet_the_engines_report_counts_less_what_the_others_hold() {
     drop(d);
 }
 
+/// Two replicas share one backend of 8 slots, each running 4 standard requests in its
+/// slice of 4; A has standard requests waiting, B premium ones. Split by the replicas'
+/// totals, each kept 4 and B's premium waited for B's own releases; split by tier, B's
+/// premium want comes first: B's slice grows past what it runs (its premium goes as soon
+/// as the room A holds is back), A's shrinks below it (A admits nothing more).
+#[test]
+fn a_fleet_split_by_tier_gives_premium_waiting_on_one_replica_the_room_first() {
+    let clock = ManualClock::new();
+    let now = clock.now();
+    let budget = Budget {
+        slots: 8,
+        kv_tokens: 8_000,
+    };
+    let mut a = admission(4, Some(4_000), lane(100, 200, 300));
+    let mut b = admission(4, Some(4_000), lane(100, 200, 300));
+    let mut running = Vec::new();
+    for i in 0..4 {
+        running.push(dispatched(a.admit(&req("s", 1, 1_000), i, now)));
+        running.push(dispatched(b.admit(&req("t", 1, 1_000), 10 + i, now)));
+    }
+    for i in 0..4 {
+        queued(a.admit(&req("s", 1, 1_000), 20 + i, now));
+    }
+    for i in 0..2 {
+        queued(b.admit(&req("p", 0, 1_000), 30 + i, now));
+    }
+    let demand = |x: &mut Admission<u32, &'static str>| {
+        x.lane_admission(&"m").unwrap().lane().fleet_demand("b0")
+    };
+    let (da, db) = (demand(&mut a), demand(&mut b));
+    assert_eq!(
+        db[0],
+        SliceDemand {
+            in_flight: 0,
+            kv_in_flight: 0,
+            queued: 2,
+            queued_kv: 2_000
+        }
+    );
+    assert_eq!(
+        da[1],
+        SliceDemand {
+            in_flight: 4,
+            kv_in_flight: 4_000,
+            queued: 4,
+            queued_kv: 4_000
+        }
+    );
+    let slots =
+        |d: &[SliceDemand]| -> Vec<u64> { slice_want(budget, d).iter().map(|w| w.slots).collect() };
+    // A: standard 4 running + 4 queued + a margin of 2, cut to the budget. B: premium 2
+    // queued + the margin's shortfall of 1; standard 4 running + 1.
+    assert_eq!(&slots(&da)[..2], &[0, 8]);
+    assert_eq!(&slots(&db)[..2], &[3, 5]);
+    let totals = |d: &[SliceDemand]| slots(d).iter().sum::<u64>();
+    assert_eq!(fair_split(&[totals(&da), totals(&db)], 8), vec![4, 4]);
+    let split = tiered_split(&[slots(&da), slots(&db)], 8);
+    assert_eq!(split, vec![3, 5]);
+    let slice = |x: &mut Admission<u32, &'static str>, slots: u64| {
+        x.lane_admission(&"m")
+            .unwrap()
+            .lane_mut()
+            .set_backend_limits(
+                "b0",
+                BackendLimits {
+                    max_in_flight: slots as usize,
+                    kv_tokens: Some(slots * 1_000),
+                },
+            );
+    };
+    slice(&mut a, split[0]);
+    slice(&mut b, split[1]);
+    // B's premium goes first; A, over its slice, waits even after one of its own ends.
+    assert_eq!(b.dequeue(&"m", now).unwrap().item, 30);
+    let first = running.remove(0);
+    a.complete(first.grant, ok(), now);
+    assert!(a.dequeue(&"m", now).is_none());
+    for d in running {
+        let m = if d.item < 10 { &mut a } else { &mut b };
+        m.complete(d.grant, ok(), now);
+    }
+}
+
+/// On a fleet, a replica's queue is its part of the fleet's, which the fleet drains as one:
+/// the same place predicts the same mean wait, but its 95th percentile is taken over a queue
+/// `k` times longer (k = what the fleet holds over what this replica has), nearer the mean.
+#[test]
+fn on_a_fleet_the_predicted_wait_is_taken_over_the_fleets_queue() {
+    let clock = ManualClock::new();
+    let mut a = admission(4, None, lane(100, 200, 300));
+    // A service time of 1 s; nothing in flight now: the lane serves 1 request a second.
+    serve(&mut a, &clock, "s", 0, 1, Duration::from_secs(1));
+    let wait = |a: &mut Admission<u32, &'static str>| {
+        let l = a.lane_admission(&"m").unwrap().lane();
+        l.predict_wait(Tier(0), &"p", clock.now()).1.unwrap()
+    };
+    // Alone: place 1 at (1 + 1.65) / 1 s.
+    assert_eq!(wait(&mut a), Duration::from_secs_f64(2.65));
+    // The other replicas hold 8 slots: k = 9, (1 + 1.65 / 3) / 1 s.
+    a.lane_admission(&"m")
+        .unwrap()
+        .lane_mut()
+        .set_backend_fleet(
+            "b0",
+            Some((
+                Budget {
+                    slots: 8,
+                    kv_tokens: 0,
+                },
+                None,
+            )),
+        );
+    assert_eq!(wait(&mut a), Duration::from_secs_f64(1.55));
+}
+
 #[test]
 fn rate_refusals_say_when_and_charge_nothing() {
     let clock = ManualClock::starting_at(Timestamp::from_nanos(1));

@@ -940,42 +940,72 @@ proptest! {
     }
 
     #[test]
+    fn tiered_split_serves_classes_in_order_within_wants_and_budget(
+        wants in proptest::collection::vec(proptest::collection::vec(0u64..60, 0..4), 0..5),
+        budget in 0u64..300,
+    ) {
+        let parts = tiered_split(&wants, budget);
+        let sum = |w: &[u64], through: usize| w.iter().take(through + 1).sum::<u64>();
+        let all: u64 = wants.iter().map(|w| w.iter().sum::<u64>()).sum();
+        prop_assert_eq!(parts.iter().sum::<u64>(), all.min(budget));
+        for (i, w) in wants.iter().enumerate() {
+            prop_assert!(parts[i] <= w.iter().sum::<u64>());
+            // The highest class in which entry i is not met in full: nobody gets anything
+            // for a lower class (no one's part passes its wants through that class).
+            let Some(c) = (0..w.len()).find(|&c| parts[i] < sum(w, c)) else { continue };
+            for (j, v) in wants.iter().enumerate() {
+                prop_assert!(
+                    parts[j] <= sum(v, c),
+                    "entry {} short in class {} ({} of {:?}) while entry {} got {} of {:?}",
+                    i, c, parts[i], w, j, parts[j], v
+                );
+            }
+        }
+    }
+
+    #[test]
     fn replicas_leasing_slices_never_exceed_the_budget(
         budget in 1u64..40,
         ops in proptest::collection::vec((0usize..3, 0u8..4, 0u64..50), 1..300),
     ) {
-        // The shared state's rule (the Redis script's): a grant is min(fair share, budget −
-        // the others' holdings); the holding recorded is max(grant, in flight).
-        #[derive(Default, Clone, Copy)]
-        struct R { hold: u64, want: u64, allowed: u64, in_flight: u64, queued: u64 }
-        let mut rs = [R::default(); 3];
+        // The shared state's rule (the Redis script's): a grant is min(tiered share, budget
+        // − the others' holdings); the holding recorded is max(grant, in flight). Two tiers.
+        #[derive(Default, Clone)]
+        struct R { hold: u64, want: Vec<u64>, allowed: u64, in_flight: [u64; 2], queued: [u64; 2] }
+        let mut rs = vec![R::default(); 3];
         let b = Budget { slots: budget, kv_tokens: 0 };
         for (r, op, n) in ops {
             match op {
                 0 => {
                     // renew with the replica's demand
-                    let w = slice_want(b, SliceDemand { in_flight: rs[r].in_flight, queued: rs[r].queued, ..SliceDemand::default() });
-                    rs[r].want = w.slots;
-                    let wants: Vec<u64> = rs.iter().map(|x| x.want).collect();
-                    let fair = fair_split(&wants, budget)[r];
+                    let demand: Vec<SliceDemand> = (0..2)
+                        .map(|t| SliceDemand { in_flight: rs[r].in_flight[t], queued: rs[r].queued[t], ..SliceDemand::default() })
+                        .collect();
+                    rs[r].want = slice_want(b, &demand).iter().map(|w| w.slots).collect();
+                    let wants: Vec<Vec<u64>> = rs.iter().map(|x| x.want.clone()).collect();
+                    let share = tiered_split(&wants, budget)[r];
                     let others: u64 = rs.iter().enumerate().filter(|(j, _)| *j != r).map(|(_, x)| x.hold).sum();
-                    let allowed = fair.min(budget.saturating_sub(others));
+                    let allowed = share.min(budget.saturating_sub(others));
                     rs[r].allowed = allowed;
-                    rs[r].hold = allowed.max(rs[r].in_flight);
+                    rs[r].hold = allowed.max(rs[r].in_flight.iter().sum());
                 }
                 1 => {
-                    // requests arrive: admitted within the allowance, the rest queue
+                    // requests of one tier arrive: admitted within the allowance, the rest queue
+                    let t = (n % 2) as usize;
                     for _ in 0..n % 8 {
-                        if rs[r].in_flight < rs[r].allowed { rs[r].in_flight += 1 } else { rs[r].queued += 1 }
+                        if rs[r].in_flight.iter().sum::<u64>() < rs[r].allowed { rs[r].in_flight[t] += 1 } else { rs[r].queued[t] += 1 }
                     }
                 }
-                2 => rs[r].in_flight = rs[r].in_flight.saturating_sub(n % 4),
+                2 => {
+                    let t = (n % 2) as usize;
+                    rs[r].in_flight[t] = rs[r].in_flight[t].saturating_sub(n % 4);
+                }
                 _ => {
                     // death: its requests go with it, its lease expires
                     rs[r] = R::default();
                 }
             }
-            let in_flight: u64 = rs.iter().map(|x| x.in_flight).sum();
+            let in_flight: u64 = rs.iter().map(|x| x.in_flight.iter().sum::<u64>()).sum();
             let held: u64 = rs.iter().map(|x| x.hold).sum();
             prop_assert!(in_flight <= budget, "{} in flight over {}", in_flight, budget);
             prop_assert!(held <= budget, "{} held over {}", held, budget);

@@ -33,7 +33,10 @@ const FLEET: &str = include_str!("scripts/fleet.lua");
 const DEMAND: &str = include_str!("scripts/demand.lua");
 
 /// The version of the backend-budget lease script, part of its keys' names.
-pub const FLEET_VERSION: u32 = 1;
+pub const FLEET_VERSION: u32 = 2;
+
+/// The version of the fleet demand script, part of its keys' names.
+const DEMAND_VERSION: u32 = 1;
 
 /// Limits shared through one Redis (or Valkey) server.
 #[derive(Clone)]
@@ -235,32 +238,33 @@ impl RedisStore {
 
     /// Leases, renews or (with `want` and `in_flight` both zero) returns replica
     /// `replica`'s slice of `backend`'s `budget` for `lease` (see levee-policy's `fleet`
-    /// module for the rule, `scripts/fleet.lua` for the script). `in_flight` is what the
-    /// replica has there now: it stays counted as held even when the slice shrinks below it.
+    /// module for the rule, `scripts/fleet.lua` for the script). `want` is what it asks for
+    /// per priority class, the highest first (levee-policy's `slice_want`); `in_flight` is
+    /// what the replica has there now: it stays counted as held even when the slice shrinks
+    /// below it.
     pub async fn lease_backend(
         &self,
         backend: &str,
         replica: &str,
         lease: Duration,
         budget: Budget,
-        want: Budget,
+        want: &[Budget],
         in_flight: Budget,
     ) -> Result<SliceGrant, StoreError> {
         let ms = u64::try_from(lease.as_millis()).unwrap_or(u64::MAX).max(1);
         let mut conn = self.conn.clone();
-        let reply: Vec<i64> = self
-            .fleet
-            .key(self.fleet_key(backend))
-            .arg(replica)
+        let mut call = self.fleet.key(self.fleet_key(backend));
+        call.arg(replica)
             .arg(ms)
             .arg(budget.slots)
             .arg(budget.kv_tokens)
-            .arg(want.slots.min(budget.slots))
-            .arg(want.kv_tokens.min(budget.kv_tokens))
             .arg(in_flight.slots)
-            .arg(in_flight.kv_tokens)
-            .invoke_async(&mut conn)
-            .await?;
+            .arg(in_flight.kv_tokens);
+        for w in want {
+            call.arg(w.slots.min(budget.slots))
+                .arg(w.kv_tokens.min(budget.kv_tokens));
+        }
+        let reply: Vec<i64> = call.invoke_async(&mut conn).await?;
         let n = |v: i64| u64::try_from(v).unwrap_or(0);
         match reply.as_slice() {
             [s, k, os, ok, r] => Ok(SliceGrant {
@@ -292,7 +296,7 @@ impl RedisStore {
         let ms = u64::try_from(lifetime.as_millis())
             .unwrap_or(u64::MAX)
             .max(1);
-        let key = format!("{}demand:v{FLEET_VERSION}:{{{model}}}", self.prefix);
+        let key = format!("{}demand:v{DEMAND_VERSION}:{{{model}}}", self.prefix);
         let rate = if rate.is_finite() { rate.max(0.0) } else { 0.0 };
         let mut conn = self.conn.clone();
         let (others, queued, n): (String, u64, u32) = self

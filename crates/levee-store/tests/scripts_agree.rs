@@ -240,3 +240,146 @@ fn without_a_clock_the_scripts_use_the_servers_time() {
         store.clear().await.unwrap();
     });
 }
+
+/// One renewal in [`fleet_script_splits_as_the_rust_rule`]: a replica (0..4), its wants per
+/// priority class (slots, KV tokens), and what it has in flight; `None` wants: it returns
+/// its slice.
+type Renewal = (usize, Option<Vec<(u64, u64)>>, (u64, u64));
+
+/// What the model keeps of a replica's record: its wants per class and its holding.
+type Record = (Vec<(u64, u64)>, (u64, u64));
+
+fn renewal() -> impl Strategy<Value = Renewal> {
+    (
+        0usize..4,
+        prop::option::weighted(0.9, prop::collection::vec((0u64..30, 0u64..3_000), 0..4)),
+        (0u64..20, 0u64..2_000),
+    )
+}
+
+/// The backend-budget lease script (`fleet.lua`) and levee-policy's `tiered_split` decide
+/// the same grants: random renewals and returns of up to four replicas, each asking per
+/// priority class, get exactly `min(tiered_split(the live replicas' wants)[me], budget −
+/// what the others hold)` in slots and in KV tokens, with the others' holdings and the
+/// live count the model keeps; a replica's holding is `max(grant, in flight)`.
+#[test]
+fn fleet_script_splits_as_the_rust_rule() {
+    use levee_policy::{tiered_split, Budget};
+    let Some((rt, store)) = redis_store("agree-fleet") else {
+        return;
+    };
+    let lease = Duration::from_secs(60);
+    let n = std::cell::Cell::new(0u32);
+    let mut runner = proptest::test_runner::TestRunner::new(ProptestConfig {
+        cases: 128,
+        ..ProptestConfig::default()
+    });
+    let result = runner.run(
+        &(
+            1u64..40,
+            1u64..10_000,
+            prop::collection::vec(renewal(), 1..40),
+        ),
+        |(slots, kv, ops)| {
+            n.set(n.get() + 1);
+            let backend = format!("m@agree{}", n.get());
+            let budget = Budget {
+                slots,
+                kv_tokens: kv,
+            };
+            // Per replica, while it holds a record: its wants per class and its holding.
+            let mut live: [Option<Record>; 4] = Default::default();
+            for (step, (r, wants, used)) in ops.into_iter().enumerate() {
+                let wants: Vec<(u64, u64)> = wants
+                    .unwrap_or_default()
+                    .into_iter()
+                    .map(|(s, k)| (s.min(slots), k.min(kv)))
+                    .collect();
+                let in_flight = Budget {
+                    slots: used.0,
+                    kv_tokens: used.1,
+                };
+                let asked: Vec<Budget> = wants
+                    .iter()
+                    .map(|&(s, k)| Budget {
+                        slots: s,
+                        kv_tokens: k,
+                    })
+                    .collect();
+                let g = rt
+                    .block_on(store.lease_backend(
+                        &backend,
+                        &format!("r{r}"),
+                        lease,
+                        budget,
+                        &asked,
+                        in_flight,
+                    ))
+                    .unwrap();
+                // The model: every replica in id order (r0..r3; one without a record wants
+                // nothing, which changes no one's part), this one with its new wants.
+                let column = |k: usize| -> Vec<Vec<u64>> {
+                    (0..4)
+                        .map(|j| {
+                            let w = if j == r {
+                                Some(&wants)
+                            } else {
+                                live[j].as_ref().map(|(w, _)| w)
+                            };
+                            w.map_or(Vec::new(), |w| {
+                                w.iter().map(|p| if k == 0 { p.0 } else { p.1 }).collect()
+                            })
+                        })
+                        .collect()
+                };
+                let others = |k: usize| -> u64 {
+                    live.iter()
+                        .enumerate()
+                        .filter(|(j, _)| *j != r)
+                        .filter_map(|(_, l)| l.as_ref())
+                        .map(|(_, h)| if k == 0 { h.0 } else { h.1 })
+                        .sum()
+                };
+                let expect_s =
+                    tiered_split(&column(0), slots)[r].min(slots.saturating_sub(others(0)));
+                let expect_k = tiered_split(&column(1), kv)[r].min(kv.saturating_sub(others(1)));
+                let replicas = 1 + live
+                    .iter()
+                    .enumerate()
+                    .filter(|(j, l)| *j != r && l.is_some())
+                    .count() as u32;
+                let model = (expect_s, expect_k, others(0), others(1), replicas);
+                let lua = (
+                    g.allowed.slots,
+                    g.allowed.kv_tokens,
+                    g.others.slots,
+                    g.others.kv_tokens,
+                    g.replicas,
+                );
+                prop_assert_eq!(
+                    lua,
+                    model,
+                    "step {}: replica r{} wants {:?}, in flight {:?} (Lua, model)",
+                    step,
+                    r,
+                    &wants,
+                    used
+                );
+                let active = used != (0, 0) || wants.iter().any(|&w| w != (0, 0));
+                live[r] = active.then(|| {
+                    (
+                        wants,
+                        (
+                            expect_s.max(in_flight.slots),
+                            expect_k.max(in_flight.kv_tokens),
+                        ),
+                    )
+                });
+            }
+            Ok(())
+        },
+    );
+    let cleared = rt.block_on(store.clear());
+    result.unwrap();
+    cleared.unwrap();
+}

@@ -454,7 +454,7 @@ fn redis_backend_leases_match_the_model() {
                         &format!("r{r}"),
                         lease,
                         budget,
-                        want,
+                        &[want],
                         in_flight,
                     ))
                     .unwrap();
@@ -524,7 +524,7 @@ fn redis_backend_slices_of_a_dead_replica_come_back_after_the_lease() {
             let store = store.clone();
             async move {
                 store
-                    .lease_backend("m@b", r, lease, budget, budget, Budget::default())
+                    .lease_backend("m@b", r, lease, budget, &[budget], Budget::default())
                     .await
                     .unwrap()
             }
@@ -551,14 +551,7 @@ fn redis_backend_slices_of_a_dead_replica_come_back_after_the_lease() {
         );
         // A clean return frees at once.
         store
-            .lease_backend(
-                "m@b",
-                "live",
-                lease,
-                budget,
-                Budget::default(),
-                Budget::default(),
-            )
+            .lease_backend("m@b", "live", lease, budget, &[], Budget::default())
             .await
             .unwrap();
         let again = lease_for("dead").await;

@@ -284,23 +284,11 @@ impl Lane {
         });
     }
 
-    /// What this replica has of backend `key` and waiting for it: its requests and KV
-    /// tokens in flight there, and its share of the lane's queue (split evenly over the
-    /// lane's backends).
-    pub fn demand(&self, key: &str) -> levee_policy::SliceDemand {
-        let now = self.ctx.clock.now();
-        self.view(|l| {
-            let stats = l.backend_stats(now);
-            let n = stats.len().max(1) as u64;
-            let q = l.queue_stats();
-            let mine = stats.iter().find(|s| &*s.id == key);
-            levee_policy::SliceDemand {
-                in_flight: mine.map_or(0, |s| s.in_flight as u64),
-                kv_in_flight: mine.map_or(0, |s| s.tokens_in_flight),
-                queued: (q.len as u64).div_ceil(n),
-                queued_kv: q.tokens.div_ceil(n),
-            }
-        })
+    /// What this replica has of backend `key` and waiting for it, per tier: its requests
+    /// and KV tokens in flight there, and its share of each tier's queue (split evenly over
+    /// the lane's backends).
+    pub fn demand(&self, key: &str) -> Vec<levee_policy::SliceDemand> {
+        self.view(|l| l.fleet_demand(key))
     }
 
     /// Ejects backend `key` until `until` (outlier detection).
