@@ -13,83 +13,14 @@
 
 mod common;
 
+use common::same_tier::{arrivals, Mix, Quiet, NAMES, RUN, SERVICE};
 use common::Running;
 use levee_policy::*;
-use rand::rngs::SmallRng;
-use rand::SeedableRng;
-use rand_distr::{Distribution, Exp};
 use std::sync::Arc;
 use std::time::Duration;
 
-const SERVICE: Duration = Duration::from_secs(2);
 const PREFILL: Duration = Duration::from_millis(100);
 const STEP: Duration = Duration::from_millis(10);
-const RUN: Duration = Duration::from_secs(600);
-const NAMES: [&str; 12] = [
-    "q0", "q1", "q2", "q3", "q4", "q5", "q6", "q7", "q8", "q9", "q10", "q11",
-];
-
-/// A traffic mix: quiet tenants and a flooder of the same tier on a fleet of two backends.
-#[derive(Debug, Clone, Copy)]
-struct Mix {
-    quiet: usize,
-    /// Requests per second of each quiet tenant.
-    quiet_rate: f64,
-    /// Requests per second of the flooder.
-    flood_rate: f64,
-    slots_per_backend: usize,
-    seed: u64,
-}
-
-impl Mix {
-    /// The quiet tenants' share of the fleet's slots.
-    fn quiet_share(&self) -> f64 {
-        self.quiet as f64 * self.quiet_rate * SERVICE.as_secs_f64()
-            / (2 * self.slots_per_backend) as f64
-    }
-
-    /// The flooder's weighted share of the fleet, in requests per second.
-    fn flooder_share(&self) -> f64 {
-        (2 * self.slots_per_backend) as f64 / (self.quiet + 1) as f64 / SERVICE.as_secs_f64()
-    }
-}
-
-#[derive(Debug, Default)]
-struct Quiet {
-    ttft: Vec<Duration>,
-    failed: usize,
-    /// The flooder's requests served.
-    flooder_served: usize,
-}
-
-impl Quiet {
-    fn p99(&mut self) -> Duration {
-        self.ttft.sort();
-        let i = ((self.ttft.len() as f64) * 0.99).ceil() as usize;
-        self.ttft[i.saturating_sub(1).min(self.ttft.len() - 1)]
-    }
-
-    /// The flooder's requests served per second.
-    fn flooder_rate(&self) -> f64 {
-        self.flooder_served as f64 / RUN.as_secs_f64()
-    }
-}
-
-/// Arrival times (ms) of a Poisson stream of `rate` per second over the run.
-fn arrivals(rate: f64, seed: u64) -> Vec<u64> {
-    let mut rng = SmallRng::seed_from_u64(seed);
-    let gap = Exp::new(rate).unwrap();
-    let mut t = 0.0;
-    let mut out = Vec::new();
-    loop {
-        t += gap.sample(&mut rng);
-        if t >= RUN.as_secs_f64() {
-            return out;
-        }
-        out.push((t * 1000.0) as u64);
-    }
-}
-
 type Adm = Admission<(&'static str, Timestamp), &'static str>;
 
 /// The fleet: requests hold a slot until their end; each grant is settled then.

@@ -11,10 +11,13 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+/// The same-tier flood of `isolation.rs` (not the rest of the shared test code).
+#[allow(dead_code)]
+#[path = "common/same_tier.rs"]
+mod same_tier;
+
 use levee_policy::*;
-use rand::rngs::SmallRng;
-use rand::SeedableRng;
-use rand_distr::{Distribution, Exp};
+use same_tier::{arrivals, Mix, Quiet, NAMES, RUN};
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
 use std::sync::Arc;
@@ -32,80 +35,6 @@ const STEP_BASE: Duration = Duration::from_millis(5);
 /// the slots at most).
 const TPOT_SLO: Duration = Duration::from_micros(9_500);
 const STEP: Duration = Duration::from_millis(10);
-const RUN: Duration = Duration::from_secs(600);
-const NAMES: [&str; 12] = [
-    "q0", "q1", "q2", "q3", "q4", "q5", "q6", "q7", "q8", "q9", "q10", "q11",
-];
-
-/// A traffic mix: quiet tenants and a flooder of the same tier on a fleet of two backends.
-#[derive(Debug, Clone, Copy)]
-struct Mix {
-    quiet: usize,
-    /// Requests per second of each quiet tenant.
-    quiet_rate: f64,
-    /// Requests per second of the flooder.
-    flood_rate: f64,
-    slots_per_backend: usize,
-    seed: u64,
-}
-
-impl Mix {
-    /// The quiet tenants' share of the fleet's slots at 2 s of service.
-    fn quiet_share(&self) -> f64 {
-        self.quiet as f64 * self.quiet_rate * 2.0 / (2 * self.slots_per_backend) as f64
-    }
-
-    /// The flooder's weighted share of the fleet, in requests per second at 2 s of service.
-    fn flooder_share(&self) -> f64 {
-        (2 * self.slots_per_backend) as f64 / (self.quiet + 1) as f64 / 2.0
-    }
-}
-
-#[derive(Debug, Default)]
-struct Quiet {
-    ttft: Vec<Duration>,
-    tpot: Vec<Duration>,
-    failed: usize,
-    /// The flooder's requests served.
-    flooder_served: usize,
-}
-
-fn p99(v: &mut [Duration]) -> Duration {
-    v.sort();
-    let i = ((v.len() as f64) * 0.99).ceil() as usize;
-    v[i.saturating_sub(1).min(v.len() - 1)]
-}
-
-impl Quiet {
-    fn p99(&mut self) -> Duration {
-        p99(&mut self.ttft)
-    }
-
-    fn p99_tpot(&mut self) -> Duration {
-        p99(&mut self.tpot)
-    }
-
-    /// The flooder's requests served per second.
-    fn flooder_rate(&self) -> f64 {
-        self.flooder_served as f64 / RUN.as_secs_f64()
-    }
-}
-
-/// Arrival times (ms) of a Poisson stream of `rate` per second over the run.
-fn arrivals(rate: f64, seed: u64) -> Vec<u64> {
-    let mut rng = SmallRng::seed_from_u64(seed);
-    let gap = Exp::new(rate).unwrap();
-    let mut t = 0.0;
-    let mut out = Vec::new();
-    loop {
-        t += gap.sample(&mut rng);
-        if t >= RUN.as_secs_f64() {
-            return out;
-        }
-        out.push((t * 1000.0) as u64);
-    }
-}
-
 type Adm = Admission<(&'static str, Timestamp), &'static str>;
 
 /// One backend's engine: when its prefill is free, and the sequences it runs.

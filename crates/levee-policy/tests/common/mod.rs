@@ -1,6 +1,10 @@
 //! What the time-simulated fleet tests share: requests holding a backend until their end,
 //! each grant settled with the admission state when its end comes.
 
+/// Not every test file runs the same-tier flood.
+#[allow(dead_code)]
+pub mod same_tier;
+
 use levee_policy::{Admission, Completion, Grant, Outcome, Timestamp};
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
