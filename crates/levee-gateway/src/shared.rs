@@ -371,17 +371,32 @@ impl Shared {
     /// Renews this replica's slice of backend `key`'s `budget` for what it has there and
     /// waiting (`demand`), waiting at most the decision timeout; when Redis does not answer
     /// in time it keeps its current slice. Returns the slice to admit against now.
+    ///
+    /// `admitting` is what the replica admits against until the answer arrives (its current
+    /// limits there): the shared state records as held at least the larger of that and what
+    /// is in flight, since requests admitted during the round trip are not in `demand`. A
+    /// shrinking slice thus frees its room for the others one renewal later, never before
+    /// the replica stops admitting into it.
     pub async fn renew_slice(
         &self,
         key: &Arc<str>,
         budget: Budget,
         demand: &[SliceDemand],
+        admitting: Budget,
         now: Timestamp,
     ) -> FleetSlice {
         let want = levee_policy::slice_want(budget, demand);
-        let in_flight = Budget {
-            slots: demand.iter().map(|d| d.in_flight).sum(),
-            kv_tokens: demand.iter().map(|d| d.kv_in_flight).sum(),
+        let may_run = Budget {
+            slots: demand
+                .iter()
+                .map(|d| d.in_flight)
+                .sum::<u64>()
+                .max(admitting.slots),
+            kv_tokens: demand
+                .iter()
+                .map(|d| d.kv_in_flight)
+                .sum::<u64>()
+                .max(admitting.kv_tokens),
         };
         let lease = self.ledger.lock().lease();
         if self.left.load(Ordering::Acquire) {
@@ -389,7 +404,7 @@ impl Shared {
         }
         let asked = self
             .store
-            .lease_backend(key, &self.replica, lease, budget, &want, in_flight);
+            .lease_backend(key, &self.replica, lease, budget, &want, may_run);
         match tokio::time::timeout(self.timeout, asked).await {
             Ok(Ok(grant)) => self.ledger.lock().granted(key, grant, now),
             Ok(Err(e)) => {

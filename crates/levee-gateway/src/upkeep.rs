@@ -58,8 +58,13 @@ async fn renew_slices(gw: &Gateway, shared: &crate::shared::Shared) {
     let lanes = gw.lanes();
     let jobs = lanes.iter().flat_map(|lane| {
         lane.backends().into_iter().map(move |b| async move {
+            let limits = b.limits();
+            let admitting = levee_policy::Budget {
+                slots: u64::try_from(limits.max_in_flight).unwrap_or(u64::MAX),
+                kv_tokens: limits.kv_tokens.unwrap_or(0),
+            };
             let slice = shared
-                .renew_slice(&b.key, b.budget(), &lane.demand(&b.key), now)
+                .renew_slice(&b.key, b.budget(), &lane.demand(&b.key), admitting, now)
                 .await;
             b.set_fleet_slice(slice);
             lane.slice_changed(&b);

@@ -23,8 +23,11 @@
 //!   while the shared state does not answer (it keeps its current slice).
 //!
 //! A grant is `min(tiered share, budget − what the others hold)`; a replica's holding in the
-//! shared state is `max(grant, what it has in flight)`, so a replica whose slice shrank
-//! keeps counting what it still runs until that ends. Holdings expire after the lease time
+//! shared state is `max(grant, what it may run)`, what it may run being the larger of what
+//! it has in flight and the slice it admits against until the answer reaches it (requests
+//! admitted during the round trip are not in the demand it sent). So a replica whose slice
+//! shrank keeps counting what it still runs until that ends, and its old slice until it has
+//! stopped admitting into it. Holdings expire after the lease time
 //! unless renewed: a dead replica's slice comes back to the others then.
 
 use crate::clock::Timestamp;

@@ -966,18 +966,29 @@ proptest! {
     #[test]
     fn replicas_leasing_slices_never_exceed_the_budget(
         budget in 1u64..40,
-        ops in proptest::collection::vec((0usize..3, 0u8..4, 0u64..50), 1..300),
+        ops in proptest::collection::vec((0usize..3, 0u8..5, 0u64..50), 1..300),
     ) {
         // The shared state's rule (the Redis script's): a grant is min(tiered share, budget
-        // − the others' holdings); the holding recorded is max(grant, in flight). Two tiers.
+        // − the others' holdings); the holding recorded is max(grant, what the replica
+        // reported it may run). A renewal is two steps: the script runs on the demand the
+        // replica sent, and the grant reaches the replica later; meanwhile the replica keeps
+        // admitting against its previous grant, so it reports max(in flight, that grant).
+        // Two tiers.
         #[derive(Default, Clone)]
-        struct R { hold: u64, want: Vec<u64>, allowed: u64, in_flight: [u64; 2], queued: [u64; 2] }
+        struct R {
+            hold: u64,
+            want: Vec<u64>,
+            allowed: u64,
+            in_flight: [u64; 2],
+            queued: [u64; 2],
+            answer: Option<u64>,
+        }
         let mut rs = vec![R::default(); 3];
         let b = Budget { slots: budget, kv_tokens: 0 };
         for (r, op, n) in ops {
             match op {
                 0 => {
-                    // renew with the replica's demand
+                    // a renewal with the replica's demand reaches the shared state
                     let demand: Vec<SliceDemand> = (0..2)
                         .map(|t| SliceDemand { in_flight: rs[r].in_flight[t], queued: rs[r].queued[t], ..SliceDemand::default() })
                         .collect();
@@ -985,9 +996,14 @@ proptest! {
                     let wants: Vec<Vec<u64>> = rs.iter().map(|x| x.want.clone()).collect();
                     let share = tiered_split(&wants, budget)[r];
                     let others: u64 = rs.iter().enumerate().filter(|(j, _)| *j != r).map(|(_, x)| x.hold).sum();
-                    let allowed = share.min(budget.saturating_sub(others));
-                    rs[r].allowed = allowed;
-                    rs[r].hold = allowed.max(rs[r].in_flight.iter().sum());
+                    let grant = share.min(budget.saturating_sub(others));
+                    let may_run = rs[r].in_flight.iter().sum::<u64>().max(rs[r].allowed);
+                    rs[r].hold = grant.max(may_run);
+                    rs[r].answer = Some(grant);
+                }
+                4 => {
+                    // the grant reaches the replica
+                    if let Some(g) = rs[r].answer.take() { rs[r].allowed = g }
                 }
                 1 => {
                     // requests of one tier arrive: admitted within the allowance, the rest queue

@@ -240,8 +240,9 @@ impl RedisStore {
     /// `replica`'s slice of `backend`'s `budget` for `lease` (see levee-policy's `fleet`
     /// module for the rule, `scripts/fleet.lua` for the script). `want` is what it asks for
     /// per priority class, the highest first (levee-policy's `slice_want`); `in_flight` is
-    /// what the replica has there now: it stays counted as held even when the slice shrinks
-    /// below it.
+    /// what the replica may run there until this answer reaches it (what it has in flight,
+    /// or the slice it admits against meanwhile, whichever is larger): it stays counted as
+    /// held even when the slice shrinks below it.
     pub async fn lease_backend(
         &self,
         backend: &str,

@@ -3,7 +3,9 @@
 -- KEYS[1]: hash of the backend's slices, one field per replica: "held_slots held_kv
 --   expiry_ms want_slots_0 want_kv_0 want_slots_1 want_kv_1 ..." (server ms; one want pair
 --   per priority class, the highest first).
--- ARGV: replica id, lease ms, budget slots, budget kv, in-flight slots, in-flight kv, then
+-- ARGV: replica id, lease ms, budget slots, budget kv, in-flight slots, in-flight kv (what
+--   the replica may run until this answer reaches it: in flight, or the slice it admits
+--   against meanwhile, whichever is larger), then
 --   the replica's want per class: slots, kv, slots, kv, ... Wants and in-flight all zero (or
 --   no wants): the replica returns its slice.
 -- A grant is min(tiered share of the budget over the live replicas' wants, budget − what the
