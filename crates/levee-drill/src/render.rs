@@ -108,18 +108,20 @@ fn failure_rows(scenario: &Scenario, runs: &[(Contender, Outcome)]) -> Vec<Row> 
     }
     row("429s", &|o| o.report.rate_limited().to_string());
     row("  of which queue timeouts", &|o| {
-        let t = o
-            .report
-            .errors
-            .get("429:queue_timeout")
-            .copied()
-            .unwrap_or(0);
+        let t = verdicts::refusals_with_code(&o.report.errors, "queue_timeout");
         let all = o.report.rate_limited();
         if all == 0 {
             "0".into()
         } else {
             format!("{t} ({:.1}%)", 100.0 * t as f64 / all as f64)
         }
+    });
+    // Premium must not fail: what failed it, by cause (levee names the check that refused).
+    row("premium failures, by cause", &|o| {
+        o.report
+            .per_tier
+            .get("premium")
+            .map_or_else(|| "-".into(), |g| by_cause(&g.errors))
     });
     row("5xx", &|o| o.report.server_errors().to_string());
     row("invalid requests (engine 4xx)", &|o| {
@@ -305,6 +307,26 @@ fn engine_queue_peak(report: &Report) -> Option<f64> {
         .reduce(f64::max)
 }
 
+/// Failures by kind, the three largest first (`429:` dropped: the row says what refused):
+/// `capacity_overload:predicted_wait 3, timeout 1`; `0` when none.
+fn by_cause(errors: &std::collections::BTreeMap<String, u64>) -> String {
+    let mut kinds: Vec<(&String, &u64)> = errors.iter().filter(|(_, n)| **n > 0).collect();
+    if kinds.is_empty() {
+        return "0".into();
+    }
+    kinds.sort_by(|a, b| b.1.cmp(a.1).then(a.0.cmp(b.0)));
+    let mut out: Vec<String> = kinds
+        .iter()
+        .take(3)
+        .map(|(k, n)| format!("{} {n}", k.strip_prefix("429:").unwrap_or(k)))
+        .collect();
+    let rest: u64 = kinds.iter().skip(3).map(|(_, n)| **n).sum();
+    if rest > 0 {
+        out.push(format!("other {rest}"));
+    }
+    out.join(", ")
+}
+
 fn pct(x: f64) -> String {
     format!("{:.2}%", x * 100.0)
 }
@@ -353,5 +375,28 @@ mod tests {
             rows: vec![("  429s".into(), vec!["3".into()])],
         };
         assert!(table_html(&t).contains("<tr><th>429s</th><td>3</td></tr>"));
+    }
+
+    #[test]
+    fn failures_by_cause_name_the_largest_first_and_sum_the_rest() {
+        let errors = |kinds: &[(&str, u64)]| {
+            kinds
+                .iter()
+                .map(|(k, n)| (k.to_string(), *n))
+                .collect::<std::collections::BTreeMap<_, _>>()
+        };
+        assert_eq!(by_cause(&errors(&[])), "0");
+        assert_eq!(by_cause(&errors(&[("timeout", 0)])), "0");
+        assert_eq!(
+            by_cause(&errors(&[
+                ("timeout", 1),
+                ("429:capacity_overload:predicted_wait", 3),
+                ("429:queue_timeout:queue_timeout", 2),
+                ("5xx:503", 1),
+                ("broken_stream", 4),
+            ])),
+            "broken_stream 4, capacity_overload:predicted_wait 3, \
+             queue_timeout:queue_timeout 2, other 2"
+        );
     }
 }

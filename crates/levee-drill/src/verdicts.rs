@@ -136,11 +136,7 @@ pub fn premium(report: &Report, over_quota_estimate: u64) -> Option<Check> {
     if g.requests == 0 {
         return None;
     }
-    let refused_as_over_quota = g
-        .errors
-        .get("429:rate_limit_exceeded")
-        .copied()
-        .unwrap_or(0);
+    let refused_as_over_quota = refusals_with_code(&g.errors, "rate_limit_exceeded");
     let excused = refused_as_over_quota.min(over_quota_estimate);
     // An invalid request the engine itself refused is the client's fault, not the fleet's.
     let invalid = engine_client_errors(&g.errors);
@@ -242,6 +238,20 @@ pub fn engine_client_errors(errors: &std::collections::BTreeMap<String, u64>) ->
     errors
         .iter()
         .filter(|(k, _)| k.starts_with("4xx:") && !k.ends_with(":levee"))
+        .map(|(_, v)| *v)
+        .sum()
+}
+
+/// 429s with error code `code`: the key `429:<code>`, or `429:<code>:<check>` when levee
+/// named the check that refused.
+pub fn refusals_with_code(errors: &std::collections::BTreeMap<String, u64>, code: &str) -> u64 {
+    errors
+        .iter()
+        .filter(|(k, _)| {
+            k.strip_prefix("429:")
+                .and_then(|rest| rest.strip_prefix(code))
+                .is_some_and(|tail| tail.is_empty() || tail.starts_with(':'))
+        })
         .map(|(_, v)| *v)
         .sum()
 }
@@ -416,9 +426,38 @@ mod tests {
         // The same refusals when the schedule was only 10 over quota: 90 in-quota failures.
         let c = premium(&r, 10).unwrap();
         assert_eq!(c.met, Some(false), "{}", c.measured);
+        // levee names the quota that refused: the same excuse.
+        g.errors.clear();
+        g.errors
+            .insert("429:rate_limit_exceeded:tenant_requests".into(), 60);
+        g.errors
+            .insert("429:rate_limit_exceeded:tenant_tokens".into(), 40);
+        r.per_tier.insert("premium".into(), g.clone());
+        assert_eq!(premium(&r, 100).unwrap().met, Some(true));
+        // A capacity refusal is never excused, whatever check made it.
+        g.errors.clear();
+        g.errors
+            .insert("429:capacity_overload:predicted_wait".into(), 100);
+        r.per_tier.insert("premium".into(), g.clone());
+        assert_eq!(premium(&r, 100).unwrap().met, Some(false));
         // No premium traffic: no verdict.
         r.per_tier.clear();
         assert!(premium(&r, 0).is_none());
+    }
+
+    #[test]
+    fn refusals_are_counted_by_code_with_or_without_the_check() {
+        let errors: std::collections::BTreeMap<String, u64> = [
+            ("429:queue_timeout", 2),
+            ("429:queue_timeout:queue_timeout", 3),
+            ("429:queue_timeouts_elsewhere", 100),
+            ("4xx:429", 100),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect();
+        assert_eq!(refusals_with_code(&errors, "queue_timeout"), 5);
+        assert_eq!(refusals_with_code(&errors, "capacity_overload"), 0);
     }
 
     #[test]

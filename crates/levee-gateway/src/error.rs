@@ -722,6 +722,14 @@ impl IntoResponse for GatewayError {
                 HeaderValue::from(p),
             );
         }
+        // Which check refused: finer than the code (`capacity_overload` has five), for
+        // clients and load tests that tally refusals by cause.
+        if let Some(r) = self.refusal {
+            h.insert(
+                HeaderName::from_static("x-levee-refusal"),
+                HeaderValue::from_static(r.label()),
+            );
+        }
         if origin != Origin::Upstream || status == StatusCode::SERVICE_UNAVAILABLE {
             h.insert(
                 HeaderName::from_static("x-levee-error-origin"),

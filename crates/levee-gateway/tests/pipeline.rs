@@ -62,6 +62,8 @@ async fn quota_429_has_headers_and_an_honest_retry_after() {
     assert_eq!(secs, ms.div_ceil(1000));
     assert_eq!(h["x-ratelimit-limit-requests"], "2");
     assert_eq!(h["x-ratelimit-remaining-requests"], "0");
+    // The check that refused: the tenant's request quota.
+    assert_eq!(h["x-levee-refusal"], "tenant_requests");
     assert!(h.contains_key("x-ratelimit-reset-requests"));
     let v = error_json(r).await;
     assert_eq!(v["error"]["code"], "rate_limit_exceeded");
@@ -141,6 +143,7 @@ async fn hard_watermark_refuses_fast() {
     assert_eq!(r.status(), 429);
     assert!(r.headers().contains_key("retry-after"));
     assert!(r.headers().contains_key("retry-after-ms"));
+    assert_eq!(r.headers()["x-levee-refusal"], "hard_watermark");
     assert_eq!(error_json(r).await["error"]["code"], "capacity_overload");
     // Still ready: overload is answered with 429s, never by leaving the load balancer
     // (replicas at their watermark together would all leave at once).

@@ -187,6 +187,8 @@ pub(crate) async fn attempt(
             std::time::SystemTime::now(),
         );
         let levee_origin = headers.contains_key("x-levee-error-origin");
+        // levee names the check that refused; kept with the code (`<code>:<check>`).
+        let check = get("x-levee-refusal").map(str::to_owned);
         let body = Limited::new(response.into_body(), ERROR_BODY_LIMIT)
             .collect()
             .await
@@ -204,7 +206,10 @@ pub(crate) async fn attempt(
                     .or(b.error.kind)
                 })
                 .unwrap_or_else(|| "unknown".into());
-            Kind::RateLimited(code)
+            Kind::RateLimited(match check {
+                Some(check) => format!("{code}:{check}"),
+                None => code,
+            })
         } else if levee_origin {
             Kind::LeveeStatus(status.as_u16())
         } else {

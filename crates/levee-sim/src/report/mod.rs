@@ -43,7 +43,8 @@ pub struct Report {
     pub rates: Rates,
     /// Latency distributions.
     pub latency: Latency,
-    /// Failed requests by kind: `429:<code>`, `5xx:<status>`, `4xx:<status>` (relayed from
+    /// Failed requests by kind: `429:<code>` (`429:<code>:<check>` when a levee gateway named
+    /// the check that refused in `x-levee-refusal`), `5xx:<status>`, `4xx:<status>` (relayed from
     /// the server behind the target, or answered by a target that is not levee),
     /// `4xx:<status>:levee` (a levee gateway's own refusal: its answer carried
     /// `x-levee-error-origin`), `timeout`, `connect`, `broken_stream`, `cancelled`.
