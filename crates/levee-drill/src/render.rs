@@ -182,15 +182,25 @@ pub(crate) fn side_by_side(
 pub(crate) fn text_table(t: &Table) -> String {
     let mut s = String::new();
     let _ = writeln!(s, "{}\n", t.title);
+    // Each column as wide as its longest cell and two spaces, at least 14.
+    let widths: Vec<usize> = (0..t.labels.len())
+        .map(|i| {
+            let cells = t.rows.iter().filter_map(|(_, c)| c.get(i));
+            std::iter::once(&t.labels[i])
+                .chain(cells)
+                .map(|c| c.chars().count() + 2)
+                .fold(14, usize::max)
+        })
+        .collect();
     let _ = write!(s, "{:<30}", "");
-    for label in &t.labels {
-        let _ = write!(s, "{label:>14}");
+    for (label, w) in t.labels.iter().zip(&widths) {
+        let _ = write!(s, "{label:>w$}");
     }
     let _ = writeln!(s);
     for (name, cells) in &t.rows {
         let _ = write!(s, "{name:<30}");
-        for c in cells {
-            let _ = write!(s, "{c:>14}");
+        for (c, w) in cells.iter().zip(&widths) {
+            let _ = write!(s, "{c:>w$}");
         }
         let _ = writeln!(s);
     }
@@ -375,6 +385,26 @@ mod tests {
             rows: vec![("  429s".into(), vec!["3".into()])],
         };
         assert!(table_html(&t).contains("<tr><th>429s</th><td>3</td></tr>"));
+    }
+
+    #[test]
+    fn a_long_cell_widens_its_column_instead_of_running_into_the_next() {
+        let t = Table {
+            title: "t".into(),
+            labels: vec!["a".into(), "b".into()],
+            rows: vec![(
+                "causes".into(),
+                vec![
+                    "5xx:503 172".into(),
+                    "rate_limit_exceeded:tenant_requests 68".into(),
+                ],
+            )],
+        };
+        let text = text_table(&t);
+        assert!(
+            text.contains("   5xx:503 172  rate_limit_exceeded:tenant_requests 68"),
+            "{text}"
+        );
     }
 
     #[test]

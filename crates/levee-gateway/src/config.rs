@@ -545,8 +545,35 @@ pub struct ModelConfig {
     /// Time-to-first-token target (SLO). When set, the lane's P95 TTFT above 1.5× it raises
     /// the degradation level.
     pub ttft_slo_ms: Option<u64>,
+    /// Count long prompts exactly by asking a backend (its `/tokenize`) before admission.
+    /// Unset: every prompt is reserved by the estimate (corrected by what the engines
+    /// counted lately).
+    pub exact_count: Option<ExactCountConfig>,
     /// The backends; at least one.
     pub backends: Vec<BackendConfig>,
+}
+
+/// Exact prompt counts by the engine itself (`[models.exact_count]`): vLLM's `POST /tokenize`
+/// (chat messages with tools, through the model's template), llama-server's
+/// `POST /apply-template` then `POST /tokenize`. One call (two for llama-server) per long
+/// prompt, to one routable backend of the model, before admission.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct ExactCountConfig {
+    /// Prompts whose corrected estimate is at least this many tokens are counted by the
+    /// engine; shorter ones keep the estimate (its error is small in tokens).
+    pub min_prompt_tokens: u64,
+    /// How long a count may take; past it (or when the backend fails) the estimate stands.
+    pub timeout_ms: u64,
+}
+
+impl Default for ExactCountConfig {
+    fn default() -> Self {
+        ExactCountConfig {
+            min_prompt_tokens: 2_048,
+            timeout_ms: 200,
+        }
+    }
 }
 
 /// The metrics dialect a backend speaks.
@@ -1399,6 +1426,15 @@ impl Config {
                     errs.push(format!(
                         "{p}.tokenizer: {} is not a readable file (a Hugging Face tokenizer.json)",
                         path.display()
+                    ));
+                }
+            }
+            if let Some(x) = &m.exact_count {
+                if x.timeout_ms == 0 || x.timeout_ms > 10_000 {
+                    errs.push(format!(
+                        "{p}.exact_count.timeout_ms: must be 1..=10000 (it delays admission \
+                         of every long prompt by up to this), got {}",
+                        x.timeout_ms
                     ));
                 }
             }

@@ -95,6 +95,15 @@ pub struct CorrectionLabel {
     pub text: &'static str,
 }
 
+/// Labels of `levee_exact_counts_total`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ExactCountLabels {
+    /// Model name.
+    pub model: String,
+    /// `counted`, `timed_out` or `failed`.
+    pub outcome: &'static str,
+}
+
 /// Labels of per-backend counters with a reason.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct BackendReasonLabels {
@@ -247,6 +256,9 @@ pub struct Metrics {
     /// text (`prose`, `symbols`, `dense`) are scaled by (a high quantile of the engine's
     /// count ÷ levee's estimate).
     pub prompt_correction: Family<CorrectionLabel, Gauge<f64, AtomicU64>>,
+    /// `levee_exact_counts_total{model,outcome}`: long prompts a backend was asked to count
+    /// (`[models.exact_count]`): `counted`, or `timed_out` / `failed` (the estimate stood).
+    pub exact_counts: Family<ExactCountLabels, Counter>,
     /// `levee_watermark{mark}`: the configured queue watermarks (load = queued + in flight).
     pub watermark: Family<MarkLabel, Gauge>,
     /// `levee_lane_load{model}`: each model's lane load (in flight + queued), what the
@@ -444,6 +456,7 @@ impl Metrics {
             recommended_replicas: Family::default(),
             offered_load: Family::default(),
             prompt_correction: Family::default(),
+            exact_counts: Family::default(),
             watermark: Family::default(),
             lane_load: Family::default(),
             backend_max_in_flight: Family::default(),
@@ -609,6 +622,8 @@ impl Metrics {
         add(r, "offered_load", help, &self.offered_load);
         let help = "Factor prompt estimates are scaled by per model: the 95th percentile of the engine's prompt count over levee's estimate, lately";
         add(r, "prompt_correction", help, &self.prompt_correction);
+        let help = "Long prompts a backend was asked to count before admission, by outcome (counted, timed_out, failed: the estimate stood)";
+        add(r, "exact_counts", help, &self.exact_counts);
     }
 
     /// Client connections.
@@ -676,6 +691,16 @@ impl Metrics {
             .get_or_create(&BackendReasonLabels {
                 backend: backend.to_string(),
                 reason: reason.to_string(),
+            })
+            .inc();
+    }
+
+    /// Counts one exact count of a prompt by a backend.
+    pub fn exact_count(&self, model: &str, outcome: &'static str) {
+        self.exact_counts
+            .get_or_create(&ExactCountLabels {
+                model: model.to_string(),
+                outcome,
             })
             .inc();
     }

@@ -340,6 +340,29 @@ impl ClientRequest {
         ))
     }
 
+    /// The prompt as an engine's tokenizer endpoint takes it: a chat's `messages` (and
+    /// `tools`), or a completion's `prompt` string; `None` for anything else (a prompt of
+    /// token ids, a batch of prompts).
+    pub fn prompt_source(&self) -> Option<crate::upstream::PromptSource> {
+        use crate::upstream::PromptSource;
+        use serde_json::Value;
+        #[derive(serde::Deserialize)]
+        struct Fields {
+            messages: Option<Value>,
+            tools: Option<Value>,
+            prompt: Option<Value>,
+        }
+        let f: Fields = serde_json::from_slice(&self.raw).ok()?;
+        match (f.messages, f.prompt) {
+            (Some(m @ Value::Array(_)), _) => Some(PromptSource::Chat {
+                messages: m,
+                tools: f.tools.filter(|t| !t.is_null()),
+            }),
+            (None, Some(Value::String(p))) => Some(PromptSource::Text(p)),
+            _ => None,
+        }
+    }
+
     /// The body to send upstream: `model` set to `model`, the cap written if `cap` is set,
     /// `stream_options.include_usage` set if `include_usage`. Unchanged bytes (no copy)
     /// when none of these changes anything.
@@ -971,6 +994,40 @@ fn contains(h: &[u8], n: &[u8]) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_prompt_for_an_engines_count_is_the_chat_or_the_prompt_string() {
+        use crate::upstream::PromptSource;
+        let src = |body: &str| {
+            ClientRequest::parse(Bytes::from(body.to_string()))
+                .unwrap()
+                .0
+                .prompt_source()
+        };
+        assert_eq!(
+            src(r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"tools":null}"#),
+            Some(PromptSource::Chat {
+                messages: serde_json::json!([{"role":"user","content":"hi"}]),
+                tools: None
+            })
+        );
+        assert_eq!(
+            src(
+                r#"{"model":"m","messages":[{"role":"user","content":"x"}],"tools":[{"type":"function"}]}"#
+            ),
+            Some(PromptSource::Chat {
+                messages: serde_json::json!([{"role":"user","content":"x"}]),
+                tools: Some(serde_json::json!([{"type":"function"}]))
+            })
+        );
+        assert_eq!(
+            src(r#"{"model":"m","prompt":"once upon"}"#),
+            Some(PromptSource::Text("once upon".into()))
+        );
+        // Token ids, or a batch of prompts: the estimate stands.
+        assert_eq!(src(r#"{"model":"m","prompt":[1,2,3]}"#), None);
+        assert_eq!(src(r#"{"model":"m","prompt":["a","b"]}"#), None);
+    }
 
     #[test]
     fn tools_tool_calls_and_images_are_counted() {

@@ -68,7 +68,18 @@ pub struct Model {
     pub ttft_slo: Option<Duration>,
     /// How prompt tokens are counted.
     pub counter: TokenCounter,
+    /// Long prompts counted by a backend before admission.
+    pub exact_count: Option<ExactCount>,
     cfg: ModelConfig,
+}
+
+/// When a model's prompts are counted by a backend (`[models.exact_count]`).
+#[derive(Debug, Clone, Copy)]
+pub struct ExactCount {
+    /// Corrected estimates from this many tokens on are counted.
+    pub min_prompt_tokens: u64,
+    /// Past this the estimate stands.
+    pub timeout: Duration,
 }
 
 /// Everything derived from one configuration. Replaced whole on reload; requests keep the
@@ -193,6 +204,10 @@ fn build_models(
             max_context_tokens: m.max_context_tokens,
             ttft_slo: m.ttft_slo_ms.map(Duration::from_millis),
             counter,
+            exact_count: m.exact_count.as_ref().map(|x| ExactCount {
+                min_prompt_tokens: x.min_prompt_tokens,
+                timeout: Duration::from_millis(x.timeout_ms),
+            }),
             cfg: m.clone(),
         });
         models.insert(m.name.clone(), model);

@@ -835,6 +835,79 @@ impl Backend {
         }
     }
 
+    /// How many tokens `prompt` takes as this engine counts it (its template and tokenizer):
+    /// vLLM's `POST /tokenize` (`count`); llama-server's `POST /apply-template` for a chat,
+    /// then `POST /tokenize` (`tokens`). The caller bounds the time.
+    pub async fn count_prompt(
+        &self,
+        client: &HttpClient,
+        prompt: &PromptSource,
+    ) -> anyhow::Result<u64> {
+        let model = self.upstream_model.as_deref().unwrap_or(&self.model);
+        match (self.kind, prompt) {
+            (BackendKind::Vllm, _) => {
+                let v = self
+                    .post(client, "/tokenize", vllm_tokenize_body(model, prompt))
+                    .await?;
+                v.get("count")
+                    .and_then(serde_json::Value::as_u64)
+                    .ok_or_else(|| anyhow::anyhow!("/tokenize answered without a `count`"))
+            }
+            (BackendKind::Llamacpp, PromptSource::Chat { messages, tools }) => {
+                let mut body = serde_json::json!({ "messages": messages });
+                if let Some(t) = tools {
+                    body["tools"] = t.clone();
+                }
+                let v = self.post(client, "/apply-template", body).await?;
+                let text = v
+                    .get("prompt")
+                    .and_then(serde_json::Value::as_str)
+                    .ok_or_else(|| {
+                        anyhow::anyhow!("/apply-template answered without a `prompt`")
+                    })?;
+                self.llamacpp_tokens(client, text).await
+            }
+            (BackendKind::Llamacpp, PromptSource::Text(text)) => {
+                self.llamacpp_tokens(client, text).await
+            }
+        }
+    }
+
+    /// llama-server's count of `text` (special tokens added, as a completion does).
+    async fn llamacpp_tokens(&self, client: &HttpClient, text: &str) -> anyhow::Result<u64> {
+        let body = serde_json::json!({ "content": text, "add_special": true });
+        let v = self.post(client, "/tokenize", body).await?;
+        v.get("tokens")
+            .and_then(serde_json::Value::as_array)
+            .map(|t| t.len() as u64)
+            .ok_or_else(|| anyhow::anyhow!("/tokenize answered without `tokens`"))
+    }
+
+    async fn post(
+        &self,
+        client: &HttpClient,
+        path: &str,
+        body: serde_json::Value,
+    ) -> anyhow::Result<serde_json::Value> {
+        let uri: http::Uri = format!("{}{path}", self.base).parse()?;
+        let mut req = self.request(
+            http::Method::POST,
+            uri,
+            Bytes::from(body.to_string()),
+            &HeaderMap::new(),
+        )?;
+        req.headers_mut().insert(
+            http::header::CONTENT_TYPE,
+            http::HeaderValue::from_static("application/json"),
+        );
+        let resp = self.client(client).request(req).await?;
+        if !resp.status().is_success() {
+            anyhow::bail!("{path} answered {}", resp.status());
+        }
+        let body = resp.into_body().collect().await?.to_bytes();
+        Ok(serde_json::from_slice(&body)?)
+    }
+
     async fn get(&self, client: &HttpClient, path: &str) -> anyhow::Result<String> {
         let uri: http::Uri = format!("{}{path}", self.base).parse()?;
         let req = self.request(http::Method::GET, uri, Bytes::new(), &HeaderMap::new())?;
@@ -844,6 +917,39 @@ impl Backend {
         }
         let body = resp.into_body().collect().await?.to_bytes();
         Ok(String::from_utf8_lossy(&body).into_owned())
+    }
+}
+
+/// A prompt as an engine's tokenizer endpoint takes it.
+#[derive(Debug, Clone, PartialEq)]
+pub enum PromptSource {
+    /// A chat's messages and tool definitions, rendered through the model's template.
+    Chat {
+        /// `messages`.
+        messages: serde_json::Value,
+        /// `tools`, when the request has any.
+        tools: Option<serde_json::Value>,
+    },
+    /// A completion's `prompt`.
+    Text(String),
+}
+
+/// vLLM's `POST /tokenize` body for `prompt` on `model`: a chat with the reply's header
+/// appended (as a chat completion renders it), or the plain prompt.
+fn vllm_tokenize_body(model: &str, prompt: &PromptSource) -> serde_json::Value {
+    match prompt {
+        PromptSource::Chat { messages, tools } => {
+            let mut body = serde_json::json!({
+                "model": model,
+                "messages": messages,
+                "add_generation_prompt": true,
+            });
+            if let Some(t) = tools {
+                body["tools"] = t.clone();
+            }
+            body
+        }
+        PromptSource::Text(text) => serde_json::json!({ "model": model, "prompt": text }),
     }
 }
 
@@ -872,6 +978,23 @@ mod tests {
             Some("llm.internal:8443")
         );
         assert_eq!(h("http://[::1]:9000").as_deref(), Some("[::1]:9000"));
+    }
+
+    #[test]
+    fn vllm_counts_a_chat_through_its_template_and_a_prompt_as_sent() {
+        let chat = PromptSource::Chat {
+            messages: serde_json::json!([{"role": "user", "content": "hi"}]),
+            tools: Some(serde_json::json!([{"type": "function"}])),
+        };
+        assert_eq!(
+            vllm_tokenize_body("m", &chat),
+            serde_json::json!({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                "add_generation_prompt": true, "tools": [{"type": "function"}]})
+        );
+        assert_eq!(
+            vllm_tokenize_body("m", &PromptSource::Text("once".into())),
+            serde_json::json!({"model": "m", "prompt": "once"})
+        );
     }
 
     #[test]

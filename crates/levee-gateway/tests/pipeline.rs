@@ -900,3 +900,92 @@ async fn refused_connection_is_resent_to_another_backend() {
     assert_eq!(dead_state["in_flight"], 0);
     gw.shutdown().await;
 }
+
+/// A chat whose prompt levee estimates at about 750 tokens.
+fn long_chat(tag: &str) -> Value {
+    serde_json::json!({"model": "m", "max_tokens": 4,
+        "messages": [{"role": "user", "content": format!("{tag} {}", "word ".repeat(600))}]})
+}
+
+async fn metrics_of(c: &reqwest::Client, gw: &levee_gateway::GatewayHandle) -> String {
+    c.get(format!("{}/metrics", gw.admin_url()))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn a_long_prompt_is_reserved_by_the_engines_own_count() {
+    let m = mock().await;
+    // The engine counts the long prompt at 9,000 tokens: more than the backend's whole KV
+    // budget, where levee's estimate (about 750) would fit.
+    *m.state.tokenize.lock() = Some((9_000, Duration::ZERO));
+    let mut cfg = config(&[m.url()], 4);
+    cfg.models[0].backends[0].max_kv_tokens = Some(8_000);
+    cfg.models[0].exact_count = Some(levee_gateway::config::ExactCountConfig {
+        min_prompt_tokens: 500,
+        timeout_ms: 2_000,
+    });
+    let gw = start(cfg).await.unwrap();
+    let c = client();
+    let ask = |body: Value| {
+        c.post(format!("{}/v1/chat/completions", gw.public_url()))
+            .bearer_auth("key-s")
+            .json(&body)
+            .send()
+    };
+    let r = ask(long_chat("long")).await.unwrap();
+    assert_eq!(r.status(), 400);
+    assert_eq!(r.headers()["x-levee-refusal"], "exceeds_kv_budget");
+    assert_eq!(m.count(), 0, "refused before it reached the engine");
+    let asked = m.state.tokenized.lock().clone();
+    assert_eq!(asked.len(), 1);
+    assert_eq!(asked[0]["model"], "m");
+    assert_eq!(asked[0]["add_generation_prompt"], true);
+    assert!(asked[0]["messages"][0]["content"]
+        .as_str()
+        .unwrap()
+        .starts_with("long word"));
+    // A short prompt keeps the estimate: no count asked.
+    let r = ask(chat_body("short")).await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(m.state.tokenized.lock().len(), 1);
+    let metrics = metrics_of(&c, &gw).await;
+    assert!(
+        metrics.contains("levee_exact_counts_total{model=\"m\",outcome=\"counted\"} 1"),
+        "{metrics}"
+    );
+    gw.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_count_that_takes_too_long_leaves_the_estimate() {
+    let m = mock().await;
+    *m.state.tokenize.lock() = Some((9_000, Duration::from_secs(5)));
+    let mut cfg = config(&[m.url()], 4);
+    cfg.models[0].backends[0].max_kv_tokens = Some(8_000);
+    cfg.models[0].exact_count = Some(levee_gateway::config::ExactCountConfig {
+        min_prompt_tokens: 500,
+        timeout_ms: 50,
+    });
+    let gw = start(cfg).await.unwrap();
+    let c = client();
+    let r = c
+        .post(format!("{}/v1/chat/completions", gw.public_url()))
+        .bearer_auth("key-s")
+        .json(&long_chat("slow"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200, "served on the estimate");
+    assert_eq!(m.count(), 1);
+    let metrics = metrics_of(&c, &gw).await;
+    assert!(
+        metrics.contains("levee_exact_counts_total{model=\"m\",outcome=\"timed_out\"} 1"),
+        "{metrics}"
+    );
+    gw.shutdown().await;
+}

@@ -156,6 +156,11 @@ async fn levee_in_front_of_a_real_llama_server() {
         b.kind = BackendKind::Llamacpp;
         b.upstream_model = Some("gemma-3-270m".into());
     }
+    // Every prompt counted by the server itself (its /apply-template, then /tokenize).
+    cfg.models[0].exact_count = Some(levee_gateway::config::ExactCountConfig {
+        min_prompt_tokens: 1,
+        timeout_ms: 5_000,
+    });
     // Tenant `f` may send two requests a minute: the third is over its quota.
     let free = cfg.tenants.iter_mut().find(|t| t.name == "f").unwrap();
     free.requests_per_minute = 2;
@@ -274,6 +279,17 @@ async fn levee_in_front_of_a_real_llama_server() {
         levee_prompt > delivered_prompt as f64,
         "levee counted {levee_prompt} prompt tokens, the clients saw {delivered_prompt} \
          before the last request"
+    );
+
+    // The five prompts were counted by llama-server's own template and tokenizer (a wrong
+    // call would count as `failed` and leave the estimate).
+    assert_eq!(
+        series_value(
+            &admin_metrics,
+            "levee_exact_counts_total{model=\"m\",outcome=\"counted\"}"
+        ),
+        5.0,
+        "{admin_metrics}"
     );
 
     // The scraped llama.cpp metrics appear in /admin/state.

@@ -4,7 +4,8 @@
 //! 1. **authenticate** — draining, the per-IP guard, API key → tenant and tier;
 //! 2. **read** — the body, within its size limit;
 //! 3. **classify** ([`classify`]) — model, the lane's degradation, prompt count, completion
-//!    budget, context check;
+//!    budget, context check; then **count** ([`count`]) — a long prompt counted by a backend
+//!    itself, when the model asks for exact counts;
 //! 4. **admit** ([`admit`]) — the fleet-wide rates (shared store), then levee-policy's one
 //!    admission path in the model's lane (limits, watermark, fair share, KV budget,
 //!    predicted wait, the fair queue);
@@ -31,6 +32,7 @@
 mod admit;
 mod cached;
 mod classify;
+mod count;
 mod fallback;
 mod forward;
 mod settle;
@@ -296,10 +298,13 @@ async fn serve(
     let c = debug_span!("classify").in_scope(|| classify::classify(gw, &rt, &seat, &body, ctx));
     drop(body);
     ctx.span.record("model", &*ctx.model);
-    let c = c?;
+    let mut c = c?;
     if let Some(resp) = cached::when_degraded(gw, &tenant, &c, ctx) {
         return Ok(resp);
     }
+    count::exact(gw, &mut c)
+        .instrument(debug_span!("count"))
+        .await;
     if let Some(s) = spot {
         s.updates.store(
             wants_updates(c.parsed.stream),

@@ -31,6 +31,10 @@ pub struct MockState {
     pub gate: Semaphore,
     /// What `/props` answers (llama.cpp's self-description); 404 when unset.
     pub props: Mutex<Option<Value>>,
+    /// What `/tokenize` (vLLM's shape) answers as `count`, and after how long; 404 when unset.
+    pub tokenize: Mutex<Option<(u64, Duration)>>,
+    /// Bodies `/tokenize` received.
+    pub tokenized: Mutex<Vec<Value>>,
 }
 
 impl Default for MockState {
@@ -43,6 +47,8 @@ impl Default for MockState {
             hold: AtomicBool::new(false),
             gate: Semaphore::new(0),
             props: Mutex::new(None),
+            tokenize: Mutex::new(None),
+            tokenized: Mutex::new(Vec::new()),
         }
     }
 }
@@ -166,6 +172,21 @@ async fn props(State(st): State<Arc<MockState>>) -> Response {
     }
 }
 
+async fn tokenize(State(st): State<Arc<MockState>>, body: axum::body::Bytes) -> Response {
+    st.tokenized
+        .lock()
+        .push(serde_json::from_slice(&body).unwrap_or(Value::Null));
+    let answer = *st.tokenize.lock();
+    match answer {
+        Some((count, delay)) => {
+            tokio::time::sleep(delay).await;
+            axum::Json(serde_json::json!({"count": count, "max_model_len": 32768, "tokens": []}))
+                .into_response()
+        }
+        None => http::StatusCode::NOT_FOUND.into_response(),
+    }
+}
+
 /// Starts a mock backend on an ephemeral port.
 pub async fn mock() -> Mock {
     let state = Arc::new(MockState::default());
@@ -174,6 +195,7 @@ pub async fn mock() -> Mock {
         .route("/v1/completions", post(completion))
         .route("/metrics", get(metrics))
         .route("/props", get(props))
+        .route("/tokenize", post(tokenize))
         .route("/health", get(|| async { "ok" }))
         .with_state(state.clone());
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
