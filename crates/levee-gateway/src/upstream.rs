@@ -695,10 +695,15 @@ impl Backend {
         *self.fleet.lock()
     }
 
-    /// On a fleet: what the other replicas hold and the engine's whole KV budget, for the
-    /// admission state to read the engine's report (which covers the whole fleet).
-    pub fn fleet_view(&self) -> Option<(Budget, Option<u64>)> {
-        self.fleet.lock().map(|s| (s.others, self.kv_budget()))
+    /// On a fleet: what the other replicas hold, the engine's whole KV budget and the
+    /// replicas sharing it, for the admission state to read the engine's report (which
+    /// covers the whole fleet) and to predict waits over the fleet's queue.
+    pub fn fleet_view(&self) -> Option<levee_policy::FleetView> {
+        self.fleet.lock().map(|s| levee_policy::FleetView {
+            others: s.others,
+            engine_kv: self.kv_budget(),
+            replicas: s.replicas,
+        })
     }
 
     /// What the engine said about its size.

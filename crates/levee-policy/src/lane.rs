@@ -131,6 +131,18 @@ impl LaneConfig {
     }
 }
 
+/// A backend's share with the other gateways of a fleet (see `fleet.rs`), as one replica's
+/// lane reads it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FleetView {
+    /// What the other replicas hold there.
+    pub others: Budget,
+    /// The engine's whole KV budget, when known.
+    pub engine_kv: Option<u64>,
+    /// Live replicas holding a slice of it, this one included.
+    pub replicas: u32,
+}
+
 /// What a backend may hold.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BackendLimits {
@@ -172,9 +184,10 @@ struct Backend {
     last_dispatch: Option<Timestamp>,
     /// Requests placed here per second (recent).
     dispatches: DrainRate,
-    /// On a fleet: what the other replicas hold here, and the engine's whole KV budget
-    /// (`limits` is then this replica's slice). The engine's report covers the whole fleet.
-    fleet: Option<(Budget, Option<u64>)>,
+    /// On a fleet: what the other replicas hold here, the engine's whole KV budget and how
+    /// many replicas share it (`limits` is then this replica's slice). The engine's report
+    /// covers the whole fleet.
+    fleet: Option<FleetView>,
     /// Its latency against its batch and the prompt tokens it prefills, from its responses.
     latency: LatencyFit,
     /// Prompts placed here whose first token is not yet predicted to have come, oldest
@@ -249,7 +262,7 @@ impl Backend {
     /// what it runs is at least what it runs less what the others hold.
     fn request_cap(&self, now: Timestamp, cfg: &LaneConfig) -> usize {
         let cap = self.slot_cap(cfg);
-        let others = self.fleet.map_or(0.0, |(o, _)| o.slots as f64);
+        let others = self.fleet.map_or(0.0, |f| f.others.slots as f64);
         match self.fresh_report(now, cfg.report_max_age) {
             Some(r) if r.waiting >= 1.0 => cap.min(((r.running - others).max(1.0)) as usize),
             _ => cap,
@@ -261,7 +274,7 @@ impl Backend {
     /// requests; this replica's part of it is at least the figure less what the others hold.
     fn tokens_in_use(&self, now: Timestamp, cfg: &LaneConfig) -> u64 {
         let (others, engine_total) = match self.fleet {
-            Some((o, total)) => (o.kv_tokens, total),
+            Some(f) => (f.others.kv_tokens, f.engine_kv),
             None => (0, None),
         };
         let reported = match (
@@ -693,11 +706,11 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
         found
     }
 
-    /// On a fleet of gateways: backend `id`'s limits are this replica's slice, `others` is
-    /// what the other replicas hold there and `engine_kv` the engine's whole KV budget, so
-    /// that the engine's own report (which covers the whole fleet) is read as evidence about
-    /// this replica's part. `None`: alone (the default).
-    pub fn set_backend_fleet(&mut self, id: &str, fleet: Option<(Budget, Option<u64>)>) {
+    /// On a fleet of gateways: backend `id`'s limits are this replica's slice, and `fleet`
+    /// what the others hold there, the engine's whole KV budget and the replicas sharing it,
+    /// so that the engine's own report (which covers the whole fleet) is read as evidence
+    /// about this replica's part. `None`: alone (the default).
+    pub fn set_backend_fleet(&mut self, id: &str, fleet: Option<FleetView>) {
         if let Some(b) = self.backend_mut(id) {
             b.fleet = fleet;
         }
@@ -767,8 +780,8 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
     pub fn largest_fit(&self) -> Option<u64> {
         let mut best = 0u64;
         for b in &self.backends {
-            let usable = match b.fleet {
-                Some((_, Some(total))) => b.usable_of(total, self.cfg.kv_headroom),
+            let usable = match b.fleet.and_then(|f| f.engine_kv) {
+                Some(total) => b.usable_of(total, self.cfg.kv_headroom),
                 _ => b.usable_tokens(self.cfg.kv_headroom)?,
             };
             best = best.max(usable);
@@ -1269,13 +1282,16 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
     /// take nearly everything the wait is unbounded (reported as a very long one). `None`
     /// until a service time has been measured.
     ///
-    /// On a fleet of gateways whose backend slices are split by tier (see `fleet.rs`), the
-    /// replicas' queues are served as one: this replica's queue is its part of a fleet queue
-    /// about `k` times longer, drained about `k` times faster, `k` being what the fleet has
-    /// in flight on this lane's backends over what this replica has (what the other
-    /// replicas hold there, plus its own, over its own). The mean wait is the same, but the
-    /// spread of an Erlang time over `k·n` places is `√k` times smaller relative to its mean:
-    /// the lane's wait is taken at `(n + 1.65·√(n/k)) / (μ − λ)`. Alone, `k = 1`.
+    /// On a fleet of `R` gateways whose backend slices are split by tier (see `fleet.rs`), the
+    /// replicas' queues are served as one: the front spreads arrivals over the replicas, so
+    /// this replica's place `n` stands for about `R·n` in the fleet's queue, which the fleet
+    /// drains at its own rate — what the fleet has in flight on this lane's backends (what
+    /// the other replicas hold there, plus this one's own) over `s`, less `R·λ`. The wait is
+    /// taken at `(R·n + 1.65·√(R·n)) / (μ_fleet − R·λ)`. When the replicas run equal parts
+    /// this is the one-replica formula with a spread `√R` times smaller relative to its mean;
+    /// it does not lengthen when this replica's own part is small for the moment (its slice
+    /// shrank while another replica's premium took the room). Alone, `R = 1` and `μ_fleet =
+    /// μ`.
     pub fn predict_wait(
         &self,
         tier: Tier,
@@ -1289,22 +1305,20 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
             .take(usize::from(tier.0))
             .map(|r| r.requests.per_second(now))
             .sum();
-        let k = self.fleet_scale();
+        let (replicas, others) = self.fleet_size();
         let wait = self.service_secs.map(|s| {
-            let erlang_p95 = |n: usize, rate: f64, k: f64| {
-                let n = n as f64;
-                (n + WAIT_Z * (n / k).sqrt()) / rate
-            };
-            let served = self.in_flight.max(1) as f64 / s;
+            let erlang_p95 = |n: f64, rate: f64| (n + WAIT_Z * n.sqrt()) / rate;
+            let served = (self.in_flight.max(1) as f64 + others) / s;
+            let ahead = replicas * ahead;
             let lane = if ahead < 0.95 * served {
-                erlang_p95(position, served - ahead, k)
+                erlang_p95(replicas * position as f64, served - ahead)
             } else {
                 f64::INFINITY
             };
             // Only a tenant the fair-share rule holds back drains at its own pace.
             let own = match self.tenants.get(tenant) {
                 Some(u) if u.queued > 0 && !self.view().within_share(tenant, 1, now) => {
-                    erlang_p95(u.queued + 1, u.in_flight.max(1) as f64 / s, 1.0)
+                    erlang_p95((u.queued + 1) as f64, u.in_flight.max(1) as f64 / s)
                 }
                 _ => 0.0,
             };
@@ -1313,17 +1327,19 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
         (position, wait)
     }
 
-    /// On a fleet: what the fleet has in flight on this lane's backends (what the other
-    /// replicas hold there, plus this replica's own) over this replica's own, at least 1;
-    /// alone, 1 (see [`Lane::predict_wait`]).
-    fn fleet_scale(&self) -> f64 {
-        let others: u64 = self
-            .backends
+    /// On a fleet: how many replicas share this lane's backends (the most any backend
+    /// counts) and the slots the others hold on them; alone, `(1, 0)` (see
+    /// [`Lane::predict_wait`]).
+    fn fleet_size(&self) -> (f64, f64) {
+        self.backends
             .iter()
-            .filter_map(|b| b.fleet.map(|(o, _)| o.slots))
-            .sum();
-        let own = self.in_flight.max(1) as f64;
-        (own + others as f64) / own
+            .filter_map(|b| b.fleet)
+            .fold((1.0, 0.0), |(r, o), f| {
+                (
+                    r.max(f64::from(f.replicas.max(1))),
+                    o + f.others.slots as f64,
+                )
+            })
     }
 
     /// `predicted` corrected by what `tenant`'s waits have actually been: multiplied by the

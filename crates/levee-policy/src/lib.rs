@@ -65,8 +65,8 @@ pub use fleet::{
 pub use gcra::{Gcra, KeyedGcra, NotUntil, Quota, RateLimitInfo};
 pub use key::Key;
 pub use lane::{
-    AffinityConfig, BackendLimits, BackendReport, BackendStats, Lane, LaneConfig, Placement,
-    Unservable,
+    AffinityConfig, BackendLimits, BackendReport, BackendStats, FleetView, Lane, LaneConfig,
+    Placement, Unservable,
 };
 pub use latency::{LatencyFit, LatencySlo};
 pub use limits::{HeavyRule, LimitSpec, RateLimitHeaders, SharedLimits, TenantLimits, TenantSpec};

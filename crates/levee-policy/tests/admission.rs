@@ -249,7 +249,14 @@ fn on_a_fleet_the_engines_report_counts_less_what_the_others_hold() {
         a.lane_admission(&"m")
             .unwrap()
             .lane_mut()
-            .set_backend_fleet("b0", Some((others, Some(10_000))));
+            .set_backend_fleet(
+                "b0",
+                Some(FleetView {
+                    others,
+                    engine_kv: Some(10_000),
+                    replicas: 2,
+                }),
+            );
     };
     let kv = |a: &mut Admission<u32, &'static str>, used: f64, running: f64, waiting: f64| {
         let r = BackendReport {
@@ -367,8 +374,10 @@ fn a_fleet_split_by_tier_gives_premium_waiting_on_one_replica_the_room_first() {
 }
 
 /// On a fleet, a replica's queue is its part of the fleet's, which the fleet drains as one:
-/// the same place predicts the same mean wait, but its 95th percentile is taken over a queue
-/// `k` times longer (k = what the fleet holds over what this replica has), nearer the mean.
+/// place `n` on one of `R` replicas stands for about `R·n` in the fleet's queue, drained at
+/// what the whole fleet runs. When the replicas run equal parts, the mean wait is the
+/// one-replica figure and its 95th percentile nearer the mean; when this replica's own part
+/// is small for the moment, the wait does not lengthen with it.
 #[test]
 fn on_a_fleet_the_predicted_wait_is_taken_over_the_fleets_queue() {
     let clock = ManualClock::new();
@@ -379,23 +388,37 @@ fn on_a_fleet_the_predicted_wait_is_taken_over_the_fleets_queue() {
         let l = a.lane_admission(&"m").unwrap().lane();
         l.predict_wait(Tier(0), &"p", clock.now()).1.unwrap()
     };
+    let fleet = |a: &mut Admission<u32, &'static str>, replicas: u32, others: u64| {
+        a.lane_admission(&"m")
+            .unwrap()
+            .lane_mut()
+            .set_backend_fleet(
+                "b0",
+                Some(FleetView {
+                    others: Budget {
+                        slots: others,
+                        kv_tokens: 0,
+                    },
+                    engine_kv: None,
+                    replicas,
+                }),
+            );
+    };
     // Alone: place 1 at (1 + 1.65) / 1 s.
     assert_eq!(wait(&mut a), Duration::from_secs_f64(2.65));
-    // The other replicas hold 8 slots: k = 9, (1 + 1.65 / 3) / 1 s.
-    a.lane_admission(&"m")
-        .unwrap()
-        .lane_mut()
-        .set_backend_fleet(
-            "b0",
-            Some((
-                Budget {
-                    slots: 8,
-                    kv_tokens: 0,
-                },
-                None,
-            )),
-        );
-    assert_eq!(wait(&mut a), Duration::from_secs_f64(1.55));
+    // Nine replicas, the eight others holding one slot each as this one does: place 1 is
+    // about 9th of the fleet's queue, drained at 9 a second: (9 + 1.65·3) / 9 s.
+    fleet(&mut a, 9, 8);
+    assert_eq!(
+        wait(&mut a),
+        Duration::from_secs_f64((9.0 + 1.65 * 3.0) / 9.0)
+    );
+    // Three replicas, the two others holding 8 slots while this one runs 1 (its slice
+    // shrank): the fleet drains 9 a second, place 1 is about 3rd: (3 + 1.65·√3) / 9 s,
+    // where the part this replica runs alone would predict 2.65 s.
+    fleet(&mut a, 3, 8);
+    let w = wait(&mut a).as_secs_f64();
+    assert!((w - (3.0 + 1.65 * 3f64.sqrt()) / 9.0).abs() < 1e-9, "{w}");
 }
 
 #[test]
