@@ -10,7 +10,7 @@
 use crate::config::OutlierConfig;
 use crate::error::{ErrorCode, GatewayError};
 use crate::tokenize::PromptText;
-use crate::upstream::{Backend, HttpClient, Verdict};
+use crate::upstream::{closed_before_answer, Backend, HttpClient, Verdict};
 use axum::body::Body;
 use axum::response::Response;
 use bytes::{Bytes, BytesMut};
@@ -568,19 +568,6 @@ pub async fn send(
             Err(_) => Err(GatewayError::upstream_timeout(started.elapsed())),
         };
     }
-}
-
-/// Whether the connection ended before a whole response head arrived (hyper's "incomplete
-/// message"); the backend never answered.
-fn closed_before_answer(e: &hyper_util::client::legacy::Error) -> bool {
-    let mut source = std::error::Error::source(e);
-    while let Some(err) = source {
-        if let Some(h) = err.downcast_ref::<hyper::Error>() {
-            return h.is_incomplete_message();
-        }
-        source = err.source();
-    }
-    false
 }
 
 /// Reads a whole non-streaming response, learning its usage; `keep` sees the body of a 200.

@@ -895,17 +895,28 @@ impl Backend {
         body: serde_json::Value,
     ) -> anyhow::Result<serde_json::Value> {
         let uri: http::Uri = format!("{}{path}", self.base).parse()?;
-        let mut req = self.request(
-            http::Method::POST,
-            uri,
-            Bytes::from(body.to_string()),
-            &HeaderMap::new(),
-        )?;
-        req.headers_mut().insert(
-            http::header::CONTENT_TYPE,
-            http::HeaderValue::from_static("application/json"),
-        );
-        let resp = self.client(client).request(req).await?;
+        let body = Bytes::from(body.to_string());
+        let send = || -> anyhow::Result<_> {
+            let mut req = self.request(
+                http::Method::POST,
+                uri.clone(),
+                body.clone(),
+                &HeaderMap::new(),
+            )?;
+            req.headers_mut().insert(
+                http::header::CONTENT_TYPE,
+                http::HeaderValue::from_static("application/json"),
+            );
+            Ok(self.client(client).request(req))
+        };
+        // Once more on a fresh connection when the pooled one was closed under the request
+        // (llama-server closes a keep-alive connection after a few requests): counting is
+        // idempotent.
+        let resp = match send()?.await {
+            Ok(r) => r,
+            Err(e) if e.is_connect() || closed_before_answer(&e) => send()?.await?,
+            Err(e) => return Err(e.into()),
+        };
         if !resp.status().is_success() {
             anyhow::bail!("{path} answered {}", resp.status());
         }
@@ -923,6 +934,19 @@ impl Backend {
         let body = resp.into_body().collect().await?.to_bytes();
         Ok(String::from_utf8_lossy(&body).into_owned())
     }
+}
+
+/// Whether the connection ended before a whole response head arrived (hyper's "incomplete
+/// message"); the backend never answered.
+pub(crate) fn closed_before_answer(e: &hyper_util::client::legacy::Error) -> bool {
+    let mut source = std::error::Error::source(e);
+    while let Some(err) = source {
+        if let Some(h) = err.downcast_ref::<hyper::Error>() {
+            return h.is_incomplete_message();
+        }
+        source = err.source();
+    }
+    false
 }
 
 /// A prompt as an engine's tokenizer endpoint takes it.
