@@ -1283,15 +1283,20 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
     /// until a service time has been measured.
     ///
     /// On a fleet of `R` gateways whose backend slices are split by tier (see `fleet.rs`), the
-    /// replicas' queues are served as one: the front spreads arrivals over the replicas, so
-    /// this replica's place `n` stands for about `R·n` in the fleet's queue, which the fleet
-    /// drains at its own rate — what the fleet has in flight on this lane's backends (what
-    /// the other replicas hold there, plus this one's own) over `s`, less `R·λ`. The wait is
-    /// taken at `(R·n + 1.65·√(R·n)) / (μ_fleet − R·λ)`. When the replicas run equal parts
-    /// this is the one-replica formula with a spread `√R` times smaller relative to its mean;
-    /// it does not lengthen when this replica's own part is small for the moment (its slice
-    /// shrank while another replica's premium took the room). Alone, `R = 1` and `μ_fleet =
-    /// μ`.
+    /// replicas' queues are served as one, and two readings of this replica's place `n`
+    /// stand, each erring long where the other holds:
+    /// * its own part at its own rate: `μ` from what it runs, the spread that of a fleet
+    ///   queue `k` times longer (`k` = what the fleet runs over what this replica runs):
+    ///   `(n + 1.65·√(n/k)) / (μ − λ)` — too long when its part is small for the moment (its
+    ///   slice shrank while another replica's premium took the room);
+    /// * the fleet's queue at the fleet's rate: the front spreads arrivals, so place `n`
+    ///   stands for about `R·n`, drained at what the whole fleet runs (the others' holdings
+    ///   plus its own, over `s`) less `R·λ`: `(R·n + 1.65·√(R·n)) / (μ_fleet − R·λ)` — too
+    ///   long when the other replicas' queues are shorter than its own (it runs more because
+    ///   it has more waiting).
+    ///
+    /// The lane's wait is the shorter of the two. Equal parts give both the same figure;
+    /// alone both are the one-replica formula.
     pub fn predict_wait(
         &self,
         tier: Tier,
@@ -1307,18 +1312,28 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
             .sum();
         let (replicas, others) = self.fleet_size();
         let wait = self.service_secs.map(|s| {
-            let erlang_p95 = |n: f64, rate: f64| (n + WAIT_Z * n.sqrt()) / rate;
-            let served = (self.in_flight.max(1) as f64 + others) / s;
-            let ahead = replicas * ahead;
-            let lane = if ahead < 0.95 * served {
-                erlang_p95(replicas * position as f64, served - ahead)
-            } else {
-                f64::INFINITY
+            // The p95 of an Erlang time over `n` places drained at `rate`, whose spread is
+            // that of `n·k` places.
+            let erlang_p95 = |n: f64, rate: f64, k: f64| (n + WAIT_Z * (n / k).sqrt()) / rate;
+            let over = |n: f64, served: f64, ahead: f64, k: f64| {
+                if ahead < 0.95 * served {
+                    erlang_p95(n, served - ahead, k)
+                } else {
+                    f64::INFINITY
+                }
             };
+            let mine = self.in_flight.max(1) as f64;
+            let n = position as f64;
+            // This replica's part at its own rate, and the fleet's queue at the fleet's rate:
+            // each errs long where the other holds (its own part small for the moment; the
+            // other replicas' queues shorter than its own), so the shorter is taken.
+            let part = over(n, mine / s, ahead, (mine + others) / mine);
+            let fleet = over(replicas * n, (mine + others) / s, replicas * ahead, 1.0);
+            let lane = part.min(fleet);
             // Only a tenant the fair-share rule holds back drains at its own pace.
             let own = match self.tenants.get(tenant) {
                 Some(u) if u.queued > 0 && !self.view().within_share(tenant, 1, now) => {
-                    erlang_p95((u.queued + 1) as f64, u.in_flight.max(1) as f64 / s)
+                    erlang_p95((u.queued + 1) as f64, u.in_flight.max(1) as f64 / s, 1.0)
                 }
                 _ => 0.0,
             };

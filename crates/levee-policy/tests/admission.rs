@@ -374,10 +374,11 @@ fn a_fleet_split_by_tier_gives_premium_waiting_on_one_replica_the_room_first() {
 }
 
 /// On a fleet, a replica's queue is its part of the fleet's, which the fleet drains as one:
-/// place `n` on one of `R` replicas stands for about `R·n` in the fleet's queue, drained at
-/// what the whole fleet runs. When the replicas run equal parts, the mean wait is the
+/// the wait is the shorter of its own part at its own rate and the fleet's queue (`R·n`
+/// places) at the fleet's rate. When the replicas run equal parts, the mean wait is the
 /// one-replica figure and its 95th percentile nearer the mean; when this replica's own part
-/// is small for the moment, the wait does not lengthen with it.
+/// is small for the moment, the wait does not lengthen with it; when it runs more than its
+/// part, its own rate counts.
 #[test]
 fn on_a_fleet_the_predicted_wait_is_taken_over_the_fleets_queue() {
     let clock = ManualClock::new();
@@ -415,10 +416,15 @@ fn on_a_fleet_the_predicted_wait_is_taken_over_the_fleets_queue() {
     );
     // Three replicas, the two others holding 8 slots while this one runs 1 (its slice
     // shrank): the fleet drains 9 a second, place 1 is about 3rd: (3 + 1.65·√3) / 9 s,
-    // where the part this replica runs alone would predict 2.65 s.
+    // where this replica's part at its own rate would predict (1 + 1.65·√(1/9)) / 1 s.
     fleet(&mut a, 3, 8);
     let w = wait(&mut a).as_secs_f64();
     assert!((w - (3.0 + 1.65 * 3f64.sqrt()) / 9.0).abs() < 1e-9, "{w}");
+    // Two replicas, the other holding nothing (this one runs the fleet's whole part): its
+    // own part at its own rate, (1 + 1.65) / 1 s, where the fleet's queue read as twice
+    // this one's would predict (2 + 1.65·√2) / 1 s.
+    fleet(&mut a, 2, 0);
+    assert_eq!(wait(&mut a), Duration::from_secs_f64(2.65));
 }
 
 #[test]
