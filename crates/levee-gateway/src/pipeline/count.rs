@@ -5,6 +5,7 @@
 
 use super::classify::Classified;
 use crate::gateway::Gateway;
+use tracing::Instrument;
 
 /// The count phase: replaces `c.prompt_tokens` by a backend's count when the model asks for
 /// exact counts and the corrected estimate is long enough.
@@ -22,8 +23,10 @@ pub(super) async fn exact(gw: &Gateway, c: &mut Classified) {
     let Some(b) = c.lane.backends().into_iter().find(|b| b.is_routable()) else {
         return;
     };
-    let outcome = match tokio::time::timeout(x.timeout, b.count_prompt(gw.client(), &prompt)).await
-    {
+    // A span only when the backend is asked: most requests never are.
+    let count = tokio::time::timeout(x.timeout, b.count_prompt(gw.client(), &prompt))
+        .instrument(tracing::debug_span!("count"));
+    let outcome = match count.await {
         Ok(Ok(n)) => {
             c.prompt_tokens = n;
             "counted"

@@ -302,9 +302,7 @@ async fn serve(
     if let Some(resp) = cached::when_degraded(gw, &tenant, &c, ctx) {
         return Ok(resp);
     }
-    count::exact(gw, &mut c)
-        .instrument(debug_span!("count"))
-        .await;
+    count::exact(gw, &mut c).await;
     if let Some(s) = spot {
         s.updates.store(
             wants_updates(c.parsed.stream),
