@@ -920,7 +920,13 @@ impl Backend {
         if !resp.status().is_success() {
             anyhow::bail!("{path} answered {}", resp.status());
         }
-        let body = resp.into_body().collect().await?.to_bytes();
+        // A count's answer lists the prompt's tokens: bounded, so a backend cannot make the
+        // gateway buffer without end.
+        let body = http_body_util::Limited::new(resp.into_body(), COUNT_ANSWER_LIMIT)
+            .collect()
+            .await
+            .map_err(|e| anyhow::anyhow!("{path}: {e}"))?
+            .to_bytes();
         Ok(serde_json::from_slice(&body)?)
     }
 
@@ -948,6 +954,9 @@ pub(crate) fn closed_before_answer(e: &hyper_util::client::legacy::Error) -> boo
     }
     false
 }
+
+/// The largest answer to a count levee reads: a 1M-token prompt's token ids, and room.
+const COUNT_ANSWER_LIMIT: usize = 16 << 20;
 
 /// A prompt as an engine's tokenizer endpoint takes it.
 #[derive(Debug, Clone, PartialEq)]

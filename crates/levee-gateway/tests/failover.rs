@@ -108,17 +108,6 @@ async fn refused_while_down(e: &levee_engine::EngineHandle) -> u64 {
         .map_or(0, |v| v.parse::<f64>().unwrap() as u64)
 }
 
-async fn metrics_text(gw: &levee_gateway::GatewayHandle) -> String {
-    client()
-        .get(format!("{}/metrics", gw.admin_url()))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap()
-}
-
 #[tokio::test]
 async fn after_a_crash_fifty_requests_at_once_all_succeed_on_the_other_engine() {
     let crashed = engine(None).await;

@@ -251,17 +251,6 @@ async fn an_upstream_429_cools_its_backend_and_tells_the_client_when_to_return()
     gw.shutdown().await;
 }
 
-async fn metrics_text(gw: &GatewayHandle) -> String {
-    client()
-        .get(format!("{}/metrics", gw.admin_url()))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap()
-}
-
 fn series(text: &str, name: &str) -> f64 {
     text.lines()
         .find_map(|l| l.strip_prefix(name).and_then(|v| v.trim().parse().ok()))

@@ -92,16 +92,6 @@ async fn loopback_admin_without_a_token_is_open() {
     gw.shutdown().await;
 }
 
-async fn metrics_text(c: &reqwest::Client, gw: &levee_gateway::GatewayHandle) -> String {
-    c.get(format!("{}/metrics", gw.admin_url()))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap()
-}
-
 #[tokio::test]
 async fn per_tenant_series_are_bounded_and_abandonment_is_counted() {
     let m = mock().await;
@@ -125,7 +115,7 @@ async fn per_tenant_series_are_bounded_and_abandonment_is_counted() {
     assert_eq!(first.await.unwrap().status(), 200);
     assert_eq!(chat(&c, &base, "b", "b1").await.status(), 200);
     assert_eq!(chat(&c, &base, "b", "b2").await.status(), 200);
-    let text = metrics_text(&c, &gw).await;
+    let text = metrics_text(&gw).await;
     assert!(
         text.contains("levee_tenant_abandoned_total{tenant=\"other\",phase=\"queued\"} 1"),
         "{text}"
@@ -170,7 +160,7 @@ async fn recommendation_is_in_state_and_metrics() {
     let a = &state["autoscale"]["m"];
     assert_eq!(a["replicas"], 3, "{state}");
     assert_eq!(a["slots_per_replica"], 4, "{state}");
-    let text = metrics_text(&c, &gw).await;
+    let text = metrics_text(&gw).await;
     assert!(
         text.contains("levee_recommended_replicas{model=\"m\"} 3"),
         "{text}"

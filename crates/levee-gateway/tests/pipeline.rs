@@ -907,16 +907,6 @@ fn long_chat(tag: &str) -> Value {
         "messages": [{"role": "user", "content": format!("{tag} {}", "word ".repeat(600))}]})
 }
 
-async fn metrics_of(c: &reqwest::Client, gw: &levee_gateway::GatewayHandle) -> String {
-    c.get(format!("{}/metrics", gw.admin_url()))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap()
-}
-
 #[tokio::test]
 async fn a_long_prompt_is_reserved_by_the_engines_own_count() {
     let m = mock().await;
@@ -953,7 +943,7 @@ async fn a_long_prompt_is_reserved_by_the_engines_own_count() {
     let r = ask(chat_body("short")).await.unwrap();
     assert_eq!(r.status(), 200);
     assert_eq!(m.state.tokenized.lock().len(), 1);
-    let metrics = metrics_of(&c, &gw).await;
+    let metrics = metrics_text(&gw).await;
     assert!(
         metrics.contains("levee_exact_counts_total{model=\"m\",outcome=\"counted\"} 1"),
         "{metrics}"
@@ -982,7 +972,7 @@ async fn a_count_that_takes_too_long_leaves_the_estimate() {
         .unwrap();
     assert_eq!(r.status(), 200, "served on the estimate");
     assert_eq!(m.count(), 1);
-    let metrics = metrics_of(&c, &gw).await;
+    let metrics = metrics_text(&gw).await;
     assert!(
         metrics.contains("levee_exact_counts_total{model=\"m\",outcome=\"timed_out\"} 1"),
         "{metrics}"

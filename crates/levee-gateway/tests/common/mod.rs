@@ -305,6 +305,18 @@ pub fn tag_of(v: &Value) -> String {
         .to_string()
 }
 
+/// The gateway's Prometheus exposition, from its admin listener.
+pub async fn metrics_text(gw: &levee_gateway::GatewayHandle) -> String {
+    client()
+        .get(format!("{}/metrics", gw.admin_url()))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap()
+}
+
 pub async fn error_json(r: reqwest::Response) -> Value {
     r.json::<Value>().await.unwrap()
 }
