@@ -21,7 +21,9 @@
 //!    cache, so on a heavy-tailed mix it leaves most of the cache idle. An operator who
 //!    measured would raise it: the sweep goes on at caps of 1.5×, 2.25×, … the formula's (up
 //!    to `max_num_seqs`), one step each, offered 1.5× the best goodput so far, until a cap
-//!    crashes an engine or two caps in a row add under 2%.
+//!    crashes an engine or two caps in a row add under 2%. After a crash, the gap between
+//!    the highest crash-free cap and the one that crashed is halved, a step at a time (up to
+//!    three), so the knee does not hang on one lucky or unlucky step at the crashing cap.
 //! 5. **The knee** is the best goodput of any crash-free step, at any cap: the best a
 //!    protected fleet achieved.
 
@@ -434,8 +436,16 @@ fn higher_caps(op: &OperatorCap) -> Vec<u32> {
     }
 }
 
+/// Most steps spent narrowing the gap between the highest crash-free cap and the first that
+/// crashed.
+const NARROWING_STEPS: u32 = 3;
+
 /// The higher caps' steps (see the module documentation), each offered 1.5× the best
-/// goodput so far; `step(cap, rps)` runs one.
+/// goodput so far; `step(cap, rps)` runs one. When a cap crashes an engine, the gap between
+/// it and the highest cap that did not is halved, one step at a time (up to
+/// [`NARROWING_STEPS`]): a crash lowers the top of the gap, a gain raises its bottom, a step
+/// that adds under 2% ends the search. Without it the knee would hang on whether the one
+/// step at the first crashing cap was lucky.
 async fn raise_cap<F, Fut>(
     steps: &mut Vec<SweepStep>,
     op: &OperatorCap,
@@ -446,24 +456,50 @@ where
     F: Fn(u32, f64) -> Fut,
     Fut: std::future::Future<Output = anyhow::Result<SweepStep>>,
 {
-    let mut flat = 0;
-    for cap in higher_caps(op) {
-        if (steps.len() as u32) >= timing.max_steps + 6 {
-            break;
-        }
+    let room = |steps: &[SweepStep]| (steps.len() as u32) < timing.max_steps + 6;
+    let try_cap = |steps: &[SweepStep], cap: u32| {
         let best = best_goodput(steps);
-        let s = step(cap, (best * 1.5).max(0.2)).await?;
-        print_step(&s);
+        let run = step(cap, (best * 1.5).max(0.2));
+        async move {
+            let s = run.await?;
+            print_step(&s);
+            anyhow::Ok((s, s.crashed, !s.crashed && s.goodput_rps >= best * 1.02))
+        }
+    };
+    let mut flat = 0;
+    let mut below = op.per_engine;
+    let mut above = None;
+    for cap in higher_caps(op) {
+        if !room(&steps[..]) {
+            return Ok(());
+        }
+        let (s, crashed, gained) = try_cap(&steps[..], cap).await?;
         steps.push(s);
-        if s.crashed {
+        if crashed {
+            above = Some(cap);
             break;
         }
-        flat = if s.goodput_rps < best * 1.02 {
-            flat + 1
-        } else {
-            0
-        };
+        below = cap;
+        flat = if gained { 0 } else { flat + 1 };
         if flat == 2 {
+            return Ok(());
+        }
+    }
+    let Some(mut above) = above else {
+        return Ok(());
+    };
+    for _ in 0..NARROWING_STEPS {
+        if above - below <= 1 || !room(&steps[..]) {
+            break;
+        }
+        let cap = below + (above - below) / 2;
+        let (s, crashed, gained) = try_cap(&steps[..], cap).await?;
+        steps.push(s);
+        if crashed {
+            above = cap;
+        } else if gained {
+            below = cap;
+        } else {
             break;
         }
     }
@@ -496,7 +532,8 @@ pub(crate) fn method(timing: &Timing, wait: Duration) -> String {
          the first halved while far past the knee, then rising until goodput falls 10% below \
          the best or {} steps in a row add under 2%; then at caps of 1.5×, 2.25×, … the \
          formula's (up to max_num_seqs), one step each offered 1.5× the best so far, until a \
-         cap crashes an engine or two caps add under 2%; the knee is the best crash-free step \
+         cap crashes an engine or two caps add under 2%, then halving the gap below a crashing \
+         cap (up to {NARROWING_STEPS} steps); the knee is the best crash-free step \
          at any cap",
         timing.step_s,
         timing.step_warm_s,
@@ -579,7 +616,7 @@ mod tests {
     }
 
     #[test]
-    fn the_cap_rises_until_a_crash_and_the_knee_skips_crashed_steps() {
+    fn the_cap_rises_until_a_crash_then_the_gap_below_it_is_halved() {
         let op = OperatorCap {
             samples: 1,
             p95_tokens: 1,
@@ -590,30 +627,54 @@ mod tests {
         let rt = tokio::runtime::Builder::new_current_thread()
             .build()
             .unwrap();
-        let mut steps = vec![SweepStep {
+        let first = SweepStep {
             cap: 6,
             offered_rps: 4.0,
             goodput_rps: 3.0,
             crashed: false,
             e2e_p99_ms: 0.0,
-        }];
-        // Goodput grows with the cap until 20, which crashes.
+        };
+        // Goodput grows with the cap; caps from `crash_at` up crash an engine.
+        let sweep = |crash_at: u32| {
+            let mut steps = vec![first];
+            rt.block_on(raise_cap(&mut steps, &op, &FULL, |cap, rps| async move {
+                Ok(SweepStep {
+                    cap,
+                    offered_rps: rps,
+                    goodput_rps: f64::from(cap) / 2.0,
+                    crashed: cap >= crash_at,
+                    e2e_p99_ms: 0.0,
+                })
+            }))
+            .unwrap();
+            steps
+        };
+        // 20 crashes: 17 (between 14 and 20) gains, 18 crashes, and no cap is left between.
+        let steps = sweep(18);
+        let caps: Vec<u32> = steps.iter().map(|s| s.cap).collect();
+        assert_eq!(caps, vec![6, 9, 14, 20, 17, 18]);
+        assert_eq!(best_goodput(&steps), 8.5);
+        // Each offered 1.5× the best before it.
+        assert_eq!(steps[1].offered_rps, 4.5);
+        assert_eq!(steps[2].offered_rps, 6.75);
+        assert_eq!(steps[4].offered_rps, 10.5);
+        // 14 crashes already: the gap down to 9 is halved at most three times.
+        let caps: Vec<u32> = sweep(10).iter().map(|s| s.cap).collect();
+        assert_eq!(caps, vec![6, 9, 14, 11, 10]);
+        // A narrowing step that adds under 2% ends the search.
+        let mut steps = vec![first];
         rt.block_on(raise_cap(&mut steps, &op, &FULL, |cap, rps| async move {
             Ok(SweepStep {
                 cap,
                 offered_rps: rps,
-                goodput_rps: f64::from(cap) / 2.0,
-                crashed: cap >= 20,
+                goodput_rps: f64::from(cap.min(9)),
+                crashed: cap >= 14,
                 e2e_p99_ms: 0.0,
             })
         }))
         .unwrap();
         let caps: Vec<u32> = steps.iter().map(|s| s.cap).collect();
-        assert_eq!(caps, vec![6, 9, 14, 20]);
-        assert_eq!(best_goodput(&steps), 7.0);
-        // Each offered 1.5× the best before it.
-        assert_eq!(steps[1].offered_rps, 4.5);
-        assert_eq!(steps[2].offered_rps, 6.75);
+        assert_eq!(caps, vec![6, 9, 14, 11]);
     }
 
     #[test]
