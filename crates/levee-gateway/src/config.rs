@@ -71,6 +71,7 @@ impl Default for Config {
                 sheddable: false,
                 queue_updates: false,
                 ttft_slo_ms: None,
+                slo_miss: SloMiss::Refuse,
                 tpot_slo_ms: None,
             },
         );
@@ -83,6 +84,7 @@ impl Default for Config {
                 sheddable: false,
                 queue_updates: false,
                 ttft_slo_ms: None,
+                slo_miss: SloMiss::Refuse,
                 tpot_slo_ms: None,
             },
         );
@@ -95,6 +97,7 @@ impl Default for Config {
                 sheddable: true,
                 queue_updates: false,
                 ttft_slo_ms: None,
+                slo_miss: SloMiss::Refuse,
                 tpot_slo_ms: None,
             },
         );
@@ -344,6 +347,11 @@ pub struct TierConfig {
     /// prefilled there — misses it even if admitted now is refused at once with 429
     /// `slo_unattainable` and a Retry-After of the predicted excess. Unset: no such refusal.
     pub ttft_slo_ms: Option<u64>,
+    /// What a request predicted to miss `ttft_slo_ms` gets: `refuse` (429
+    /// `slo_unattainable`), or `degrade`: a stored answer from the response cache when its
+    /// tenant opted in and one is kept, else the model's `fallback` model (admitted there
+    /// by that model's own checks), else the same refusal.
+    pub slo_miss: SloMiss,
     /// Time per output token objective of this tier (ms). Each backend of a lane is held to
     /// the batch its learned slowdown allows under the tightest such objective of any tier
     /// (beside `max_in_flight` and KV tokens). Unset: no latency cap from this tier.
@@ -359,9 +367,21 @@ impl Default for TierConfig {
             sheddable: false,
             queue_updates: false,
             ttft_slo_ms: None,
+            slo_miss: SloMiss::Refuse,
             tpot_slo_ms: None,
         }
     }
+}
+
+/// What a tier's request predicted to miss its time-to-first-token objective gets.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum SloMiss {
+    /// 429 `slo_unattainable` with the predicted excess as Retry-After.
+    #[default]
+    Refuse,
+    /// A cached answer, else the model's fallback model, else the refusal.
+    Degrade,
 }
 
 /// One tenant: its keys, tier and quotas. A quota of 0 means unlimited.
@@ -1320,6 +1340,13 @@ impl Config {
                     errs.push(format!("tiers.{name}.{field}: must be > 0 (or unset)"));
                 }
             }
+            if t.slo_miss == SloMiss::Degrade && t.ttft_slo_ms.is_none() {
+                errs.push(format!(
+                    "tiers.{name}.slo_miss: \"degrade\" acts on a predicted miss of \
+                     ttft_slo_ms, which this tier does not set; set ttft_slo_ms or remove \
+                     slo_miss"
+                ));
+            }
         }
     }
 
@@ -1745,6 +1772,15 @@ mod tests {
         let cfg = Config::from_toml_str(text).unwrap();
         let t = &cfg.tiers["standard"];
         assert_eq!((t.ttft_slo_ms, t.tpot_slo_ms), (Some(2000), Some(100)));
+        assert_eq!(t.slo_miss, SloMiss::Refuse);
+        // Degrading a miss of an objective the tier does not set would do nothing.
+        let text = "[tiers.standard]\npriority = 1\nslo_miss = \"degrade\"\n";
+        let errs = Config::from_toml_str(text).unwrap_err().join("\n");
+        assert!(errs.contains("tiers.standard.slo_miss"), "{errs}");
+        let text = format!("{text}ttft_slo_ms = 2000\n");
+        let cfg = Config::from_toml_str(&text).unwrap();
+        assert!(cfg.validate().is_empty(), "{:?}", cfg.validate());
+        assert_eq!(cfg.tiers["standard"].slo_miss, SloMiss::Degrade);
     }
 
     #[test]

@@ -39,6 +39,11 @@ impl Tenant {
         self.cfg.weight
     }
 
+    /// What its tier's request predicted to miss the tier's TTFT objective gets.
+    pub fn slo_miss(&self) -> crate::config::SloMiss {
+        self.tier_cfg.slo_miss
+    }
+
     /// Whether its deterministic answers are kept and served by the response cache.
     pub fn response_cache(&self) -> bool {
         self.cfg.response_cache

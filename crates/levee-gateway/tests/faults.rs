@@ -315,8 +315,7 @@ async fn admissions_are_counted_in_their_own_tier_after_a_task() {
             soft_queue_wait_ms: 600_000,
             sheddable: false,
             queue_updates: false,
-            ttft_slo_ms: None,
-            tpot_slo_ms: None,
+            ..Default::default()
         },
     );
     cfg.tasks.enabled = true;

@@ -80,8 +80,7 @@ fn fleet_task_config(backend: &str, url: &str, prefix: &str) -> Config {
             soft_queue_wait_ms: 600_000,
             sheddable: false,
             queue_updates: false,
-            ttft_slo_ms: None,
-            tpot_slo_ms: None,
+            ..Default::default()
         },
     );
     cfg.tasks.enabled = true;

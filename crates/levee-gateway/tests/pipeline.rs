@@ -979,3 +979,80 @@ async fn a_count_that_takes_too_long_leaves_the_estimate() {
     );
     gw.shutdown().await;
 }
+
+/// A tier whose predicted misses of its TTFT objective degrade: once the big model's
+/// backend has shown it cannot reach a first token within the objective, a request for it
+/// gets a stored answer when its tenant opted in and one is kept, else the model's fallback
+/// model (marked), and where the tier refuses instead it is refused `slo_unattainable`.
+#[tokio::test]
+async fn a_predicted_ttft_miss_degrades_to_a_stored_answer_or_the_fallback_model() {
+    use levee_gateway::config::{ModelConfig, SloMiss};
+    let big = mock().await;
+    *big.state.first_token_delay.lock() = Duration::from_millis(60);
+    let small = mock().await;
+    let mut cfg = config(&[big.url()], 8);
+    cfg.models[0].fallback = Some("small".into());
+    let mut fb = cfg.models[0].clone();
+    fb.name = "small".into();
+    fb.fallback = None;
+    fb.backends[0].url = small.url();
+    cfg.models.push(ModelConfig { ..fb });
+    for (tier, miss) in [("standard", SloMiss::Degrade), ("premium", SloMiss::Refuse)] {
+        let t = cfg.tiers.get_mut(tier).unwrap();
+        t.ttft_slo_ms = Some(30);
+        t.slo_miss = miss;
+    }
+    cfg.tenants[1].response_cache = true; // `s`, standard
+    cfg.cache.max_bytes = 1 << 20;
+    let gw = start(cfg).await.unwrap();
+    let c = client();
+    let ask = |key: &'static str, body: Value| {
+        c.post(format!("{}/v1/chat/completions", gw.public_url()))
+            .bearer_auth(key)
+            .json(&body)
+            .send()
+    };
+    let deterministic = serde_json::json!({"model": "m", "max_tokens": 4, "temperature": 0,
+        "messages": [{"role": "user", "content": "kept"}]});
+    // Before the backend's fit predicts anything, everything goes; this answer is kept.
+    let r = ask("key-s", deterministic.clone()).await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert!(r.headers().get("x-levee-degraded").is_none());
+    // Streamed answers teach levee the big backend's time to first token (about 60 ms);
+    // the free tier has no objective, so they all go.
+    for i in 0..20 {
+        let mut body = chat_body(&format!("learn {i}"));
+        body["stream"] = true.into();
+        let r = ask("key-f", body).await.unwrap();
+        assert_eq!(r.status(), 200);
+        r.bytes().await.unwrap();
+    }
+    let learned = big.count();
+    // Premium refuses a predicted miss.
+    let r = ask("key-p", chat_body("premium")).await.unwrap();
+    assert_eq!(r.status(), 429);
+    assert_eq!(r.headers()["x-levee-refusal"], "predicted_slo_miss");
+    // Standard: the stored answer for the kept request...
+    let r = ask("key-s", deterministic).await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["x-levee-degraded"], "cache");
+    // ...and the fallback model for anything else, which the small backend serves as its
+    // own model.
+    let r = ask("key-s", chat_body("other")).await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["x-levee-degraded"], "slo_fallback=small");
+    assert_eq!(
+        big.count(),
+        learned,
+        "nothing more reached the slow backend"
+    );
+    let served = small.received();
+    assert_eq!(served.len(), 1);
+    assert_eq!(served[0]["model"], "small");
+    let metrics = metrics_text(&gw).await;
+    assert!(
+        metrics.contains("levee_degraded_total{tier=\"standard\",reason=\"slo_fallback\"} 1"),
+        "{metrics}"
+    );
+    gw.shutdown().await;
+}

@@ -34,8 +34,7 @@ fn task_config(backends: &[String], cap: u32, name: &str, width: u32) -> Config 
             soft_queue_wait_ms: 600_000,
             sheddable: false,
             queue_updates: false,
-            ttft_slo_ms: None,
-            tpot_slo_ms: None,
+            ..Default::default()
         },
     );
     cfg.tasks.enabled = true;

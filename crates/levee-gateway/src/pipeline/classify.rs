@@ -123,6 +123,29 @@ pub(super) fn classify(
     })
 }
 
+/// Moves a classified request to its model's `fallback` model (for a tier whose predicted
+/// TTFT misses degrade): that model's lane and its reservation of the same prompt. `false`, and nothing changed, when the model has no fallback or the
+/// request does not fit the fallback's context. Marked `slo_fallback=NAME` (header
+/// `x-levee-degraded`, and `levee_degraded_total{reason="slo_fallback"}` once admitted).
+pub(super) fn retarget(gw: &Gateway, rt: &Runtime, c: &mut Classified) -> bool {
+    let Some(fb) = c.target.fallback.as_ref().and_then(|f| rt.models.get(f)) else {
+        return false;
+    };
+    let Some(lane) = gw.lane(&fb.name) else {
+        return false;
+    };
+    let floor = lane.prompt_floor(c.prompt_kind, c.prompt_estimate);
+    let asked = floor + u64::from(c.max_tokens);
+    if max_context(fb, &lane).is_some_and(|ctx| asked > ctx) {
+        return false;
+    }
+    c.prompt_tokens = lane.prompt_reservation(c.prompt_kind, c.prompt_estimate);
+    c.degraded.push(format!("slo_fallback={}", fb.name));
+    c.target = fb.clone();
+    c.lane = lane;
+    true
+}
+
 /// The lane's degradation sheds this seat's tier: refused at once, counted.
 fn shed(
     gw: &Gateway,

@@ -23,9 +23,13 @@ pub(super) async fn exact(gw: &Gateway, c: &mut Classified) {
     let Some(b) = c.lane.backends().into_iter().find(|b| b.is_routable()) else {
         return;
     };
-    // A span only when the backend is asked: most requests never are.
-    let count = tokio::time::timeout(x.timeout, b.count_prompt(gw.client(), &prompt))
-        .instrument(tracing::debug_span!("count"));
+    // Boxed: the exchange's state is over a kilobyte, and unboxed it would widen the future
+    // of every request, queued ones included, whether it is counted or not. A span only
+    // when the backend is asked: most requests never are.
+    let count = Box::pin(
+        tokio::time::timeout(x.timeout, b.count_prompt(gw.client(), &prompt))
+            .instrument(tracing::debug_span!("count")),
+    );
     let outcome = match count.await {
         Ok(Ok(n)) => {
             c.prompt_tokens = n;

@@ -1,14 +1,54 @@
-//! The model's configured fallback reply, answered instead of a 503 when none of its
-//! backends can serve.
+//! What a refused request gets instead of its refusal, where configured: the model's
+//! fallback reply instead of a 503 when none of its backends can serve, and for a tier
+//! whose predicted TTFT misses degrade (`slo_miss = "degrade"`) a stored answer or the
+//! model's fallback model instead of 429 `slo_unattainable`.
 
-use super::classify::Classified;
-use super::{record_end, RequestCtx};
+use super::classify::{self, Classified};
+use super::{record_end, RequestCtx, Seat};
+use crate::config::SloMiss;
 use crate::error::GatewayError;
 use crate::gateway::Gateway;
-use crate::runtime::Tenant;
+use crate::runtime::{Runtime, Tenant};
 use axum::response::{IntoResponse, Response};
 use http::{HeaderValue, StatusCode};
 use levee_policy::RefusalReason;
+
+/// What follows a refusal of admission.
+pub(super) enum Next {
+    /// The request's answer: a degraded one, or the refusal.
+    Answer(Result<Response, GatewayError>),
+    /// Moved to its model's fallback model: admit it there.
+    AdmitAgain,
+}
+
+/// A refusal of admission: for a predicted TTFT miss in a tier that degrades, a stored
+/// answer (its tenant opted in and one is kept), else the fallback model; otherwise as
+/// [`or_error`].
+pub(super) fn on_refusal(
+    gw: &Gateway,
+    rt: &Runtime,
+    tenant: &Tenant,
+    seat: &Seat,
+    c: &mut Classified,
+    ctx: &RequestCtx,
+    e: GatewayError,
+) -> Next {
+    let slo_miss = e.refusal() == Some(RefusalReason::PredictedSloMiss);
+    if !(slo_miss && seat.slo_miss == SloMiss::Degrade) {
+        return Next::Answer(or_error(gw, tenant, c, ctx, e));
+    }
+    if let Some(resp) = c
+        .cache
+        .as_ref()
+        .and_then(|key| super::cached::reply(gw, tenant, c, ctx, key))
+    {
+        return Next::Answer(Ok(resp));
+    }
+    if classify::retarget(gw, rt, c) {
+        return Next::AdmitAgain;
+    }
+    Next::Answer(Err(e))
+}
 
 /// A refusal of admission, when it was refused because no backend can serve: the stored
 /// answer to the same request if the response cache has one, else the model's fallback

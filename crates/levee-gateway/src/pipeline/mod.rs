@@ -185,6 +185,8 @@ pub(crate) struct Seat {
     pub sheddable: bool,
     /// Waiting streams of this tier get position comments without asking.
     pub queue_updates: bool,
+    /// What a request predicted to miss the tier's TTFT objective gets.
+    pub slo_miss: crate::config::SloMiss,
 }
 
 impl Seat {
@@ -195,6 +197,7 @@ impl Seat {
             priority: t.priority,
             sheddable: t.sheddable,
             queue_updates: t.queue_updates,
+            slo_miss: t.slo_miss(),
         }
     }
 }
@@ -315,7 +318,20 @@ async fn serve(
         .await
     {
         Ok(a) => a,
-        Err(e) => return fallback::or_error(gw, &tenant, &c, ctx, e),
+        Err(e) => match fallback::on_refusal(gw, &rt, &tenant, &seat, &mut c, ctx, e) {
+            fallback::Next::Answer(r) => return r,
+            // A predicted TTFT miss, degraded to the fallback model: admitted there by
+            // that model's own checks, once.
+            fallback::Next::AdmitAgain => {
+                match admit::admit(gw, &tenant, &seat, &c, spot)
+                    .instrument(debug_span!("admit"))
+                    .await
+                {
+                    Ok(a) => a,
+                    Err(e) => return fallback::or_error(gw, &tenant, &c, ctx, e),
+                }
+            }
+        },
     };
     ctx.phase = Phase::Dispatched;
     ctx.span.record("queue_ms", ms(admitted.waited));

@@ -681,6 +681,7 @@ impl Tasks {
             priority: tier.priority,
             sheddable: tier.sheddable,
             queue_updates: false,
+            slo_miss: tier.slo_miss,
         };
         let path = if task.endpoint == "/v1/completions" {
             "/v1/completions"

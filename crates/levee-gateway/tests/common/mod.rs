@@ -35,6 +35,8 @@ pub struct MockState {
     pub tokenize: Mutex<Option<(u64, Duration)>>,
     /// Bodies `/tokenize` received.
     pub tokenized: Mutex<Vec<Value>>,
+    /// How long a streamed answer takes to its first byte.
+    pub first_token_delay: Mutex<Duration>,
 }
 
 impl Default for MockState {
@@ -49,6 +51,7 @@ impl Default for MockState {
             props: Mutex::new(None),
             tokenize: Mutex::new(None),
             tokenized: Mutex::new(Vec::new()),
+            first_token_delay: Mutex::new(Duration::ZERO),
         }
     }
 }
@@ -127,6 +130,8 @@ async fn completion(State(st): State<Arc<MockState>>, body: axum::body::Bytes) -
         });
         return axum::Json(body).into_response();
     }
+    let delay = *st.first_token_delay.lock();
+    tokio::time::sleep(delay).await;
     let include_usage = v
         .get("stream_options")
         .and_then(|o| o.get("include_usage"))
