@@ -8,7 +8,9 @@
 //!    itself, when the model asks for exact counts;
 //! 4. **admit** ([`admit`]) — the fleet-wide rates (shared store), then levee-policy's one
 //!    admission path in the model's lane (limits, watermark, fair share, KV budget,
-//!    predicted wait, the fair queue);
+//!    predicted wait, the fair queue); a refusal may become a degraded answer instead
+//!    ([`fallback`]: a stored answer, the fallback model for a tier that degrades a
+//!    predicted TTFT miss, the model's canned reply);
 //! 5. **dispatch** — the backend the admission placed it on;
 //! 6. **proxy** ([`forward`]) — send, resend once if the backend failed before answering,
 //!    stream or buffer the answer back;
