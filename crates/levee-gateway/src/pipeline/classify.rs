@@ -124,9 +124,10 @@ pub(super) fn classify(
 }
 
 /// Moves a classified request to its model's `fallback` model (for a tier whose predicted
-/// TTFT misses degrade): that model's lane and its reservation of the same prompt. `false`, and nothing changed, when the model has no fallback or the
-/// request does not fit the fallback's context. Marked `slo_fallback=NAME` (header
-/// `x-levee-degraded`, and `levee_degraded_total{reason="slo_fallback"}` once admitted).
+/// TTFT misses degrade): that model's lane and its reservation of the same prompt, marked
+/// `slo_fallback=NAME` (header `x-levee-degraded`, and
+/// `levee_degraded_total{reason="slo_fallback"}` once admitted). `false`, and nothing
+/// changed, when the model has no fallback or the request does not fit its context.
 pub(super) fn retarget(gw: &Gateway, rt: &Runtime, c: &mut Classified) -> bool {
     let Some(fb) = c.target.fallback.as_ref().and_then(|f| rt.models.get(f)) else {
         return false;
