@@ -48,14 +48,7 @@ async fn chat_and_stream_through_the_engine() {
         g.state_json()["models"][0]["backends"][0]["reported"].is_object()
     })
     .await;
-    let metrics = c
-        .get(format!("{}/metrics", gw.admin_url()))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = metrics_text(&gw).await;
     assert!(metrics.contains("levee_backend_kv_usage"), "{metrics}");
     assert!(metrics.contains("levee_tokens_total{tenant=\"s\",kind=\"completion\"}"));
     gw.shutdown().await;

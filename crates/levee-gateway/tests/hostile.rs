@@ -350,15 +350,8 @@ async fn closed_by_gateway(s: &mut tokio::net::TcpStream, bound: Duration) -> Re
     }
 }
 
-async fn metric(c: &reqwest::Client, gw: &GatewayHandle, series: &str) -> f64 {
-    let text = c
-        .get(format!("{}/metrics", gw.admin_url()))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+async fn metric(gw: &GatewayHandle, series: &str) -> f64 {
+    let text = metrics_text(gw).await;
     text.lines()
         .find_map(|l| l.strip_prefix(series).and_then(|v| v.trim().parse().ok()))
         .unwrap_or(0.0)
@@ -402,7 +395,6 @@ async fn idle_connections_are_closed() {
     cfg.server.header_read_timeout_ms = 200;
     cfg.server.idle_timeout_ms = 200;
     let gw = start(cfg).await.unwrap();
-    let c = client();
     let mut h2 = tokio::net::TcpStream::connect(gw.public_addr())
         .await
         .unwrap();
@@ -428,10 +420,10 @@ async fn idle_connections_are_closed() {
         .unwrap();
     assert!(String::from_utf8_lossy(&got).starts_with("HTTP/1.1 200"));
     wait_until_async("no connection left open", || async {
-        metric(&c, &gw, "levee_open_connections{listener=\"public\"}").await == 0.0
+        metric(&gw, "levee_open_connections{listener=\"public\"}").await == 0.0
     })
     .await;
-    assert!(metric(&c, &gw, "levee_connections_expired_total").await >= 1.0);
+    assert!(metric(&gw, "levee_connections_expired_total").await >= 1.0);
     gw.shutdown().await;
 }
 
@@ -470,7 +462,7 @@ async fn connection_caps_hold_and_the_admin_listener_stays_reachable() {
         held.push(s);
     }
     wait_until_async("two connections held", || async {
-        metric(&c, &gw, "levee_open_connections{listener=\"public\"}").await == 2.0
+        metric(&gw, "levee_open_connections{listener=\"public\"}").await == 2.0
     })
     .await;
     let mut third = tokio::net::TcpStream::connect(gw.public_addr())
@@ -481,7 +473,7 @@ async fn connection_caps_hold_and_the_admin_listener_stays_reachable() {
         .unwrap();
     assert!(got.is_empty(), "closed without an answer");
     let refused = "levee_connections_refused_total{reason=\"max_connections_per_ip\"}";
-    assert_eq!(metric(&c, &gw, refused).await, 1.0);
+    assert_eq!(metric(&gw, refused).await, 1.0);
     // The admin listener has its own connections.
     assert_eq!(
         c.get(format!("{}/admin/state", gw.admin_url()))
@@ -493,7 +485,7 @@ async fn connection_caps_hold_and_the_admin_listener_stays_reachable() {
     );
     drop(held);
     wait_until_async("the held connections are released", || async {
-        metric(&c, &gw, "levee_open_connections{listener=\"public\"}").await == 0.0
+        metric(&gw, "levee_open_connections{listener=\"public\"}").await == 0.0
     })
     .await;
     assert_eq!(chat_ok(&c, &gw).await, 200);

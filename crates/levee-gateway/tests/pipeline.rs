@@ -439,14 +439,7 @@ async fn breaker_opens_and_traffic_moves_to_the_healthy_backend() {
         .find(|b| b["url"] == bad.url().as_str())
         .unwrap();
     assert_eq!(bad_state["breaker"]["state"], "open");
-    let metrics = c
-        .get(format!("{}/metrics", gw.admin_url()))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = metrics_text(&gw).await;
     assert!(metrics.contains("levee_breaker_state"), "{metrics}");
     gw.shutdown().await;
 }
@@ -785,14 +778,7 @@ async fn streaming_forwards_chunks_and_strips_usage_unless_asked() {
         .await
         .unwrap();
     assert!(text.contains("\"total_tokens\""), "{text}");
-    let metrics = c
-        .get(format!("{}/metrics", gw.admin_url()))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = metrics_text(&gw).await;
     assert!(
         metrics.contains("levee_tokens_total{tenant=\"s\",kind=\"completion\"} 8"),
         "{metrics}"
@@ -847,14 +833,7 @@ async fn admin_surfaces_dashboard_state_and_metrics() {
         "closed"
     );
     assert!(state["tenants"].as_array().unwrap().len() >= 5);
-    let metrics = c
-        .get(format!("{}/metrics", gw.admin_url()))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = metrics_text(&gw).await;
     assert!(
         metrics.contains("levee_queue_depth{tier=\"free\"} 1"),
         "{metrics}"

@@ -252,14 +252,7 @@ async fn levee_in_front_of_a_real_llama_server() {
     // Reconciliation: the server's own count of generated tokens equals what the clients
     // were told, and levee's tenant counters agree with the server's usage.
     let predicted = server.metric("llamacpp:tokens_predicted_total").await - predicted_before;
-    let admin_metrics = c
-        .get(format!("{}/metrics", gw.admin_url()))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let admin_metrics = metrics_text(&gw).await;
     let levee_completion = series_value(
         &admin_metrics,
         "levee_tokens_total{tenant=\"s\",kind=\"completion\"}",

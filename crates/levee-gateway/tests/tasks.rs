@@ -610,14 +610,7 @@ async fn callback_is_signed_and_retried_past_a_failing_receiver() {
     }
     assert_eq!(seen["callback"]["delivered"], true);
     assert_eq!(seen["callback"]["attempts"], 3);
-    let text = c
-        .get(format!("{}/metrics", gw.admin_url()))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let text = metrics_text(&gw).await;
     assert!(
         text.contains("levee_task_callbacks_total{state=\"failed\"} 2"),
         "{text}"
