@@ -463,7 +463,7 @@ where
         async move {
             let s = run.await?;
             print_step(&s);
-            anyhow::Ok((s, s.crashed, !s.crashed && s.goodput_rps >= best * 1.02))
+            anyhow::Ok((s, !s.crashed && s.goodput_rps >= best * 1.02))
         }
     };
     let mut flat = 0;
@@ -473,9 +473,9 @@ where
         if !room(&steps[..]) {
             return Ok(());
         }
-        let (s, crashed, gained) = try_cap(&steps[..], cap).await?;
+        let (s, gained) = try_cap(&steps[..], cap).await?;
         steps.push(s);
-        if crashed {
+        if s.crashed {
             above = Some(cap);
             break;
         }
@@ -493,9 +493,9 @@ where
             break;
         }
         let cap = below + (above - below) / 2;
-        let (s, crashed, gained) = try_cap(&steps[..], cap).await?;
+        let (s, gained) = try_cap(&steps[..], cap).await?;
         steps.push(s);
-        if crashed {
+        if s.crashed {
             above = cap;
         } else if gained {
             below = cap;
