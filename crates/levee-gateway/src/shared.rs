@@ -498,13 +498,21 @@ impl Shared {
         } else {
             String::new()
         };
+        let batched = self.batch > 1 && lease.is_empty() && self.is_shared();
+        // A slice already charged in Redis is spent before a remembered refusal is
+        // repeated: its requests are paid for.
+        if batched {
+            if let Some(charge) = self.from_slice(scopes, tokens) {
+                return Ok(Some(charge));
+            }
+        }
         if self.is_shared() {
             if let Some(refused) = self.still_refused(scopes, tokens) {
                 self.count("cache");
                 return Err(refused);
             }
         }
-        if self.batch > 1 && lease.is_empty() && self.is_shared() {
+        if batched {
             if let Some(r) = self.take_batched(scopes, tokens).await {
                 return r;
             }
@@ -590,36 +598,48 @@ impl Shared {
         });
     }
 
-    /// Decides from this replica's slice of the tenant's budget, taking a new slice from
-    /// Redis when the slice is spent. `None`: Redis failed (the caller falls back).
-    async fn take_batched(
+    /// A charge against one request of the tenant's slice on this replica, when the slice
+    /// holds one (and its tokens, where tokens are limited).
+    fn from_slice(self: &Arc<Self>, scopes: &Arc<[ScopeLimits]>, tokens: u64) -> Option<Charge> {
+        let key = scopes.last()?.id.clone();
+        let token_limited = scopes.iter().any(|s| s.tokens.is_some());
+        let mut slices = self.slices.lock();
+        let s = slices.get_mut(&key)?;
+        if s.requests == 0 || (token_limited && s.tokens < tokens) {
+            return None;
+        }
+        s.requests -= 1;
+        s.tokens = s.tokens.saturating_sub(tokens);
+        let figures = s.figures;
+        drop(slices);
+        self.count("slice");
+        Some(self.batched_charge(scopes, tokens, figures))
+    }
+
+    fn batched_charge(
         self: &Arc<Self>,
         scopes: &Arc<[ScopeLimits]>,
         tokens: u64,
-    ) -> Option<Result<Option<Charge>, GatewayError>> {
-        let key = scopes.last()?.id.clone();
-        let token_limited = scopes.iter().any(|s| s.tokens.is_some());
-        let charge = |figures| Charge {
+        figures: Figures,
+    ) -> Charge {
+        Charge {
             shared: self.clone(),
             scopes: scopes.clone(),
             tokens,
             lease: String::new(),
             source: Some(Source::Redis),
             figures,
-        };
-        {
-            let mut slices = self.slices.lock();
-            if let Some(s) = slices.get_mut(&key) {
-                if s.requests >= 1 && (!token_limited || s.tokens >= tokens) {
-                    s.requests -= 1;
-                    s.tokens = s.tokens.saturating_sub(tokens);
-                    let figures = s.figures;
-                    drop(slices);
-                    self.count("slice");
-                    return Some(Ok(Some(charge(figures))));
-                }
-            }
         }
+    }
+
+    /// Takes a new slice of the tenant's budget from Redis (the request that found this
+    /// replica's slice spent). `None`: Redis failed (the caller falls back).
+    async fn take_batched(
+        self: &Arc<Self>,
+        scopes: &Arc<[ScopeLimits]>,
+        tokens: u64,
+    ) -> Option<Result<Option<Charge>, GatewayError>> {
+        let key = scopes.last()?.id.clone();
         let want_tokens = tokens.saturating_mul(self.batch);
         let took = self
             .store
@@ -628,18 +648,32 @@ impl Shared {
             Ok(Ok(SliceDecision::Granted(g))) => {
                 self.count("redis");
                 self.figures.lock().insert(key.clone(), g.figures);
-                let rest = LocalSlice {
+                let mut rest = LocalSlice {
                     scopes: scopes.clone(),
                     requests: g.requests.saturating_sub(1),
                     tokens: g.tokens.saturating_sub(tokens),
                     taken_at: tokio::time::Instant::now(),
                     figures: g.figures,
                 };
-                let old = self.slices.lock().insert(key, rest);
+                let mut slices = self.slices.lock();
+                let old = slices.remove(&key);
+                // Requests that found the slice spent at once each took one: the rests
+                // join (charged already; given back as one, by the older's age).
+                let old = match old {
+                    Some(o) if o.scopes == rest.scopes => {
+                        rest.requests += o.requests;
+                        rest.tokens += o.tokens;
+                        rest.taken_at = o.taken_at;
+                        None
+                    }
+                    other => other,
+                };
+                slices.insert(key, rest);
+                drop(slices);
                 if let Some(old) = old {
                     self.give_back(old);
                 }
-                Some(Ok(Some(charge(g.figures))))
+                Some(Ok(Some(self.batched_charge(scopes, tokens, g.figures))))
             }
             Ok(Ok(SliceDecision::Refused {
                 scope,
