@@ -158,21 +158,46 @@ const TIERS: [(&str, f64, f64, f64); 3] = [
 
 /// The formula (the shipped configuration's comments say it in words): a tier's quota is its
 /// share of C per minute, its burst 2 s of that rate (at least 8 requests, so that a bursty
-/// client at a low rate is not refused for its second request), its concurrency what that
-/// rate keeps outstanding (Little's law) over the tier's wait plus E (at least 4, at most the
-/// fleet's slots S).
+/// client at a low rate is not refused for its second request), its concurrency the 99.9th
+/// percentile of what that rate keeps outstanding over the tier's wait plus E (a Poisson
+/// count whose mean is rate × stay, Little's law: a client at its contract rate is refused
+/// for concurrency at most one time in a thousand), at least 4 and at most what the gateway
+/// holds at once (the fleet's slots S and its hard queue mark: a larger quota never binds).
 pub(crate) fn contract(tier: usize, basis: &Basis, slots: u32) -> TierContract {
     let (_, share, wait, soft) = TIERS[tier];
     let rate = share * basis.capacity_rps;
     let queue_wait_ms = (wait * basis.ttft_slo_ms).round() as u64;
     let stay_s = (queue_wait_ms as f64 + basis.e2e_p99_ms) / 1000.0;
+    let (_, _, hard) = watermarks(basis, slots);
     TierContract {
         queue_wait_ms,
         soft_queue_wait_ms: (soft * basis.ttft_slo_ms).round() as u64,
         requests_per_minute: (60.0 * rate).round().max(1.0) as u32,
         requests_burst: ((2.0 * rate).ceil() as u32).max(8),
-        max_concurrency: ((rate * stay_s).ceil() as u32).clamp(4, slots.max(4)),
+        max_concurrency: poisson_quantile(rate * stay_s, CONCURRENCY_QUANTILE)
+            .clamp(4, (slots + hard).max(4)),
     }
+}
+
+/// How rarely a client at its contract rate may find its concurrency quota full.
+const CONCURRENCY_QUANTILE: f64 = 0.999;
+
+/// The smallest k with P(X ≤ k) ≥ `q` for X ~ Poisson(`mean`), summed in logarithms so that
+/// no term underflows at a large mean.
+fn poisson_quantile(mean: f64, q: f64) -> u32 {
+    if mean <= 0.0 {
+        return 0;
+    }
+    let target = q.ln();
+    let (mut log_term, mut log_cdf) = (-mean, -mean);
+    let mut k = 0u32;
+    while log_cdf < target && k < u32::MAX {
+        k += 1;
+        log_term += mean.ln() - f64::from(k).ln();
+        let (hi, lo) = (log_cdf.max(log_term), log_cdf.min(log_term));
+        log_cdf = hi + (lo - hi).exp().ln_1p();
+    }
+    k
 }
 
 /// The queue watermarks for `slots` sequence slots: safe = S, soft = 1.5 S, hard = the
@@ -200,8 +225,9 @@ pub(crate) fn calibrated_config(fleet: &Fleet, basis: &Basis, scenario: &Scenari
          #   backend max_in_flight = its slots; queue: safe = S, soft = 1.5 S, hard = max(2 S,\n\
          #   S + 2 × C × premium's wait); tier waits: premium 0.75 T, standard and free 0.5 T\n\
          #   (soft: 0.75 T, 0.25 T, 0); quotas: premium 0.5 C, standard 0.4 C, free 0.2 C per\n\
-         #   second (× 60 per minute), burst 2 s of it (≥ 8), concurrency = rate × (wait + E)\n\
-         #   (4 ≤ it ≤ S); every tier's ttft_slo_ms = T.\n\n\
+         #   second (× 60 per minute), burst 2 s of it (≥ 8), concurrency = the 99.9th\n\
+         #   percentile of Poisson(rate × (wait + E)) (4 ≤ it ≤ S + hard); every tier's\n\
+         #   ttft_slo_ms = T.\n\n\
          [listen]\npublic = \"127.0.0.1:8080\"\nadmin = \"127.0.0.1:9090\"\n\n\
          [ip_guard]\nenabled = false  # the drill's clients share 127.0.0.1; decide for your edge\n\n\
          [scrape]\ninterval_ms = 250\ntimeout_ms = 200\nunhealthy_after = 3\n\n\
@@ -256,4 +282,42 @@ pub(crate) fn calibrated_config(fleet: &Fleet, basis: &Basis, scenario: &Scenari
         );
     }
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_poisson_quantile_is_the_first_count_whose_cdf_reaches_it() {
+        // Reference values from the exact pmf (e^-m m^k / k!, summed with lgamma).
+        for (mean, k) in [(1.0, 5), (4.0, 11), (10.0, 21), (14.2, 27), (37.8, 58)] {
+            assert_eq!(poisson_quantile(mean, 0.999), k, "mean {mean}");
+        }
+        // A mean whose e^-m underflows a double.
+        assert_eq!(poisson_quantile(1000.0, 0.999), 1099);
+        assert_eq!(poisson_quantile(0.0, 0.999), 0);
+    }
+
+    #[test]
+    fn a_tier_at_its_contract_rate_is_not_held_to_the_fleets_slots() {
+        // Two four-slot servers: a premium rate of 1.5/s keeps about 8 outstanding over its
+        // wait and E, which a cap at the 8 slots refuses at ordinary peaks.
+        let basis = |capacity_rps, e2e_p99_ms| Basis {
+            capacity_rps,
+            ttft_slo_ms: 2000.0,
+            e2e_p99_ms,
+            model: String::new(),
+            measured: String::new(),
+        };
+        let premium = contract(0, &basis(3.0, 4000.0), 8);
+        let mean = 1.5 * (1.5 + 4.0);
+        assert_eq!(premium.max_concurrency, poisson_quantile(mean, 0.999));
+        assert!(f64::from(premium.max_concurrency) > mean && premium.max_concurrency > 8);
+        // Never above what the gateway holds at once, never below 4.
+        let (_, _, hard) = watermarks(&basis(3.0, 1e7), 8);
+        assert_eq!(contract(0, &basis(3.0, 1e7), 8).max_concurrency, 8 + hard);
+        let tiny = basis(0.01, 8000.0);
+        assert_eq!(contract(2, &tiny, 8).max_concurrency, 4);
+    }
 }
