@@ -98,6 +98,12 @@ impl LaneConfig {
     pub(crate) fn ttft_slo(&self, tier: Tier) -> Option<Duration> {
         self.slo.get(usize::from(tier.0)).and_then(|s| s.ttft)
     }
+
+    /// The tightest time to first token objective of the tiers above `tier`; `None` when
+    /// one of them has none.
+    fn tightest_ttft_above(&self, tier: Tier) -> Option<Duration> {
+        (0..tier.0).map(|t| self.ttft_slo(Tier(t))).min().flatten()
+    }
 }
 
 /// Session affinity settings of a lane.
@@ -1644,6 +1650,10 @@ struct Demand {
 
 /// Burst headroom, in standard deviations of the others' (Poisson-like) demand.
 const BURST_Z: f64 = 3.0;
+/// The part of a higher tier's time to first token objective its requests may spend waiting
+/// for releases before slots are kept idle for them ([`LaneView::reserve_for`]); the rest is
+/// the engine's (prefill, and the batch it joins).
+const RESERVE_WAIT_SHARE: f64 = 0.25;
 const OWN_Z: f64 = 2.0;
 /// A tenant's traffic is over its share when it keeps more than its share plus this many
 /// standard deviations of Poisson-like traffic at its share in flight.
@@ -1830,7 +1840,11 @@ impl<K: Hash + Eq> LaneView<'_, K> {
     /// of their average request. A higher-tier
     /// request so finds a slot at once when it comes in a burst, and those beyond the reserve
     /// queue ahead of every lower tier and take the next releases. Nothing is kept while the
-    /// tiers above bring nothing, or before a service time was measured.
+    /// tiers above bring nothing, or before a service time was measured — nor where releases
+    /// alone place them soon enough: when every tier above has a time to first token
+    /// objective and the last of the expected burst, placed one release after another,
+    /// waits at most [`RESERVE_WAIT_SHARE`] of the tightest of them. A kept slot idles
+    /// until its request comes: on a few slots that is a large part of the engines.
     fn reserve_for(&self, tier: Tier, now: Timestamp) -> (u64, u64) {
         let Some(gap) = self.release_gap else {
             return (0, 0);
@@ -1852,6 +1866,11 @@ impl<K: Hash + Eq> LaneView<'_, K> {
         let slots = ((expected + expected.sqrt()).round() as u64).min(most);
         if slots == 0 {
             return (0, 0);
+        }
+        if let Some(objective) = self.cfg.tightest_ttft_above(tier) {
+            if slots as f64 * gap <= RESERVE_WAIT_SHARE * objective.as_secs_f64() {
+                return (0, 0);
+            }
         }
         let per_request = tokens / requests;
         (slots, ceil_u64(slots as f64 * per_request))

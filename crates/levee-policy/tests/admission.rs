@@ -673,6 +673,55 @@ fn lower_tiers_keep_slots_free_for_a_higher_tier_that_is_sending() {
     }
 }
 
+/// Tier 1's requests taken at once and queued when premium (1/s, 4 s each) holds 4 of 8
+/// slots, with premium's time to first token objective `objective`.
+fn tier_one_beside_premium(objective: Option<Duration>) -> (usize, usize) {
+    let clock = ManualClock::new();
+    let mut cfg = lane(100, 200, 300);
+    cfg.slo = vec![
+        LatencySlo {
+            ttft: objective,
+            tpot: None,
+        },
+        LatencySlo::default(),
+    ];
+    let mut a = admission(8, None, cfg);
+    serve(&mut a, &clock, "x", 1, 1, Duration::from_secs(4));
+    serve(&mut a, &clock, "a", 1, 8, Duration::from_secs(4));
+    let mut premium = Vec::new();
+    for i in 0..4 {
+        premium.push(dispatched(a.admit(&req("p", 0, 10), 100 + i, clock.now())));
+        clock.advance(MS(1000));
+    }
+    let (mut taken, mut waiting) = (0, 0);
+    for i in 0..4 {
+        match a.admit(&req("a", 1, 10), 10 + i, clock.now()) {
+            Admit::Dispatch(_) => taken += 1,
+            Admit::Queued { .. } => waiting += 1,
+            Admit::Refused(r) => panic!("refused: {r:?}"),
+        }
+    }
+    (taken, waiting)
+}
+
+#[test]
+fn no_slot_idles_for_a_higher_tier_that_releases_place_within_its_objective() {
+    // The slot kept for premium's expected burst would be replaced by the next release
+    // 0.5–0.8 s later (4 s ÷ 5 to 8 in flight): within a quarter of a 60 s objective, so
+    // tier 1 takes every free slot and premium waits for releases, ahead of tier 1.
+    assert_eq!(
+        tier_one_beside_premium(Some(Duration::from_secs(60))),
+        (4, 0)
+    );
+    // Past a quarter of a 1 s objective (the last free slot's gap is 0.5 s), or with no
+    // objective to judge by: kept.
+    assert_eq!(
+        tier_one_beside_premium(Some(Duration::from_secs(1))),
+        (3, 1)
+    );
+    assert_eq!(tier_one_beside_premium(None), (3, 1));
+}
+
 #[test]
 fn a_background_request_goes_only_to_a_backend_with_no_recent_dispatch() {
     let clock = ManualClock::new();
