@@ -628,20 +628,29 @@ fn a_full_queue_gives_a_higher_tier_the_place_of_the_lowest_one_waiting() {
     assert!(a.expire(&"m", clock.now()).is_empty());
 }
 
-#[test]
-fn lower_tiers_keep_slots_free_for_a_higher_tier_that_is_sending() {
+type Premium = Vec<Dispatched<u32, &'static str>>;
+
+/// Eight slots, a service time of 4 s that tier 1 measured alone (taking every slot while
+/// no higher tier sends), then premium sending about one request a second for 4 s and
+/// holding its slots; `cfg` is the lane's.
+fn premium_holds_four_of_eight(
+    cfg: LaneConfig,
+) -> (Admission<u32, &'static str>, ManualClock, Premium) {
     let clock = ManualClock::new();
-    let mut a = admission(8, None, lane(100, 200, 300));
-    // A service time of 4 s.
+    let mut a = admission(8, None, cfg);
     serve(&mut a, &clock, "x", 1, 1, Duration::from_secs(4));
-    // No higher tier sends: tier 1 may take every slot.
     serve(&mut a, &clock, "a", 1, 8, Duration::from_secs(4));
-    // Premium sends about one request a second and holds its slots.
     let mut premium = Vec::new();
     for i in 0..4 {
         premium.push(dispatched(a.admit(&req("p", 0, 10), 100 + i, clock.now())));
         clock.advance(MS(1000));
     }
+    (a, clock, premium)
+}
+
+#[test]
+fn lower_tiers_keep_slots_free_for_a_higher_tier_that_is_sending() {
+    let (mut a, clock, mut premium) = premium_holds_four_of_eight(lane(100, 200, 300));
     // Tier 1 now stops short of the last free slot: what premium is expected to bring in
     // before the next release (0.5/s measured × 4 s ÷ 8 in flight, plus a standard
     // deviation: one slot; two while fewer are in flight and releases come slower).
@@ -676,7 +685,6 @@ fn lower_tiers_keep_slots_free_for_a_higher_tier_that_is_sending() {
 /// Tier 1's requests taken at once and queued when premium (1/s, 4 s each) holds 4 of 8
 /// slots, with premium's time to first token objective `objective`.
 fn tier_one_beside_premium(objective: Option<Duration>) -> (usize, usize) {
-    let clock = ManualClock::new();
     let mut cfg = lane(100, 200, 300);
     cfg.slo = vec![
         LatencySlo {
@@ -685,14 +693,7 @@ fn tier_one_beside_premium(objective: Option<Duration>) -> (usize, usize) {
         },
         LatencySlo::default(),
     ];
-    let mut a = admission(8, None, cfg);
-    serve(&mut a, &clock, "x", 1, 1, Duration::from_secs(4));
-    serve(&mut a, &clock, "a", 1, 8, Duration::from_secs(4));
-    let mut premium = Vec::new();
-    for i in 0..4 {
-        premium.push(dispatched(a.admit(&req("p", 0, 10), 100 + i, clock.now())));
-        clock.advance(MS(1000));
-    }
+    let (mut a, clock, _premium) = premium_holds_four_of_eight(cfg);
     let (mut taken, mut waiting) = (0, 0);
     for i in 0..4 {
         match a.admit(&req("a", 1, 10), 10 + i, clock.now()) {
