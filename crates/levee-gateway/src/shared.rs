@@ -661,8 +661,8 @@ impl Shared {
                 // join (charged already; given back as one, by the older's age).
                 let old = match old {
                     Some(o) if o.scopes == rest.scopes => {
-                        rest.requests += o.requests;
-                        rest.tokens += o.tokens;
+                        rest.requests = rest.requests.saturating_add(o.requests);
+                        rest.tokens = rest.tokens.saturating_add(o.tokens);
                         rest.taken_at = o.taken_at;
                         None
                     }
