@@ -34,6 +34,7 @@ use crate::limits::{
 use crate::queue::{Entry, PushRefusal, Ticket, Tier};
 use crate::refusal::{RefusalReason, Scope};
 use crate::retry::{RetryAfter, RetryBounds};
+use crate::share::GlobalShare;
 use crate::watermark::{ConfigError, WaitBudget, WatermarkAction, WatermarkDecision};
 use std::collections::HashMap;
 use std::hash::Hash;
@@ -310,6 +311,8 @@ pub struct LaneAdmission<T, K> {
     expired: Vec<Entry<Pending<T, K>, K>>,
     /// Entries a peer with less waiting displaced from a full lane, for `expire`.
     displaced: Vec<Entry<Pending<T, K>, K>>,
+    /// This lane's share of the global limits (see [`crate::share`]).
+    share: GlobalShare,
 }
 
 impl<T, K: Hash + Eq + Ord + Clone> LaneAdmission<T, K> {
@@ -322,6 +325,7 @@ impl<T, K: Hash + Eq + Ord + Clone> LaneAdmission<T, K> {
             retry: cfg.retry,
             expired: Vec::new(),
             displaced: Vec::new(),
+            share: GlobalShare::default(),
             spec,
         }
     }
@@ -394,7 +398,7 @@ impl<T, K: Hash + Eq + Ord + Clone> LaneAdmission<T, K> {
             Ok::<_, LimitRefusal>([
                 tenant.limits.acquire(Scope::Tenant, soon)?,
                 self.limits.acquire(Scope::Model, soon)?,
-                shared.global.acquire(Scope::Global, soon)?,
+                self.share.acquire(&shared.global, soon)?,
             ])
         })();
         let permits = match permits {
@@ -402,9 +406,14 @@ impl<T, K: Hash + Eq + Ord + Clone> LaneAdmission<T, K> {
             Err(r) => return refused(item, r),
         };
         // Rates: a peek now (over quota is refused before any queue work); the charge is
-        // taken only once the request is certain to be taken.
-        let scopes = rate_scopes(shared, &self.limits, tenant, heavy);
+        // taken only once the request is certain to be taken. The global rates are this
+        // lane's share of them, made sure of now and spent with the others.
+        if let Err(r) = self.share.ensure(&shared.global, est, now) {
+            return refused(item, r);
+        }
+        let scopes = rate_scopes(&self.limits, tenant, heavy);
         if let Err(r) = peek_rates(&scopes, est, now) {
+            self.share.trim(&shared.global, now);
             return refused(item, r);
         }
         let weight = tenant.weight();
@@ -412,18 +421,23 @@ impl<T, K: Hash + Eq + Ord + Clone> LaneAdmission<T, K> {
         {
             Ok(p) => p,
             Err((reason, retry_after, position)) => {
+                self.share.trim(&shared.global, now);
                 return Admit::Refused(Refusal {
                     item,
                     reason,
                     retry_after,
                     position,
-                })
+                });
             }
         };
-        let charged = match take_rates(&scopes, est, now) {
+        let mut charged = match take_rates(&scopes, est, now) {
             Ok(c) => c,
-            Err(r) => return refused(item, r),
+            Err(r) => {
+                self.share.trim(&shared.global, now);
+                return refused(item, r);
+            }
         };
+        charged[GLOBAL] = self.share.spend(est);
         let grant = Grant {
             tenant: req.tenant.clone(),
             model: req.model.clone(),
@@ -792,9 +806,14 @@ impl<T, K: Hash + Eq + Ord + Clone> LaneAdmission<T, K> {
         }
         self.limits
             .settle(charged[MODEL], refund, reserved, actual, now);
-        shared
-            .global
-            .settle(charged[GLOBAL], refund, reserved, actual, now);
+        self.share.settle(
+            &shared.global,
+            charged[GLOBAL],
+            refund,
+            reserved,
+            actual,
+            now,
+        );
         limits
             .limits
             .settle(charged[TENANT], refund, reserved, actual, now);
@@ -982,15 +1001,15 @@ fn queue_refusal<P, K: Hash + Eq + Ord + Clone>(
 }
 
 /// The four rate scopes of a request, in the one order their locks are taken: global,
-/// model, tenant, the tenant's heavy rule (only for a heavy request).
-fn rate_scopes<'a, K>(
-    shared: &'a SharedLimits<K>,
+/// model, tenant, the tenant's heavy rule (only for a heavy request). The global scope's
+/// place is empty: a lane charges it from its share ([`GlobalShare`]), locked apart.
+fn rate_scopes<'a>(
     model: &'a ScopeLimits,
     tenant: &'a TenantLimits,
     heavy: bool,
 ) -> [(Option<&'a ScopeLimits>, Scope); 4] {
     [
-        (Some(&*shared.global), Scope::Global),
+        (None, Scope::Global),
         (Some(model), Scope::Model),
         (Some(&tenant.limits), Scope::Tenant),
         (heavy.then_some(&tenant.heavy), Scope::TenantHeavy),

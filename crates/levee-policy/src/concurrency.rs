@@ -1,15 +1,19 @@
 //! Concurrency limits with RAII permits. Lock-free (an atomic counter behind an `Arc`), so a
 //! permit can be dropped on any thread without the caller's lock.
 
+use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::hash::Hash;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 
 #[derive(Debug)]
 struct Inner {
     limit: AtomicUsize,
     in_use: AtomicUsize,
+    /// The pools that hold permits of this limit in reserve ([`PermitPool`]), to take their
+    /// spares back before refusing.
+    pools: Mutex<Vec<Weak<PoolInner>>>,
 }
 
 /// A limit on how many things run at once. Cloning shares the limit.
@@ -34,6 +38,7 @@ impl ConcurrencyLimit {
             inner: Arc::new(Inner {
                 limit: AtomicUsize::new(limit),
                 in_use: AtomicUsize::new(0),
+                pools: Mutex::new(Vec::new()),
             }),
         }
     }
@@ -41,26 +46,9 @@ impl ConcurrencyLimit {
     /// Takes a permit if one is free.
     #[inline]
     pub fn try_acquire(&self) -> Result<Permit, Saturated> {
-        let limit = self.inner.limit.load(Ordering::Relaxed);
-        let mut cur = self.inner.in_use.load(Ordering::Relaxed);
-        loop {
-            if cur >= limit {
-                return Err(Saturated { limit, in_use: cur });
-            }
-            match self.inner.in_use.compare_exchange_weak(
-                cur,
-                cur + 1,
-                Ordering::AcqRel,
-                Ordering::Relaxed,
-            ) {
-                Ok(_) => {
-                    return Ok(Permit {
-                        inner: Arc::clone(&self.inner),
-                    })
-                }
-                Err(actual) => cur = actual,
-            }
-        }
+        self.inner.take_up_to(1).map(|_| Permit {
+            source: Source::Limit(Arc::clone(&self.inner)),
+        })
     }
 
     /// Changes the limit (e.g. from [`crate::AdaptiveLimit`]). Permits already held stay
@@ -74,9 +62,23 @@ impl ConcurrencyLimit {
         self.inner.limit.load(Ordering::Relaxed)
     }
 
-    /// Permits held now.
+    /// Permits held now (not counting those pools keep in reserve).
     pub fn in_use(&self) -> usize {
-        self.inner.in_use.load(Ordering::Relaxed)
+        let spare: usize = self
+            .inner
+            .pools
+            .lock()
+            .iter()
+            .filter_map(Weak::upgrade)
+            .map(|p| {
+                let c = p.count.lock();
+                c.0 - c.1
+            })
+            .sum();
+        self.inner
+            .in_use
+            .load(Ordering::Relaxed)
+            .saturating_sub(spare)
     }
 
     /// Permits free now.
@@ -85,16 +87,164 @@ impl ConcurrencyLimit {
     }
 }
 
+impl Inner {
+    /// Takes between 1 and `n` permits, as many as are free.
+    #[inline]
+    fn take_up_to(&self, n: usize) -> Result<usize, Saturated> {
+        let limit = self.limit.load(Ordering::Relaxed);
+        let mut cur = self.in_use.load(Ordering::Relaxed);
+        loop {
+            if cur >= limit {
+                return Err(Saturated { limit, in_use: cur });
+            }
+            let take = n.min(limit - cur);
+            match self.in_use.compare_exchange_weak(
+                cur,
+                cur + take,
+                Ordering::AcqRel,
+                Ordering::Relaxed,
+            ) {
+                Ok(_) => return Ok(take),
+                Err(actual) => cur = actual,
+            }
+        }
+    }
+
+    fn give_back(&self, n: usize) {
+        if n > 0 {
+            self.in_use.fetch_sub(n, Ordering::AcqRel);
+        }
+    }
+
+    /// Takes every pool's spare permits back; forgets pools that are gone.
+    fn reclaim(&self) {
+        let mut pools = self.pools.lock();
+        pools.retain(|w| match w.upgrade() {
+            Some(p) => {
+                p.release_spares(0);
+                true
+            }
+            None => false,
+        });
+    }
+}
+
+/// One holder's reserve of a shared [`ConcurrencyLimit`]: permits taken from it in chunks
+/// and handed out one at a time from a count of the holder's own, so that holders on
+/// different threads (a lane per model) do not each write the shared count for every
+/// request. A pool keeps at most two chunks spare, and before the shared limit refuses
+/// anybody it takes every pool's spares back: a refusal still means the limit's permits
+/// are really out.
+#[derive(Debug, Clone)]
+pub(crate) struct PermitPool {
+    inner: Arc<PoolInner>,
+}
+
+#[derive(Debug)]
+struct PoolInner {
+    parent: Arc<Inner>,
+    chunk: usize,
+    /// `(taken from the parent, handed out)`.
+    count: Mutex<(usize, usize)>,
+}
+
+impl PoolInner {
+    /// Returns the spares above `keep` to the parent.
+    fn release_spares(&self, keep: usize) {
+        self.trim(&mut self.count.lock(), keep);
+    }
+
+    fn trim(&self, (taken, out): &mut (usize, usize), keep: usize) {
+        let spare = *taken - *out;
+        if spare > keep {
+            *taken -= spare - keep;
+            self.parent.give_back(spare - keep);
+        }
+    }
+}
+
+impl Drop for PoolInner {
+    fn drop(&mut self) {
+        let c = self.count.get_mut();
+        self.parent.give_back(c.0 - c.1);
+    }
+}
+
+impl PermitPool {
+    /// A pool of `limit`'s permits taken `chunk` at a time; `None` when a chunk would be
+    /// under two permits (a small limit is shared exactly, one permit at a time).
+    pub(crate) fn new(limit: &ConcurrencyLimit, chunk: usize) -> Option<Self> {
+        if chunk < 2 {
+            return None;
+        }
+        let inner = Arc::new(PoolInner {
+            parent: Arc::clone(&limit.inner),
+            chunk,
+            count: Mutex::new((0, 0)),
+        });
+        limit.inner.pools.lock().push(Arc::downgrade(&inner));
+        Some(PermitPool { inner })
+    }
+
+    /// Whether this pool draws on `limit`.
+    pub(crate) fn draws_on(&self, limit: &ConcurrencyLimit) -> bool {
+        Arc::ptr_eq(&self.inner.parent, &limit.inner)
+    }
+
+    /// Takes a permit: from the pool's spares, else a new chunk from the shared limit, else
+    /// (the limit is out) after taking every pool's spares back.
+    pub(crate) fn try_acquire(&self) -> Result<Permit, Saturated> {
+        let p = &self.inner;
+        {
+            let mut c = p.count.lock();
+            if c.1 < c.0 {
+                c.1 += 1;
+                return Ok(self.permit());
+            }
+        }
+        let got = match p.parent.take_up_to(p.chunk) {
+            Ok(n) => n,
+            Err(_) => {
+                p.parent.reclaim();
+                p.parent.take_up_to(1)?
+            }
+        };
+        let mut c = p.count.lock();
+        c.0 += got;
+        c.1 += 1;
+        Ok(self.permit())
+    }
+
+    fn permit(&self) -> Permit {
+        Permit {
+            source: Source::Pool(Arc::clone(&self.inner)),
+        }
+    }
+}
+
 /// A held slot; dropping it frees the slot.
 #[derive(Debug)]
 #[must_use = "dropping a permit releases it at once"]
 pub struct Permit {
-    inner: Arc<Inner>,
+    source: Source,
+}
+
+#[derive(Debug)]
+enum Source {
+    Limit(Arc<Inner>),
+    Pool(Arc<PoolInner>),
 }
 
 impl Drop for Permit {
     fn drop(&mut self) {
-        self.inner.in_use.fetch_sub(1, Ordering::AcqRel);
+        match &self.source {
+            Source::Limit(inner) => inner.give_back(1),
+            Source::Pool(pool) => {
+                let mut c = pool.count.lock();
+                c.1 -= 1;
+                pool.trim(&mut c, 2 * pool.chunk);
+            }
+        }
     }
 }
 
@@ -175,6 +325,31 @@ impl<K: Hash + Eq + Clone> KeyedConcurrency<K> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_pool_keeps_at_most_two_chunks_and_gives_everything_back_when_gone() {
+        let limit = ConcurrencyLimit::new(100);
+        let taken = || limit.inner.in_use.load(Ordering::Relaxed);
+        let pool = PermitPool::new(&limit, 4).unwrap();
+        let permits: Vec<_> = (0..20).map(|_| pool.try_acquire().unwrap()).collect();
+        assert_eq!((taken(), limit.in_use()), (20, 20));
+        drop(permits);
+        assert_eq!(
+            (taken(), limit.in_use()),
+            (8, 0),
+            "two chunks kept in reserve"
+        );
+        let p = pool.try_acquire().unwrap();
+        assert_eq!(taken(), 8, "served from the reserve");
+        drop(pool);
+        assert_eq!(taken(), 8, "a permit out keeps its pool");
+        drop(p);
+        assert_eq!(taken(), 0);
+        assert!(
+            PermitPool::new(&limit, 1).is_none(),
+            "a chunk of one is no pool"
+        );
+    }
 
     #[test]
     fn permits_release_on_drop() {

@@ -121,9 +121,15 @@ impl Gcra {
     /// [`Gcra::commit`].
     #[inline]
     pub(crate) fn peek(&self, now: Timestamp) -> Result<u128, NotUntil> {
+        self.peek_n(1, now)
+    }
+
+    /// [`Gcra::peek`] for `n` requests at once.
+    #[inline]
+    pub(crate) fn peek_n(&self, n: u64, now: Timestamp) -> Result<u128, NotUntil> {
         let q = &self.quota;
         let t = q.units.units_at(now);
-        let new_tat = self.tat.max(t) + q.units.unit();
+        let new_tat = self.tat.max(t) + q.units.of(n);
         let allow_at = new_tat.saturating_sub(q.tolerance());
         if t >= allow_at {
             Ok(new_tat)
@@ -150,10 +156,20 @@ impl Gcra {
     /// Gives back one admitted request (it was refused later, or never served): the
     /// limiter is as if it had not been admitted, except for time already passed.
     pub fn refund(&mut self, now: Timestamp) {
+        self.refund_n(1, now);
+    }
+
+    /// [`Gcra::refund`] of `n` requests.
+    pub(crate) fn refund_n(&mut self, n: u64, now: Timestamp) {
         let t = self.quota.units.units_at(now);
         if self.tat > t {
-            self.tat = self.tat.saturating_sub(self.quota.units.unit()).max(t);
+            self.tat = self.tat.saturating_sub(self.quota.units.of(n)).max(t);
         }
+    }
+
+    /// Requests in `window` at the sustained rate, rounded down.
+    pub(crate) fn per(&self, window: Duration) -> u64 {
+        self.quota.units.per(window)
     }
 
     /// Header figures at `now`.

@@ -32,6 +32,7 @@ mod quantile;
 mod queue;
 mod refusal;
 mod retry;
+mod share;
 mod tokens;
 mod units;
 mod watermark;

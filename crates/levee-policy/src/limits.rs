@@ -11,8 +11,10 @@
 //!
 //! Rates are checked twice: a *peek* before the lane's work (a request over quota is refused
 //! before it costs a queue decision) and a *take* once the lane has decided to take it,
-//! which peeks again and commits under the same locks (global, then tenant: one order
-//! everywhere), so two lanes can never both spend the last of a quota.
+//! which peeks again and commits under the same locks (model, then tenant: one order
+//! everywhere), so two lanes can never both spend the last of a quota. The global scope,
+//! which every decision of every lane charges, is taken by each lane in small slices and
+//! spent under the lane's own lock ([`crate::share`]).
 
 use crate::clock::Timestamp;
 use crate::concurrency::{ConcurrencyLimit, Permit};
@@ -118,6 +120,18 @@ pub(crate) struct Peeked {
 /// What a take charged: `(request rate, token rate)`.
 pub(crate) type Charged = (bool, bool);
 
+/// How much of a scope's rates a holder may keep for itself at once (see
+/// [`Rates::take_share`]).
+pub(crate) const SHARE_WINDOW: Duration = Duration::from_millis(1);
+
+/// What [`Rates::take_share`] took.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ShareTaken {
+    pub(crate) requests: Option<u64>,
+    pub(crate) tokens: Option<u64>,
+    pub(crate) slice: (u64, u64),
+}
+
 pub(crate) fn rate_retry(wait: Duration) -> Option<RetryAfter> {
     Some(RetryAfter::from_duration(
         wait.max(Duration::from_millis(1)),
@@ -154,23 +168,97 @@ impl Rates {
         now: Timestamp,
         scope: Scope,
     ) -> Result<Peeked, LimitRefusal> {
+        self.peek_n(1, tokens, now, scope)
+    }
+
+    /// [`Rates::peek`] for `requests` requests of `tokens` tokens in all (0 of either: that
+    /// rate is not charged).
+    fn peek_n(
+        &self,
+        requests: u64,
+        tokens: u64,
+        now: Timestamp,
+        scope: Scope,
+    ) -> Result<Peeked, LimitRefusal> {
         let rpm = match &self.rpm {
-            None => None,
-            Some(g) => Some(
-                g.peek(now)
+            Some(g) if requests > 0 => Some(
+                g.peek_n(requests, now)
                     .map_err(|e| (RefusalReason::RequestRate(scope), rate_retry(e.retry_after)))?,
             ),
+            _ => None,
         };
         let tpm = match &self.tpm {
-            None => None,
-            Some(b) => Some(b.peek(tokens, now).map_err(|e| match e {
-                Refused::NotUntil { retry_after } => {
-                    (RefusalReason::TokenRate(scope), rate_retry(retry_after))
-                }
-                Refused::TooLarge { .. } => (RefusalReason::TooLarge(scope), None),
-            })?),
+            Some(b) if tokens > 0 || requests > 0 => {
+                Some(b.peek(tokens, now).map_err(|e| match e {
+                    Refused::NotUntil { retry_after } => {
+                        (RefusalReason::TokenRate(scope), rate_retry(retry_after))
+                    }
+                    Refused::TooLarge { .. } => (RefusalReason::TooLarge(scope), None),
+                })?)
+            }
+            _ => None,
         };
         Ok(Peeked { rpm, tpm })
+    }
+
+    /// What a holder takes at once from these rates into its share ([`crate::share`]):
+    /// [`SHARE_WINDOW`] of each rate, at most a quarter of its burst; 0 where that is under
+    /// two (the rate is then shared exactly, one request at a time).
+    fn slice(&self) -> (u64, u64) {
+        let fit = |n: u64, burst: u64| {
+            if n.min(burst / 4) < 2 {
+                0
+            } else {
+                n.min(burst / 4)
+            }
+        };
+        (
+            self.rpm
+                .as_ref()
+                .map_or(0, |g| fit(g.per(SHARE_WINDOW), g.quota().burst())),
+            self.tpm
+                .as_ref()
+                .map_or(0, |b| fit(b.per(SHARE_WINDOW), b.quota().capacity())),
+        )
+    }
+
+    /// Takes at least `requests` requests and `tokens` tokens, a slice of each when there is
+    /// room for it: what was taken of each rate (`None`: that rate is not limited) and the
+    /// slice sizes. Refused only when the need itself does not fit, with that refusal.
+    pub(crate) fn take_share(
+        &mut self,
+        requests: u64,
+        tokens: u64,
+        now: Timestamp,
+        scope: Scope,
+    ) -> Result<ShareTaken, LimitRefusal> {
+        let slice = self.slice();
+        let want = |need: u64, slice: u64| if need > 0 { need.max(slice) } else { 0 };
+        let wanted = (want(requests, slice.0), want(tokens, slice.1));
+        let (taken, peeked) = match self.peek_n(wanted.0, wanted.1, now, scope) {
+            Ok(p) => (wanted, p),
+            Err(e) if wanted == (requests, tokens) => return Err(e),
+            Err(_) => (
+                (requests, tokens),
+                self.peek_n(requests, tokens, now, scope)?,
+            ),
+        };
+        self.commit(peeked);
+        Ok(ShareTaken {
+            requests: self.rpm.as_ref().map(|_| taken.0),
+            tokens: self.tpm.as_ref().map(|_| taken.1),
+            slice,
+        })
+    }
+
+    /// Gives back what a share held unspent.
+    pub(crate) fn give_back(&mut self, requests: u64, tokens: u64, now: Timestamp) {
+        if let (Some(g), true) = (self.rpm.as_mut(), requests > 0) {
+            g.refund_n(requests, now);
+        }
+        if let (Some(b), true) = (self.tpm.as_mut(), tokens > 0) {
+            b.reconcile(tokens, 0, now);
+        }
     }
 
     pub(crate) fn commit(&mut self, p: Peeked) -> Charged {
@@ -232,6 +320,8 @@ pub(crate) struct ScopeLimits {
     rated: AtomicBool,
     concurrency: ConcurrencyLimit,
     bounded: AtomicBool,
+    /// Counts changes of the limits, so that shares taken under old ones are given back.
+    generation: AtomicU64,
 }
 
 impl ScopeLimits {
@@ -242,6 +332,7 @@ impl ScopeLimits {
             rates: Mutex::new(rates),
             concurrency: ConcurrencyLimit::new(spec.max_concurrent.unwrap_or(usize::MAX)),
             bounded: AtomicBool::new(spec.max_concurrent.is_some()),
+            generation: AtomicU64::new(0),
         }
     }
 
@@ -254,6 +345,24 @@ impl ScopeLimits {
             .set_limit(spec.max_concurrent.unwrap_or(usize::MAX));
         self.bounded
             .store(spec.max_concurrent.is_some(), Ordering::Release);
+        self.generation.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// How many times the limits changed.
+    pub(crate) fn generation(&self) -> u64 {
+        self.generation.load(Ordering::Acquire)
+    }
+
+    /// Whether the scope has a rate.
+    pub(crate) fn is_rated(&self) -> bool {
+        self.rated.load(Ordering::Acquire)
+    }
+
+    /// Its concurrency limit, when it bounds requests outstanding.
+    pub(crate) fn bounded_concurrency(&self) -> Option<&ConcurrencyLimit> {
+        self.bounded
+            .load(Ordering::Acquire)
+            .then_some(&self.concurrency)
     }
 
     /// The scope's rates, locked; `None` when it has none (no lock taken).

@@ -148,6 +148,11 @@ impl TokenBucket {
         }
     }
 
+    /// Tokens in `window` at the refill rate, rounded down.
+    pub(crate) fn per(&self, window: Duration) -> u64 {
+        self.quota.units.per(window)
+    }
+
     #[inline]
     pub(crate) fn commit(&mut self, new_tat: u128) {
         self.tat = new_tat;

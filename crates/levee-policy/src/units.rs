@@ -53,6 +53,12 @@ impl RateUnits {
         }
     }
 
+    /// Requests or tokens in `window` at this rate, rounded down.
+    pub(crate) fn per(&self, window: Duration) -> u64 {
+        let n = duration_nanos(window) as u128 * self.count as u128 / self.period_ns as u128;
+        u64::try_from(n).unwrap_or(u64::MAX)
+    }
+
     /// Units one request or token costs.
     #[inline]
     pub(crate) fn unit(&self) -> u128 {
