@@ -1527,6 +1527,9 @@ struct ShareTable {
     tokens: Option<u64>,
     /// Index `p`: sums over the active tenants at priority `p` or higher.
     by_tier: Vec<TierSums>,
+    /// Index `p`: the share figures of the weights seen at priority `p` (a few at most), which
+    /// depend only on the table and the weight.
+    figures: Vec<Vec<ShareOf>>,
     /// When it was built; it holds from then until `expires`, when a tenant's activity
     /// changes by time alone.
     built: Timestamp,
@@ -1559,6 +1562,7 @@ impl ShareTable {
             slots,
             tokens,
             by_tier: vec![TierSums::default(); tiers],
+            figures: vec![Vec::new(); tiers],
             built: now,
             expires: Timestamp::MAX,
         };
@@ -1584,10 +1588,29 @@ impl ShareTable {
     }
 
     /// Adds or takes out active tenant `u`'s demand, at its priority and below.
-    fn apply(&mut self, u: &TenantUse, sign: Sign) {
+    /// The share figures of `weight` at priority `level`, kept for the next asker.
+    fn figures_of(&mut self, level: usize, weight: u32) -> ShareOf {
         let (slots, tokens) = (self.slots, self.tokens);
-        for sums in self.by_tier.iter_mut().skip(usize::from(u.tier.0)) {
-            let d = u.demand(slots, tokens, sums.weights);
+        let weights = self.by_tier.get(level).map_or(0, |s| s.weights);
+        let Some(figures) = self.figures.get_mut(level) else {
+            return ShareOf::new(slots, tokens, weights, weight);
+        };
+        if let Some(f) = figures.iter().find(|f| f.weight == weight) {
+            return *f;
+        }
+        let f = ShareOf::new(slots, tokens, weights, weight);
+        if figures.len() < FIGURES_KEPT {
+            figures.push(f);
+        }
+        f
+    }
+
+    fn apply(&mut self, u: &TenantUse, sign: Sign) {
+        for level in usize::from(u.tier.0)..self.by_tier.len() {
+            let f = self.figures_of(level, u.weight);
+            let sums = &mut self.by_tier[level];
+            let over = u.over_share(&f);
+            let d = u.demand(&f, over);
             let add = |sum: &mut u64, v: u64| match sign {
                 Sign::Plus => *sum += v,
                 Sign::Minus => *sum = sum.saturating_sub(v),
@@ -1598,7 +1621,7 @@ impl ShareTable {
             add(&mut sums.waiting_tokens, d.waiting_tokens);
             add(&mut sums.room_requests, d.room_requests);
             add(&mut sums.room_tokens, d.room_tokens);
-            if !u.over_share(slots, sums.weights) {
+            if !over {
                 add(&mut sums.under.active, 1);
                 add(&mut sums.under.demand_requests, d.requests);
                 add(&mut sums.under.waiting_requests, d.waiting_requests);
@@ -1635,6 +1658,44 @@ struct UnderSums {
     room_requests: u64,
 }
 
+/// Share figures kept per priority in a [`ShareTable`]: the weights seen there are few.
+const FIGURES_KEPT: usize = 4;
+
+/// What the fair-share rule gives a tenant of one weight, from the table's slots and tokens
+/// and the weights active at its priority: the same for every tenant of that weight.
+#[derive(Debug, Clone, Copy)]
+struct ShareOf {
+    weight: u32,
+    /// Its weighted share of the slots and of the tokens (if known).
+    requests: u64,
+    tokens: Option<u64>,
+    /// Its traffic is over its share above this many requests in flight.
+    over_above: f64,
+    /// Its burst allowance in requests and tokens: index 0 with [`OWN_Z`], 1 (a tenant
+    /// under its share) with [`UNDER_Z`].
+    allowance: [(u64, Option<u64>); 2],
+}
+
+impl ShareOf {
+    fn new(slots: u64, tokens: Option<u64>, weights: u64, weight: u32) -> Self {
+        let share = |total: u64| total.saturating_mul(u64::from(weight)) / weights.max(1);
+        let requests = share(slots);
+        let tokens = tokens.map(share);
+        let exact = slots as f64 * f64::from(weight) / weights.max(1) as f64;
+        let allowance = |z: f64| {
+            let a = ceil_u64(z * (requests as f64).sqrt());
+            (a, tokens.map(|t| t / requests.max(1) * a))
+        };
+        ShareOf {
+            weight,
+            requests,
+            tokens,
+            over_above: exact + OVER_Z * exact.sqrt(),
+            allowance: [allowance(OWN_Z), allowance(UNDER_Z)],
+        }
+    }
+}
+
 /// One tenant's outstanding demand as the fair-share rule counts it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Demand {
@@ -1668,30 +1729,25 @@ const UNDER_Z: f64 = 3.0;
 const OFFERED_WINDOW: Duration = Duration::from_secs(60);
 
 impl TenantUse {
+    /// Whether its traffic keeps more requests in flight than its weighted share (`f`, of
+    /// its weight; unknown before a service time was measured: not over).
+    fn over_share(&self, f: &ShareOf) -> bool {
+        self.offered.is_some_and(|o| o > f.over_above)
+    }
+
     /// Its limit — its weighted share of `slots`/`tokens` (`weights` summed over the tenants
     /// at the judged priority), plus a burst allowance when it is not backlogged — its
     /// outstanding demand (running + queued) up to that limit, the part of it not yet
-    /// running, and what it could still take before reaching the limit.
-    /// Whether its traffic keeps more requests in flight than its weighted share of `slots`
-    /// (unknown before a service time was measured: not over).
-    fn over_share(&self, slots: u64, weights: u64) -> bool {
-        let share = slots as f64 * f64::from(self.weight) / weights.max(1) as f64;
-        self.offered
-            .is_some_and(|o| o > share + OVER_Z * share.sqrt())
-    }
-
-    fn demand(&self, slots: u64, tokens: Option<u64>, weights: u64) -> Demand {
-        let share = |total: u64| total.saturating_mul(u64::from(self.weight)) / weights.max(1);
-        let share_requests = share(slots);
-        let share_tokens = tokens.map(share);
+    /// running, and what it could still take before reaching the limit. `f`: the share
+    /// figures of its weight; `over`: [`TenantUse::over_share`] with them.
+    fn demand(&self, f: &ShareOf, over: bool) -> Demand {
+        let (share_requests, share_tokens) = (f.requests, f.tokens);
         // A burst of its own — up to z standard deviations of Poisson-like traffic that
         // averages its share — is let through like its share, unless it has more than that
         // outstanding (a backlog is not a burst): a flooder gets its share, a quiet tenant
         // its share and its bursts.
-        let under = self.offered.is_some() && !self.over_share(slots, weights);
-        let z = if under { UNDER_Z } else { OWN_Z };
-        let allowance = ceil_u64(z * (share_requests as f64).sqrt());
-        let token_allowance = share_tokens.map(|t| t / share_requests.max(1) * allowance);
+        let under = self.offered.is_some() && !over;
+        let (allowance, token_allowance) = f.allowance[usize::from(under)];
         let outstanding = (self.in_flight + self.queued) as u64;
         let outstanding_tokens = self.tokens + self.queued_tokens;
         let bursting = outstanding <= share_requests + allowance
@@ -1743,14 +1799,23 @@ impl<K: Hash + Eq> LaneView<'_, K> {
         Some((t.slots, t.tokens, *t.by_tier.get(usize::from(tier.0))?))
     }
 
+    /// [`LaneView::sums`] with the share figures of `weight` at that priority.
+    fn sums_for(&self, tier: Tier, weight: u32, now: Timestamp) -> Option<(TierSums, ShareOf)> {
+        let sums = self.sums(tier, now)?.2;
+        let mut shares = self.shares.borrow_mut();
+        let t = shares.as_mut()?;
+        let f = t.figures_of(usize::from(tier.0), weight);
+        Some((sums, f))
+    }
+
     /// Whether `tenant`'s traffic is over its weighted share of the lane (see
     /// [`TenantUse::over_share`]).
     fn over_share(&self, tenant: &K, now: Timestamp) -> bool {
         let Some(me) = self.tenants.get(tenant) else {
             return false;
         };
-        match self.sums(me.tier, now) {
-            Some((slots, _, sums)) if sums.active >= 2 => me.over_share(slots, sums.weights),
+        match self.sums_for(me.tier, me.weight, now) {
+            Some((sums, f)) if sums.active >= 2 => me.over_share(&f),
             _ => false,
         }
     }
@@ -1765,14 +1830,15 @@ impl<K: Hash + Eq> LaneView<'_, K> {
         if me.in_flight == 0 {
             return true; // everyone may have one request running
         }
-        let Some((slots, tokens, sums)) = self.sums(me.tier, now) else {
+        let Some((sums, f)) = self.sums_for(me.tier, me.weight, now) else {
             return true;
         };
         // A tenant with a request running is active, so the sums count it.
         if sums.active < 2 {
             return true; // alone at its priority: it may take everything
         }
-        let own = me.demand(slots, tokens, sums.weights);
+        let over = me.over_share(&f);
+        let own = me.demand(&f, over);
         let within_requests = (me.in_flight as u64) < own.limit_requests;
         let within_tokens = me.tokens.saturating_add(kv_cost) <= own.limit_tokens;
         if within_requests && within_tokens {
@@ -1780,7 +1846,7 @@ impl<K: Hash + Eq> LaneView<'_, K> {
             // what stays free covers the tenants under theirs: their waiting demand and
             // pooled burst headroom (as below), so that its requests do not fill the slots
             // their next burst needs.
-            if !me.over_share(slots, sums.weights) {
+            if !over {
                 return true;
             }
             let u = sums.under;
