@@ -182,7 +182,11 @@ impl PermitPool {
             chunk,
             count: Mutex::new((0, 0)),
         });
-        limit.inner.pools.lock().push(Arc::downgrade(&inner));
+        let mut pools = limit.inner.pools.lock();
+        // Pools replaced (after a change of limits) and gone are forgotten here too.
+        pools.retain(|w| w.strong_count() > 0);
+        pools.push(Arc::downgrade(&inner));
+        drop(pools);
         Some(PermitPool { inner })
     }
 
@@ -348,6 +352,14 @@ mod tests {
         assert!(
             PermitPool::new(&limit, 1).is_none(),
             "a chunk of one is no pool"
+        );
+        let pools: Vec<_> = (0..100).map(|_| PermitPool::new(&limit, 4)).collect();
+        drop(pools);
+        let _last = PermitPool::new(&limit, 4);
+        assert_eq!(
+            limit.inner.pools.lock().len(),
+            1,
+            "pools gone are forgotten"
         );
     }
 
