@@ -1786,26 +1786,28 @@ impl<K: Hash + Eq> LaneView<'_, K> {
     /// The request slots, usable tokens and the sums at priority `tier`, building the
     /// sums first if they are stale.
     fn sums(&self, tier: Tier, now: Timestamp) -> Option<(u64, Option<u64>, TierSums)> {
-        let mut shares = self.shares.borrow_mut();
-        if !shares.as_ref().is_some_and(|t| t.valid_at(now)) {
-            *shares = Some(ShareTable::build(
-                self.tenants,
-                self.backends,
-                self.cfg,
-                now,
-            ));
-        }
-        let t = shares.as_ref()?;
+        let t = self.table(now);
         Some((t.slots, t.tokens, *t.by_tier.get(usize::from(tier.0))?))
     }
 
     /// [`LaneView::sums`] with the share figures of `weight` at that priority.
     fn sums_for(&self, tier: Tier, weight: u32, now: Timestamp) -> Option<(TierSums, ShareOf)> {
-        let sums = self.sums(tier, now)?.2;
-        let mut shares = self.shares.borrow_mut();
-        let t = shares.as_mut()?;
-        let f = t.figures_of(usize::from(tier.0), weight);
-        Some((sums, f))
+        let mut t = self.table(now);
+        let level = usize::from(tier.0);
+        let sums = *t.by_tier.get(level)?;
+        Some((sums, t.figures_of(level, weight)))
+    }
+
+    /// The fair-share table, built first if it is stale.
+    fn table(&self, now: Timestamp) -> std::cell::RefMut<'_, ShareTable> {
+        std::cell::RefMut::map(self.shares.borrow_mut(), |shares| {
+            if shares.as_ref().is_some_and(|t| !t.valid_at(now)) {
+                *shares = None;
+            }
+            shares.get_or_insert_with(|| {
+                ShareTable::build(self.tenants, self.backends, self.cfg, now)
+            })
+        })
     }
 
     /// Whether `tenant`'s traffic is over its weighted share of the lane (see
