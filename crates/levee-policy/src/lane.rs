@@ -1107,7 +1107,7 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
             prefill_window,
             sessions,
         };
-        let entry = queue.pop_ready(now, |tier, tenant, cost, item| {
+        let judge = |tier, tenant: &K, cost, item: &P| {
             let kv = kv_of(tenant, cost);
             if !view.within_share(tenant, kv, now) {
                 return Pick::SkipTenant;
@@ -1124,7 +1124,27 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
                 }
                 None => Pick::Stop,
             }
-        })?;
+        };
+        let entry = if view.cfg.affinity.is_some() {
+            // A tenant's turn offers first a request that a backend with room holds warm,
+            // then one with no warm backend, then one whose warm backend is busy: under a
+            // queue, the backend that just freed a slot would otherwise take the oldest
+            // request, warm elsewhere as often as not.
+            let rank = |tier, tenant: &K, cost, item: &P| match session_of(item) {
+                Some(s) if view.sessions.get(s).is_some() => {
+                    let kv = kv_of(tenant, cost);
+                    if view.session_pick(tier, kv, now, None, Some(s)).is_some() {
+                        0
+                    } else {
+                        2
+                    }
+                }
+                _ => 1,
+            };
+            queue.pop_ready_preferring(now, rank, judge)?
+        } else {
+            queue.pop_ready(now, judge)?
+        };
         self.left_queue(&entry.tenant, entry.cost, now);
         Some((entry, target?))
     }

@@ -69,6 +69,14 @@ pub const VIRTUAL_SCALE: u128 = 1 << 20;
 /// tenant's oldest entries a pop chooses the cheapest from (so a pop stays O(1) per tenant).
 pub const SHORTEST_WINDOW: usize = 32;
 
+/// With a preference ([`FairQueue::pop_ready_preferring`]), how many of a tenant's oldest
+/// entries its turn ranks.
+pub const PREFER_WINDOW: usize = 16;
+
+/// How many times a tenant's oldest entry may be passed over for a better-ranked entry of
+/// its own ([`FairQueue::pop_ready_preferring`]) before its turn takes it regardless.
+pub const PREFER_PASSES: u8 = 8;
+
 /// Most aged entries of passed-over tenants one pop looks past before it falls back to the
 /// fair order (so a pop stays cheap when many aged tenants are held back by their shares).
 pub const AGING_WALK: usize = 64;
@@ -175,6 +183,8 @@ struct Slot<T, K> {
     cost: u64,
     enqueued_at: Timestamp,
     deadline: Timestamp,
+    /// Times it was passed over, as its tenant's oldest, for a better-ranked entry.
+    passed: u8,
     item: T,
 }
 
@@ -244,6 +254,9 @@ pub struct FairQueue<T, K> {
     aging: Option<std::time::Duration>,
     shortest_first: bool,
 }
+
+/// A rank for [`FairQueue::pop_ready_preferring`] (the type of "no rank").
+type Rank<T, K> = fn(Tier, &K, u64, &T) -> u8;
 
 #[inline]
 fn vcost(cost: u64, weight: u32) -> u128 {
@@ -382,6 +395,15 @@ impl<T, K: Hash + Eq + Ord + Clone> FairQueue<T, K> {
         s.data.as_ref()
     }
 
+    fn peek_slot_mut(&mut self, ticket: u64) -> Option<&mut Slot<T, K>> {
+        let (idx, generation) = split(ticket);
+        let s = self.slab.get_mut(idx)?;
+        if s.generation != generation {
+            return None;
+        }
+        s.data.as_mut()
+    }
+
     #[inline]
     fn is_live(&self, ticket: u64) -> bool {
         let (idx, generation) = split(ticket);
@@ -476,6 +498,7 @@ impl<T, K: Hash + Eq + Ord + Clone> FairQueue<T, K> {
             cost,
             enqueued_at: now,
             deadline,
+            passed: 0,
             item,
         });
         if deadline != Timestamp::MAX {
@@ -502,7 +525,9 @@ impl<T, K: Hash + Eq + Ord + Clone> FairQueue<T, K> {
         &mut self,
         mut judge: impl FnMut(Tier, &K, u64) -> Pick,
     ) -> Option<Entry<T, K>> {
-        self.pop_inner(None, |tier, k, cost, _| judge(tier, k, cost))
+        self.pop_inner(None, None::<&mut Rank<T, K>>, |tier, k, cost, _| {
+            judge(tier, k, cost)
+        })
     }
 
     /// [`FairQueue::pop_where`] at `now`, with aging (when on): in each tier, the entries
@@ -513,12 +538,31 @@ impl<T, K: Hash + Eq + Ord + Clone> FairQueue<T, K> {
         now: Timestamp,
         judge: impl FnMut(Tier, &K, u64, &T) -> Pick,
     ) -> Option<Entry<T, K>> {
-        self.pop_inner(Some(now), judge)
+        self.pop_inner(Some(now), None::<&mut Rank<T, K>>, judge)
     }
 
-    fn pop_inner(
+    /// [`FairQueue::pop_ready`], where a tenant's turn (in the fair order) offers not its
+    /// oldest entry but the best-ranked of its [`PREFER_WINDOW`] oldest by `rank` (lower is
+    /// better; the older on a tie, or the cheaper first with shortest-first on) — e.g. a
+    /// request whose conversation the free backend still holds in its cache. Bound: each
+    /// time a younger entry is taken this way, the tenant's oldest counts one pass; once it
+    /// has [`PREFER_PASSES`], its tenant's next turn offers it regardless of rank. So an entry
+    /// with `n` entries of its tenant and tier ahead of it leaves within
+    /// `(n + 1) · (PREFER_PASSES + 1)` turns of its tenant in its tier; the fair order across
+    /// tenants and aging are unchanged.
+    pub fn pop_ready_preferring(
+        &mut self,
+        now: Timestamp,
+        mut rank: impl FnMut(Tier, &K, u64, &T) -> u8,
+        judge: impl FnMut(Tier, &K, u64, &T) -> Pick,
+    ) -> Option<Entry<T, K>> {
+        self.pop_inner(Some(now), Some(&mut rank), judge)
+    }
+
+    fn pop_inner<R: FnMut(Tier, &K, u64, &T) -> u8>(
         &mut self,
         now: Option<Timestamp>,
+        mut rank: Option<&mut R>,
         mut judge: impl FnMut(Tier, &K, u64, &T) -> Pick,
     ) -> Option<Entry<T, K>> {
         let due_before = match (now, self.aging) {
@@ -529,6 +573,7 @@ impl<T, K: Hash + Eq + Ord + Clone> FairQueue<T, K> {
         };
         let mut skipped: Vec<u32> = Vec::new();
         let mut chosen = None;
+        let mut passed_over = None;
         'tiers: for ti in 0..self.tiers.len() {
             if self.tiers[ti].len == 0 {
                 continue;
@@ -552,12 +597,14 @@ impl<T, K: Hash + Eq + Ord + Clone> FairQueue<T, K> {
                 if skipped.contains(&id) {
                     continue;
                 }
-                let Some((ticket, slot)) = self.candidate(ti, id) else {
+                let Some((ticket, slot, oldest)) = self.candidate(ti, id, rank.as_deref_mut())
+                else {
                     continue;
                 };
                 match judge(Tier(ti as u8), &slot.key, slot.cost, &slot.item) {
                     Pick::Take => {
                         chosen = Some((ti, counter, id, false, ticket));
+                        passed_over = oldest;
                         break 'tiers;
                     }
                     Pick::SkipTenant => continue,
@@ -566,6 +613,11 @@ impl<T, K: Hash + Eq + Ord + Clone> FairQueue<T, K> {
             }
         }
         let (ti, counter, id, aged, ticket) = chosen?;
+        if let Some(t) = passed_over.filter(|t| *t != ticket) {
+            if let Some(s) = self.peek_slot_mut(t) {
+                s.passed = s.passed.saturating_add(1);
+            }
+        }
         self.pop_entry(ti, counter, id, aged, ticket)
     }
 
@@ -577,18 +629,45 @@ impl<T, K: Hash + Eq + Ord + Clone> FairQueue<T, K> {
             .find_map(|t| self.peek_slot(*t).map(|s| (*t, s)))
     }
 
-    /// The entry tenant `id`'s turn in tier `ti` takes: its oldest, or with
-    /// shortest-first the cheapest of its [`SHORTEST_WINDOW`] oldest (the older on a tie).
-    fn candidate(&self, ti: usize, id: u32) -> Option<(u64, &Slot<T, K>)> {
-        if !self.shortest_first {
-            return self.oldest(ti, id);
-        }
-        self.tenants[id as usize].per_tier[ti]
+    /// The entry tenant `id`'s turn in tier `ti` takes: its oldest, or with shortest-first
+    /// the cheapest of its [`SHORTEST_WINDOW`] oldest (the older on a tie), or with `rank`
+    /// the best-ranked of its [`PREFER_WINDOW`] oldest (see
+    /// [`FairQueue::pop_ready_preferring`]). With `rank`, also the oldest's ticket, to count
+    /// a pass if another is taken.
+    fn candidate<R: FnMut(Tier, &K, u64, &T) -> u8>(
+        &self,
+        ti: usize,
+        id: u32,
+        rank: Option<&mut R>,
+    ) -> Option<(u64, &Slot<T, K>, Option<u64>)> {
+        let live = self.tenants[id as usize].per_tier[ti]
             .fifo
             .iter()
-            .filter_map(|t| self.peek_slot(*t).map(|s| (*t, s)))
-            .take(SHORTEST_WINDOW)
-            .min_by_key(|(_, s)| s.cost)
+            .filter_map(|t| self.peek_slot(*t).map(|s| (*t, s)));
+        let Some(rank) = rank else {
+            let (t, s) = if self.shortest_first {
+                live.take(SHORTEST_WINDOW).min_by_key(|(_, s)| s.cost)?
+            } else {
+                self.oldest(ti, id)?
+            };
+            return Some((t, s, None));
+        };
+        let mut live = live.take(PREFER_WINDOW);
+        let (t0, s0) = live.next()?;
+        let mut rank_of = |s: &Slot<T, K>| rank(Tier(ti as u8), &s.key, s.cost, &s.item);
+        let r0 = rank_of(s0);
+        if r0 == 0 || s0.passed >= PREFER_PASSES {
+            return Some((t0, s0, None));
+        }
+        let key = |r: u8, s: &Slot<T, K>| (r, if self.shortest_first { s.cost } else { 0 });
+        let mut best = (key(r0, s0), t0, s0);
+        for (t, s) in live {
+            let k = key(rank_of(s), s);
+            if k < best.0 {
+                best = (k, t, s);
+            }
+        }
+        Some((best.1, best.2, Some(t0)))
     }
 
     /// Offers tier `ti`'s entries pushed at or before `due` to `judge`, oldest first, each
@@ -1250,5 +1329,55 @@ mod tests {
         assert_eq!(order(&mut fq), vec![2, 9, 3, 1]);
         assert!(fq.is_empty());
         assert_eq!(fq.queued_tokens(), 0);
+    }
+    #[test]
+    fn preferring_passes_the_oldest_a_bounded_number_of_times() {
+        let mut fq = q(100, u64::MAX);
+        for i in 0..20u32 {
+            fq.push(Tier(0), "a", 1, T0, Timestamp::MAX, i).unwrap();
+        }
+        fq.push(Tier(0), "b", 1, T0, Timestamp::MAX, 100).unwrap();
+        // Entry 0 ranks worst; every other ranks best.
+        let mut order = Vec::new();
+        while let Some(e) = fq.pop_ready_preferring(
+            T0,
+            |_, _, _, i| if *i == 0 { 2 } else { 0 },
+            |_, _, _, _| Pick::Take,
+        ) {
+            order.push(e.item);
+        }
+        // The fair order across tenants is unchanged: b's turn comes second.
+        assert_eq!(order[1], 100);
+        let a: Vec<u32> = order.into_iter().filter(|i| *i < 100).collect();
+        let passes = PREFER_PASSES as u32;
+        // a's oldest is passed over PREFER_PASSES times, then taken.
+        let mut want: Vec<u32> = (1..=passes).collect();
+        want.push(0);
+        want.extend(passes + 1..20);
+        assert_eq!(a, want);
+    }
+
+    #[test]
+    fn preferring_ranks_only_the_window_and_ties_go_oldest() {
+        let mut fq = q(100, u64::MAX);
+        for i in 0..(PREFER_WINDOW as u32 + 4) {
+            fq.push(Tier(0), "a", 1, T0, Timestamp::MAX, i).unwrap();
+        }
+        let best = PREFER_WINDOW as u32 + 1;
+        let pop = |fq: &mut FairQueue<u32, &'static str>| {
+            fq.pop_ready_preferring(
+                T0,
+                |_, _, _, i| match *i {
+                    i if i == best => 0,
+                    3 | 5 => 1,
+                    _ => 2,
+                },
+                |_, _, _, _| Pick::Take,
+            )
+            .map(|e| e.item)
+        };
+        // The best-ranked entry is outside the window: the better of the rest, oldest first.
+        assert_eq!(pop(&mut fq), Some(3));
+        assert_eq!(pop(&mut fq), Some(5));
     }
 }

@@ -1071,6 +1071,39 @@ fn a_session_returns_to_its_backend_within_the_load_bound() {
     assert_eq!(g3.grant.backend().map(|b| &**b), Some("b1"));
 }
 
+/// Under a queue, the backend that frees a slot takes the queued turn it holds warm, not the
+/// oldest (warm elsewhere): the oldest waits for its own backend, and is passed over at most
+/// `PREFER_PASSES` times.
+#[test]
+fn a_freed_backend_takes_the_queued_turn_it_holds_warm() {
+    let t0 = Timestamp::ZERO;
+    let mut a = two_with_affinity(1.0);
+    // First turns of sessions 1..=8 fill both backends, alternating: odd on b0, even on b1.
+    let mut first = Vec::new();
+    for s in 1..=8u64 {
+        let d = dispatched(a.admit(&in_session(s), s as u32, t0));
+        let want = if s % 2 == 1 { "b0" } else { "b1" };
+        assert_eq!(d.grant.backend().map(|b| &**b), Some(want), "session {s}");
+        first.push(d);
+    }
+    // Second turns queue, oldest first: 2 and 4 (warm on b1), then 1 (warm on b0).
+    for s in [2u64, 4, 1] {
+        queued(a.admit(&in_session(s), 10 + s as u32, t0));
+    }
+    // b0 frees a slot (session 3's first turn ends): it takes session 1's turn, warm there.
+    let on_b0 = first.remove(2);
+    a.complete(on_b0.grant, ok(), t0);
+    let d = a.dequeue(&"m", t0).unwrap();
+    assert_eq!(d.item, 11, "the turn warm on b0 goes first");
+    assert_eq!(d.grant.backend().map(|b| &**b), Some("b0"));
+    // b1 frees one: the oldest, session 2's turn, goes there.
+    let on_b1 = first.remove(1);
+    a.complete(on_b1.grant, ok(), t0);
+    let d = a.dequeue(&"m", t0).unwrap();
+    assert_eq!(d.item, 12);
+    assert_eq!(d.grant.backend().map(|b| &**b), Some("b1"));
+}
+
 #[test]
 fn without_affinity_a_session_goes_by_load() {
     let t0 = Timestamp::ZERO;
