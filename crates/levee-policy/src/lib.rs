@@ -75,7 +75,7 @@ pub use prefill::PrefillFit;
 pub use quantile::nearest_rank;
 pub use queue::{
     Entry, FairQueue, Pick, PushRefusal, QueueLimits, QueueStats, Rejected, TenantBacklog, Ticket,
-    Tier, TierStats, AGING_WALK, SHORTEST_WINDOW, VIRTUAL_SCALE,
+    Tier, TierStats, AGING_WALK, PREFER_PASSES, PREFER_WINDOW, SHORTEST_WINDOW, VIRTUAL_SCALE,
 };
 pub use refusal::{RefusalReason, Scope};
 pub use retry::{DrainRate, RetryAfter, RetryBounds};

@@ -791,6 +791,55 @@ proptest! {
 }
 
 // ---------------------------------------------------------------------------------------
+// Preference bound (`FairQueue::pop_ready_preferring`): whatever the ranks, and however they
+// change from pop to pop, an entry with `n` entries of its tenant ahead of it when pushed
+// leaves within `(n + 1) · (PREFER_PASSES + 1)` of its tenant's turns. One tenant here, so
+// every pop is its turn; pushes interleave with pops.
+
+proptest! {
+    #[test]
+    fn preferring_bounds_every_entrys_wait(
+        ops in prop::collection::vec(prop_oneof![3 => Just(true), 2 => Just(false)], 1..400),
+        seed in any::<u64>(),
+        shortest_first in any::<bool>(),
+    ) {
+        let mut q: FairQueue<u64, u8> =
+            FairQueue::new(QueueLimits { tiers: 1, max_len: 10_000, max_tokens: u64::MAX });
+        q.set_shortest_first(shortest_first);
+        let allowance = |ahead: usize| (ahead as u64 + 1) * (PREFER_PASSES as u64 + 1);
+        // (item, pops left before it must have gone)
+        let mut live: Vec<(u64, u64)> = Vec::new();
+        let mut next = 0u64;
+        let mut pops = 0u64;
+        for push in ops {
+            if push {
+                let ahead = live.len();
+                let cost = 1 + (next.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ seed) % 50;
+                q.push(Tier(0), 0, cost, ts(0), Timestamp::MAX, next).unwrap();
+                live.push((next, allowance(ahead)));
+                next += 1;
+                continue;
+            }
+            pops += 1;
+            // Ranks drawn afresh at every pop, from the seed.
+            let rank = |_: Tier, _: &u8, _: u64, item: &u64| {
+                ((item.wrapping_add(pops).wrapping_mul(0x2545_f491_4f6c_dd1d) ^ seed) % 3) as u8
+            };
+            let Some(e) = q.pop_ready_preferring(ts(0), rank, |_, _, _, _| Pick::Take) else {
+                prop_assert!(live.is_empty());
+                continue;
+            };
+            live.retain(|(item, _)| *item != e.item);
+            for (item, left) in live.iter_mut() {
+                prop_assert!(*left > 1, "entry {} overstayed its bound", item);
+                *left -= 1;
+            }
+        }
+        prop_assert_eq!(q.len(), live.len());
+    }
+}
+
+// ---------------------------------------------------------------------------------------
 // Affinity with bounded load: the chosen backend has room; it is the preferred one whenever
 // that has room and stays within ⌈(1+ε)(L+1)c/C⌉; and it is above that bound only when no
 // backend with room is within it. With equal capacities: no backend above (1+ε) × the mean
