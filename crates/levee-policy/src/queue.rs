@@ -656,7 +656,7 @@ impl<T, K: Hash + Eq + Ord + Clone> FairQueue<T, K> {
         let (t0, s0) = live.next()?;
         let mut rank_of = |s: &Slot<T, K>| rank(Tier(ti as u8), &s.key, s.cost, &s.item);
         let r0 = rank_of(s0);
-        if r0 == 0 || s0.passed >= PREFER_PASSES {
+        if s0.passed >= PREFER_PASSES || (r0 == 0 && !self.shortest_first) {
             return Some((t0, s0, None));
         }
         let key = |r: u8, s: &Slot<T, K>| (r, if self.shortest_first { s.cost } else { 0 });
@@ -1330,6 +1330,7 @@ mod tests {
         assert!(fq.is_empty());
         assert_eq!(fq.queued_tokens(), 0);
     }
+
     #[test]
     fn preferring_passes_the_oldest_a_bounded_number_of_times() {
         let mut fq = q(100, u64::MAX);
