@@ -33,7 +33,7 @@
 //! within the bounded-load rule of [`crate::affinity`]; otherwise, and without a session, to
 //! the least filled backend.
 
-use crate::affinity::{self, Candidate, SessionKey, SessionMap};
+use crate::affinity::{self, SessionKey, SessionMap};
 use crate::breaker::{Breaker, BreakerConfig, BreakerState, BreakerStats, BreakerTicket, Outcome};
 use crate::clock::Timestamp;
 use crate::fasthash::FastState;
@@ -2054,9 +2054,11 @@ impl<K: Hash + Eq> LaneView<'_, K> {
     ) -> Option<usize> {
         let epsilon = self.cfg.affinity?.epsilon;
         let id = self.sessions.get(session?)?;
-        let mut cands = Vec::with_capacity(self.backends.len());
+        let (mut total_load, mut total_capacity) = (0, 0);
         let mut preferred = None;
-        for b in self.backends.iter().filter(|b| b.routable) {
+        for (i, b) in self.backends.iter().enumerate().filter(|(_, b)| b.routable) {
+            let load = b.in_flight as u64;
+            let capacity = (b.slot_cap(self.cfg) as u64).max(1);
             if b.id == *id {
                 let isolated = self.cfg.isolated_tier == Some(tier);
                 let usable = except != Some(&**id)
@@ -2066,18 +2068,15 @@ impl<K: Hash + Eq> LaneView<'_, K> {
                 if !usable {
                     return None;
                 }
-                preferred = Some(cands.len());
+                preferred = Some((i, load, capacity));
             }
-            cands.push(Candidate {
-                load: b.in_flight as u64,
-                capacity: b.slot_cap(self.cfg) as u64,
-                room: true,
-            });
+            total_load += load;
+            total_capacity += capacity;
         }
-        if !affinity::within_bound(&cands, preferred?, epsilon) {
-            return None;
-        }
-        self.backends.iter().position(|b| b.id == *id)
+        // `affinity::within_bound` over the routable backends, without collecting them: this
+        // runs for each ranked entry of a queue's turn.
+        let (i, load, capacity) = preferred?;
+        (load < affinity::load_bound(capacity, total_load, total_capacity, epsilon)).then_some(i)
     }
 
     /// The least filled backend, not fenced, that has room for `kv_cost` only past the cap

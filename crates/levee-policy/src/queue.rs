@@ -621,12 +621,17 @@ impl<T, K: Hash + Eq + Ord + Clone> FairQueue<T, K> {
         self.pop_entry(ti, counter, id, aged, ticket)
     }
 
-    /// Tenant `id`'s oldest live entry in tier `ti`.
-    fn oldest(&self, ti: usize, id: u32) -> Option<(u64, &Slot<T, K>)> {
+    /// Tenant `id`'s live entries in tier `ti`, oldest first.
+    fn live(&self, ti: usize, id: u32) -> impl Iterator<Item = (u64, &Slot<T, K>)> {
         self.tenants[id as usize].per_tier[ti]
             .fifo
             .iter()
-            .find_map(|t| self.peek_slot(*t).map(|s| (*t, s)))
+            .filter_map(|t| self.peek_slot(*t).map(|s| (*t, s)))
+    }
+
+    /// Tenant `id`'s oldest live entry in tier `ti`.
+    fn oldest(&self, ti: usize, id: u32) -> Option<(u64, &Slot<T, K>)> {
+        self.live(ti, id).next()
     }
 
     /// The entry tenant `id`'s turn in tier `ti` takes: its oldest, or with shortest-first
@@ -640,15 +645,12 @@ impl<T, K: Hash + Eq + Ord + Clone> FairQueue<T, K> {
         id: u32,
         rank: Option<&mut R>,
     ) -> Option<(u64, &Slot<T, K>, Option<u64>)> {
-        let live = self.tenants[id as usize].per_tier[ti]
-            .fifo
-            .iter()
-            .filter_map(|t| self.peek_slot(*t).map(|s| (*t, s)));
+        let mut live = self.live(ti, id);
         let Some(rank) = rank else {
             let (t, s) = if self.shortest_first {
                 live.take(SHORTEST_WINDOW).min_by_key(|(_, s)| s.cost)?
             } else {
-                self.oldest(ti, id)?
+                live.next()?
             };
             return Some((t, s, None));
         };

@@ -1072,8 +1072,8 @@ fn a_session_returns_to_its_backend_within_the_load_bound() {
 }
 
 /// Under a queue, the backend that frees a slot takes the queued turn it holds warm, not the
-/// oldest (warm elsewhere): the oldest waits for its own backend, and is passed over at most
-/// `PREFER_PASSES` times.
+/// oldest (warm elsewhere): the oldest waits for its own backend. (The bound on how often it
+/// may be passed over is the queue's, tested there.)
 #[test]
 fn a_freed_backend_takes_the_queued_turn_it_holds_warm() {
     let t0 = Timestamp::ZERO;
