@@ -20,7 +20,8 @@
 # LEVEE=path/to/levee uses that binary instead of building one; FLOODS="plain" runs only
 # those floods; ROUNDS=N runs each pair N times, load and affinity alternating (run-to-run
 # spread is the yardstick for a 5% difference); SCALE=X multiplies every flood's rates
-# (`levee sim --rate-scale`).
+# (`levee sim --rate-scale`); REQUEST_LOG=1 has the gateway log every request (queue and TTFT
+# ms, backend) to <run>/gateway.log.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=target/sessions
@@ -41,6 +42,10 @@ write_config() {
     echo "safe = 64"
     echo "soft = 256"
     echo "hard = 1024"
+    if [[ ${REQUEST_LOG:-0} == 1 ]]; then
+      echo "[observe]"
+      echo "request_log_sample = 1.0"
+    fi
     echo "[degrade]"
     echo "enabled = false"
     echo "[affinity]"
@@ -93,12 +98,35 @@ for flood in ${FLOODS:-flood plain}; do
 done
 
 python3 - "$OUT" "$MODE" "${RUNS[@]}" <<'PY' | tee "$OUT/table.md"
-import json, sys
+import glob, json, re, statistics, sys
 out, mode, runs = sys.argv[1], sys.argv[2], sys.argv[3:]
 print(f"backends: {'two llama-servers (gemma-3-270m, 4 slots, 1 thread)' if mode == 'llama' else 'two simulated engines (profiles/llamacpp-gemma3-270m-2core.toml)'}")
 print()
-print("| flood | routing | round | requests | success | goodput req/s | TTFT p50 ms | TTFT p99 ms | cached prompt tokens |")
-print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+print("| flood | routing | round | requests | success | goodput req/s | TTFT p50 ms | TTFT p99 ms | cached prompt tokens | prefilled tokens | prefilled per warm turn, median |")
+print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+
+
+def prefill(d):
+    """From the llama-servers' own logs: the prompt tokens they computed (not found in a
+    cache), and the median of those per turn that found at least 50 tokens cached."""
+    evaluated, total, generated = {}, {}, {}
+    for f in glob.glob(f"{d}/llama-server-*.log"):
+        for line in open(f):
+            m = re.search(r"task (\d+) \| prompt eval time = +[\d.]+ ms / +(\d+) tokens", line)
+            if m:
+                evaluated[(f, m[1])] = int(m[2])
+            m = re.search(r"task (\d+) \| +eval time = +[\d.]+ ms / +(\d+) tokens", line)
+            if m:
+                generated[(f, m[1])] = int(m[2])
+            m = re.search(r"task (\d+) \| stop processing: n_tokens = (\d+)", line)
+            if m:
+                total[(f, m[1])] = int(m[2])
+    if not evaluated:
+        return "", ""
+    warm = [e for t, e in evaluated.items()
+            if t in total and t in generated and total[t] - generated[t] - e >= 50]
+    return str(sum(evaluated.values())), (f"{statistics.median(warm):.0f}" if warm else "")
+
 for run in runs:
     flood, routing, rnd = run.split("-")
     d = f"{out}/{run}"
@@ -110,5 +138,5 @@ for run in runs:
     t = r["latency"]["ttft"]
     print(f"| sessions-{flood} | {routing} | {rnd} | {r['totals']['sent']} "
           f"| {r['rates']['success_rate']:.3f} | {r['rates']['goodput_rps']:.2f} "
-          f"| {t['p50']:.0f} | {t['p99']:.0f} | {cached:.0f} |")
+          f"| {t['p50']:.0f} | {t['p99']:.0f} | {cached:.0f} | {' | '.join(prefill(d))} |")
 PY
