@@ -202,33 +202,41 @@ impl Activity {
 
     /// Resolves when the connection should be closed gracefully: no first request in
     /// time, idle too long, or its request budget spent (once its last request is over).
-    pub async fn expired(&self, policy: IdlePolicy) {
+    pub async fn expired(&self, policy: &IdlePolicy) {
         loop {
-            let changed = self.changed.notified();
-            let served = self.served.load(Ordering::Relaxed);
-            let active = self.active.load(Ordering::Relaxed);
-            if policy.max_requests > 0 && served >= policy.max_requests {
-                // hyper finishes the request in progress, then closes.
-                return;
-            }
-            let now = Instant::now();
-            let deadline = if active > 0 {
-                // Busy: nothing can expire before an idle period after now.
-                now + policy.idle
-            } else if served == 0 {
-                self.started + policy.first_request
-            } else {
-                let last = Duration::from_millis(self.last_end_ms.load(Ordering::Relaxed));
-                self.started + last + policy.idle
+            // The wait is built in a block so that it is the future's only state (a
+            // connection holds this future for its whole life); the change is registered
+            // before the state is read, so a change after the read still wakes it.
+            let wait = {
+                let changed = self.changed.notified();
+                match self.deadline(policy) {
+                    None => return,
+                    Some(deadline) => tokio::time::timeout_at(deadline, changed),
+                }
             };
-            if active == 0 && deadline <= now {
-                return;
-            }
-            tokio::select! {
-                _ = changed => {}
-                _ = tokio::time::sleep_until(deadline) => {}
-            }
+            let _ = wait.await;
         }
+    }
+
+    /// When the connection expires if nothing changes first; `None`: it has.
+    fn deadline(&self, policy: &IdlePolicy) -> Option<Instant> {
+        let served = self.served.load(Ordering::Relaxed);
+        let active = self.active.load(Ordering::Relaxed);
+        if policy.max_requests > 0 && served >= policy.max_requests {
+            // hyper finishes the request in progress, then closes.
+            return None;
+        }
+        let now = Instant::now();
+        let deadline = if active > 0 {
+            // Busy: nothing can expire before an idle period after now.
+            now + policy.idle
+        } else if served == 0 {
+            self.started + policy.first_request
+        } else {
+            let last = Duration::from_millis(self.last_end_ms.load(Ordering::Relaxed));
+            self.started + last + policy.idle
+        };
+        (active > 0 || deadline > now).then_some(deadline)
     }
 
     /// Marks the connection closing: from now on each request's end wakes
@@ -355,14 +363,14 @@ mod tests {
         // No first request: closed after `first_request`.
         let a = Activity::new(policy.max_requests);
         let t0 = Instant::now();
-        a.expired(policy).await;
+        a.expired(&policy).await;
         assert_eq!(t0.elapsed(), Duration::from_secs(5));
         // A request in progress for 10 minutes keeps it; idle after it ends counts from then.
         let a = Activity::new(policy.max_requests);
         let r = a.begin();
         let watch = tokio::spawn({
             let a = a.clone();
-            async move { a.expired(policy).await }
+            async move { a.expired(&policy).await }
         });
         tokio::time::sleep(Duration::from_secs(600)).await;
         assert!(!watch.is_finished());
@@ -376,7 +384,7 @@ mod tests {
             drop(a.begin());
         }
         let t0 = Instant::now();
-        a.expired(policy).await;
+        a.expired(&policy).await;
         assert_eq!(t0.elapsed(), Duration::ZERO);
     }
 
@@ -390,7 +398,7 @@ mod tests {
         let a = Activity::new(policy.max_requests);
         let watch = tokio::spawn({
             let a = a.clone();
-            async move { a.expired(policy).await }
+            async move { a.expired(&policy).await }
         });
         tokio::task::yield_now().await;
         let t0 = Instant::now();

@@ -5,10 +5,12 @@ use crate::error::GatewayError;
 use crate::gateway::Gateway;
 use crate::pipeline;
 use crate::tasks::Tasks;
-use axum::extract::{ConnectInfo, Request, State};
+use axum::extract::{Request, State};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::{any, get};
 use axum::Router;
+use futures::future::Either;
+use futures::FutureExt;
 use http::{HeaderMap, StatusCode};
 use serde_json::Value;
 use std::net::SocketAddr;
@@ -18,8 +20,10 @@ use tower_http::catch_panic::CatchPanicLayer;
 /// The public router.
 pub(crate) fn router(gw: Arc<Gateway>, tasks: Option<Arc<Tasks>>) -> Router {
     Router::new()
-        .route("/v1/chat/completions", post(chat_completions))
-        .route("/v1/completions", post(completions))
+        // A POST to these paths never reaches the router: the connection serves it
+        // directly ([`pipeline_direct`]); any other method is not allowed.
+        .route("/v1/chat/completions", any(method_not_allowed))
+        .route("/v1/completions", any(method_not_allowed))
         .route("/v1/models", get(models))
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
@@ -78,37 +82,47 @@ async fn models(State(gw): State<Arc<Gateway>>, headers: HeaderMap) -> Response 
     axum::Json(serde_json::json!({"object": "list", "data": data})).into_response()
 }
 
-// Plain functions returning `handle`'s future, and the request boxed: a queued request holds
-// this future, and an async wrapper or a by-value `Request` argument (240 bytes, kept for the
-// future's whole life at each level) would each make it bigger.
-fn chat_completions(
-    State(gw): State<Arc<Gateway>>,
-    ConnectInfo(peer): ConnectInfo<SocketAddr>,
-    req: Request,
-) -> impl std::future::Future<Output = Response> {
-    handle(gw, peer, Box::new(req), "/v1/chat/completions")
+/// The pipeline's routes: `POST` to one of these paths on the public listener is served by
+/// [`pipeline_direct`], without the router.
+pub(crate) fn pipeline_path(path: &str) -> Option<&'static str> {
+    match path {
+        "/v1/chat/completions" => Some("/v1/chat/completions"),
+        "/v1/completions" => Some("/v1/completions"),
+        _ => None,
+    }
 }
 
-fn completions(
-    State(gw): State<Arc<Gateway>>,
-    ConnectInfo(peer): ConnectInfo<SocketAddr>,
-    req: Request,
+/// A pipeline request, straight from the connection: what the router would do for it (the
+/// body as axum's, a panic answered 500) without its routing and layers, whose futures a
+/// queued request would hold for its whole wait. `handle`'s future is the request's own,
+/// and the request is boxed: a by-value `Request` (240 bytes) would be kept for the
+/// future's whole life.
+pub(crate) fn pipeline_direct(
+    gw: Arc<Gateway>,
+    peer: SocketAddr,
+    req: http::Request<hyper::body::Incoming>,
+    path: &'static str,
 ) -> impl std::future::Future<Output = Response> {
-    handle(gw, peer, Box::new(req), "/v1/completions")
+    let req = Box::new(req.map(axum::body::Body::new));
+    std::panic::AssertUnwindSafe(handle(gw, peer, req, path))
+        .catch_unwind()
+        .map(|r| r.unwrap_or_else(crate::error::panic_response))
 }
 
-async fn handle(
+fn handle(
     gw: Arc<Gateway>,
     peer: SocketAddr,
     req: Box<Request>,
     path: &'static str,
-) -> Response {
+) -> impl std::future::Future<Output = Response> {
     // Position comments are opt-in (header, or a tier's `queue_updates`): only then does the
-    // request run beside a watcher that may start the response before dispatch.
+    // request run beside a watcher that may start the response before dispatch. Decided
+    // here, not in an async body: the request's future is then just the path it takes.
     let watch = pipeline::wants_queue_updates(req.headers())
         || gw.config().tiers.values().any(|t| t.queue_updates);
     if watch {
-        return crate::queue_updates::watched(gw, peer, req, path).await;
+        Either::Left(crate::queue_updates::watched(gw, peer, req, path))
+    } else {
+        Either::Right(pipeline::serve_client(gw, peer, req, path, None))
     }
-    pipeline::serve_client(gw, peer, req, path, None).await
 }

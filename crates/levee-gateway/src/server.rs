@@ -15,6 +15,7 @@ use crate::request_log::{RequestId, REQUEST_ID_HEADER};
 use crate::tasks::Tasks;
 use crate::{admin, routes};
 use axum::extract::ConnectInfo;
+use futures::future::Either;
 use futures::FutureExt;
 use hyper::body::Incoming;
 use hyper::server::conn::http1::Builder as Http1Builder;
@@ -22,6 +23,7 @@ use hyper::server::conn::http2::Builder as Http2Builder;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulConnection;
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::net::TcpListener;
@@ -289,7 +291,7 @@ async fn accept_loop(l: Listening, gateway: Arc<Gateway>, stop: CancellationToke
         let conn = Conn {
             peer,
             public: l.name == "public",
-            slot,
+            _slot: slot,
             stop: stop.clone(),
             gw: gateway.clone(),
         };
@@ -311,7 +313,8 @@ struct Conn {
     peer: SocketAddr,
     /// On the public listener (whose requests the pipeline counts).
     public: bool,
-    slot: ConnSlot,
+    /// Held until the connection's task ends (dropping it frees the place).
+    _slot: ConnSlot,
     stop: CancellationToken,
     gw: Arc<Gateway>,
 }
@@ -362,14 +365,24 @@ fn serve_connection(
             b.timer(TokioTimer::new())
                 .max_concurrent_streams(H2_MAX_STREAMS)
                 .max_header_list_size(u32::try_from(max_header_bytes).unwrap_or(u32::MAX));
-            tokio::spawn(watch(b.serve_connection(io, svc), activity, policy, conn));
+            tokio::spawn(watch(
+                Box::pin(b.serve_connection(io, svc)),
+                activity,
+                policy,
+                conn,
+            ));
         } else {
             let mut b = Http1Builder::new();
             b.timer(TokioTimer::new())
                 .header_read_timeout(header_timeout)
                 .max_buf_size(max_header_bytes.max(8192))
                 .keep_alive(true);
-            tokio::spawn(watch(b.serve_connection(io, svc), activity, policy, conn));
+            tokio::spawn(watch(
+                Box::pin(b.serve_connection(io, svc)),
+                activity,
+                policy,
+                conn,
+            ));
         }
     });
 }
@@ -394,18 +407,26 @@ fn service(
     let (peer, public, gw) = (conn.peer, conn.public, conn.gw.clone());
     hyper::service::service_fn(move |mut req: http::Request<Incoming>| {
         let active = activity.begin();
-        req.extensions_mut().insert(ConnectInfo(peer));
         let id = RequestId::for_request(req.headers(), Some(peer));
         let echo = id.value.clone();
-        req.extensions_mut().insert(id);
+        req.extensions_mut().insert(Arc::new(id));
         let http1 = req.version() < http::Version::HTTP_2;
-        let pipeline_route = matches!(req.uri().path(), "/v1/chat/completions" | "/v1/completions");
-        if public && pipeline_route && req.method() == http::Method::POST {
-            req.extensions_mut()
-                .insert(crate::pipeline::Unclaimed::new(gw.clone()));
-        }
+        let pipeline = routes::pipeline_path(req.uri().path())
+            .filter(|_| public && req.method() == http::Method::POST);
         let gw = gw.clone();
-        router.clone().call(req).map(move |r| {
+        let answer = match pipeline {
+            Some(path) => {
+                req.extensions_mut()
+                    .insert(crate::pipeline::Unclaimed::new(gw.clone()));
+                let served = routes::pipeline_direct(gw.clone(), peer, req, path);
+                Either::Left(Box::pin(served.map(Ok::<_, std::convert::Infallible>)))
+            }
+            None => {
+                req.extensions_mut().insert(ConnectInfo(peer));
+                Either::Right(Box::pin(router.clone().call(req)))
+            }
+        };
+        answer.map(move |r| {
             r.map(|resp| {
                 let mut resp = resp.map(|b| axum::body::Body::new(TrackedBody::new(b, active)));
                 resp.headers_mut().insert(REQUEST_ID_HEADER, echo);
@@ -424,40 +445,52 @@ fn service(
 }
 
 /// Drives a connection to its end, closing it gracefully (HTTP/2: GOAWAY; HTTP/1: after
-/// the answer in progress) when the gateway stops or its activity watch expires.
-async fn watch<C>(conn: C, activity: Arc<Activity>, policy: IdlePolicy, c: Conn)
+/// the answer in progress) when the gateway stops or its activity watch expires. Two
+/// phases, open then closing, each waiting on its own events: a connection (alive for as
+/// long as its request waits in the queue) holds one phase's waiting state, not both; and
+/// the connection comes boxed, held once rather than as an argument and a pinned local.
+#[expect(
+    clippy::manual_async_fn,
+    reason = "an async fn keeps its arguments twice while a request waits"
+)]
+fn watch<C>(
+    mut conn: Pin<Box<C>>,
+    activity: Arc<Activity>,
+    policy: IdlePolicy,
+    c: Conn,
+) -> impl std::future::Future<Output = ()>
 where
     C: GracefulConnection,
     C::Error: std::fmt::Display,
 {
-    let mut conn = std::pin::pin!(conn);
-    let mut closing = false;
-    loop {
+    // A block, not an `async fn`: an async fn keeps its arguments twice, as given and as
+    // the body's locals.
+    async move {
+        let expired = tokio::select! {
+            r = conn.as_mut() => return ended(&c, r),
+            _ = c.stop.cancelled() => false,
+            _ = activity.expired(&policy) => true,
+        };
+        activity.closing();
+        if expired {
+            c.gw.metrics().connections_expired.inc();
+        }
+        conn.as_mut().graceful_shutdown();
         tokio::select! {
-            r = conn.as_mut() => {
-                if let Err(e) = r {
-                    tracing::debug!(peer = %c.peer, "connection ended: {e}");
-                }
-                break;
-            }
+            r = conn.as_mut() => ended(&c, r),
             // An HTTP/2 graceful close waits for the client to acknowledge a PING, which a
             // silent client never does: once closing, a connection with no request in
             // progress for the first-request timeout is dropped.
-            _ = activity.quiet_for(policy.first_request), if closing => break,
-            _ = c.stop.cancelled(), if !closing => {
-                closing = true;
-                activity.closing();
-                conn.as_mut().graceful_shutdown();
-            }
-            _ = activity.expired(policy), if !closing => {
-                closing = true;
-                activity.closing();
-                c.gw.metrics().connections_expired.inc();
-                conn.as_mut().graceful_shutdown();
-            }
+            _ = activity.quiet_for(policy.first_request) => {}
         }
     }
-    drop(c.slot);
+}
+
+/// A connection's end, as hyper reports it.
+fn ended<E: std::fmt::Display>(c: &Conn, r: Result<(), E>) {
+    if let Err(e) = r {
+        tracing::debug!(peer = %c.peer, "connection ended: {e}");
+    }
 }
 
 /// Runs `levee serve`: load the config, serve, reload on SIGHUP and file change, shut down

@@ -14,7 +14,7 @@
 
 mod request;
 
-pub(crate) use request::{admit, rate_info, Admitted, QueueSpot, Waiter};
+pub(crate) use request::{decide, rate_info, Admitted, Decision, QueueSpot, Waiter};
 
 use crate::clock::TokioClock;
 use crate::error::GatewayError;

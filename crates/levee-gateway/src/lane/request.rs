@@ -25,10 +25,12 @@ use tokio::sync::{oneshot, Notify};
 /// What a queued request receives: its admission, or why it will not get one.
 type WaiterResult = Result<Admitted, GatewayError>;
 
-/// A queued request's channel.
+/// A queued request's channel. The answer travels boxed: a channel holds room for its
+/// value from the start, and a queued request should not hold an admission's worth of it
+/// while it waits.
 #[derive(Debug)]
 pub(crate) struct Waiter {
-    tx: oneshot::Sender<WaiterResult>,
+    tx: oneshot::Sender<Box<WaiterResult>>,
     /// Its tier's name (metric label).
     pub tier: Arc<str>,
 }
@@ -37,7 +39,7 @@ impl Waiter {
     /// Hands the waiter its answer; one that went away drops it (an admission's drop gives
     /// its grant back).
     pub fn answer(self, r: WaiterResult) {
-        let _ = self.tx.send(r);
+        let _ = self.tx.send(Box::new(r));
     }
 }
 
@@ -126,8 +128,9 @@ pub(crate) struct Admitted {
     /// Time spent queued before dispatch.
     pub waited: Duration,
     sent: bool,
-    /// Its charge in the shared limit store, settled when it ends.
-    charge: Option<crate::shared::Charge>,
+    /// Its charge in the shared limit store, settled when it ends (boxed: most requests
+    /// carry none, and a queued request holds this struct's room in its future).
+    charge: Option<Box<crate::shared::Charge>>,
 }
 
 impl std::fmt::Debug for Admitted {
@@ -153,7 +156,7 @@ impl Admitted {
     }
 
     /// Gives it the charge taken in the shared limit store, to settle when it ends.
-    pub fn attach(&mut self, charge: Option<crate::shared::Charge>) {
+    pub fn attach(&mut self, charge: Option<Box<crate::shared::Charge>>) {
         self.charge = charge;
     }
 
@@ -217,8 +220,8 @@ impl Admitted {
             };
             if let Some(c) = self.charge.take() {
                 match done.actual_tokens {
-                    Some(actual) => c.reconcile(actual),
-                    None => c.keep(),
+                    Some(actual) => (*c).reconcile(actual),
+                    None => (*c).keep(),
                 }
             }
             self.finish(waiting);
@@ -251,7 +254,7 @@ impl Drop for Admitted {
             let mut adm = self.lane.admission();
             adm.complete(&ctx.limits, g, done, now);
             if let Some(c) = self.charge.take() {
-                c.keep();
+                (*c).keep();
             }
             adm.has_waiting()
         } else {
@@ -265,15 +268,17 @@ impl Drop for Admitted {
     }
 }
 
-/// Takes `req` through its lane's admission: dispatched at once, or queued until the
-/// lane's dispatcher hands it a backend (or its wait ends), or refused.
-pub(crate) async fn admit(
+/// Takes `req` through its lane's admission: dispatched at once, refused, or queued — then
+/// [`QueueWait::wait`] waits until the lane's dispatcher hands it a backend (or its wait
+/// ends). Deciding is not async: a request that does not queue holds no waiting state, and
+/// one that does holds only its ticket and channel while it waits.
+pub(crate) fn decide(
     lane: &Arc<Lane>,
     tenant: &Arc<TenantLimits>,
     tier: &str,
     req: AdmissionRequest<Key>,
     spot: Option<&QueueSpot>,
-) -> Result<Admitted, GatewayError> {
+) -> Decision {
     let ctx = &lane.ctx;
     let now = ctx.clock.now();
     if spot.is_some_and(|s| s.batch.load(Ordering::Relaxed)) {
@@ -288,12 +293,12 @@ pub(crate) async fn admit(
     let decided = lane
         .admission()
         .admit_as(&ctx.limits, tenant, &req, waiter, now);
-    let (ticket, position) = match decided {
+    match decided {
         Admit::Refused(r) => {
             let rate = ctx.limits.rate_limit_headers(&req.tenant, now);
             let e = refusal_error(&req, r, rate);
             lane.note_outcome(now, e.code().is_capacity_refusal());
-            return Err(e);
+            Decision::Now(Err(e))
         }
         Admit::Dispatch(d) => {
             lane.note_outcome(now, false);
@@ -301,20 +306,47 @@ pub(crate) async fn admit(
             if let Some(s) = spot {
                 dispatched(lane, s, &a, req.prompt_tokens);
             }
-            return Ok(a);
+            Decision::Now(Ok(a))
         }
         Admit::Queued {
             ticket, position, ..
-        } => (ticket, position),
-    };
-    let queued = Queued {
-        ticket,
-        position,
-        tier,
-        prompt_tokens: req.prompt_tokens,
-        at: now,
-    };
-    wait_in_queue(lane, queued, rx, spot).await
+        } => Decision::Queued(QueueWait {
+            q: Queued {
+                ticket,
+                position,
+                tier,
+                prompt_tokens: req.prompt_tokens,
+                at: now,
+            },
+            rx,
+        }),
+    }
+}
+
+/// What the lane decided for a request.
+pub(crate) enum Decision {
+    /// Dispatched or refused at once.
+    Now(Result<Admitted, GatewayError>),
+    /// Queued: wait for the dispatcher's answer.
+    Queued(QueueWait),
+}
+
+/// A queued request's ticket and channel.
+pub(crate) struct QueueWait {
+    q: Queued,
+    rx: oneshot::Receiver<Box<WaiterResult>>,
+}
+
+impl QueueWait {
+    /// Waits in the lane's queue until the dispatcher answers: a backend, or why not. The
+    /// ticket is cancelled if this future is dropped (the client went away).
+    pub(crate) fn wait<'a>(
+        self,
+        lane: &'a Arc<Lane>,
+        spot: Option<&'a QueueSpot>,
+    ) -> impl std::future::Future<Output = Result<Admitted, GatewayError>> + 'a {
+        wait_in_queue(lane, self.q, self.rx, spot)
+    }
 }
 
 /// A request the lane queued.
@@ -327,12 +359,10 @@ struct Queued {
     at: levee_policy::Timestamp,
 }
 
-/// Waits in the lane's queue until the dispatcher answers: a backend, or why not. The
-/// waiter's ticket is cancelled if this future is dropped (the client went away).
 async fn wait_in_queue(
     lane: &Arc<Lane>,
     q: Queued,
-    rx: oneshot::Receiver<WaiterResult>,
+    rx: oneshot::Receiver<Box<WaiterResult>>,
     spot: Option<&QueueSpot>,
 ) -> Result<Admitted, GatewayError> {
     let ctx = &lane.ctx;
@@ -358,7 +388,7 @@ async fn wait_in_queue(
         ticket: q.ticket,
         armed: true,
     };
-    let got = rx.await;
+    let got = rx.await.map(|b| *b);
     guard.armed = false;
     match got {
         Ok(Ok(a)) => {

@@ -11,11 +11,13 @@ use crate::lane::{self, Admitted, QueueSpot};
 use crate::metrics::ReasonLabels;
 use crate::runtime::Tenant;
 use crate::upstream::Backend;
-use levee_policy::AdmissionRequest;
+use levee_policy::{AdmissionRequest, Key};
 use std::sync::Arc;
 use std::time::Duration;
 
-/// The admit phase.
+/// The admit phase. Its locals are shaped for a queued request, which holds this future for
+/// its whole wait: the admission request and the lane's decision are temporaries, gone
+/// before the wait.
 pub(super) async fn admit(
     gw: &Arc<Gateway>,
     tenant: &Tenant,
@@ -23,15 +25,6 @@ pub(super) async fn admit(
     c: &Classified,
     spot: Option<&QueueSpot>,
 ) -> Result<Admitted, GatewayError> {
-    let req = AdmissionRequest {
-        tenant: tenant.name.clone(),
-        model: c.target.name.clone(),
-        tier: levee_policy::Tier(seat.priority),
-        prompt_tokens: c.prompt_tokens,
-        completion_tokens: u64::from(c.max_tokens) * u64::from(c.parsed.choices),
-        max_wait: None,
-        session: c.session,
-    };
     gw.scaling().arrival(&c.target.name);
     // Fleet-wide rates first (a refusal here costs the local state nothing); the charge
     // comes back if the local admission then refuses.
@@ -44,19 +37,54 @@ pub(super) async fn admit(
             // the store decides, the charge the store made still arrives, and dropping it
             // refunds it (dropping a take in flight would leave it charged for good).
             let shared = shared.clone();
-            let tokens = req.tokens();
+            let tokens = request(tenant, seat, c).tokens();
             tokio::spawn(async move { shared.take(&scopes, tokens).await })
                 .await
                 .map_err(|e| GatewayError::internal(format!("shared limit decision: {e}")))??
+                .map(Box::new)
         }
         _ => None,
     };
     let waiting = gw.metrics().queued_wait(&tenant.name);
-    let admitted = Box::pin(lane::admit(&c.lane, &tenant.limits, &seat.tier, req, spot)).await;
+    // The decision is a temporary of this statement, not a local kept across the wait.
+    let wait = match lane::decide(
+        &c.lane,
+        &tenant.limits,
+        &seat.tier,
+        request(tenant, seat, c),
+        spot,
+    ) {
+        lane::Decision::Now(r) => return with_charge(r, charge, waiting),
+        lane::Decision::Queued(w) => w,
+    };
+    // Only a queued request gets waiting state (boxed: it is this future's largest part).
+    let admitted = Box::pin(wait.wait(&c.lane, spot)).await;
+    with_charge(admitted, charge, waiting)
+}
+
+/// The admission with the fleet-wide charge it carries (given back if it was refused).
+fn with_charge(
+    admitted: Result<Admitted, GatewayError>,
+    charge: Option<Box<crate::shared::Charge>>,
+    waiting: crate::metrics::QueuedWait,
+) -> Result<Admitted, GatewayError> {
     waiting.done();
     let mut admitted = admitted?;
     admitted.attach(charge);
     Ok(admitted)
+}
+
+/// What levee-policy's admission is asked.
+fn request(tenant: &Tenant, seat: &Seat, c: &Classified) -> AdmissionRequest<Key> {
+    AdmissionRequest {
+        tenant: tenant.name.clone(),
+        model: c.target.name.clone(),
+        tier: levee_policy::Tier(seat.priority),
+        prompt_tokens: c.prompt_tokens,
+        completion_tokens: u64::from(c.max_tokens) * u64::from(c.parsed.choices),
+        max_wait: None,
+        session: c.session,
+    }
 }
 
 /// Counts an admitted request and the degradation measures applied to it.

@@ -39,7 +39,7 @@ pub(super) struct Classified {
     /// Its response-cache key, when its tenant opted in and it is deterministic.
     pub cache: Option<crate::response_cache::CacheKey>,
     /// The request's id, for its log line.
-    pub request: Option<crate::request_log::RequestId>,
+    pub request: Option<std::sync::Arc<crate::request_log::RequestId>>,
     /// The request's span, kept until it settles.
     pub span: tracing::Span,
 }

@@ -126,7 +126,7 @@ async fn send_with_one_resend(
             path,
             upstream_body,
             sent_at + request_timeout,
-            c.request.as_ref(),
+            c.request.as_deref(),
         ))
         .await;
         let verdict = match &sent {

@@ -35,7 +35,7 @@ pub(super) struct RequestSettle {
     pub outlier: crate::config::OutlierConfig,
     /// The outcome already went to outlier ejection (see `proxy_phase`).
     pub judged: bool,
-    pub request: Option<RequestId>,
+    pub request: Option<Arc<RequestId>>,
     /// The request's span: it ends when this is dropped, at the end of `settle`.
     pub span: Span,
 }
