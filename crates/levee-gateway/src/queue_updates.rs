@@ -18,7 +18,6 @@ use axum::extract::Request;
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use futures::StreamExt;
-use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
@@ -30,14 +29,14 @@ const MAX_ERROR_BYTES: usize = 64 * 1024;
 /// position comments before dispatch.
 pub(crate) async fn watched(
     gw: Arc<Gateway>,
-    peer: SocketAddr,
+    arrival: pipeline::Arrival,
     req: Box<Request>,
     path: &'static str,
 ) -> Response {
     let spot = Arc::new(QueueSpot::default());
     let inner = spot.clone();
     let mut work =
-        Box::pin(async move { pipeline::serve_client(gw, peer, req, path, Some(&inner)).await });
+        Box::pin(async move { pipeline::serve_client(gw, arrival, req, path, Some(&inner)).await });
     loop {
         tokio::select! {
             r = &mut work => return r,

@@ -13,7 +13,6 @@ use futures::future::Either;
 use futures::FutureExt;
 use http::{HeaderMap, StatusCode};
 use serde_json::Value;
-use std::net::SocketAddr;
 use std::sync::Arc;
 use tower_http::catch_panic::CatchPanicLayer;
 
@@ -99,19 +98,19 @@ pub(crate) fn pipeline_path(path: &str) -> Option<&'static str> {
 /// future's whole life.
 pub(crate) fn pipeline_direct(
     gw: Arc<Gateway>,
-    peer: SocketAddr,
+    arrival: pipeline::Arrival,
     req: http::Request<hyper::body::Incoming>,
     path: &'static str,
 ) -> impl std::future::Future<Output = Response> {
     let req = Box::new(req.map(axum::body::Body::new));
-    std::panic::AssertUnwindSafe(handle(gw, peer, req, path))
+    std::panic::AssertUnwindSafe(handle(gw, arrival, req, path))
         .catch_unwind()
         .map(|r| r.unwrap_or_else(crate::error::panic_response))
 }
 
 fn handle(
     gw: Arc<Gateway>,
-    peer: SocketAddr,
+    arrival: pipeline::Arrival,
     req: Box<Request>,
     path: &'static str,
 ) -> impl std::future::Future<Output = Response> {
@@ -121,8 +120,8 @@ fn handle(
     let watch = pipeline::wants_queue_updates(req.headers())
         || gw.config().tiers.values().any(|t| t.queue_updates);
     if watch {
-        Either::Left(crate::queue_updates::watched(gw, peer, req, path))
+        Either::Left(crate::queue_updates::watched(gw, arrival, req, path))
     } else {
-        Either::Right(pipeline::serve_client(gw, peer, req, path, None))
+        Either::Right(pipeline::serve_client(gw, arrival, req, path, None))
     }
 }

@@ -409,16 +409,14 @@ fn service(
         let active = activity.begin();
         let id = RequestId::for_request(req.headers(), Some(peer));
         let echo = id.value.clone();
-        req.extensions_mut().insert(Arc::new(id));
         let http1 = req.version() < http::Version::HTTP_2;
         let pipeline = routes::pipeline_path(req.uri().path())
             .filter(|_| public && req.method() == http::Method::POST);
         let gw = gw.clone();
         let answer = match pipeline {
             Some(path) => {
-                req.extensions_mut()
-                    .insert(crate::pipeline::Unclaimed::new(gw.clone()));
-                let served = routes::pipeline_direct(gw.clone(), peer, req, path);
+                let arrival = crate::pipeline::Arrival::new(&gw, id);
+                let served = routes::pipeline_direct(gw.clone(), arrival, req, path);
                 Either::Left(Box::pin(served.map(Ok::<_, std::convert::Infallible>)))
             }
             None => {

@@ -116,34 +116,44 @@ impl Drop for RequestCtx {
     }
 }
 
-/// A request for a pipeline route, handed to the router: when its handler never runs (the
-/// client left before the handler's future was first polled, and the connection dropped
-/// it), it is still counted, as `client_gone`. [`serve_client`] claims it as it starts.
-#[derive(Clone)]
-pub(crate) struct Unclaimed(Arc<UnclaimedInner>);
-
-struct UnclaimedInner {
-    armed: std::sync::atomic::AtomicBool,
-    gw: Arc<Gateway>,
+/// Where a pipeline request came from, as its connection saw it: the request's id (with
+/// the peer), and its count should its handler never run.
+pub(crate) struct Arrival {
+    id: Arc<RequestId>,
+    unclaimed: Unclaimed,
 }
+
+impl Arrival {
+    pub(crate) fn new(gw: &Arc<Gateway>, id: RequestId) -> Arrival {
+        Arrival {
+            id: Arc::new(id),
+            unclaimed: Unclaimed(Some(gw.clone())),
+        }
+    }
+
+    /// The client's address (unspecified for a request made without a connection).
+    fn peer(&self) -> SocketAddr {
+        self.id
+            .peer
+            .unwrap_or_else(|| SocketAddr::from(([0, 0, 0, 0], 0)))
+    }
+}
+
+/// A request whose handler never runs (the client left before the request's future was
+/// first polled, and the connection dropped it) is still counted, as `client_gone`;
+/// [`serve_client`] claims it as it starts.
+struct Unclaimed(Option<Arc<Gateway>>);
 
 impl Unclaimed {
-    pub(crate) fn new(gw: Arc<Gateway>) -> Unclaimed {
-        let armed = std::sync::atomic::AtomicBool::new(true);
-        Unclaimed(Arc::new(UnclaimedInner { armed, gw }))
-    }
-
-    fn claim(&self) {
-        self.0
-            .armed
-            .store(false, std::sync::atomic::Ordering::Relaxed);
+    fn claim(&mut self) {
+        self.0 = None;
     }
 }
 
-impl Drop for UnclaimedInner {
+impl Drop for Unclaimed {
     fn drop(&mut self) {
-        if self.armed.load(std::sync::atomic::Ordering::Relaxed) {
-            self.gw.metrics().request("-", "-", "client_gone");
+        if let Some(gw) = &self.0 {
+            gw.metrics().request("-", "-", "client_gone");
         }
     }
 }
@@ -212,7 +222,7 @@ impl Seat {
 )]
 pub(crate) fn serve_client<'a>(
     gw: Arc<Gateway>,
-    peer: SocketAddr,
+    mut arrival: Arrival,
     req: Box<Request>,
     path: &'static str,
     spot: Option<&'a QueueSpot>,
@@ -220,14 +230,12 @@ pub(crate) fn serve_client<'a>(
     // A block, not an `async fn`: an async fn keeps its arguments twice, as given and as
     // the body's locals, for as long as the request waits.
     async move {
-        if let Some(u) = req.extensions().get::<Unclaimed>() {
-            u.claim();
-        }
-        let mut ctx = RequestCtx::new(&gw, path, req.extensions().get::<Arc<RequestId>>().cloned());
+        arrival.unclaimed.claim();
+        let mut ctx = RequestCtx::new(&gw, path, Some(arrival.id.clone()));
         let span = ctx.span.clone();
         let run = async {
-            let tenant =
-                debug_span!("authenticate").in_scope(|| authenticate(&gw, peer, req.headers()))?;
+            let tenant = debug_span!("authenticate")
+                .in_scope(|| authenticate(&gw, arrival.peer(), req.headers()))?;
             let asked_updates = wants_queue_updates(req.headers());
             let affinity = &gw.config().affinity;
             if affinity.enabled {
@@ -655,16 +663,12 @@ mod tests {
         // Each queued request holds one of these; keep them small (see BENCHMARKS.md).
         let gw = Gateway::new(crate::Config::default()).unwrap();
         let req = Box::new(Request::new(axum::body::Body::empty()));
-        let f = serve_client(
-            gw,
-            "127.0.0.1:1".parse().unwrap(),
-            req,
-            "/v1/chat/completions",
-            None,
-        );
+        let peer = "127.0.0.1:1".parse().unwrap();
+        let arrival = Arrival::new(&gw, RequestId::for_request(&HeaderMap::new(), Some(peer)));
+        let f = serve_client(gw, arrival, req, "/v1/chat/completions", None);
         let size = std::mem::size_of_val(&f);
         eprintln!("serve_client future: {size} bytes");
-        // 440 bytes with rustc 1.95: with its wrappers it fits the allocator's 448-byte
+        // 424 bytes with rustc 1.95: with its wrappers it fits the allocator's 448-byte
         // class. Past 512 a queued request costs a size class more, and the 10,000 queued
         // requests of bench/gateway-overhead.sh go past 100 MB again.
         assert!(size <= 512, "{size}");
