@@ -461,8 +461,6 @@ where
     C: GracefulConnection,
     C::Error: std::fmt::Display,
 {
-    // A block, not an `async fn`: an async fn keeps its arguments twice, as given and as
-    // the body's locals.
     async move {
         let expired = tokio::select! {
             r = conn.as_mut() => return ended(&c, r),

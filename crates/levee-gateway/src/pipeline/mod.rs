@@ -227,8 +227,6 @@ pub(crate) fn serve_client<'a>(
     path: &'static str,
     spot: Option<&'a QueueSpot>,
 ) -> impl std::future::Future<Output = Response> + 'a {
-    // A block, not an `async fn`: an async fn keeps its arguments twice, as given and as
-    // the body's locals, for as long as the request waits.
     async move {
         arrival.unclaimed.claim();
         let mut ctx = RequestCtx::new(&gw, path, Some(arrival.id.clone()));
@@ -319,7 +317,6 @@ fn serve<'a>(
     spot: Option<&'a QueueSpot>,
     wants_updates: impl FnOnce(bool) -> bool + 'a,
 ) -> impl std::future::Future<Output = Result<Response, GatewayError>> + 'a {
-    // A block, not an `async fn` (see `serve_client`).
     async move {
         let rt = gw.runtime();
         let c = debug_span!("classify").in_scope(|| classify::classify(gw, &rt, &seat, &body, ctx));
@@ -373,7 +370,6 @@ fn admission<'a>(
     spot: Option<&'a QueueSpot>,
 ) -> impl std::future::Future<Output = Result<lane::Admitted, Result<Response, GatewayError>>> + 'a
 {
-    // A block, not an `async fn` (see `serve_client`).
     async move {
         let refused = match admit::admit(gw, tenant, seat, c, spot)
             .instrument(debug_span!("admit"))
@@ -668,9 +664,9 @@ mod tests {
         let f = serve_client(gw, arrival, req, "/v1/chat/completions", None);
         let size = std::mem::size_of_val(&f);
         eprintln!("serve_client future: {size} bytes");
-        // 424 bytes with rustc 1.95: with its wrappers it fits the allocator's 448-byte
-        // class. Past 512 a queued request costs a size class more, and the 10,000 queued
-        // requests of bench/gateway-overhead.sh go past 100 MB again.
+        // 424 bytes with rustc 1.95. What a request allocates is this future with the
+        // connection's wrappers: `routes`' test `the_direct_future_fits_its_size_class`
+        // holds that to the allocator's size class.
         assert!(size <= 512, "{size}");
     }
 
