@@ -647,14 +647,12 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
             }
         };
         let was_active = u.active(now, window);
-        if was_active {
-            table.apply(u, Sign::Minus);
-        }
+        let before = *u;
         f(u);
         if u.active(now, window) != was_active {
             *shares = None;
         } else if was_active {
-            table.apply(u, Sign::Plus);
+            table.replace(&before, u);
             if let Some(e) = u.expiry(now, window) {
                 table.expires = table.expires.min(e);
             }
@@ -1628,25 +1626,33 @@ impl ShareTable {
     fn apply(&mut self, u: &TenantUse, sign: Sign) {
         for level in usize::from(u.tier.0)..self.by_tier.len() {
             let f = self.figures_of(level, u.weight);
-            let sums = &mut self.by_tier[level];
             let over = u.over_share(&f);
-            let d = u.demand(&f, over);
-            let add = |sum: &mut u64, v: u64| match sign {
-                Sign::Plus => *sum += v,
-                Sign::Minus => *sum = sum.saturating_sub(v),
-            };
-            add(&mut sums.demand_requests, d.requests);
-            add(&mut sums.demand_tokens, d.tokens);
-            add(&mut sums.waiting_requests, d.waiting_requests);
-            add(&mut sums.waiting_tokens, d.waiting_tokens);
-            add(&mut sums.room_requests, d.room_requests);
-            add(&mut sums.room_tokens, d.room_tokens);
-            if !over {
-                add(&mut sums.under.active, 1);
-                add(&mut sums.under.demand_requests, d.requests);
-                add(&mut sums.under.waiting_requests, d.waiting_requests);
-                add(&mut sums.under.room_requests, d.room_requests);
+            let d = (&u.demand(&f, over), over);
+            let sums = &mut self.by_tier[level];
+            match sign {
+                Sign::Plus => sums.replace(NO_DEMAND, d),
+                Sign::Minus => sums.replace(d, NO_DEMAND),
             }
+        }
+    }
+
+    /// Replaces active tenant `before`'s demand with what it is `after` a change: at each
+    /// priority its old part taken out and its new one put in, the share figures looked up
+    /// once, and nothing done where its part stays as it was.
+    fn replace(&mut self, before: &TenantUse, after: &TenantUse) {
+        if (before.tier, before.weight) != (after.tier, after.weight) {
+            self.apply(before, Sign::Minus);
+            self.apply(after, Sign::Plus);
+            return;
+        }
+        for level in usize::from(after.tier.0)..self.by_tier.len() {
+            let f = self.figures_of(level, after.weight);
+            let (was_over, over) = (before.over_share(&f), after.over_share(&f));
+            let (was, is) = (before.demand(&f, was_over), after.demand(&f, over));
+            if (was, was_over) == (is, over) {
+                continue;
+            }
+            self.by_tier[level].replace((&was, was_over), (&is, over));
         }
     }
 }
@@ -1666,6 +1672,48 @@ struct TierSums {
     room_tokens: u64,
     /// The same, in requests, over the tenants whose traffic is not over their share.
     under: UnderSums,
+}
+
+impl TierSums {
+    /// Takes out one tenant's demand `was` and puts in `is` (each with whether its traffic
+    /// is over its share), each sum written once. [`NO_DEMAND`] on one side adds or takes
+    /// out a tenant.
+    fn replace(&mut self, (was, was_over): (&Demand, bool), (is, over): (&Demand, bool)) {
+        let swap = |sum: &mut u64, old: u64, new: u64| *sum = sum.saturating_sub(old) + new;
+        swap(&mut self.demand_requests, was.requests, is.requests);
+        swap(&mut self.demand_tokens, was.tokens, is.tokens);
+        swap(
+            &mut self.waiting_requests,
+            was.waiting_requests,
+            is.waiting_requests,
+        );
+        swap(
+            &mut self.waiting_tokens,
+            was.waiting_tokens,
+            is.waiting_tokens,
+        );
+        swap(&mut self.room_requests, was.room_requests, is.room_requests);
+        swap(&mut self.room_tokens, was.room_tokens, is.room_tokens);
+        // A tenant's part in the under-share sums: nothing while it is over its share.
+        let part = |d: &Demand, over: bool| {
+            if over {
+                [0; 4]
+            } else {
+                [1, d.requests, d.waiting_requests, d.room_requests]
+            }
+        };
+        let (old, new) = (part(was, was_over), part(is, over));
+        let under = &mut self.under;
+        let sums = [
+            &mut under.active,
+            &mut under.demand_requests,
+            &mut under.waiting_requests,
+            &mut under.room_requests,
+        ];
+        for ((sum, old), new) in sums.into_iter().zip(old).zip(new) {
+            swap(sum, old, new);
+        }
+    }
 }
 
 /// Sums over the active tenants whose traffic is not over their share
@@ -1728,6 +1776,22 @@ struct Demand {
     room_requests: u64,
     room_tokens: u64,
 }
+
+/// A tenant's part in the sums before it is added or after it is taken out: no demand, and
+/// (being over its share) none in the under-share sums.
+const NO_DEMAND: (&Demand, bool) = (
+    &Demand {
+        limit_requests: 0,
+        limit_tokens: 0,
+        requests: 0,
+        tokens: 0,
+        waiting_requests: 0,
+        waiting_tokens: 0,
+        room_requests: 0,
+        room_tokens: 0,
+    },
+    true,
+);
 
 /// Burst headroom, in standard deviations of the others' (Poisson-like) demand.
 const BURST_Z: f64 = 3.0;
