@@ -334,3 +334,177 @@ fn figures_of_every_mix() {
         );
     }
 }
+
+/// What admission rules other than levee's could give on a mix: the reference the misses
+/// above are read against. Nothing of levee runs here. The fleet is the same (its slots, a
+/// request holding one for [`SERVICE`], TTFT = wait + [`PREFILL`], [`STEP`]s of time); the
+/// quiet tenants' arrivals are the same; a quiet request takes a free slot first (in
+/// arrival order), and the flooder is always backlogged.
+mod frontier {
+    use super::*;
+    use std::collections::VecDeque;
+
+    /// The quiet tenants' arrivals (ms), merged, as `simulate` draws them.
+    fn quiet_arrivals(mix: Mix) -> Vec<u64> {
+        let mut all: Vec<u64> = (0..mix.quiet)
+            .flat_map(|i| arrivals(mix.quiet_rate, mix.seed + 1 + i as u64))
+            .collect();
+        all.sort();
+        all
+    }
+
+    fn ms(d: Duration) -> u64 {
+        d.as_millis() as u64
+    }
+
+    /// What a rule gave.
+    #[derive(Debug)]
+    pub(super) struct Outcome {
+        /// The flooder's requests completed per second.
+        pub flooder_rate: f64,
+        /// Its requests cut short per second (their work lost).
+        pub aborted_rate: f64,
+        pub quiet_p99: Duration,
+    }
+
+    /// An online rule: the flooder may start a request while fewer than `slots - headroom`
+    /// slots are busy; with `preempt`, a quiet request that finds every slot busy takes the
+    /// slot of the flooder's youngest running request, which goes back to its queue.
+    pub(super) fn online(mix: Mix, headroom: usize, preempt: bool) -> Outcome {
+        let slots = 2 * mix.slots_per_backend;
+        let (service, step, run) = (ms(SERVICE), ms(STEP), ms(RUN));
+        let mut arriving = quiet_arrivals(mix).into_iter().peekable();
+        let mut waiting = VecDeque::new();
+        let (mut quiet_ends, mut flooder_starts) = (Vec::new(), Vec::new());
+        let (mut completed, mut aborted) = (0usize, 0usize);
+        let mut ttft = Vec::new();
+        let mut t = 0;
+        while t < run + ms(Duration::from_secs(60)) {
+            quiet_ends.retain(|&end| end > t);
+            let before = flooder_starts.len();
+            flooder_starts.retain(|&start| start + service > t);
+            completed += before - flooder_starts.len();
+            // Seen at the step it falls in, as `simulate` sees it.
+            while arriving.next_if(|&a| a <= t).is_some() {
+                waiting.push_back(t);
+            }
+            while let Some(&a) = waiting.front() {
+                if quiet_ends.len() + flooder_starts.len() >= slots {
+                    let youngest = (0..flooder_starts.len()).max_by_key(|&i| flooder_starts[i]);
+                    match youngest.filter(|_| preempt) {
+                        Some(i) => {
+                            flooder_starts.swap_remove(i);
+                            aborted += 1;
+                        }
+                        None => break,
+                    }
+                }
+                waiting.pop_front();
+                ttft.push(Duration::from_millis(t - a) + PREFILL);
+                quiet_ends.push(t + service);
+            }
+            while t < run && quiet_ends.len() + flooder_starts.len() + headroom < slots {
+                flooder_starts.push(t);
+            }
+            t += step;
+        }
+        Outcome {
+            flooder_rate: completed as f64 / RUN.as_secs_f64(),
+            aborted_rate: aborted as f64 / RUN.as_secs_f64(),
+            // With no quiet tenant, nobody waited.
+            quiet_p99: if ttft.is_empty() {
+                Duration::ZERO
+            } else {
+                common::same_tier::p99(&mut ttft)
+            },
+        }
+    }
+
+    /// The most a flooder could complete per second without delaying any quiet request if
+    /// it knew every arrival to come: it starts a request whenever a slot stays free for the
+    /// whole [`SERVICE`] ahead, earliest first (in [`STEP`]s).
+    pub(super) fn clairvoyant(mix: Mix) -> f64 {
+        let slots = 2 * mix.slots_per_backend;
+        let (hold, step) = ((ms(SERVICE) / ms(STEP)) as usize, ms(STEP));
+        let steps = (ms(RUN) / step) as usize;
+        let mut busy = vec![0usize; steps + hold];
+        for a in quiet_arrivals(mix) {
+            let from = (a / step) as usize;
+            for b in &mut busy[from..from + hold] {
+                *b += 1;
+            }
+        }
+        let (mut t, mut started) = (0, 0usize);
+        while t < steps {
+            match busy[t..t + hold].iter().rposition(|&b| b >= slots) {
+                Some(full) => t += full + 1,
+                None => {
+                    for b in &mut busy[t..t + hold] {
+                        *b += 1;
+                    }
+                    started += 1;
+                }
+            }
+        }
+        started as f64 / RUN.as_secs_f64()
+    }
+}
+
+/// The frontier behind BENCHMARKS.md's reading of the misses (asserts nothing): on each
+/// mix, the flooder's completions and the quiet p99 TTFT under admission rules that hold
+/// back a fixed headroom, the same with preemption of the flooder's youngest request, and
+/// the clairvoyant ceiling: `cargo test --release -p levee-policy --test isolation --
+/// --ignored --nocapture frontier`.
+#[test]
+#[ignore = "prints figures; run on demand"]
+fn figures_of_the_frontier() {
+    for mix in MIXES.iter().chain(OUTSIDE.iter()) {
+        let alone = frontier::online(
+            Mix {
+                flood_rate: 0.0,
+                ..*mix
+            },
+            2 * mix.slots_per_backend,
+            false,
+        );
+        println!(
+            "{} quiet x {}/s ({:.0}% of the fleet), {} slots: quiet p99 TTFT alone {:?}; flooder's weighted share {:.2}/s; clairvoyant ceiling {:.2}/s",
+            mix.quiet,
+            mix.quiet_rate,
+            100.0 * mix.quiet_share(),
+            2 * mix.slots_per_backend,
+            alone.quiet_p99,
+            mix.flooder_share(),
+            frontier::clairvoyant(*mix),
+        );
+        for preempt in [false, true] {
+            for headroom in [0, 2, 4, 6, 8, 10, 12] {
+                let o = frontier::online(*mix, headroom, preempt);
+                println!(
+                    "    headroom {headroom:>2}{}: flooder {:.2}/s (cut short {:.2}/s), quiet p99 TTFT {:?}",
+                    if preempt { ", preempting" } else { "" },
+                    o.flooder_rate,
+                    o.aborted_rate,
+                    o.quiet_p99,
+                );
+            }
+        }
+    }
+}
+
+/// The reference's own check, on cases whose answer is known: with no quiet tenant every
+/// rule fills the fleet (32 slots of 2 s: 16/s), and with preemption no quiet request waits.
+#[test]
+fn the_frontier_reference_gives_the_known_answers() {
+    let mut mix = OUTSIDE[0];
+    let full = (2 * mix.slots_per_backend) as f64 / SERVICE.as_secs_f64();
+    mix.quiet = 0;
+    assert!((frontier::clairvoyant(mix) - full).abs() < 0.1);
+    assert!((frontier::online(mix, 0, false).flooder_rate - full).abs() < 0.1);
+    let busy = OUTSIDE[0];
+    let o = frontier::online(busy, 0, true);
+    assert_eq!(o.quiet_p99, PREFILL, "{o:?}");
+    assert!(o.aborted_rate > 0.0, "{o:?}");
+    // Without preemption and without headroom, the same quiet tenants wait.
+    assert!(frontier::online(busy, 0, false).quiet_p99 > PREFILL);
+}
