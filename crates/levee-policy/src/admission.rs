@@ -31,6 +31,7 @@ use crate::limits::{
     rate_retry, Charged, HeavyRule, LimitRefusal, LimitSpec, LimitsConfig, Peeked,
     RateLimitHeaders, ScopeLimits, SharedLimits, TenantLimits, TenantSpec,
 };
+use crate::preempt::RunId;
 use crate::queue::{Entry, PushRefusal, Ticket, Tier};
 use crate::refusal::{RefusalReason, Scope};
 use crate::retry::{RetryAfter, RetryBounds};
@@ -197,6 +198,11 @@ impl<K> Grant<K> {
     /// The backend it was sent to, once dispatched.
     pub fn backend(&self) -> Option<&Arc<str>> {
         self.placement.as_ref().map(|p| &p.backend)
+    }
+    /// Its name among its lane's preemptible requests, while it is one
+    /// ([`crate::LaneConfig::preempt`]).
+    pub fn run(&self) -> Option<RunId> {
+        self.placement.as_ref().and_then(Placement::run)
     }
 }
 
@@ -749,6 +755,60 @@ impl<T, K: Hash + Eq + Ord + Clone> LaneAdmission<T, K> {
         grant.placement.is_some()
     }
 
+    /// Its answer started reaching its client: it may no longer be cut short
+    /// ([`crate::LaneConfig::preempt`]).
+    pub fn answered(&mut self, grant: &mut Grant<K>) {
+        if let Some(p) = grant.placement.as_mut() {
+            self.lane.answered(&grant.tenant, p);
+        }
+    }
+
+    /// A running request to cut short now to give its slot to a tenant under its share
+    /// (see [`crate::LaneConfig::preempt`]); call it after [`LaneAdmission::dequeue`] found
+    /// nothing more, in a loop until `None`. The caller stops that request before anything
+    /// of it reaches its client and gives it back with [`LaneAdmission::requeue`] (or ends
+    /// it as usual if it ended first).
+    pub fn preempt(&mut self, now: Timestamp) -> Option<RunId> {
+        self.lane.preempt(now).map(|(id, _)| id)
+    }
+
+    /// Queues again a request cut short ([`LaneAdmission::preempt`]): its backend slot
+    /// comes back (its breaker counts nothing), its charges stand, and it waits with its
+    /// tier's full wait budget from now, behind what its tenant already has queued. `Err`
+    /// gives the payload back, the grant refunded, when the queue has no room for it.
+    pub fn requeue(
+        &mut self,
+        shared: &SharedLimits<K>,
+        mut grant: Grant<K>,
+        item: T,
+        now: Timestamp,
+    ) -> Result<Ticket, T> {
+        if let Some(p) = grant.placement.take() {
+            self.lane.release(&grant.tenant, p, Outcome::Cancelled, now);
+        }
+        let budget = self
+            .tiers
+            .get(usize::from(grant.tier.0))
+            .map_or(self.retry.min, |b| b.normal);
+        let (tier, tenant, cost) = (grant.tier, grant.tenant.clone(), grant.tokens);
+        let pending = Pending {
+            item,
+            grant,
+            predicted: None,
+        };
+        match self
+            .lane
+            .push(tier, &tenant, cost, now, now + budget, pending)
+        {
+            Ok(ticket) => Ok(ticket),
+            Err(rej) => {
+                let Pending { item, grant, .. } = rej.item;
+                self.refund(shared, grant, now);
+                Err(item)
+            }
+        }
+    }
+
     /// Feeds what a dispatched request's response showed — its time to first token and its
     /// time per output token after the first, from the moment it was sent, as far as known —
     /// to its backend's latency fit ([`crate::LatencyFit`]); returns the time to first token
@@ -1250,6 +1310,29 @@ impl<T, K: Hash + Eq + Ord + Clone> Admission<T, K> {
         match self.models.get_mut(&grant.model) {
             Some(m) => m.redispatch(grant, outcome, now),
             None => false,
+        }
+    }
+
+    /// See [`LaneAdmission::preempt`].
+    pub fn preempt(&mut self, model: &K, now: Timestamp) -> Option<RunId> {
+        self.models.get_mut(model)?.preempt(now)
+    }
+
+    /// See [`LaneAdmission::answered`].
+    pub fn answered(&mut self, grant: &mut Grant<K>) {
+        if let Some(m) = self.models.get_mut(&grant.model) {
+            m.answered(grant);
+        }
+    }
+
+    /// See [`LaneAdmission::requeue`]; `Err` also for a model that is gone (refunded).
+    pub fn requeue(&mut self, grant: Grant<K>, item: T, now: Timestamp) -> Result<Ticket, T> {
+        match self.models.get_mut(&grant.model) {
+            Some(m) => m.requeue(&self.shared, grant, item, now),
+            None => {
+                self.refund(grant, now);
+                Err(item)
+            }
         }
     }
 

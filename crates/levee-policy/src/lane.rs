@@ -39,6 +39,7 @@ use crate::clock::Timestamp;
 use crate::fasthash::FastState;
 use crate::fleet::Budget;
 use crate::latency::{LatencyFit, LatencySlo};
+use crate::preempt::{RunId, Runs};
 use crate::queue::{Entry, FairQueue, Pick, QueueLimits, QueueStats, Tier};
 use crate::retry::DrainRate;
 use crate::units::ceil_u64;
@@ -86,6 +87,15 @@ pub struct LaneConfig {
     /// token objective, a request predicted to miss it even if admitted now is refused
     /// ([`crate::RefusalReason::PredictedSloMiss`]).
     pub slo: Vec<LatencySlo>,
+    /// Preemption of over-share work (see [`crate::preempt`]): a request stays preemptible
+    /// from its placement until its answer starts ([`Lane::answered`]); while every slot is
+    /// busy and a tenant under its share waits, the youngest preemptible request of a tenant
+    /// over its share and holding more than its share of the slots is named to be cut short
+    /// and queued again ([`Lane::preempt`]). A tenant over its share may then fill the burst
+    /// headroom it leaves the others with requests that stay preemptible: the headroom is
+    /// kept in requests that can be taken back instead of in idle slots. Off: no request is
+    /// ever cut short, and the headroom idles.
+    pub preempt: bool,
 }
 
 impl LaneConfig {
@@ -133,6 +143,7 @@ impl LaneConfig {
             shortest_first: false,
             affinity: None,
             slo: Vec::new(),
+            preempt: false,
         }
     }
 }
@@ -376,6 +387,8 @@ struct TenantUse {
     /// The requests its traffic keeps in flight (its arrival rate × the lane's mean service
     /// time), as of its last arrival; `None` before a service time was measured.
     offered: Option<f64>,
+    /// Its running requests that may still be cut short ([`LaneConfig::preempt`]).
+    preemptible: usize,
 }
 
 impl TenantUse {
@@ -391,6 +404,7 @@ impl TenantUse {
             calibration: WaitCalibration::default(),
             arrivals: DrainRate::new(OFFERED_WINDOW),
             offered: None,
+            preemptible: 0,
         }
     }
 
@@ -430,12 +444,19 @@ pub struct Placement {
     prefill_tokens: u64,
     /// Its time to first token as predicted when it was placed.
     predicted_ttft: Option<Duration>,
+    /// Its name among the lane's preemptible requests, until its answer starts.
+    run: Option<RunId>,
 }
 
 impl Placement {
     /// When it was dispatched.
     pub fn dispatched_at(&self) -> Timestamp {
         self.at
+    }
+
+    /// Its name among the lane's preemptible requests, while it is one.
+    pub fn run(&self) -> Option<RunId> {
+        self.run
     }
 }
 
@@ -491,6 +512,8 @@ pub struct Lane<P, K> {
     prefill_window: Duration,
     /// Which backend served each session last (empty while affinity is off).
     sessions: SessionMap,
+    /// Its preemptible requests ([`LaneConfig::preempt`]).
+    runs: Runs<K>,
 }
 
 /// What one tier takes into a lane, as rates: requests and their KV tokens per second.
@@ -588,6 +611,7 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
             admitted: (0..tiers.max(1)).map(|_| Intake::new()).collect(),
             service_secs: None,
             prefill_window: Duration::ZERO,
+            runs: Runs::default(),
         }
     }
 
@@ -951,10 +975,13 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
         let id = b.id.clone();
         self.in_flight += 1;
         self.drain.record(1, now);
+        let preempt = self.cfg.preempt;
         self.update_tenant(tenant, now, |u| {
             u.in_flight += 1;
             u.tokens += kv_cost;
+            u.preemptible += usize::from(preempt);
         });
+        let run = preempt.then(|| self.runs.register(tenant.clone(), tier, now));
         Some(Placement {
             backend: id,
             kv_tokens: kv_cost,
@@ -964,7 +991,65 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
             batch,
             prefill_tokens,
             predicted_ttft,
+            run,
         })
+    }
+
+    /// The answer of placement `p` started reaching its client: it may no longer be cut
+    /// short ([`LaneConfig::preempt`]).
+    pub(crate) fn answered(&mut self, tenant: &K, p: &mut Placement) {
+        if let Some(id) = p.run.take() {
+            if self.runs.answered(id) {
+                self.unpreemptible(tenant);
+            }
+        }
+    }
+
+    fn unpreemptible(&mut self, tenant: &K) {
+        if let Some(u) = self.tenants.get_mut(tenant) {
+            u.preemptible = u.preemptible.saturating_sub(1);
+        }
+    }
+
+    /// A request to cut short now, if preemption is on ([`LaneConfig::preempt`]): while no
+    /// slot is free and more requests of tenants under their share wait than were already
+    /// named, the youngest preemptible request, of their priority or below, of a tenant over
+    /// its share that holds more than its share of the slots. It stays counted until its
+    /// placement is given back: cut short, the caller queues it again
+    /// ([`crate::LaneAdmission::requeue`]).
+    pub(crate) fn preempt(&mut self, now: Timestamp) -> Option<(RunId, K)> {
+        if !self.cfg.preempt {
+            return None;
+        }
+        let view = self.view();
+        if view.free(now).0 > 0 {
+            // Whatever waits is held back by something else than busy slots.
+            return None;
+        }
+        let top = view
+            .tenants
+            .iter()
+            .filter(|(k, u)| u.queued > 0 && !view.over_share(k, now))
+            .map(|(_, u)| u.tier)
+            .min()?;
+        // Their requests that their own limits let go now (a burst past its allowance
+        // waits for free room, as without preemption).
+        let waiting = view
+            .sums(top, now)
+            .map_or(0, |(_, _, s)| s.under.waiting_requests);
+        if waiting <= self.runs.pending() as u64 {
+            return None;
+        }
+        let eligible: Vec<K> = view
+            .tenants
+            .iter()
+            .filter(|(k, u)| u.preemptible > 0 && view.over_share(k, now))
+            .map(|(k, _)| k.clone())
+            .collect();
+        drop(view);
+        let (id, tenant) = self.runs.choose(top, |k| eligible.contains(k))?;
+        self.unpreemptible(&tenant);
+        Some((id, tenant))
     }
 
     /// Feeds what a placed request's response showed — its time to first token and time per
@@ -1021,8 +1106,14 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
             tier,
             ticket,
             at,
+            run,
             ..
         } = p;
+        if let Some(id) = run {
+            if self.runs.released(id) {
+                self.unpreemptible(tenant);
+            }
+        }
         if let Some(b) = self.backend_mut(&backend) {
             b.in_flight = b.in_flight.saturating_sub(1);
             b.tokens = b.tokens.saturating_sub(kv_tokens);
@@ -1940,18 +2031,24 @@ impl<K: Hash + Eq> LaneView<'_, K> {
                 return true;
             }
             let burst = ceil_u64(UNDER_Z_HEADROOM * ((u.demand_requests + u.active) as f64).sqrt());
+            let waiting = u.waiting_requests.min(u.room_requests);
             let need = (u.waiting_requests + burst).min(u.room_requests);
-            return self.free(now).0.saturating_sub(1) >= need;
+            return self.room_beside(me, waiting, need, now);
         }
         let others = (sums.active - 1) as u64;
         let their_demand = sums.demand_requests.saturating_sub(own.requests);
         let burst = ceil_u64(BURST_Z * ((their_demand + others) as f64).sqrt());
-        let (free_requests, free_tokens) = self.free(now);
+        let (_, free_tokens) = self.free(now);
         // The others never need more than the room left under their own limits.
         let requests_ok = within_requests || {
-            let need = (sums.waiting_requests.saturating_sub(own.waiting_requests) + burst)
-                .min(sums.room_requests.saturating_sub(own.room_requests));
-            free_requests.saturating_sub(1) >= need
+            let room = sums.room_requests.saturating_sub(own.room_requests);
+            let waiting = sums.waiting_requests.saturating_sub(own.waiting_requests);
+            let need = (waiting + burst).min(room);
+            if over {
+                self.room_beside(me, waiting.min(room), need, now)
+            } else {
+                self.free(now).0.saturating_sub(1) >= need
+            }
         };
         let tokens_ok = within_tokens || {
             let their_tokens = sums.demand_tokens.saturating_sub(own.tokens);
@@ -1964,6 +2061,20 @@ impl<K: Hash + Eq> LaneView<'_, K> {
             free_tokens.saturating_sub(kv_cost) >= need
         };
         requests_ok && tokens_ok
+    }
+
+    /// Whether `me`, a tenant over its share, taking one more slot leaves the others the
+    /// room they `need` (their waiting demand and burst headroom), of which the requests
+    /// `waiting` now must find free slots. With preemption on, the rest may be kept in
+    /// `me`'s requests that can still be taken back (the one it would take included): the
+    /// others find that room at once either way.
+    fn room_beside(&self, me: &TenantUse, waiting: u64, need: u64, now: Timestamp) -> bool {
+        let free = self.free(now).0.saturating_sub(1);
+        if self.cfg.preempt {
+            free >= waiting && free + me.preemptible as u64 + 1 >= need
+        } else {
+            free >= need
+        }
     }
 
     /// Free request slots and free KV tokens of the routable backends now (tokens: `u64::MAX`

@@ -27,6 +27,7 @@ mod keyed;
 mod lane;
 mod latency;
 mod limits;
+mod preempt;
 mod prefill;
 mod quantile;
 mod queue;
@@ -71,6 +72,7 @@ pub use lane::{
 };
 pub use latency::{LatencyFit, LatencySlo};
 pub use limits::{HeavyRule, LimitSpec, RateLimitHeaders, SharedLimits, TenantLimits, TenantSpec};
+pub use preempt::RunId;
 pub use prefill::PrefillFit;
 pub use quantile::nearest_rank;
 pub use queue::{

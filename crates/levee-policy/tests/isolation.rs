@@ -51,7 +51,7 @@ impl Fleet {
     }
 }
 
-fn simulate(mix: Mix, with_flooder: bool) -> Quiet {
+fn simulate(mix: Mix, with_flooder: bool, preempt: bool) -> Quiet {
     let clock = ManualClock::new();
     let mut cfg = AdmissionConfig::new();
     // One tier for everyone: the flooder and its neighbours are peers.
@@ -66,6 +66,7 @@ fn simulate(mix: Mix, with_flooder: bool) -> Quiet {
         hard: 200,
     });
     lane.queue_max_len = 200;
+    lane.preempt = preempt;
     adm.set_model(
         "m",
         ModelSpec {
@@ -118,9 +119,7 @@ fn simulate(mix: Mix, with_flooder: bool) -> Quiet {
                 fleet.quiet.failed += 1;
             }
         }
-        while let Some(d) = adm.dequeue(&"m", now) {
-            fleet.start(d.item, d.grant, now);
-        }
+        dispatch(&mut adm, &mut fleet, now);
         let elapsed_ms = now.saturating_duration_since(start).as_millis() as u64;
         while let Some((_, tenant)) = arriving.next_if(|(t, _)| *t <= elapsed_ms) {
             let req = AdmissionRequest {
@@ -142,22 +141,48 @@ fn simulate(mix: Mix, with_flooder: bool) -> Quiet {
                 }
             }
         }
-        while let Some(d) = adm.dequeue(&"m", now) {
-            fleet.start(d.item, d.grant, now);
-        }
+        dispatch(&mut adm, &mut fleet, now);
         clock.advance(STEP);
     }
     fleet.quiet
 }
 
+/// Starts what may go, then cuts short what the lane names (cut short at once: nothing of it
+/// reached anyone, as a request's answer does only when it ends), queues it again, and starts
+/// what may go then.
+fn dispatch(adm: &mut Adm, fleet: &mut Fleet, now: Timestamp) {
+    for _ in 0..1_000 {
+        while let Some(d) = adm.dequeue(&"m", now) {
+            fleet.start(d.item, d.grant, now);
+        }
+        let Some(run) = adm.preempt(&"m", now) else {
+            return;
+        };
+        let grant = fleet
+            .running
+            .take_run(run)
+            .expect("the lane names a running request");
+        let tenant = *grant.tenant();
+        assert_eq!(
+            tenant, "flooder",
+            "only a tenant over its share is cut short"
+        );
+        fleet.quiet.flooder_served -= 1;
+        fleet.quiet.preempted += 1;
+        // Refused (its queue full): it is answered with an error, as the flooder's others.
+        let _ = adm.requeue(grant, (tenant, now), now);
+    }
+    panic!("the lane keeps naming requests to cut short at {now:?}: it takes back what it places");
+}
+
 /// Checks one mix: the quiet tenants alone and beside the flooder. `Err` says what missed.
-fn judge(mix: Mix) -> (String, Result<(), String>) {
-    let mut alone = simulate(mix, false);
-    let mut flooded = simulate(mix, true);
+fn judge(mix: Mix, preempt: bool) -> (String, Result<(), String>) {
+    let mut alone = simulate(mix, false, preempt);
+    let mut flooded = simulate(mix, true, preempt);
     let (a, f) = (alone.p99(), flooded.p99());
     let line = format!(
         "{:>2} quiet x {}/s ({:.0}% of the fleet), {} slots, flood {}/s: quiet p99 TTFT alone \
-         {:?}, beside the flooder {:?} ({:+.0}%); quiet failed {} / {}; flooder served {:.2}/s (weighted share {:.2}/s)",
+         {:?}, beside the flooder {:?} ({:+.0}%); quiet failed {} / {}; flooder served {:.2}/s (weighted share {:.2}/s, cut short {:.2}/s)",
         mix.quiet,
         mix.quiet_rate,
         100.0 * mix.quiet_share(),
@@ -170,6 +195,7 @@ fn judge(mix: Mix) -> (String, Result<(), String>) {
         flooded.failed,
         flooded.flooder_rate(),
         mix.flooder_share(),
+        flooded.preempted as f64 / RUN.as_secs_f64(),
     );
     let mut misses = Vec::new();
     if alone.failed > 0 || flooded.failed > 0 {
@@ -250,10 +276,38 @@ const MIXES: [Mix; 6] = [
 #[test]
 fn a_same_tier_flooder_moves_its_quiet_neighbours_p99_ttft_by_at_most_ten_percent() {
     for mix in MIXES {
-        let (line, verdict) = judge(mix);
+        let (line, verdict) = judge(mix, false);
         if let Err(miss) = verdict {
             panic!("{mix:?}: {miss}: {line}");
         }
+    }
+}
+
+/// With preemption on ([`LaneConfig::preempt`]), the bound holds on every mix of the
+/// envelope and on three beyond it — the issue's case (3 quiet tenants at 60% of the fleet,
+/// the fourth flooding at 20× its share), 8 quiet tenants at 62.5%, and 6 at 75% of 128
+/// slots — and the flooder is served more than without it. The other three stay misses
+/// (`figures_of_every_mix` prints them): at 75% of 32 slots no rule serves the flooder its
+/// share without delaying the quiet tenants (the frontier below), and at 69% the quiet
+/// tenants' own bursts outgrow what can be taken back.
+#[test]
+fn with_preemption_the_bound_holds_beyond_the_envelope_and_the_flooder_gains() {
+    for mix in MIXES.iter().chain([&OUTSIDE[0], &OUTSIDE[2], &OUTSIDE[5]]) {
+        let (line, verdict) = judge(*mix, true);
+        if let Err(miss) = verdict {
+            panic!("{mix:?}: {miss}: {line}");
+        }
+        let off = simulate(*mix, true, false);
+        assert_eq!(
+            off.preempted, 0,
+            "{mix:?}: preemption off cut requests short"
+        );
+        let without = off.flooder_rate();
+        let with = simulate(*mix, true, true).flooder_rate();
+        assert!(
+            with > without,
+            "{mix:?}: flooder {with:.2}/s with preemption, {without:.2}/s without"
+        );
     }
 }
 
@@ -323,15 +377,18 @@ fn figures_of_every_mix() {
         .map(|m| (true, m))
         .chain(OUTSIDE.iter().map(|m| (false, m)))
     {
-        let (line, verdict) = judge(*mix);
-        let verdict = match verdict {
-            Ok(()) => "holds".to_string(),
-            Err(miss) => format!("MISS: {miss}"),
-        };
-        println!(
-            "{} {line}: {verdict}",
-            if inside { "inside " } else { "outside" }
-        );
+        for preempt in [false, true] {
+            let (line, verdict) = judge(*mix, preempt);
+            let verdict = match verdict {
+                Ok(()) => "holds".to_string(),
+                Err(miss) => format!("MISS: {miss}"),
+            };
+            println!(
+                "{} {} {line}: {verdict}",
+                if inside { "inside " } else { "outside" },
+                if preempt { "preempting" } else { "admission " },
+            );
+        }
     }
 }
 

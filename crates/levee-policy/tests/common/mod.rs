@@ -25,6 +25,16 @@ impl Running {
         self.grants.insert(self.next_id, grant);
     }
 
+    /// Takes out the running request named `run` among the preemptible ones (cut short).
+    pub fn take_run(&mut self, run: levee_policy::RunId) -> Option<Grant<&'static str>> {
+        let id = *self
+            .grants
+            .iter()
+            .find(|(_, g)| g.run() == Some(run))
+            .map(|(id, _)| id)?;
+        self.grants.remove(&id)
+    }
+
     /// Settles, successfully, every request that ended by `now`.
     pub fn finish_until<T>(&mut self, adm: &mut Admission<T, &'static str>, now: Timestamp) {
         while let Some(Reverse((end, id))) = self.ends.peek().copied() {

@@ -50,6 +50,8 @@ pub struct Quiet {
     pub failed: usize,
     /// The flooder's requests served.
     pub flooder_served: usize,
+    /// The flooder's requests cut short to give their slot to a quiet one (queued again).
+    pub preempted: usize,
 }
 
 /// The 99th percentile of `v` (nearest rank).

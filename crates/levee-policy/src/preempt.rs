@@ -1,0 +1,155 @@
+//! Preemption of over-share work (see [`crate::LaneConfig::preempt`]): the running requests a
+//! lane may still take back, and those it asked to be cut short.
+//!
+//! A request is preemptible from its placement until its answer starts reaching its client
+//! ([`crate::LaneAdmission::answered`]); nothing of it has reached anyone, so cutting it
+//! short and sending it again later loses only the engine's work on it. The lane takes back
+//! the youngest one (the least work lost) of a tenant whose traffic is over its fair share
+//! and that holds more than its share of the slots, when every slot is busy and a tenant
+//! under its share has a request waiting: the flooder keeps its share, and the quiet
+//! tenants' bursts find a slot at once instead of waiting for the flooder's to end.
+
+use crate::clock::Timestamp;
+use crate::queue::Tier;
+
+/// A preemptible running request, as the caller names it to cut it short.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct RunId(pub(crate) u64);
+
+impl RunId {
+    /// A number that names it in the caller's own map.
+    pub fn get(self) -> u64 {
+        self.0
+    }
+}
+
+#[derive(Debug)]
+struct Run<K> {
+    id: u64,
+    tenant: K,
+    tier: Tier,
+    at: Timestamp,
+}
+
+/// The lane's preemptible running requests, and the ones it asked to be cut short whose
+/// slot has not come back yet.
+#[derive(Debug)]
+pub(crate) struct Runs<K> {
+    runs: Vec<Run<K>>,
+    victims: Vec<u64>,
+    next: u64,
+}
+
+impl<K> Default for Runs<K> {
+    fn default() -> Self {
+        Runs {
+            runs: Vec::new(),
+            victims: Vec::new(),
+            next: 0,
+        }
+    }
+}
+
+impl<K: PartialEq> Runs<K> {
+    /// Registers a request of `tenant` and `tier` placed at `at`.
+    pub(crate) fn register(&mut self, tenant: K, tier: Tier, at: Timestamp) -> RunId {
+        self.next += 1;
+        self.runs.push(Run {
+            id: self.next,
+            tenant,
+            tier,
+            at,
+        });
+        RunId(self.next)
+    }
+
+    /// Its answer started: no longer preemptible. Whether it still was.
+    pub(crate) fn answered(&mut self, id: RunId) -> bool {
+        match self.runs.iter().position(|r| r.id == id.0) {
+            Some(i) => {
+                self.runs.swap_remove(i);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Its slot came back (it ended, or was cut short). Whether it was still preemptible
+    /// (neither answered nor chosen).
+    pub(crate) fn released(&mut self, id: RunId) -> bool {
+        if let Some(i) = self.victims.iter().position(|v| *v == id.0) {
+            self.victims.swap_remove(i);
+            return false;
+        }
+        self.answered(id)
+    }
+
+    /// Requests chosen to be cut short whose slot has not come back yet.
+    pub(crate) fn pending(&self) -> usize {
+        self.victims.len()
+    }
+
+    /// The youngest preemptible request of a tier at or below `top` (a priority number at
+    /// least `top`'s) whose tenant `eligible` names, taken out of the preemptible ones and
+    /// counted as pending until its slot comes back; with its tenant.
+    pub(crate) fn choose(
+        &mut self,
+        top: Tier,
+        eligible: impl Fn(&K) -> bool,
+    ) -> Option<(RunId, K)> {
+        let i = self
+            .runs
+            .iter()
+            .enumerate()
+            .filter(|(_, r)| r.tier.0 >= top.0 && eligible(&r.tenant))
+            .max_by_key(|(_, r)| (r.at, r.id))
+            .map(|(i, _)| i)?;
+        let r = self.runs.swap_remove(i);
+        self.victims.push(r.id);
+        Some((RunId(r.id), r.tenant))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    fn at(ms: u64) -> Timestamp {
+        Timestamp::ZERO + Duration::from_millis(ms)
+    }
+
+    #[test]
+    fn the_youngest_eligible_run_is_chosen_once_and_counted_until_released() {
+        let mut runs = Runs::default();
+        let old = runs.register("flooder", Tier(1), at(0));
+        let young = runs.register("flooder", Tier(1), at(20));
+        let quiet = runs.register("quiet", Tier(1), at(30));
+        let answered = runs.register("flooder", Tier(1), at(40));
+        assert!(runs.answered(answered));
+        let flooder = |k: &&str| *k == "flooder";
+        assert_eq!(runs.choose(Tier(1), flooder), Some((young, "flooder")));
+        assert_eq!(runs.pending(), 1);
+        assert_eq!(runs.choose(Tier(1), flooder), Some((old, "flooder")));
+        assert_eq!(
+            runs.choose(Tier(1), flooder),
+            None,
+            "nothing else of the flooder's is preemptible"
+        );
+        // A chosen run coming back is no longer pending, and was not preemptible any more.
+        assert!(!runs.released(young));
+        assert_eq!(runs.pending(), 1);
+        // A run still preemptible when it ends.
+        assert!(runs.released(quiet));
+        assert!(!runs.released(answered), "answered before it ended");
+    }
+
+    #[test]
+    fn a_run_of_a_higher_priority_than_the_waiting_request_is_never_chosen() {
+        let mut runs = Runs::default();
+        runs.register("flooder", Tier(0), at(10));
+        assert_eq!(runs.choose(Tier(1), |_| true), None);
+        let low = runs.register("flooder", Tier(2), at(5));
+        assert_eq!(runs.choose(Tier(1), |_| true), Some((low, "flooder")));
+    }
+}
