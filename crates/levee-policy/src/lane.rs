@@ -1046,7 +1046,6 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
             .filter(|(k, u)| u.preemptible > 0 && view.over_share(k, now))
             .map(|(k, _)| k.clone())
             .collect();
-        drop(view);
         let (id, tenant) = self.runs.choose(top, |k| eligible.contains(k))?;
         self.unpreemptible(&tenant);
         Some((id, tenant))
