@@ -13,7 +13,9 @@
 #     target/same-tier/table.md, with each run's report in target/same-tier/<run>/.
 # The gateway's standard tier carries the scenario's objectives (ttft_slo_ms = 5000,
 # tpot_slo_ms = 250): each backend's batch is capped by its learned latency, and a request
-# predicted to miss 5 s to first token is refused at once. SLO=off runs without them.
+# predicted to miss 5 s to first token is refused at once. SLO=off runs without them;
+# PREEMPT=on lets the lane cut short the flooder's youngest request whose answer has not
+# started when a quiet one waits (`queue.preempt_over_share`).
 # Every process it starts is killed at the end (by PID). About 4 minutes after the build.
 #
 #   bench/same-tier.sh            # two llama-servers
@@ -43,6 +45,9 @@ write_config() {
     echo "safe = 64"
     echo "soft = 256"
     echo "hard = 1024"
+    if [[ ${PREEMPT:-off} == on ]]; then
+      echo "preempt_over_share = true"
+    fi
     echo "[degrade]"
     echo "enabled = false"
     echo "[tiers.standard]"

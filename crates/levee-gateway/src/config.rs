@@ -754,6 +754,14 @@ pub struct QueueConfig {
     /// Inside one tenant's backlog, its cheapest request (prompt + completion budget) of its
     /// 32 oldest goes first instead of its oldest (the order across tenants is unchanged).
     pub shortest_first: bool,
+    /// Preemption inside a tier: while every slot of a model is busy and a tenant under its
+    /// fair share has a request waiting, the youngest request of a tenant over its share
+    /// whose answer has not started (a stream before the backend's response head, a
+    /// non-streamed request before its whole answer) is cut short — its upstream request
+    /// aborted — and queued again. A tenant over its share may then use the burst headroom
+    /// it otherwise leaves idle for the others, in requests that can be taken back. The
+    /// cost: the engine's work on each request cut short (`levee_preempted_total`).
+    pub preempt_over_share: bool,
 }
 
 impl Default for QueueConfig {
@@ -766,6 +774,7 @@ impl Default for QueueConfig {
             fair_share_window_ms: 60_000,
             aging_ms: 0,
             shortest_first: false,
+            preempt_over_share: false,
         }
     }
 }

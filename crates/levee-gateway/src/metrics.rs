@@ -211,6 +211,10 @@ pub struct Metrics {
     /// `levee_prompt_cached_tokens_total{model}`: prompt tokens the backends found in their
     /// prefix cache (`usage.prompt_tokens_details.cached_tokens`).
     pub prompt_cached_tokens: Family<ModelLabel, Counter>,
+    /// `levee_preempted_total{model}`: requests of a tenant over its fair share cut short
+    /// before their answer started, to give their slot to a tenant under its share, and
+    /// queued again (`queue.preempt_over_share`).
+    pub preempted: Family<ModelLabel, Counter>,
     /// `levee_backend_load{backend}`: last scraped running + waiting.
     pub backend_load: Family<BackendLabel, Gauge<f64, AtomicU64>>,
     /// `levee_backend_kv_usage_ratio{backend}`: last scraped KV-cache use (0..1).
@@ -436,6 +440,7 @@ impl Metrics {
             estimate_ratio: histograms(ratio_histogram),
             ttft_prediction: histograms(prediction_histogram),
             prompt_cached_tokens: Family::default(),
+            preempted: Family::default(),
             backend_load: Family::default(),
             backend_kv: Family::default(),
             backend_healthy: Family::default(),
@@ -498,6 +503,8 @@ impl Metrics {
             cached,
             &self.prompt_cached_tokens,
         );
+        let preempted = "Requests over their tenant's share cut short for a tenant under its share";
+        add(r, "preempted", preempted, &self.preempted);
         add(r, "tokens", "LLM tokens by tenant and kind", &self.tokens);
         let abandoned = "Clients that left before their answer ended, by tenant and phase";
         add(r, "tenant_abandoned", abandoned, &self.tenant_abandoned);

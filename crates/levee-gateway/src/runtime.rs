@@ -394,6 +394,7 @@ impl Runtime {
         lane.fair_share_window = Duration::from_millis(q.fair_share_window_ms);
         lane.aging = (q.aging_ms > 0).then(|| Duration::from_millis(q.aging_ms));
         lane.shortest_first = q.shortest_first;
+        lane.preempt = q.preempt_over_share;
         let a = &self.cfg.affinity;
         lane.affinity = a.enabled.then_some(levee_policy::AffinityConfig {
             epsilon: a.epsilon,

@@ -439,7 +439,7 @@ pub struct Placement {
     ticket: Option<BreakerTicket>,
     at: Timestamp,
     /// Requests there once it was placed, itself included.
-    batch: usize,
+    batch: u32,
     /// Prompt tokens being prefilled there once it was placed, its own included.
     prefill_tokens: u64,
     /// Its time to first token as predicted when it was placed.
@@ -971,7 +971,7 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
                 quiet,
             });
         }
-        let batch = b.in_flight;
+        let batch = u32::try_from(b.in_flight).unwrap_or(u32::MAX);
         let id = b.id.clone();
         self.in_flight += 1;
         self.drain.record(1, now);
@@ -1064,7 +1064,8 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
         let cfg = &self.cfg;
         let b = self.backends.iter_mut().find(|b| b.id == p.backend)?;
         let before = b.slot_cap(cfg);
-        b.latency.note(p.batch, p.prefill_tokens, ttft, tpot);
+        b.latency
+            .note(p.batch as usize, p.prefill_tokens, ttft, tpot);
         if b.slot_cap(cfg) != before {
             self.forget_shares();
         }

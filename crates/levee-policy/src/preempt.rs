@@ -11,21 +11,23 @@
 
 use crate::clock::Timestamp;
 use crate::queue::Tier;
+use std::num::NonZeroU32;
 
-/// A preemptible running request, as the caller names it to cut it short.
+/// A preemptible running request, as the caller names it to cut it short (kept small: every
+/// placement carries one).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct RunId(pub(crate) u64);
+pub struct RunId(NonZeroU32);
 
 impl RunId {
     /// A number that names it in the caller's own map.
     pub fn get(self) -> u64 {
-        self.0
+        u64::from(self.0.get())
     }
 }
 
 #[derive(Debug)]
 struct Run<K> {
-    id: u64,
+    id: NonZeroU32,
     tenant: K,
     tier: Tier,
     at: Timestamp,
@@ -36,8 +38,8 @@ struct Run<K> {
 #[derive(Debug)]
 pub(crate) struct Runs<K> {
     runs: Vec<Run<K>>,
-    victims: Vec<u64>,
-    next: u64,
+    victims: Vec<NonZeroU32>,
+    next: u32,
 }
 
 impl<K> Default for Runs<K> {
@@ -53,14 +55,16 @@ impl<K> Default for Runs<K> {
 impl<K: PartialEq> Runs<K> {
     /// Registers a request of `tenant` and `tier` placed at `at`.
     pub(crate) fn register(&mut self, tenant: K, tier: Tier, at: Timestamp) -> RunId {
-        self.next += 1;
+        // Numbers wrap after 2³² − 1 requests: by then none of the first is still running.
+        self.next = self.next.checked_add(1).unwrap_or(1);
+        let id = NonZeroU32::new(self.next).unwrap_or(NonZeroU32::MIN);
         self.runs.push(Run {
-            id: self.next,
+            id,
             tenant,
             tier,
             at,
         });
-        RunId(self.next)
+        RunId(id)
     }
 
     /// Its answer started: no longer preemptible. Whether it still was.

@@ -83,6 +83,9 @@ pub(crate) struct Lane {
     prefill: Mutex<PrefillFit>,
     /// The engine's prompt counts against levee's estimates (see [`Lane::prompt_reservation`]).
     prompt: Mutex<levee_policy::PromptCorrections>,
+    /// The signal that cuts each preemptible request short, by its run
+    /// (`queue.preempt_over_share`; empty while it is off).
+    cuts: Mutex<std::collections::HashMap<u64, Arc<Notify>>>,
 }
 
 #[derive(Debug, Default)]
@@ -135,6 +138,7 @@ impl Lane {
             recent: Mutex::new(Recent::default()),
             prefill: Mutex::new(PrefillFit::new()),
             prompt: Mutex::new(levee_policy::PromptCorrections::default()),
+            cuts: Mutex::new(std::collections::HashMap::new()),
         });
         let stop = lane.ctx.stopped.clone();
         spawn_pump(lane.clone(), |l| &l.wake, stop, |l| l.pump());
@@ -176,12 +180,13 @@ impl Lane {
     }
 
     /// Answers what must be answered now — expired waiters, and every waiter when the lane
-    /// cannot serve anything — and dispatches every queued request that may go. Returns when
-    /// to run again for the next deadline.
+    /// cannot serve anything — dispatches every queued request that may go, and signals the
+    /// requests the policy names to be cut short for them. Returns when to run again for the
+    /// next deadline.
     fn pump(self: &Arc<Self>) -> Option<tokio::time::Instant> {
         let ctx = &self.ctx;
         let now = ctx.clock.now();
-        let (gone, ready, next) = {
+        let (gone, ready, cut, next) = {
             let mut adm = self.adm.lock();
             let mut gone = adm.expire(&ctx.limits, now);
             gone.extend(adm.fail_unservable(&ctx.limits, now));
@@ -189,8 +194,21 @@ impl Lane {
             while let Some(d) = adm.dequeue(&ctx.limits, now) {
                 ready.push(d);
             }
-            (gone, ready, adm.next_deadline(now))
+            let mut cut = Vec::new();
+            while let Some(run) = adm.preempt(now) {
+                cut.push(run);
+            }
+            (gone, ready, cut, adm.next_deadline(now))
         };
+        if !cut.is_empty() {
+            let cuts = self.cuts.lock();
+            for run in cut {
+                // One that ended meanwhile has no signal left: its slot came back anyway.
+                if let Some(signal) = cuts.get(&run.get()) {
+                    signal.notify_one();
+                }
+            }
+        }
         for e in gone {
             self.left_queue(&e.item.tier);
             let err = expired_error(&self.model, &e);
@@ -207,6 +225,21 @@ impl Lane {
             d.item.answer(Ok(admitted));
         }
         next.map(|t| ctx.clock.instant_at(t))
+    }
+
+    /// The signal that cuts the request of `run` short, registered while it may be.
+    pub(crate) fn cut_signal(&self, run: levee_policy::RunId) -> Option<Arc<Notify>> {
+        self.cuts.lock().get(&run.get()).cloned()
+    }
+
+    /// Registers a preemptible request's signal (see [`Lane::cut_signal`]).
+    fn register_cut(&self, run: levee_policy::RunId) {
+        self.cuts.lock().insert(run.get(), Arc::new(Notify::new()));
+    }
+
+    /// Its request can no longer be cut short (its answer started, or it ended).
+    fn forget_cut(&self, run: levee_policy::RunId) {
+        self.cuts.lock().remove(&run.get());
     }
 
     /// Counts a request out of the queue.

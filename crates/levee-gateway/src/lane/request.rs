@@ -146,6 +146,9 @@ impl Admitted {
     pub(crate) fn new(lane: &Arc<Lane>, grant: Grant<Key>, waited: Duration) -> Self {
         lane.ctx.in_flight.fetch_add(1, Ordering::AcqRel);
         lane.ctx.metrics.in_flight.inc();
+        if let Some(run) = grant.run() {
+            lane.register_cut(run);
+        }
         Admitted {
             lane: lane.clone(),
             grant: Some(grant),
@@ -165,10 +168,84 @@ impl Admitted {
         self.charge.as_ref().map(|c| c.figures)
     }
 
+    /// Its tier's priority.
+    pub fn priority(&self) -> Option<u8> {
+        self.grant.as_ref().map(|g| g.tier().0)
+    }
+
     /// The backend it was placed on.
     pub fn backend(&self) -> Option<Arc<Backend>> {
         let key = self.grant.as_ref()?.backend()?;
         self.lane.backend(key)
+    }
+
+    /// The signal that it is to be cut short, while it may be (`queue.preempt_over_share`).
+    pub fn cut_signal(&self) -> Option<Arc<Notify>> {
+        let run = self.grant.as_ref()?.run()?;
+        self.lane.cut_signal(run)
+    }
+
+    /// Its answer started reaching the client: it can no longer be cut short.
+    pub fn answered(&mut self) {
+        let Some(g) = self.grant.as_mut() else { return };
+        let Some(run) = g.run() else { return };
+        self.lane.admission().answered(g);
+        self.lane.forget_cut(run);
+    }
+
+    /// Gives its backend slot back and queues it again, its charges kept, after it was cut
+    /// short for a tenant under its share ([`Admitted::cut_signal`]); `tier` names its tier
+    /// (metric label). The caller waits on the answer for its new placement; this
+    /// admission is then spent (its drop does nothing), and its fleet-wide charge goes to
+    /// the new one ([`Admitted::take_over`]). `Err` when its queue has no room for it.
+    pub fn requeue(&mut self, tier: &str) -> Result<QueueWait, GatewayError> {
+        let ctx = &self.lane.ctx;
+        let Some(g) = self.grant.take() else {
+            return Err(GatewayError::internal("a request was queued again twice"));
+        };
+        if let Some(run) = g.run() {
+            self.lane.forget_cut(run);
+        }
+        let now = ctx.clock.now();
+        let (tx, rx) = oneshot::channel();
+        let tier: Arc<str> = Arc::from(tier);
+        let waiter = Waiter {
+            tx,
+            tier: tier.clone(),
+        };
+        let prompt_tokens = g.tokens();
+        let queued = self.lane.admission().requeue(&ctx.limits, g, waiter, now);
+        // Out of flight whatever came of it; the wait counts it queued.
+        self.finish(false);
+        ctx.metrics
+            .preempted
+            .get_or_create(&crate::metrics::ModelLabel {
+                model: self.lane.model.to_string(),
+            })
+            .inc();
+        match queued {
+            Ok(ticket) => Ok(QueueWait {
+                q: Queued {
+                    ticket,
+                    position: 1,
+                    tier,
+                    prompt_tokens,
+                    at: now,
+                },
+                rx,
+            }),
+            Err(_) => Err(GatewayError::capacity_overload(
+                "this request was cut short for a tenant under its fair share, and its queue \
+                 had no room to take it back",
+                Duration::from_secs(1),
+            )),
+        }
+    }
+
+    /// Takes over the fleet-wide charge of `spent`, an admission queued again
+    /// ([`Admitted::requeue`]).
+    pub fn take_over(&mut self, spent: &mut Admitted) {
+        self.charge = spent.charge.take();
     }
 
     /// Marks that the request is going upstream: from now on, an end without an outcome
@@ -191,8 +268,14 @@ impl Admitted {
         let Some(g) = self.grant.as_mut() else {
             return false;
         };
+        if let Some(run) = g.run() {
+            self.lane.forget_cut(run);
+        }
         let moved = self.lane.admission().redispatch(g, outcome, now);
         self.lane.wake();
+        if let Some(run) = g.run() {
+            self.lane.register_cut(run);
+        }
         if moved {
             // Not sent to the new backend yet.
             self.sent = false;
@@ -211,6 +294,9 @@ impl Admitted {
     /// Ends it with the backend's outcome and real usage.
     pub fn complete(mut self, done: Completion) {
         if let Some(g) = self.grant.take() {
+            if let Some(run) = g.run() {
+                self.lane.forget_cut(run);
+            }
             let ctx = &self.lane.ctx;
             let now = ctx.clock.now();
             let waiting = {
@@ -242,6 +328,9 @@ impl Admitted {
 impl Drop for Admitted {
     fn drop(&mut self) {
         let Some(g) = self.grant.take() else { return };
+        if let Some(run) = g.run() {
+            self.lane.forget_cut(run);
+        }
         let ctx = &self.lane.ctx;
         let now = ctx.clock.now();
         let waiting = if self.sent {

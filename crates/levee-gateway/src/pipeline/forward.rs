@@ -120,17 +120,28 @@ async fn send_with_one_resend(
         let upstream_body = c.parsed.upstream_body(upstream_model, c.cap, strip_usage)?;
         let sent_at = Instant::now();
         admitted.mark_sent();
-        let sent = Box::pin(proxy::send(
+        let send = Box::pin(proxy::send(
             gw.client(),
             &backend,
             path,
             upstream_body,
             sent_at + request_timeout,
             c.request.as_deref(),
-        ))
-        .await;
+        ));
+        let sent = match admitted.cut_signal() {
+            None => send.await,
+            Some(cut) => tokio::select! {
+                sent = send => sent,
+                () = cut.notified() => {
+                    // Dropping the send aborts the upstream request.
+                    backend = requeue(rt, c, admitted).await?;
+                    continue;
+                }
+            },
+        };
         let verdict = match &sent {
             Ok(r) => {
+                admitted.answered();
                 // Only backpressure has a Retry-After worth reading.
                 let status = r.status();
                 let advised = (status == http::StatusCode::TOO_MANY_REQUESTS
@@ -164,6 +175,29 @@ async fn send_with_one_resend(
         }
         return finish_send(sent, admitted, sent_at, backend, false);
     }
+}
+
+/// Cut short for a tenant under its fair share before its answer started: queued again,
+/// then sent to the backend it is placed on next.
+async fn requeue(
+    rt: &Runtime,
+    c: &Classified,
+    admitted: &mut Admitted,
+) -> Result<Arc<Backend>, GatewayError> {
+    let priority = admitted.priority().unwrap_or(0);
+    let tier = rt
+        .tier_names()
+        .get(usize::from(priority))
+        .cloned()
+        .unwrap_or_else(|| format!("priority{priority}"));
+    tracing::debug!(model = %c.target.name, "cut short for a tenant under its share; queued again");
+    let wait = admitted.requeue(&tier)?;
+    let mut next = Box::pin(wait.wait(&c.lane, None)).await?;
+    next.take_over(admitted);
+    *admitted = next;
+    admitted
+        .backend()
+        .ok_or_else(|| GatewayError::no_healthy_backend(&c.target.name, Duration::from_secs(1)))
 }
 
 /// The answer of the last send. A request that never reached its backend is refunded when
