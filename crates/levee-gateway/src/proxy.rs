@@ -653,10 +653,26 @@ pub struct StreamLimits {
 /// without a blank line is not speaking SSE, and its stream is cut.
 const MAX_EVENT_BYTES: usize = 1 << 20;
 
+/// The first frame of an upstream body, read before the answer's head went to the client
+/// (see [`first_frame`]); `None`: the body ended.
+pub type FirstFrame = Option<Result<hyper::body::Frame<Bytes>, hyper::Error>>;
+
+/// A backend's answer: its head (and body), and its first frame when it was read ahead.
+pub type Answer = (http::Response<Incoming>, Option<FirstFrame>);
+
+/// Reads the first frame of a stream's body (its first event, which engines send once the
+/// prompt is prefilled), for at most `idle`; `None` if none came by then (the stream's own
+/// idle rule then judges the silence).
+pub async fn first_frame(body: &mut Incoming, idle: Duration) -> Option<FirstFrame> {
+    tokio::time::timeout(idle, body.frame()).await.ok()
+}
+
 struct StreamState {
     /// The upstream body; dropped (closing the connection, cancelling the work) as soon as
     /// the stream ends or is cut.
     body: Option<Incoming>,
+    /// Its first frame, read ahead ([`first_frame`]).
+    first: Option<FirstFrame>,
     settlement: Option<Settlement>,
     events: EventSplitter,
     sent_at: Instant,
@@ -672,7 +688,7 @@ struct StreamState {
 /// `limits.deadline`, ends with an SSE error event in OpenAI's shape (and no `[DONE]`); the
 /// upstream connection is dropped and the settlement runs at that moment.
 pub fn stream_response(
-    resp: http::Response<Incoming>,
+    (resp, first): Answer,
     mut settlement: Settlement,
     strip_usage: bool,
     sent_at: Instant,
@@ -684,6 +700,7 @@ pub fn stream_response(
     settlement.outcome.status = parts.status.as_u16();
     let state = StreamState {
         body: Some(body),
+        first,
         settlement: Some(settlement),
         events: EventSplitter {
             strip_usage,
@@ -721,12 +738,17 @@ impl StreamState {
             } else {
                 (self.limits.deadline, false)
             };
-            let frame = match tokio::time::timeout_at(wake_at, body.frame()).await {
-                Ok(frame) => frame,
-                Err(_) if idle => {
-                    return Some(self.cut(GatewayError::stream_idle_timeout(self.limits.idle)))
-                }
-                Err(_) => return Some(self.cut(GatewayError::stream_timeout(self.limits.total))),
+            let frame = match self.first.take() {
+                Some(frame) => frame,
+                None => match tokio::time::timeout_at(wake_at, body.frame()).await {
+                    Ok(frame) => frame,
+                    Err(_) if idle => {
+                        return Some(self.cut(GatewayError::stream_idle_timeout(self.limits.idle)))
+                    }
+                    Err(_) => {
+                        return Some(self.cut(GatewayError::stream_timeout(self.limits.total)))
+                    }
+                },
             };
             match frame {
                 Some(Ok(frame)) => {

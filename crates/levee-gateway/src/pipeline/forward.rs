@@ -13,6 +13,7 @@ use crate::runtime::{Runtime, Tenant};
 use crate::upstream::{advised_retry, Backend, Verdict};
 use axum::response::Response;
 use http::{HeaderMap, HeaderValue};
+use hyper::body::Incoming;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::time::Instant;
@@ -36,6 +37,7 @@ pub(super) async fn forward(
     let sent = send_with_one_resend(gw, rt, &c, &mut admitted, backend, path, strip_usage).await?;
     let Sent {
         resp,
+        first,
         sent_at,
         backend,
         judged,
@@ -69,7 +71,7 @@ pub(super) async fn forward(
             total,
         };
         Ok(proxy::stream_response(
-            resp,
+            (resp, first),
             settlement,
             strip_usage,
             sent_at,
@@ -96,6 +98,8 @@ pub(super) async fn forward(
 /// went to outlier ejection.
 struct Sent {
     resp: http::Response<hyper::body::Incoming>,
+    /// Its first frame, when it was read before the head went on ([`hold_until_first_event`]).
+    first: Option<proxy::FirstFrame>,
     sent_at: Instant,
     backend: Arc<Backend>,
     judged: bool,
@@ -128,19 +132,13 @@ async fn send_with_one_resend(
             sent_at + request_timeout,
             c.request.as_deref(),
         ));
-        let sent = match admitted.cut_signal() {
-            None => send.await,
-            Some(cut) => tokio::select! {
-                sent = send => sent,
-                () = cut.notified() => {
-                    // Dropping the send aborts the upstream request.
-                    backend = requeue(rt, c, admitted).await?;
-                    continue;
-                }
-            },
+        // Cut short: the send was dropped (the upstream request aborted) before the wait.
+        let Some(sent) = send_unless_cut(rt, c, admitted, send).await else {
+            backend = requeue(rt, c, admitted).await?;
+            continue;
         };
         let verdict = match &sent {
-            Ok(r) => {
+            Ok((r, _)) => {
                 admitted.answered();
                 // Only backpressure has a Retry-After worth reading.
                 let status = r.status();
@@ -177,6 +175,36 @@ async fn send_with_one_resend(
     }
 }
 
+/// Awaits `send` — unless the request is cut short first (`None`; dropping the send aborts
+/// the upstream request). A stream that may still be cut short keeps its answer from the
+/// client until its first event (engines send it once the prompt is prefilled; some send
+/// the head before), which comes back with the head.
+async fn send_unless_cut(
+    rt: &Runtime,
+    c: &Classified,
+    admitted: &Admitted,
+    send: impl std::future::Future<Output = Result<http::Response<Incoming>, GatewayError>>,
+) -> Option<Result<proxy::Answer, GatewayError>> {
+    let Some(cut) = admitted.cut_signal() else {
+        return Some(send.await.map(|r| (r, None)));
+    };
+    let resp = tokio::select! {
+        sent = send => sent,
+        () = cut.notified() => return None,
+    };
+    let resp = match resp {
+        Ok(r) if c.parsed.stream && r.status().is_success() => r,
+        other => return Some(other.map(|r| (r, None))),
+    };
+    let (parts, mut body) = resp.into_parts();
+    let idle = Duration::from_millis(rt.cfg.server.stream_idle_timeout_ms);
+    let first = tokio::select! {
+        first = proxy::first_frame(&mut body, idle) => first,
+        () = cut.notified() => return None,
+    };
+    Some(Ok((http::Response::from_parts(parts, body), first)))
+}
+
 /// Cut short for a tenant under its fair share before its answer started: queued again,
 /// then sent to the backend it is placed on next.
 async fn requeue(
@@ -203,15 +231,16 @@ async fn requeue(
 /// The answer of the last send. A request that never reached its backend is refunded when
 /// its admission drops; one that did keeps its charges.
 fn finish_send(
-    sent: Result<http::Response<hyper::body::Incoming>, GatewayError>,
+    sent: Result<proxy::Answer, GatewayError>,
     admitted: &mut Admitted,
     sent_at: Instant,
     backend: Arc<Backend>,
     judged: bool,
 ) -> Result<Sent, GatewayError> {
     match sent {
-        Ok(resp) => Ok(Sent {
+        Ok((resp, first)) => Ok(Sent {
             resp,
+            first,
             sent_at,
             backend,
             judged,

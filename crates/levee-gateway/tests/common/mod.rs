@@ -5,6 +5,7 @@ use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
+use futures::StreamExt;
 use levee_gateway::config::{BackendConfig, ModelConfig, TenantConfig};
 use levee_gateway::{hash_key, Config};
 use parking_lot::Mutex;
@@ -37,6 +38,11 @@ pub struct MockState {
     pub tokenized: Mutex<Vec<Value>>,
     /// How long a streamed answer takes to its first byte.
     pub first_token_delay: Mutex<Duration>,
+    /// With `hold`, a streamed answer sends its head at once and holds its first event
+    /// (as engines that answer the head before the prefill do).
+    pub head_first: AtomicBool,
+    /// Heads of held streamed answers handed to the server to send.
+    pub heads: AtomicUsize,
 }
 
 impl Default for MockState {
@@ -52,6 +58,8 @@ impl Default for MockState {
             tokenize: Mutex::new(None),
             tokenized: Mutex::new(Vec::new()),
             first_token_delay: Mutex::new(Duration::ZERO),
+            head_first: AtomicBool::new(false),
+            heads: AtomicUsize::new(0),
         }
     }
 }
@@ -99,7 +107,9 @@ async fn completion(State(st): State<Arc<MockState>>, body: axum::body::Bytes) -
     st.received.lock().push(v.clone());
     st.in_flight.fetch_add(1, Ordering::SeqCst);
     let mut guard = InFlight(st.clone(), false);
-    if st.hold.load(Ordering::SeqCst) {
+    let stream = v.get("stream").and_then(Value::as_bool).unwrap_or(false);
+    let held_body = stream && st.head_first.load(Ordering::SeqCst);
+    if st.hold.load(Ordering::SeqCst) && !held_body {
         let permit = st.gate.acquire().await;
         if let Ok(p) = permit {
             p.forget();
@@ -114,7 +124,6 @@ async fn completion(State(st): State<Arc<MockState>>, body: axum::body::Bytes) -
         )
             .into_response();
     }
-    let stream = v.get("stream").and_then(Value::as_bool).unwrap_or(false);
     let max = v
         .get("max_tokens")
         .and_then(Value::as_u64)
@@ -151,11 +160,25 @@ async fn completion(State(st): State<Arc<MockState>>, body: axum::body::Bytes) -
         events.push(format!("data: {c}\n\n"));
     }
     events.push("data: [DONE]\n\n".to_string());
-    let s = futures::stream::iter(
-        events
-            .into_iter()
-            .map(|e| Ok::<_, std::io::Error>(bytes::Bytes::from(e))),
-    );
+    // A held body waits for a permit before its first event; the handler's guard goes with
+    // it, so a body dropped before it ends counts as cancelled.
+    let gate = held_body.then(|| {
+        guard.1 = false;
+        st.heads.fetch_add(1, Ordering::SeqCst);
+        (st.clone(), guard)
+    });
+    let first = futures::stream::once(async move {
+        if let Some((st, mut guard)) = gate {
+            if let Ok(p) = st.gate.acquire().await {
+                p.forget();
+            }
+            guard.1 = true;
+        }
+        None
+    });
+    let s = first
+        .chain(futures::stream::iter(events.into_iter().map(Some)))
+        .filter_map(|e| async move { e.map(|e| Ok::<_, std::io::Error>(bytes::Bytes::from(e))) });
     (
         [("content-type", "text/event-stream")],
         axum::body::Body::from_stream(s),
