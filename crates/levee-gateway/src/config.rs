@@ -758,9 +758,10 @@ pub struct QueueConfig {
     /// fair share has a request waiting, the youngest request of a tenant over its share
     /// whose answer has not started (a stream before its first event, its head held back
     /// until then; a non-streamed request before its whole answer) is cut short — its
-    /// upstream request aborted — and queued again. A tenant over its share may then use the burst headroom
-    /// it otherwise leaves idle for the others, in requests that can be taken back. The
-    /// cost: the engine's work on each request cut short (`levee_preempted_total`).
+    /// upstream request aborted — and queued again. A tenant over its share may then use
+    /// the burst headroom it otherwise leaves idle for the others with its non-streamed
+    /// requests, which can be taken back until they end. The cost: the engine's work on
+    /// each request cut short (`levee_preempted_total`).
     pub preempt_over_share: bool,
 }
 

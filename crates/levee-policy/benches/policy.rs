@@ -222,6 +222,7 @@ impl<K: std::hash::Hash + Eq + Ord + Clone> Bench<K> {
                 completion_tokens: 256,
                 max_wait: None,
                 session: None,
+                answered_at_end: false,
             };
             reqs.push((req, limits));
         }

@@ -138,6 +138,10 @@ pub struct AdmissionRequest<K> {
     pub max_wait: Option<Duration>,
     /// Its conversation, for session affinity (see [`crate::LaneConfig::affinity`]).
     pub session: Option<SessionKey>,
+    /// Its answer reaches its client only when it ends (it is not streamed): with
+    /// preemption on ([`crate::LaneConfig::preempt`]) it may be cut short at any point of its
+    /// run, so a slot it holds is room the others can take back when they need it.
+    pub answered_at_end: bool,
 }
 
 impl<K> AdmissionRequest<K> {
@@ -277,6 +281,8 @@ pub struct Pending<T, K> {
     grant: Grant<K>,
     /// The wait predicted at arrival (before calibration), to learn from how it ended.
     predicted: Option<Duration>,
+    /// See [`AdmissionRequest::answered_at_end`].
+    answered_at_end: bool,
 }
 
 /// A queued request that waited past its deadline, or was drained: answer it with `reason`.
@@ -492,7 +498,10 @@ impl<T, K: Hash + Eq + Ord + Clone> LaneAdmission<T, K> {
         }
         lane.note_admitted(req.tier, est, now);
         if let Some(i) = placed.target {
-            if let Some(p) = lane.place(i, req.tier, &req.tenant, est, req.prompt_tokens, now) {
+            if let Some(mut p) = lane.place(i, req.tier, &req.tenant, est, req.prompt_tokens, now) {
+                if req.answered_at_end {
+                    lane.lend(&req.tenant, &mut p);
+                }
                 lane.note_session(req.session, i);
                 lane.charge(req.tier, &req.tenant, est);
                 grant.placement = Some(p);
@@ -508,6 +517,7 @@ impl<T, K: Hash + Eq + Ord + Clone> LaneAdmission<T, K> {
             item,
             grant,
             predicted: placed.raw_wait,
+            answered_at_end: req.answered_at_end,
         };
         match lane.push(req.tier, &req.tenant, est, now, deadline, pending) {
             Ok(ticket) => Admit::Queued {
@@ -553,12 +563,16 @@ impl<T, K: Hash + Eq + Ord + Clone> LaneAdmission<T, K> {
                 item,
                 mut grant,
                 predicted,
+                answered_at_end,
             } = e.item;
             match self
                 .lane
                 .place(i, e.tier, &e.tenant, e.cost, grant.prompt_tokens, now)
             {
-                Some(p) => {
+                Some(mut p) => {
+                    if answered_at_end {
+                        self.lane.lend(&e.tenant, &mut p);
+                    }
                     self.lane.note_session(grant.session, i);
                     grant.placement = Some(p);
                     let waited = now.saturating_duration_since(e.enqueued_at);
@@ -580,6 +594,7 @@ impl<T, K: Hash + Eq + Ord + Clone> LaneAdmission<T, K> {
                         item,
                         grant,
                         predicted,
+                        answered_at_end,
                     };
                     let back = self.lane.push(
                         e.tier,
@@ -728,6 +743,7 @@ impl<T, K: Hash + Eq + Ord + Clone> LaneAdmission<T, K> {
         let Some(p) = grant.placement.take() else {
             return false;
         };
+        let lasting = p.lasting();
         let failed = p.backend.clone();
         self.lane.release(&grant.tenant, p, outcome, now);
         let Some(i) = self.lane.can_dispatch(
@@ -748,6 +764,9 @@ impl<T, K: Hash + Eq + Ord + Clone> LaneAdmission<T, K> {
             grant.prompt_tokens,
             now,
         );
+        if let (Some(p), true) = (grant.placement.as_mut(), lasting) {
+            self.lane.lend(&grant.tenant, p);
+        }
         if grant.placement.is_some() {
             // The session's prefix is warm there now.
             self.lane.note_session(grant.session, i);
@@ -783,7 +802,9 @@ impl<T, K: Hash + Eq + Ord + Clone> LaneAdmission<T, K> {
         item: T,
         now: Timestamp,
     ) -> Result<Ticket, T> {
+        let mut answered_at_end = false;
         if let Some(p) = grant.placement.take() {
+            answered_at_end = p.lasting();
             self.lane.release(&grant.tenant, p, Outcome::Cancelled, now);
         }
         let budget = self
@@ -795,6 +816,7 @@ impl<T, K: Hash + Eq + Ord + Clone> LaneAdmission<T, K> {
             item,
             grant,
             predicted: None,
+            answered_at_end,
         };
         match self
             .lane

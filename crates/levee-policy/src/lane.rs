@@ -389,6 +389,8 @@ struct TenantUse {
     offered: Option<f64>,
     /// Its running requests that may still be cut short ([`LaneConfig::preempt`]).
     preemptible: usize,
+    /// Those of them that stay so through their run ([`Lane::lend`]).
+    lending: usize,
 }
 
 impl TenantUse {
@@ -405,6 +407,7 @@ impl TenantUse {
             arrivals: DrainRate::new(OFFERED_WINDOW),
             offered: None,
             preemptible: 0,
+            lending: 0,
         }
     }
 
@@ -446,6 +449,8 @@ pub struct Placement {
     predicted_ttft: Option<Duration>,
     /// Its name among the lane's preemptible requests, until its answer starts.
     run: Option<RunId>,
+    /// Its answer reaches its client only when it ends ([`Lane::lend`]).
+    lasting: bool,
 }
 
 impl Placement {
@@ -457,6 +462,11 @@ impl Placement {
     /// Its name among the lane's preemptible requests, while it is one.
     pub fn run(&self) -> Option<RunId> {
         self.run
+    }
+
+    /// Whether its answer reaches its client only when it ends ([`Lane::lend`]).
+    pub(crate) fn lasting(&self) -> bool {
+        self.lasting
     }
 }
 
@@ -992,22 +1002,42 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
             prefill_tokens,
             predicted_ttft,
             run,
+            lasting: false,
         })
+    }
+
+    /// Placement `p` of `tenant` holds a request answered only when it ends: with preemption
+    /// on, it stays preemptible through its run, so the slot counts as room the tenants under
+    /// their share can take back ([`LaneView::room_beside`]). A stream, answered from its
+    /// first event, is preemptible only that long and counts as none.
+    pub(crate) fn lend(&mut self, tenant: &K, p: &mut Placement) {
+        p.lasting = true;
+        if let Some(id) = p.run {
+            if self.runs.lend(id) {
+                if let Some(u) = self.tenants.get_mut(tenant) {
+                    u.lending += 1;
+                }
+            }
+        }
     }
 
     /// The answer of placement `p` started reaching its client: it may no longer be cut
     /// short ([`LaneConfig::preempt`]).
     pub(crate) fn answered(&mut self, tenant: &K, p: &mut Placement) {
         if let Some(id) = p.run.take() {
-            if self.runs.answered(id) {
-                self.unpreemptible(tenant);
+            if let Some(lasting) = self.runs.answered(id) {
+                self.unpreemptible(tenant, lasting);
             }
         }
     }
 
-    fn unpreemptible(&mut self, tenant: &K) {
+    /// A request of `tenant` (`lasting`: see [`Lane::lend`]) is no longer preemptible.
+    fn unpreemptible(&mut self, tenant: &K, lasting: bool) {
         if let Some(u) = self.tenants.get_mut(tenant) {
             u.preemptible = u.preemptible.saturating_sub(1);
+            if lasting {
+                u.lending = u.lending.saturating_sub(1);
+            }
         }
     }
 
@@ -1046,8 +1076,8 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
             .filter(|(k, u)| u.preemptible > 0 && view.over_share(k, now))
             .map(|(k, _)| k.clone())
             .collect();
-        let (id, tenant) = self.runs.choose(top, |k| eligible.contains(k))?;
-        self.unpreemptible(&tenant);
+        let (id, tenant, lasting) = self.runs.choose(top, |k| eligible.contains(k))?;
+        self.unpreemptible(&tenant, lasting);
         Some((id, tenant))
     }
 
@@ -1110,8 +1140,8 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
             ..
         } = p;
         if let Some(id) = run {
-            if self.runs.released(id) {
-                self.unpreemptible(tenant);
+            if let Some(lasting) = self.runs.released(id) {
+                self.unpreemptible(tenant, lasting);
             }
         }
         if let Some(b) = self.backend_mut(&backend) {
@@ -2066,12 +2096,13 @@ impl<K: Hash + Eq> LaneView<'_, K> {
     /// Whether `me`, a tenant over its share, taking one more slot leaves the others the
     /// room they `need` (their waiting demand and burst headroom), of which the requests
     /// `waiting` now must find free slots. With preemption on, the rest may be kept in
-    /// `me`'s requests that can still be taken back (the one it would take included): the
-    /// others find that room at once either way.
+    /// `me`'s requests that can be taken back whenever the others need them — those answered
+    /// only when they end ([`Lane::lend`]); a stream is preemptible only until its first
+    /// event, too short to keep room in. The others find that room at once either way.
     fn room_beside(&self, me: &TenantUse, waiting: u64, need: u64, now: Timestamp) -> bool {
         let free = self.free(now).0.saturating_sub(1);
         if self.cfg.preempt {
-            free >= waiting && free + me.preemptible as u64 + 1 >= need
+            free >= waiting && free + me.lending as u64 >= need
         } else {
             free >= need
         }

@@ -31,6 +31,8 @@ struct Run<K> {
     tenant: K,
     tier: Tier,
     at: Timestamp,
+    /// Answered only when it ends: preemptible through its run.
+    lasting: bool,
 }
 
 /// The lane's preemptible running requests, and the ones it asked to be cut short whose
@@ -63,27 +65,31 @@ impl<K: PartialEq> Runs<K> {
             tenant,
             tier,
             at,
+            lasting: false,
         });
         RunId(id)
     }
 
-    /// Its answer started: no longer preemptible. Whether it still was.
-    pub(crate) fn answered(&mut self, id: RunId) -> bool {
-        match self.runs.iter().position(|r| r.id == id.0) {
-            Some(i) => {
-                self.runs.swap_remove(i);
-                true
-            }
-            None => false,
-        }
+    /// It is answered only when it ends: preemptible through its run. Whether it still is
+    /// preemptible.
+    pub(crate) fn lend(&mut self, id: RunId) -> bool {
+        let run = self.runs.iter_mut().find(|r| r.id == id.0);
+        run.map(|r| r.lasting = true).is_some()
     }
 
-    /// Its slot came back (it ended, or was cut short). Whether it was still preemptible
-    /// (neither answered nor chosen).
-    pub(crate) fn released(&mut self, id: RunId) -> bool {
+    /// Its answer started: no longer preemptible. Whether it still was, and if so whether
+    /// it was lasting ([`Runs::lend`]).
+    pub(crate) fn answered(&mut self, id: RunId) -> Option<bool> {
+        let i = self.runs.iter().position(|r| r.id == id.0)?;
+        Some(self.runs.swap_remove(i).lasting)
+    }
+
+    /// Its slot came back (it ended, or was cut short). As [`Runs::answered`]: `None` if it
+    /// was no longer preemptible (answered, or chosen).
+    pub(crate) fn released(&mut self, id: RunId) -> Option<bool> {
         if let Some(i) = self.victims.iter().position(|v| *v == id.0) {
             self.victims.swap_remove(i);
-            return false;
+            return None;
         }
         self.answered(id)
     }
@@ -95,12 +101,13 @@ impl<K: PartialEq> Runs<K> {
 
     /// The youngest preemptible request of a tier at or below `top` (a priority number at
     /// least `top`'s) whose tenant `eligible` names, taken out of the preemptible ones and
-    /// counted as pending until its slot comes back; with its tenant.
+    /// counted as pending until its slot comes back; with its tenant and whether it was
+    /// lasting ([`Runs::lend`]).
     pub(crate) fn choose(
         &mut self,
         top: Tier,
         eligible: impl Fn(&K) -> bool,
-    ) -> Option<(RunId, K)> {
+    ) -> Option<(RunId, K, bool)> {
         let i = self
             .runs
             .iter()
@@ -110,7 +117,7 @@ impl<K: PartialEq> Runs<K> {
             .map(|(i, _)| i)?;
         let r = self.runs.swap_remove(i);
         self.victims.push(r.id);
-        Some((RunId(r.id), r.tenant))
+        Some((RunId(r.id), r.tenant, r.lasting))
     }
 }
 
@@ -130,22 +137,27 @@ mod tests {
         let young = runs.register("flooder", Tier(1), at(20));
         let quiet = runs.register("quiet", Tier(1), at(30));
         let answered = runs.register("flooder", Tier(1), at(40));
-        assert!(runs.answered(answered));
+        assert_eq!(runs.answered(answered), Some(false));
         let flooder = |k: &&str| *k == "flooder";
-        assert_eq!(runs.choose(Tier(1), flooder), Some((young, "flooder")));
+        assert!(runs.lend(young));
+        assert_eq!(
+            runs.choose(Tier(1), flooder),
+            Some((young, "flooder", true))
+        );
         assert_eq!(runs.pending(), 1);
-        assert_eq!(runs.choose(Tier(1), flooder), Some((old, "flooder")));
+        assert_eq!(runs.choose(Tier(1), flooder), Some((old, "flooder", false)));
         assert_eq!(
             runs.choose(Tier(1), flooder),
             None,
             "nothing else of the flooder's is preemptible"
         );
         // A chosen run coming back is no longer pending, and was not preemptible any more.
-        assert!(!runs.released(young));
+        assert_eq!(runs.released(young), None);
         assert_eq!(runs.pending(), 1);
         // A run still preemptible when it ends.
-        assert!(runs.released(quiet));
-        assert!(!runs.released(answered), "answered before it ended");
+        assert_eq!(runs.released(quiet), Some(false));
+        assert_eq!(runs.released(answered), None, "answered before it ended");
+        assert!(!runs.lend(answered), "no longer preemptible");
     }
 
     #[test]
@@ -154,6 +166,9 @@ mod tests {
         runs.register("flooder", Tier(0), at(10));
         assert_eq!(runs.choose(Tier(1), |_| true), None);
         let low = runs.register("flooder", Tier(2), at(5));
-        assert_eq!(runs.choose(Tier(1), |_| true), Some((low, "flooder")));
+        assert_eq!(
+            runs.choose(Tier(1), |_| true),
+            Some((low, "flooder", false))
+        );
     }
 }

@@ -17,6 +17,7 @@ fn req(tenant: &'static str, tier: u8, prompt: u64) -> AdmissionRequest<&'static
         completion_tokens: 0,
         max_wait: None,
         session: None,
+        answered_at_end: false,
     }
 }
 

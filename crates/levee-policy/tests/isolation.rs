@@ -130,6 +130,7 @@ fn simulate(mix: Mix, with_flooder: bool, preempt: bool) -> Quiet {
                 completion_tokens: 200,
                 max_wait: None,
                 session: None,
+                answered_at_end: true,
             };
             match adm.admit(&req, (tenant, now), now) {
                 Admit::Dispatch(d) => fleet.start(d.item, d.grant, now),

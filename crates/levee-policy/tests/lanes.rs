@@ -37,6 +37,7 @@ fn req(model: &'static str) -> AdmissionRequest<&'static str> {
         completion_tokens: 0,
         max_wait: None,
         session: None,
+        answered_at_end: false,
     }
 }
 

@@ -209,6 +209,7 @@ fn simulate(mix: Mix, with_flooder: bool, objective: bool) -> Quiet {
                 completion_tokens: 200,
                 max_wait: None,
                 session: None,
+                answered_at_end: false,
             };
             match adm.admit(&req, (tenant, now), now) {
                 Admit::Dispatch(d) => fleet.start(d.item, d.grant, now),

@@ -134,6 +134,7 @@ fn simulate(seed: u64, overload: f64) -> Counts {
                 completion_tokens: fleet.rng.random_range(50..250),
                 max_wait: None,
                 session: None,
+                answered_at_end: false,
             };
             match adm.admit(&req, 0, now) {
                 Admit::Dispatch(d) => fleet.start(d.grant, now),

@@ -578,7 +578,7 @@ proptest! {
             id += 1;
             match kind {
                 0..=2 => {
-                    let req = AdmissionRequest { tenant, model: 0, tier: Tier(tenant % 3), prompt_tokens: size / 2, completion_tokens: size - size / 2, max_wait: None, session: None };
+                    let req = AdmissionRequest { tenant, model: 0, tier: Tier(tenant % 3), prompt_tokens: size / 2, completion_tokens: size - size / 2, max_wait: None, session: None, answered_at_end: false };
                     if let Admit::Dispatch(d) = a.admit(&req, id, ts(now)) {
                         in_flight.insert(d.item, d.grant);
                     }
@@ -645,7 +645,7 @@ proptest! {
                 }
                 continue;
             }
-            let req = AdmissionRequest { tenant, model: 0, tier: Tier(0), prompt_tokens: 1, completion_tokens: 0, max_wait: None, session: None };
+            let req = AdmissionRequest { tenant, model: 0, tier: Tier(0), prompt_tokens: 1, completion_tokens: 0, max_wait: None, session: None, answered_at_end: false };
             match a.admit(&req, 0, ts(now)) {
                 Admit::Dispatch(d) => {
                     prop_assert!(!held.contains_key(&tenant), "tenant {tenant} got a second slot");
@@ -950,6 +950,7 @@ proptest! {
             let req = AdmissionRequest {
                 tenant: 1, model: 0, tier: Tier(0), prompt_tokens: 1, completion_tokens: 0,
                 max_wait: None, session: Some(session),
+                answered_at_end: false,
             };
             if let Admit::Dispatch(d) = a.admit(&req, 0, ts(1)) {
                 let at = names.iter().position(|n| **n == **d.grant.backend().unwrap()).unwrap();

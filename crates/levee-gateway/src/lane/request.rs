@@ -676,6 +676,7 @@ mod tests {
             completion_tokens: 10,
             max_wait: None,
             session: None,
+            answered_at_end: false,
         };
         let refusal = Refusal {
             item: Waiter {

@@ -84,6 +84,7 @@ fn request(tenant: &Tenant, seat: &Seat, c: &Classified) -> AdmissionRequest<Key
         completion_tokens: u64::from(c.max_tokens) * u64::from(c.parsed.choices),
         max_wait: None,
         session: c.session,
+        answered_at_end: !c.parsed.stream,
     }
 }
 
