@@ -53,6 +53,10 @@ async fn quiet_beside_a_held_flood(stream: bool) {
     be.state.head_first.store(stream, Ordering::SeqCst);
     let mut cfg = config(std::slice::from_ref(&be.url()), 4);
     cfg.queue.preempt_over_share = true;
+    // Queued requests wait for the test's release, however slow the machine: no queue
+    // budget may run out first.
+    let standard = cfg.tiers.get_mut("standard").unwrap();
+    (standard.queue_wait_ms, standard.soft_queue_wait_ms) = (120_000, 120_000);
     let gw = start(cfg).await.unwrap();
     let base = gw.public_url();
     let c = client();
