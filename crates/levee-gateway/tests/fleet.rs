@@ -684,6 +684,18 @@ async fn a_client_leaving_during_the_shared_take_leaves_no_charge_behind() {
         gone.is_err(),
         "the client gave up while Redis held its answer"
     );
+    // Redis answers only once the gateway has seen the client leave (its request counted
+    // `client_gone`); released before, the take would complete for a request still alive.
+    let left = "levee_requests_total{tenant=\"a\",model=\"m\",outcome=\"client_gone\"} 1";
+    let mut seen = false;
+    for _ in 0..1000 {
+        if metrics_text(&gws[0]).await.contains(left) {
+            seen = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(seen, "the gateway never saw the client leave");
     hold.send_replace(false);
     let mut admitted = false;
     for _ in 0..300 {
