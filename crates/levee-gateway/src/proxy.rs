@@ -653,18 +653,26 @@ pub struct StreamLimits {
 /// without a blank line is not speaking SSE, and its stream is cut.
 const MAX_EVENT_BYTES: usize = 1 << 20;
 
-/// The first frame of an upstream body, read before the answer's head went to the client
-/// (see [`first_frame`]); `None`: the body ended.
-pub type FirstFrame = Option<Result<hyper::body::Frame<Bytes>, hyper::Error>>;
+/// The first frame of an upstream stream's body, read before the answer's head went to the
+/// client (see [`first_frame`]).
+#[derive(Debug)]
+pub enum FirstFrame {
+    /// What the body gave (`None`: it ended).
+    Frame(Option<Result<hyper::body::Frame<Bytes>, hyper::Error>>),
+    /// Nothing within the stream's idle limit: the stream is cut for it at once.
+    Silent,
+}
 
 /// A backend's answer: its head (and body), and its first frame when it was read ahead.
 pub type Answer = (http::Response<Incoming>, Option<FirstFrame>);
 
 /// Reads the first frame of a stream's body (its first event, which engines send once the
-/// prompt is prefilled), for at most `idle`; `None` if none came by then (the stream's own
-/// idle rule then judges the silence).
-pub async fn first_frame(body: &mut Incoming, idle: Duration) -> Option<FirstFrame> {
-    tokio::time::timeout(idle, body.frame()).await.ok()
+/// prompt is prefilled), waiting at most the stream's `idle` limit.
+pub async fn first_frame(body: &mut Incoming, idle: Duration) -> FirstFrame {
+    match tokio::time::timeout(idle, body.frame()).await {
+        Ok(frame) => FirstFrame::Frame(frame),
+        Err(_) => FirstFrame::Silent,
+    }
 }
 
 struct StreamState {
@@ -739,7 +747,10 @@ impl StreamState {
                 (self.limits.deadline, false)
             };
             let frame = match self.first.take() {
-                Some(frame) => frame,
+                Some(FirstFrame::Frame(frame)) => frame,
+                Some(FirstFrame::Silent) => {
+                    return Some(self.cut(GatewayError::stream_idle_timeout(self.limits.idle)))
+                }
                 None => match tokio::time::timeout_at(wake_at, body.frame()).await {
                     Ok(frame) => frame,
                     Err(_) if idle => {

@@ -203,6 +203,10 @@ impl<K> Grant<K> {
     pub fn backend(&self) -> Option<&Arc<str>> {
         self.placement.as_ref().map(|p| &p.backend)
     }
+    /// Its prompt's tokens (levee's estimate).
+    pub fn prompt_tokens(&self) -> u64 {
+        self.prompt_tokens
+    }
     /// Its name among its lane's preemptible requests, while it is one
     /// ([`crate::LaneConfig::preempt`]).
     pub fn run(&self) -> Option<RunId> {

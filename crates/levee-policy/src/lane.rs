@@ -90,11 +90,11 @@ pub struct LaneConfig {
     /// Preemption of over-share work (see [`crate::preempt`]): a request stays preemptible
     /// from its placement until its answer starts ([`Lane::answered`]); while every slot is
     /// busy and a tenant under its share waits, the youngest preemptible request of a tenant
-    /// over its share and holding more than its share of the slots is named to be cut short
-    /// and queued again ([`Lane::preempt`]). A tenant over its share may then fill the burst
-    /// headroom it leaves the others with requests that stay preemptible: the headroom is
-    /// kept in requests that can be taken back instead of in idle slots. Off: no request is
-    /// ever cut short, and the headroom idles.
+    /// over its share is named to be cut short and queued again ([`Lane::preempt`]). A tenant
+    /// over its share may then fill the burst headroom it leaves the others with requests
+    /// that stay preemptible through their run ([`Lane::lend`]): the headroom is kept in
+    /// requests that can be taken back instead of in idle slots. Off: no request is ever cut
+    /// short, and the headroom idles.
     pub preempt: bool,
 }
 
@@ -387,9 +387,8 @@ struct TenantUse {
     /// The requests its traffic keeps in flight (its arrival rate × the lane's mean service
     /// time), as of its last arrival; `None` before a service time was measured.
     offered: Option<f64>,
-    /// Its running requests that may still be cut short ([`LaneConfig::preempt`]).
-    preemptible: usize,
-    /// Those of them that stay so through their run ([`Lane::lend`]).
+    /// Its running requests that may still be cut short and stay so through their run
+    /// ([`Lane::lend`]).
     lending: usize,
 }
 
@@ -406,7 +405,6 @@ impl TenantUse {
             calibration: WaitCalibration::default(),
             arrivals: DrainRate::new(OFFERED_WINDOW),
             offered: None,
-            preemptible: 0,
             lending: 0,
         }
     }
@@ -985,13 +983,14 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
         let id = b.id.clone();
         self.in_flight += 1;
         self.drain.record(1, now);
-        let preempt = self.cfg.preempt;
         self.update_tenant(tenant, now, |u| {
             u.in_flight += 1;
             u.tokens += kv_cost;
-            u.preemptible += usize::from(preempt);
         });
-        let run = preempt.then(|| self.runs.register(tenant.clone(), tier, now));
+        let run = self
+            .cfg
+            .preempt
+            .then(|| self.runs.register(tenant.clone(), tier, now));
         Some(Placement {
             backend: id,
             kv_tokens: kv_cost,
@@ -1025,26 +1024,23 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
     /// short ([`LaneConfig::preempt`]).
     pub(crate) fn answered(&mut self, tenant: &K, p: &mut Placement) {
         if let Some(id) = p.run.take() {
-            if let Some(lasting) = self.runs.answered(id) {
-                self.unpreemptible(tenant, lasting);
+            if self.runs.answered(id) == Some(true) {
+                self.unlend(tenant);
             }
         }
     }
 
-    /// A request of `tenant` (`lasting`: see [`Lane::lend`]) is no longer preemptible.
-    fn unpreemptible(&mut self, tenant: &K, lasting: bool) {
+    /// A request of `tenant` that kept room for the others ([`Lane::lend`]) no longer does.
+    fn unlend(&mut self, tenant: &K) {
         if let Some(u) = self.tenants.get_mut(tenant) {
-            u.preemptible = u.preemptible.saturating_sub(1);
-            if lasting {
-                u.lending = u.lending.saturating_sub(1);
-            }
+            u.lending = u.lending.saturating_sub(1);
         }
     }
 
     /// A request to cut short now, if preemption is on ([`LaneConfig::preempt`]): while no
     /// slot is free and more requests of tenants under their share wait than were already
     /// named, the youngest preemptible request, of their priority or below, of a tenant over
-    /// its share that holds more than its share of the slots. It stays counted until its
+    /// its share. It stays counted until its
     /// placement is given back: cut short, the caller queues it again
     /// ([`crate::LaneAdmission::requeue`]).
     pub(crate) fn preempt(&mut self, now: Timestamp) -> Option<(RunId, K)> {
@@ -1072,12 +1068,14 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
         }
         let eligible: Vec<K> = view
             .tenants
-            .iter()
-            .filter(|(k, u)| u.preemptible > 0 && view.over_share(k, now))
-            .map(|(k, _)| k.clone())
+            .keys()
+            .filter(|k| view.over_share(k, now))
+            .cloned()
             .collect();
         let (id, tenant, lasting) = self.runs.choose(top, |k| eligible.contains(k))?;
-        self.unpreemptible(&tenant, lasting);
+        if lasting {
+            self.unlend(&tenant);
+        }
         Some((id, tenant))
     }
 
@@ -1140,8 +1138,8 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
             ..
         } = p;
         if let Some(id) = run {
-            if let Some(lasting) = self.runs.released(id) {
-                self.unpreemptible(tenant, lasting);
+            if self.runs.released(id) == Some(true) {
+                self.unlend(tenant);
             }
         }
         if let Some(b) = self.backend_mut(&backend) {

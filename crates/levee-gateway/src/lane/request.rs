@@ -213,7 +213,7 @@ impl Admitted {
             tx,
             tier: tier.clone(),
         };
-        let prompt_tokens = g.tokens();
+        let prompt_tokens = g.prompt_tokens();
         let queued = self.lane.admission().requeue(&ctx.limits, g, waiter, now);
         // Out of flight whatever came of it; the wait counts it queued.
         self.finish(false);

@@ -98,7 +98,7 @@ pub(super) async fn forward(
 /// went to outlier ejection.
 struct Sent {
     resp: http::Response<hyper::body::Incoming>,
-    /// Its first frame, when it was read before the head went on ([`hold_until_first_event`]).
+    /// Its first frame, when it was read before the head went on ([`send_unless_cut`]).
     first: Option<proxy::FirstFrame>,
     sent_at: Instant,
     backend: Arc<Backend>,
@@ -202,7 +202,7 @@ async fn send_unless_cut(
         first = proxy::first_frame(&mut body, idle) => first,
         () = cut.notified() => return None,
     };
-    Some(Ok((http::Response::from_parts(parts, body), first)))
+    Some(Ok((http::Response::from_parts(parts, body), Some(first))))
 }
 
 /// Cut short for a tenant under its fair share before its answer started: queued again,
