@@ -974,6 +974,13 @@ fn place_or_queue<P, K: Hash + Eq + Ord + Clone>(
             Some(w) => (1, Some(w)),
             None => lane.predict_wait(req.tier, &req.tenant, now),
         };
+        // A request preemption places at once waits only for the cut, whatever the queue
+        // model says of a queue drained by ends.
+        let raw = if lane.placed_by_preemption(req.tier, &req.tenant, now) {
+            Some(Duration::ZERO)
+        } else {
+            raw
+        };
         placed.position = pos;
         placed.raw_wait = raw;
         let predicted = raw.map(|w| lane.calibrated_wait(&req.tenant, w));

@@ -1079,6 +1079,27 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
         Some((id, tenant))
     }
 
+    /// Whether a request of `tenant` at `tier` that waits now would be given a slot by
+    /// preemption at once ([`Lane::preempt`]): preemption on, every slot busy, its tenant not
+    /// over its share, and enough requests already named or still preemptible — of tenants
+    /// over their share, at its priority or below — for it and every request under its share
+    /// already waiting at its priority or above.
+    pub(crate) fn placed_by_preemption(&self, tier: Tier, tenant: &K, now: Timestamp) -> bool {
+        if !self.cfg.preempt {
+            return false;
+        }
+        let view = self.view();
+        if view.free(now).0 > 0 || view.over_share(tenant, now) {
+            return false;
+        }
+        let waiting: u64 = (0..=tier.0)
+            .filter_map(|t| view.sums(Tier(t), now))
+            .map(|(_, _, s)| s.under.waiting_requests)
+            .sum();
+        let named = self.runs.pending() + self.runs.available(tier, |k| view.over_share(k, now));
+        waiting < named as u64
+    }
+
     /// Feeds what a placed request's response showed — its time to first token and time per
     /// output token after the first, as far as known — to its backend's latency fit, and
     /// returns the time to first token predicted when it was placed (for the prediction's

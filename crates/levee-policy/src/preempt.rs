@@ -99,6 +99,24 @@ impl<K: PartialEq> Runs<K> {
         self.victims.len()
     }
 
+    /// How many requests [`Runs::choose`] could name with the same arguments.
+    pub(crate) fn available(&self, top: Tier, eligible: impl Fn(&K) -> bool) -> usize {
+        self.candidates(top, eligible).count()
+    }
+
+    /// The preemptible requests of a tier at or below `top` whose tenant `eligible` names,
+    /// with their index.
+    fn candidates(
+        &self,
+        top: Tier,
+        eligible: impl Fn(&K) -> bool,
+    ) -> impl Iterator<Item = (usize, &Run<K>)> {
+        self.runs
+            .iter()
+            .enumerate()
+            .filter(move |(_, r)| r.tier.0 >= top.0 && eligible(&r.tenant))
+    }
+
     /// The youngest preemptible request of a tier at or below `top` (a priority number at
     /// least `top`'s) whose tenant `eligible` names, taken out of the preemptible ones and
     /// counted as pending until its slot comes back; with its tenant and whether it was
@@ -109,10 +127,7 @@ impl<K: PartialEq> Runs<K> {
         eligible: impl Fn(&K) -> bool,
     ) -> Option<(RunId, K, bool)> {
         let i = self
-            .runs
-            .iter()
-            .enumerate()
-            .filter(|(_, r)| r.tier.0 >= top.0 && eligible(&r.tenant))
+            .candidates(top, eligible)
             .max_by_key(|(_, r)| (r.at, r.id))
             .map(|(i, _)| i)?;
         let r = self.runs.swap_remove(i);

@@ -1166,3 +1166,54 @@ fn a_request_predicted_to_miss_its_tiers_ttft_objective_is_refused_at_once() {
     let other = dispatched(a.admit(&req("u", 1, 1_000), 4, clock.now()));
     a.complete(other.grant, ok(), clock.now());
 }
+
+/// With preemption on, a request of a tenant under its share that would wait behind a
+/// flooder's requests is not refused for a predicted miss of its tier's TTFT objective:
+/// preemption gives it a slot at once, so its predicted wait is the cut's, not the queue's.
+/// Without preemption the same request is refused; with it the lane names a flooder's
+/// request to cut short right after.
+#[test]
+fn a_request_preemption_will_place_is_not_refused_for_its_queue_wait() {
+    for preempt in [false, true] {
+        let clock = ManualClock::new();
+        let mut cfg = lane(100, 200, 300);
+        cfg.slo = vec![LatencySlo {
+            ttft: Some(MS(500)),
+            tpot: None,
+        }];
+        cfg.preempt = preempt;
+        let mut a = admission(4, None, cfg);
+        // The engine: 100 ms plus 1 ms per prompt token to the first token; each request
+        // held 1 s. The quiet tenant's requests are among them.
+        for i in 0..20u64 {
+            let prompt = 50 + 17 * i;
+            let tenant = if i % 4 == 0 { "q" } else { "f" };
+            let d = dispatched(a.admit(&req(tenant, 0, prompt), 1, clock.now()));
+            a.observe(&d.grant, Some(MS(100 + prompt)), None);
+            clock.advance(MS(1_000));
+            a.complete(d.grant, ok(), clock.now());
+        }
+        // The flooder: a request every 50 ms for a minute (its arrival rate is judged over
+        // one), far past its half of the four slots, which it fills; the rest waits or is
+        // refused for its own predicted wait.
+        let mut running = Vec::new();
+        for i in 0..1_200u32 {
+            if let Admit::Dispatch(d) = a.admit(&req("f", 0, 10), 100 + i, clock.now()) {
+                running.push(d);
+            }
+            clock.advance(MS(50));
+        }
+        assert_eq!(running.len(), 4, "preempt = {preempt}");
+        let quiet = a.admit(&req("q", 0, 100), 200, clock.now());
+        if preempt {
+            queued(quiet);
+            assert!(
+                a.preempt(&"m", clock.now()).is_some(),
+                "a flooder's request is named to make room"
+            );
+        } else {
+            let r = refusal(quiet);
+            assert_eq!(r.reason, RefusalReason::PredictedSloMiss);
+        }
+    }
+}
