@@ -253,7 +253,7 @@ pub(crate) fn calibrated_config(fleet: &Fleet, basis: &Basis, scenario: &Scenari
     }
     let _ = write!(
         s,
-        "[queue]\nsafe = {safe}\nsoft = {soft}\nhard = {hard}\npreempt_over_share = true\n\n\
+        "[queue]\nsafe = {safe}\nsoft = {soft}\nhard = {hard}\n\n\
          # Keys are stored as SHA-256: printf %s 'sk-...' | sha256sum\n"
     );
     for tenant in &scenario.tenants {

@@ -261,7 +261,6 @@ fn the_shipped_config_follows_its_formula_from_its_stated_capacity() {
     let out =
         levee_gateway::Config::from_toml_str(&text).unwrap_or_else(|e| panic!("{e:?}\n{text}"));
     assert_eq!(out.queue.hard, cfg.queue.hard);
-    assert_eq!(out.queue.preempt_over_share, cfg.queue.preempt_over_share);
     assert!(out
         .tiers
         .values()
