@@ -1066,12 +1066,7 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
         if waiting <= self.runs.pending() as u64 {
             return None;
         }
-        let eligible: Vec<K> = view
-            .tenants
-            .keys()
-            .filter(|k| view.over_share(k, now))
-            .cloned()
-            .collect();
+        let eligible = view.over_share_tenants(now);
         let (id, tenant, lasting) = self.runs.choose(top, |k| eligible.contains(k))?;
         if lasting {
             self.unlend(&tenant);
@@ -1096,7 +1091,8 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
             .filter_map(|t| view.sums(Tier(t), now))
             .map(|(_, _, s)| s.under.waiting_requests)
             .sum();
-        let named = self.runs.pending() + self.runs.available(tier, |k| view.over_share(k, now));
+        let eligible = view.over_share_tenants(now);
+        let named = self.runs.pending() + self.runs.available(tier, |k| eligible.contains(k));
         waiting < named as u64
     }
 
@@ -2044,6 +2040,19 @@ impl<K: Hash + Eq> LaneView<'_, K> {
             Some((sums, f)) if sums.active >= 2 => me.over_share(&f),
             _ => false,
         }
+    }
+
+    /// The tenants whose traffic is over their share ([`LaneView::over_share`]): those whose
+    /// requests preemption may name.
+    fn over_share_tenants(&self, now: Timestamp) -> Vec<K>
+    where
+        K: Clone,
+    {
+        self.tenants
+            .keys()
+            .filter(|k| self.over_share(k, now))
+            .cloned()
+            .collect()
     }
 
     /// Whether `tenant` may take one more request of `kv_cost` under the fair-share rule:
