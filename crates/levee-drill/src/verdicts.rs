@@ -15,16 +15,19 @@
 //!   `x-levee-error-origin`, recorded as `4xx:<status>:levee`) is never excused.
 //! - **isolation**: the quiet tenants' success within 1 point of a calm run (the same
 //!   traffic with the flooder at its normal rate) and their p99 TTFT at most 10% above it,
-//!   against two calm runs: through the same contender and through the capped baseline. A
-//!   failed request counts as an infinitely late first token: with `k` failures in `n`, the
-//!   p99 is the request at rank `ceil(0.99 n)` with the failures placed last, infinite when
-//!   that rank falls among them.
+//!   against the calm run through the same contender and against every baseline's calm run
+//!   (measured without levee) that served the quiet tenants: one whose p99 is infinite
+//!   failed them itself and vouches for nothing, so it is stated and set aside. A contender
+//!   whose own calm run failed them misses. A failed request counts as an infinitely late
+//!   first token: with `k` failures in `n`, the p99 is the request at rank `ceil(0.99 n)`
+//!   with the failures placed last, infinite when that rank falls among them.
 //! - **suspect reference**: when a contender's flood goodput exceeds the knee by more than
 //!   [`SUSPECT_MARGIN`], the knee is not the best a protected fleet achieves, and the drill
 //!   says so instead of printing a triumph.
 //! - **retry amplification**: attempts per scheduled request, stated for every contender.
 
 use levee_sim::report::{Group, Report};
+use std::fmt::Write as _;
 
 /// The flood is where the scenario offers at least this multiple of the knee.
 pub const FLOOD_FACTOR: f64 = 1.5;
@@ -205,6 +208,29 @@ pub fn isolation(calm: &Group, flood: &Group) -> Check {
         ),
         success_ok && ttft_ok,
     )
+}
+
+/// [`isolation`] against the contender's `own` calm run and each of the `baselines`' calm
+/// runs (label, quiet group) that served the quiet tenants (a finite p99 counting failures
+/// last); the others are stated as no reference. Met when every judged reference is met.
+pub fn isolation_against(own: &Group, baselines: &[(&str, &Group)], flood: &Group) -> Check {
+    let mine = isolation(own, flood);
+    let mut met = mine.met == Some(true);
+    let mut measured = format!("vs its own calm run: {}", mine.measured);
+    for (who, calm) in baselines {
+        let c = isolation(calm, flood);
+        if p99_ttft_counting_failures(calm).is_finite() {
+            met &= c.met == Some(true);
+            let _ = write!(measured, "; vs the {who} calm run: {}", c.measured);
+        } else {
+            let _ = write!(
+                measured,
+                "; the {who} calm run is no reference ({:.1}% of the quiet requests succeeded)",
+                calm.success_rate * 100.0
+            );
+        }
+    }
+    Check::judged(measured, met)
 }
 
 /// A contender whose flood goodput beats the knee by more than this is evidence that the
@@ -512,6 +538,45 @@ mod tests {
         assert_eq!(p99_ttft_counting_failures(&g), 490.0);
         // A calm reference that itself failed cannot vouch for anything.
         let c = isolation(&group(100, 50, 100.0), &group(100, 100, 100.0));
+        assert_eq!(c.met, Some(false), "{}", c.measured);
+    }
+
+    #[test]
+    fn isolation_is_judged_against_every_baseline_calm_run_that_served_the_quiet_tenants() {
+        let own = group(1000, 1000, 300.0);
+        let flood = group(1000, 1000, 320.0);
+        // Within 10% of its own calm run; the capped calm run lost a fifth of the quiet
+        // requests, so it vouches for nothing and is set aside (stated).
+        let failed = group(1000, 800, 100.0);
+        let c = isolation_against(&own, &[("capped", &failed)], &flood);
+        assert_eq!(c.met, Some(true), "{}", c.measured);
+        assert!(
+            c.measured
+                .contains("capped calm run is no reference (80.0%"),
+            "{}",
+            c.measured
+        );
+        // A baseline that served them faster in calm is a reference: +7% against its own
+        // calm run is +60% against the unprotected one.
+        let fast = group(1000, 1000, 200.0);
+        let c = isolation_against(&own, &[("capped", &failed), ("unprotected", &fast)], &flood);
+        assert_eq!(c.met, Some(false), "{}", c.measured);
+        assert!(
+            c.measured.contains(
+                "vs the unprotected calm run: success 100.0→100.0%, p99 TTFT 200→320 ms (+60%)"
+            ),
+            "{}",
+            c.measured
+        );
+        // Its own calm run failing the quiet tenants is a miss whatever the baselines did.
+        let c = isolation_against(
+            &failed,
+            &[("unprotected", &group(1000, 1000, 400.0))],
+            &flood,
+        );
+        assert_eq!(c.met, Some(false), "{}", c.measured);
+        // Lost success is a miss against its own calm run even with no baseline.
+        let c = isolation_against(&own, &[], &group(1000, 980, 300.0));
         assert_eq!(c.met, Some(false), "{}", c.measured);
     }
 

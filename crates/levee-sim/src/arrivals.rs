@@ -99,7 +99,9 @@ pub fn arrival_times(
 /// schedule.
 pub fn build(scenario: &Scenario) -> anyhow::Result<Schedule> {
     let seed = scenario.seed;
-    let rps = |r: Rate| scenario.resolve(r);
+    // A rate counts every turn; new conversations arrive at its share of first turns.
+    let per_arrival = scenario.turns_per_arrival();
+    let rps = |r: Rate| scenario.resolve(r) / per_arrival;
     let arrival = scenario.arrival;
     // Separate generators per concern, so that e.g. adding a class does not move arrivals.
     let mut time_rng = SmallRng::seed_from_u64(seed ^ 0x7469_6d65);

@@ -124,9 +124,10 @@ impl Scenario {
         self.phases.iter().map(Phase::duration_s).sum()
     }
 
-    /// Requests per second the scenario offers `t` seconds into the run (first turns only:
-    /// session follow-ups depend on answers): the share tenants' phases plus every tenant's
-    /// own phases.
+    /// Requests per second the scenario offers `t` seconds into the run, sessions' later
+    /// turns counted at their expected number ([`Scenario::turns_per_arrival`]; when they
+    /// come depends on the answers): the share tenants' phases plus every tenant's own
+    /// phases.
     pub fn offered_rps_at(&self, t: f64) -> f64 {
         let rps = |r: Rate| self.resolve(r);
         let mut total = 0.0;
@@ -162,9 +163,25 @@ impl Scenario {
         times
     }
 
-    /// Requests per second that a [`Rate`] means in this scenario (after `rate_scale`).
+    /// Requests per second that a [`Rate`] means in this scenario (after `rate_scale`),
+    /// every turn of a session counted: the unit a fleet's capacity is measured in.
     pub fn resolve(&self, rate: Rate) -> f64 {
         rate.rps(self.capacity_rps) * self.rate_scale
+    }
+
+    /// Requests each arrival is expected to bring: 1, plus the later turns of the share of
+    /// arrivals that start a session (`share × (mean turns − 1)`, the distribution's mean
+    /// before clamping). New conversations arrive
+    /// at a rate divided by this, so that a rate counts every turn.
+    pub fn turns_per_arrival(&self) -> f64 {
+        let s = &self.sessions;
+        let share = if s.share.is_finite() {
+            s.share.clamp(0.0, 1.0)
+        } else {
+            0.0
+        };
+        let later = (s.turns.mean() - 1.0).max(0.0);
+        1.0 + share * later
     }
 
     /// Checks what serde cannot: positive durations, weights that add up to something,

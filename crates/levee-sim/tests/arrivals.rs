@@ -187,9 +187,26 @@ fn mixes_follow_weights_and_shares() {
         s.arrivals.iter().filter(|a| f(a)).count() as f64 / n
     };
     assert!((frac(&|a| a.class == 0) - 0.75).abs() < 0.02);
-    // Tenant z only has its own 10 rps, cut at the run's 100 s.
-    let z = s.arrivals.iter().filter(|a| a.tenant == 2).count() as f64;
-    assert!((z - 1000.0).abs() < 130.0, "{z}");
+    // Tenant z only has its own 10 rps, cut at the run's 100 s: 1,000 requests, every turn
+    // counted, so 1000 / 1.4 conversations (a fifth of them bring two more turns).
+    assert!((scenario.turns_per_arrival() - 1.4).abs() < 1e-12);
+    let z: Vec<_> = s.arrivals.iter().filter(|a| a.tenant == 2).collect();
+    let conversations = z.len() as f64;
+    assert!(
+        (conversations - 1000.0 / 1.4).abs() < 100.0,
+        "{conversations}"
+    );
+    let turns: f64 = z.iter().map(|a| f64::from(a.turns)).sum();
+    assert!((turns - 1000.0).abs() < 130.0, "{turns}");
+    // The share tenants' 1x (100 rps) likewise: 10,000 requests with their later turns.
+    let shared: f64 = s
+        .arrivals
+        .iter()
+        .filter(|a| a.tenant != 2)
+        .map(|a| f64::from(a.turns))
+        .sum();
+    assert!((shared - 10_000.0).abs() < 400.0, "{shared}");
+    assert!((scenario.offered_rps_at(50.0) - 110.0).abs() < 1e-9);
     assert!(s.arrivals.iter().all(|a| a.at_ns < 100_000_000_000));
     let slow = s.arrivals.iter().filter(|a| a.slow).count() as f64;
     let class_a = s.arrivals.iter().filter(|a| a.class == 0).count() as f64;

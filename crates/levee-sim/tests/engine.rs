@@ -179,7 +179,7 @@ async fn sessions_resend_their_history_and_hit_the_engines_prefix_cache() {
         [[phases]]
         kind = "steady"
         duration_s = 2
-        rps = 2
+        rps = 6         # every turn counted: 2 conversations of 3 turns a second
         [[classes]]
         prompt_tokens = { dist = "constant", value = 60 }
         max_tokens = { dist = "constant", value = 8 }

@@ -503,7 +503,7 @@ async fn sessions_grow_prompts_and_metrics_and_faults_are_recorded() {
         [[phases]]
         kind = "steady"
         duration_s = 1.5
-        rps = 4
+        rps = 12        # every turn counted: 4 conversations of 3 turns a second
         [[classes]]
         stream = false
         prompt_tokens = { dist = "constant", value = 10 }
