@@ -11,6 +11,8 @@
 //! 3. **The sweep.** Open-loop steps of rising rate (the scenario's mix, no retries) through
 //!    the competent capped proxy ([`crate::passthrough`]: that cap, a FIFO queue with the
 //!    wait budget, passive health, one retry on connect failure), each on fresh engines.
+//!    A step's rate counts new conversations (a scenario's sessions bring later turns on
+//!    top; the step prints the requests it offered after its warm-up, every turn counted).
 //!    A step's goodput is the requests meeting the SLO per second after its warm-up. The
 //!    first step (half the first estimate) is halved, up to three times, while it is far
 //!    past the knee (a crash, or under half its offer within the SLO); from there the
@@ -184,6 +186,8 @@ pub(crate) fn wait_budget(scenario: &Scenario) -> Duration {
 pub(crate) struct SweepStep {
     /// The proxy's cap per engine in this step.
     pub cap: u32,
+    /// Requests offered a second in the step's window (by intended time, every turn of a
+    /// session counted).
     pub offered_rps: f64,
     pub goodput_rps: f64,
     pub crashed: bool,
@@ -209,14 +213,17 @@ impl Sweep {
     }
 }
 
-/// The scenario's request mix offered steadily at `rps` for `secs`: its classes and sessions
-/// from one tenant, no retries, no faults.
+/// The scenario's request mix for `secs`, `rps` new conversations a second (each bringing
+/// its later turns, if the scenario has sessions): its classes and sessions from one tenant,
+/// no retries, no faults. The sweep steps by conversations, not requests: in a step of a few
+/// seconds most sessions' later turns come after it ends, so a step offered `r` requests a
+/// second by the scenario's count would send far fewer and never reach the knee.
 pub(crate) fn sweep_scenario(base: &Scenario, rps: f64, secs: f64) -> Scenario {
     let mut s = base.clone();
-    s.name = format!("{} (capacity sweep at {rps:.1} req/s)", base.name);
+    s.name = format!("{} (capacity sweep at {rps:.1} conversations/s)", base.name);
     s.phases = vec![Phase::Steady {
         duration_s: secs,
-        rps: Rate::Rps(rps),
+        rps: Rate::Rps(rps * base.turns_per_arrival()),
     }];
     s.rate_scale = 1.0;
     s.tenants = vec![Tenant::default()];
@@ -310,9 +317,16 @@ async fn sweep_step(
     proxy.shutdown().await;
     let crashed = fleet.stop().await.crashes > 0;
     let (report, _) = run?;
+    // What the step offered in the window, every turn counted (by intended time).
+    let offered = window
+        .iter()
+        .filter_map(|&t| report.timeseries.iter().find(|s| s.t == t))
+        .map(|s| s.offered)
+        .sum::<u64>() as f64
+        / window.len().max(1) as f64;
     Ok(SweepStep {
         cap: cap.per_backend,
-        offered_rps: rps,
+        offered_rps: offered,
         goodput_rps: verdicts::window_goodput(&report, window).unwrap_or(0.0),
         crashed,
         e2e_p99_ms: report.latency.e2e.p99,
@@ -525,7 +539,8 @@ pub(crate) fn method(timing: &Timing, wait: Duration) -> String {
     format!(
         "the best goodput a protected fleet achieves: open-loop steps of {:.0} s (goodput = \
          requests within the SLO per second after {:.0} s) of the scenario's mix without \
-         retries, through the competent capped proxy — per engine ⌊KV tokens ÷ p95(prompt + \
+         retries (a step's rate counts new conversations; sessions add their later turns), \
+         through the competent capped proxy — per engine ⌊KV tokens ÷ p95(prompt + \
          max_tokens)⌋ at most max_num_seqs, prompts as the server reported them in a {:.0} s \
          sample; one FIFO queue with a {:.1} s wait; a backend failing {FAIL_AFTER} times in \
          a row skipped for {:.0} s; one retry on connect failure — each step on a fresh fleet, \

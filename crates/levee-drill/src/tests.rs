@@ -107,7 +107,9 @@ fn the_sweep_sends_the_mix_without_retries_tenants_or_faults() {
     assert_eq!(s.client.behaviour, Behaviour::None);
     assert_eq!(s.classes, base.classes);
     assert_eq!(s.sessions, base.sessions);
-    assert!((s.offered_rps_at(5.0) - 12.0).abs() < 1e-9);
+    // 12 new conversations a second, each with its expected later turns.
+    assert!((s.offered_rps_at(5.0) - 12.0 * base.turns_per_arrival()).abs() < 1e-9);
+    assert!(base.turns_per_arrival() > 1.5);
     assert!(estimated_capacity(&base, 2, &drill_engine_config(), 64) > 1.0);
 }
 
