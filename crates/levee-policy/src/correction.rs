@@ -200,18 +200,22 @@ impl PromptCorrections {
         scale(estimate, self.factor(kind))
     }
 
-    /// The least the engine is likely to count for a prompt of `kind` levee estimated at
-    /// `estimate`: scaled by the low quantile of that kind's ratios (the 5th percentile), or
-    /// the estimate itself until the kind has samples. A check that refuses (the context
-    /// window) uses it, so that an estimate the engine's counts show to err high refuses
-    /// nothing the engine would take.
-    pub fn floor(&self, kind: TextKind, estimate: u64) -> u64 {
-        let own = &self.kinds[kind.index()];
-        let low = if own.samples() >= MIN_SAMPLES {
-            own.low
-        } else {
-            1.0
-        };
+    /// The least the engine is likely to count for a prompt levee estimated at `estimate`,
+    /// whatever its kind: scaled by the lowest low quantile (the 5th percentile of the ratios) of
+    /// every kind with samples, the estimate itself while none has them. A check that
+    /// refuses (the context window) uses it, so that an estimate the engine's counts show to
+    /// err high refuses nothing the engine would take. Every kind, not only the prompt's
+    /// own: a kind is a whole prompt's majority, and a prompt that mixes kinds (a
+    /// conversation of Chinese questions and English answers is `Dense` from a third CJK)
+    /// counts at a ratio between theirs, below its own kind's low quantile.
+    pub fn floor(&self, estimate: u64) -> u64 {
+        let low = self
+            .kinds
+            .iter()
+            .filter(|c| c.samples() >= MIN_SAMPLES)
+            .map(|c| c.low)
+            .fold(None, |m: Option<f64>, l| Some(m.map_or(l, |m| m.min(l))))
+            .unwrap_or(1.0);
         (estimate as f64 * low).floor() as u64
     }
 }
@@ -316,11 +320,22 @@ mod tests {
             c.note(TextKind::Dense, 1_000, 1_200, clock.now());
         }
         assert_eq!(c.correct(TextKind::Dense, 1_000), 1_200);
-        // The floor: the estimate until a kind has samples, then its low quantile.
+        // The floor: the estimate until a kind has samples, then the lowest low quantile
+        // of any kind: a prompt mixing code into prose counts somewhere between the two.
         let fresh = PromptCorrections::default();
-        assert_eq!(fresh.floor(TextKind::Prose, 1_000), 1_000);
-        assert_eq!(c.floor(TextKind::Prose, 1_000), 1_000);
-        assert_eq!(c.floor(TextKind::Symbols, 1_000), 1_800);
+        assert_eq!(fresh.floor(1_000), 1_000);
+        // Code counts 1.8x here, prose 1x: a prompt of either is refused only past 1x.
+        assert_eq!(c.floor(1_000), 1_000);
+        let mut cjk = PromptCorrections::default();
+        for _ in 0..50 {
+            // Chinese questions alone count 3.6x levee's estimate, English 0.9x.
+            cjk.note(TextKind::Dense, 1_000, 3_600, clock.now());
+            cjk.note(TextKind::Prose, 1_000, 900, clock.now());
+        }
+        // A conversation of Chinese questions and English answers, `Dense` by its share of
+        // CJK, that the engine counts at 1.9x: not refused as if it counted 3.6x.
+        assert_eq!(cjk.correct(TextKind::Dense, 1_000), 3_600);
+        assert_eq!(cjk.floor(1_000), 900);
     }
 
     #[test]

@@ -354,12 +354,12 @@ impl Lane {
         self.prompt.lock().correct(kind, estimate)
     }
 
-    /// The least the engine is likely to count for a prompt of `kind` levee estimated at
-    /// `estimate` (see levee-policy's `PromptCorrections::floor`): what the context check
+    /// The least the engine is likely to count for a prompt levee estimated at `estimate`,
+    /// whatever its kind (see levee-policy's `PromptCorrections::floor`): what the context check
     /// refuses by, so that an estimate that errs high never refuses a prompt the engine
     /// would take.
-    pub fn prompt_floor(&self, kind: levee_policy::TextKind, estimate: u64) -> u64 {
-        self.prompt.lock().floor(kind, estimate)
+    pub fn prompt_floor(&self, estimate: u64) -> u64 {
+        self.prompt.lock().floor(estimate)
     }
 
     /// Records the engine's own count of a prompt of `kind` levee estimated at `estimate`;

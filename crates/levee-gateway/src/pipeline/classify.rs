@@ -93,7 +93,7 @@ pub(super) fn classify(
     let context = max_context(&target, &lane);
     // The context check refuses only what the engine would refuse too: by the least it is
     // likely to count, never by an estimate (or a correction) that errs high.
-    let floor = lane.prompt_floor(prompt_kind, prompt_estimate);
+    let floor = lane.prompt_floor(prompt_estimate);
     let max_tokens = completion_budget(&parsed, &target, (floor, prompt_estimate), context)?;
     let max_tokens = match decision.max_tokens_cap {
         Some(cap) if max_tokens > cap => {
@@ -135,7 +135,7 @@ pub(super) fn retarget(gw: &Gateway, rt: &Runtime, c: &mut Classified) -> bool {
     let Some(lane) = gw.lane(&fb.name) else {
         return false;
     };
-    let floor = lane.prompt_floor(c.prompt_kind, c.prompt_estimate);
+    let floor = lane.prompt_floor(c.prompt_estimate);
     let asked = floor + u64::from(c.max_tokens);
     if max_context(fb, &lane).is_some_and(|ctx| asked > ctx) {
         return false;
