@@ -15,7 +15,7 @@
 //!    top; the step prints the requests it offered after its warm-up, every turn counted).
 //!    A step's goodput is the requests meeting the SLO per second after its warm-up. The
 //!    first step (half the first estimate) is halved, up to three times, while it is far
-//!    past the knee (a crash, or under half its offer within the SLO); from there the
+//!    past the knee (a crash, or goodput under half its rate); from there the
 //!    sweep rises and goes on past flat steps until goodput falls (10% below the best), or until
 //!    [`Timing::flat_steps_to_stop`] steps in a row add nothing (2% over the best): a
 //!    plateau. A step in which an engine crashed does not count.
@@ -317,16 +317,10 @@ async fn sweep_step(
     proxy.shutdown().await;
     let crashed = fleet.stop().await.crashes > 0;
     let (report, _) = run?;
-    // What the step offered in the window, every turn counted (by intended time).
-    let offered = window
-        .iter()
-        .filter_map(|&t| report.timeseries.iter().find(|s| s.t == t))
-        .map(|s| s.offered)
-        .sum::<u64>() as f64
-        / window.len().max(1) as f64;
     Ok(SweepStep {
         cap: cap.per_backend,
-        offered_rps: offered,
+        // What the step offered in the window, every turn counted (by intended time).
+        offered_rps: verdicts::window_mean(&report, window, |s| s.offered).unwrap_or(0.0),
         goodput_rps: verdicts::window_goodput(&report, window).unwrap_or(0.0),
         crashed,
         e2e_p99_ms: report.latency.e2e.p99,
@@ -381,7 +375,7 @@ pub(crate) async fn measure_knee(
     let run = |rps: f64| sweep_step(scenario, setup, timing, competent, rps, &window);
     let mut steps: Vec<SweepStep> = Vec::new();
     // The first step: halved (up to three times) while it is far past the knee (an engine
-    // crashed, or under half its offer met the SLO).
+    // crashed, or its goodput was under half its rate of new conversations).
     let mut first = estimate * timing.first_step;
     for halvings in 0.. {
         let step = run(first).await?;

@@ -26,7 +26,7 @@
 //!   says so instead of printing a triumph.
 //! - **retry amplification**: attempts per scheduled request, stated for every contender.
 
-use levee_sim::report::{Group, Report};
+use levee_sim::report::{Group, Report, Second};
 use std::fmt::Write as _;
 
 /// The flood is where the scenario offers at least this multiple of the knee.
@@ -94,20 +94,20 @@ pub fn flood_window(
 /// Requests meeting the SLO per second over `window` (a second missing from the report's
 /// timeseries counts as zero); `None` for an empty window.
 pub fn window_goodput(report: &Report, window: &[u32]) -> Option<f64> {
+    window_mean(report, window, |s| s.good)
+}
+
+/// The mean per second of one of the report's per-second counts over `window` (a second
+/// missing from the timeseries counts 0); `None` for an empty window.
+pub fn window_mean(report: &Report, window: &[u32], count: fn(&Second) -> u64) -> Option<f64> {
     if window.is_empty() {
         return None;
     }
-    let good: u64 = window
+    let sum: u64 = window
         .iter()
-        .map(|&t| {
-            report
-                .timeseries
-                .iter()
-                .find(|s| s.t == t)
-                .map_or(0, |s| s.good)
-        })
+        .map(|&t| report.timeseries.iter().find(|s| s.t == t).map_or(0, count))
         .sum();
-    Some(good as f64 / window.len() as f64)
+    Some(sum as f64 / window.len() as f64)
 }
 
 /// Goodput during the flood against the knee: met at `target` (a share of the knee,
@@ -218,8 +218,8 @@ pub fn isolation_against(own: &Group, baselines: &[(&str, &Group)], flood: &Grou
     let mut met = mine.met == Some(true);
     let mut measured = format!("vs its own calm run: {}", mine.measured);
     for (who, calm) in baselines {
-        let c = isolation(calm, flood);
         if p99_ttft_counting_failures(calm).is_finite() {
+            let c = isolation(calm, flood);
             met &= c.met == Some(true);
             let _ = write!(measured, "; vs the {who} calm run: {}", c.measured);
         } else {

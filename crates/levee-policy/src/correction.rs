@@ -214,7 +214,7 @@ impl PromptCorrections {
             .iter()
             .filter(|c| c.samples() >= MIN_SAMPLES)
             .map(|c| c.low)
-            .fold(None, |m: Option<f64>, l| Some(m.map_or(l, |m| m.min(l))))
+            .reduce(f64::min)
             .unwrap_or(1.0);
         (estimate as f64 * low).floor() as u64
     }

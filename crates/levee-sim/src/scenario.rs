@@ -171,8 +171,8 @@ impl Scenario {
 
     /// Requests each arrival is expected to bring: 1, plus the later turns of the share of
     /// arrivals that start a session (`share × (mean turns − 1)`, the distribution's mean
-    /// before clamping). New conversations arrive
-    /// at a rate divided by this, so that a rate counts every turn.
+    /// before clamping). New conversations arrive at a rate divided by this, so that a rate
+    /// counts every turn.
     pub fn turns_per_arrival(&self) -> f64 {
         let s = &self.sessions;
         let share = if s.share.is_finite() {
