@@ -409,17 +409,16 @@ impl<T, K: Hash + Eq + Ord + Clone> LaneAdmission<T, K> {
         let heavy = shared.heavy_applies(req.prompt_tokens, req.completion_tokens);
         // Concurrency first: permits roll back by drop on any later refusal. A permit frees
         // when some request ends: about one mean service time.
-        let soon = capacity_retry(&self.lane, &self.retry, 1);
         let permits = (|| {
-            Ok::<_, LimitRefusal>([
-                tenant.limits.acquire(Scope::Tenant, soon)?,
-                self.limits.acquire(Scope::Model, soon)?,
-                self.share.acquire(&shared.global, soon)?,
+            Ok::<_, RefusalReason>([
+                tenant.limits.acquire(Scope::Tenant)?,
+                self.limits.acquire(Scope::Model)?,
+                self.share.acquire(&shared.global)?,
             ])
         })();
         let permits = match permits {
             Ok(p) => p,
-            Err(r) => return refused(item, r),
+            Err(r) => return refused(item, (r, capacity_retry(&self.lane, &self.retry, 1))),
         };
         // Rates: a peek now (over quota is refused before any queue work); the charge is
         // taken only once the request is certain to be taken. The global rates are this

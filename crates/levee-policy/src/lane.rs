@@ -240,7 +240,8 @@ impl Backend {
 
     /// What stays of `tokens` after headroom.
     fn usable_of(&self, tokens: u64, headroom: f64) -> u64 {
-        (tokens as f64 * (1.0 - headroom.clamp(0.0, 0.95))).floor() as u64
+        // The cast truncates: the floor of a non-negative product, without a libm call.
+        (tokens as f64 * (1.0 - headroom.clamp(0.0, 0.95))) as u64
     }
 
     /// Requests it may hold at most: its slots, or fewer when the lane has a time per
@@ -734,6 +735,15 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
         self.backends.iter_mut().find(|b| &*b.id == id)
     }
 
+    /// [`Lane::backend_mut`] for an id the lane handed out: the same allocation is found
+    /// without comparing names, a backend set anew since by its name.
+    fn placed_backend_mut(&mut self, id: &Arc<str>) -> Option<&mut Backend> {
+        match self.backends.iter().position(|b| Arc::ptr_eq(&b.id, id)) {
+            Some(i) => self.backends.get_mut(i),
+            None => self.backend_mut(id),
+        }
+    }
+
     /// Changes a backend's limits (learned from the engine). `false` if there is no such
     /// backend.
     pub fn set_backend_limits(&mut self, id: &str, limits: BackendLimits) -> bool {
@@ -854,7 +864,7 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
             u.arrivals.record(1, now);
             u.offered = service.map(|s| u.arrivals.per_second(now) * s);
         });
-        self.queue.set_weight(tenant.clone(), weight);
+        self.queue.set_weight(tenant, weight);
     }
 
     fn view(&self) -> LaneView<'_, K> {
@@ -894,7 +904,7 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
         if !v.may_take(tier, tenant, kv_cost, now) {
             return None;
         }
-        let spare_quiet = v.over_share(tenant, now);
+        let spare_quiet = v.spares_quiet(tenant, now);
         v.pick(tier, kv_cost, now, except, session, spare_quiet)
     }
 
@@ -948,7 +958,14 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
         prompt_tokens: u64,
         now: Timestamp,
     ) -> Option<Placement> {
-        let quiet = !self.view().over_share(tenant, now);
+        // Its prefill is recorded (as a quiet tenant's or not) only when it has a predicted
+        // length: the fair-share judgement is made only then.
+        let b = self.backends.get(i)?;
+        let (ahead, _) = b.prefill_now(now);
+        let prefill_tokens = ahead + prompt_tokens;
+        let predicted_ttft = b.latency.ttft_for(prefill_tokens);
+        let prefill_for = predicted_ttft.filter(|t| !t.is_zero());
+        let quiet = prefill_for.is_some() && !self.view().over_share(tenant, now);
         let b = self.backends.get_mut(i)?;
         let ticket = b.breaker.try_acquire(now).ok()?;
         b.in_flight += 1;
@@ -969,10 +986,7 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
         if b.prefilling.len() > PREFILLS_KEPT {
             b.prefilling.retain(|p| p.until > now);
         }
-        let (ahead, _) = b.prefill_now(now);
-        let prefill_tokens = ahead + prompt_tokens;
-        let predicted_ttft = b.latency.ttft_for(prefill_tokens);
-        if let Some(t) = predicted_ttft.filter(|t| !t.is_zero()) {
+        if let Some(t) = prefill_for {
             b.prefilling.push_back(Prefill {
                 until: now + t,
                 tokens: prompt_tokens,
@@ -1159,7 +1173,7 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
                 self.unlend(tenant);
             }
         }
-        if let Some(b) = self.backend_mut(&backend) {
+        if let Some(b) = self.placed_backend_mut(&backend) {
             b.in_flight = b.in_flight.saturating_sub(1);
             b.tokens = b.tokens.saturating_sub(kv_tokens);
             if let Some(t) = b.by_tier.get_mut(usize::from(tier.0)) {
@@ -1241,6 +1255,11 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
             prefill_window,
             sessions,
         };
+        // No backend with a free slot: no candidate can be placed, so none is judged (the
+        // loop that dequeues until nothing is ready ends here on every call but the last).
+        if view.free(now).0 == 0 {
+            return None;
+        }
         let judge = |tier, tenant: &K, cost, item: &P| {
             let kv = kv_of(tenant, cost);
             if !view.within_share(tenant, kv, now) {
@@ -1250,7 +1269,7 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
             if !view.clear_of_reserve(tier, kv, now) {
                 return Pick::Stop;
             }
-            let spare_quiet = view.over_share(tenant, now);
+            let spare_quiet = view.spares_quiet(tenant, now);
             match view.pick(tier, kv, now, None, session_of(item), spare_quiet) {
                 Some(i) => {
                     target = Some(i);
@@ -1555,12 +1574,12 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
                 .filter(|u| *u > now)
                 .map(|u| u.saturating_duration_since(now))
         };
-        let healthy: Vec<&Backend> = self
-            .backends
-            .iter()
-            .filter(|b| b.routable && ejected_for(b).is_none())
-            .collect();
-        if healthy.is_empty() {
+        let healthy = || {
+            self.backends
+                .iter()
+                .filter(|b| b.routable && ejected_for(b).is_none())
+        };
+        if healthy().next().is_none() {
             let back = self
                 .backends
                 .iter()
@@ -1569,12 +1588,8 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
                 .min();
             return Some((Unservable::NoHealthyBackend, back));
         }
-        if healthy
-            .iter()
-            .all(|b| b.breaker.state(now) == BreakerState::Open)
-        {
-            let wait = healthy
-                .iter()
+        if healthy().all(|b| b.breaker.state(now) == BreakerState::Open) {
+            let wait = healthy()
                 .filter_map(|b| {
                     b.breaker
                         .clone()
@@ -1741,29 +1756,37 @@ impl ShareTable {
         self.built <= now && now <= self.expires
     }
 
-    /// Adds or takes out active tenant `u`'s demand, at its priority and below.
-    /// The share figures of `weight` at priority `level`, kept for the next asker.
-    fn figures_of(&mut self, level: usize, weight: u32) -> ShareOf {
-        let (slots, tokens) = (self.slots, self.tokens);
-        let weights = self.by_tier.get(level).map_or(0, |s| s.weights);
-        let Some(figures) = self.figures.get_mut(level) else {
-            return ShareOf::new(slots, tokens, weights, weight);
-        };
-        if let Some(f) = figures.iter().find(|f| f.weight == weight) {
-            return *f;
+    /// Where the share figures of `weight` at priority `level` are kept (computed first if
+    /// they are not; once as many weights as are kept were seen there, the last kept gives
+    /// way); `None` for a priority the table does not have.
+    fn figures_index(&mut self, level: usize, weight: u32) -> Option<usize> {
+        let figures = self.figures.get_mut(level)?;
+        if let Some(i) = figures.iter().position(|f| f.weight == weight) {
+            return Some(i);
         }
-        let f = ShareOf::new(slots, tokens, weights, weight);
-        if figures.len() < FIGURES_KEPT {
-            figures.push(f);
+        let weights = self.by_tier.get(level)?.weights;
+        let f = ShareOf::new(self.slots, self.tokens, weights, weight);
+        if figures.len() >= FIGURES_KEPT {
+            figures.pop();
         }
-        f
+        figures.push(f);
+        Some(figures.len() - 1)
     }
 
+    /// The share figures of `weight` at priority `level` ([`ShareTable::figures_index`]).
+    fn figures_of(&mut self, level: usize, weight: u32) -> Option<&ShareOf> {
+        let i = self.figures_index(level, weight)?;
+        self.figures.get(level)?.get(i)
+    }
+
+    /// Adds or takes out active tenant `u`'s demand, at its priority and below.
     fn apply(&mut self, u: &TenantUse, sign: Sign) {
         for level in usize::from(u.tier.0)..self.by_tier.len() {
-            let f = self.figures_of(level, u.weight);
-            let over = u.over_share(&f);
-            let d = (&u.demand(&f, over), over);
+            let Some(f) = self.figures_of(level, u.weight) else {
+                continue;
+            };
+            let over = u.over_share(f);
+            let d = (&u.demand(f, over), over);
             let sums = &mut self.by_tier[level];
             match sign {
                 Sign::Plus => sums.replace(NO_DEMAND, d),
@@ -1781,10 +1804,30 @@ impl ShareTable {
             self.apply(after, Sign::Plus);
             return;
         }
+        // Its demand reads these figures and whether its traffic is over its share; an
+        // arrival changes only the traffic, so most levels are left after one comparison.
+        let same_counts = (
+            before.in_flight,
+            before.queued,
+            before.tokens,
+            before.queued_tokens,
+            before.offered.is_some(),
+        ) == (
+            after.in_flight,
+            after.queued,
+            after.tokens,
+            after.queued_tokens,
+            after.offered.is_some(),
+        );
         for level in usize::from(after.tier.0)..self.by_tier.len() {
-            let f = self.figures_of(level, after.weight);
-            let (was_over, over) = (before.over_share(&f), after.over_share(&f));
-            let (was, is) = (before.demand(&f, was_over), after.demand(&f, over));
+            let Some(f) = self.figures_of(level, after.weight) else {
+                continue;
+            };
+            let (was_over, over) = (before.over_share(f), after.over_share(f));
+            if same_counts && was_over == over {
+                continue;
+            }
+            let (was, is) = (before.demand(f, was_over), after.demand(f, over));
             if (was, was_over) == (is, over) {
                 continue;
             }
@@ -2010,12 +2053,20 @@ impl<K: Hash + Eq> LaneView<'_, K> {
         Some((t.slots, t.tokens, *t.by_tier.get(usize::from(tier.0))?))
     }
 
-    /// [`LaneView::sums`] with the share figures of `weight` at that priority.
-    fn sums_for(&self, tier: Tier, weight: u32, now: Timestamp) -> Option<(TierSums, ShareOf)> {
+    /// `judge` of the sums at priority `tier` and the share figures of `weight` there, read
+    /// in place. The table stays borrowed while `judge` runs: it must not read it again.
+    fn with_share<R>(
+        &self,
+        tier: Tier,
+        weight: u32,
+        now: Timestamp,
+        judge: impl FnOnce(&TierSums, &ShareOf) -> R,
+    ) -> Option<R> {
         let mut t = self.table(now);
         let level = usize::from(tier.0);
-        let sums = *t.by_tier.get(level)?;
-        Some((sums, t.figures_of(level, weight)))
+        let i = t.figures_index(level, weight)?;
+        let (sums, f) = (t.by_tier.get(level)?, t.figures.get(level)?.get(i)?);
+        Some(judge(sums, f))
     }
 
     /// The fair-share table, built first if it is stale.
@@ -2036,10 +2087,16 @@ impl<K: Hash + Eq> LaneView<'_, K> {
         let Some(me) = self.tenants.get(tenant) else {
             return false;
         };
-        match self.sums_for(me.tier, me.weight, now) {
-            Some((sums, f)) if sums.active >= 2 => me.over_share(&f),
-            _ => false,
-        }
+        self.with_share(me.tier, me.weight, now, |sums, f| {
+            sums.active >= 2 && me.over_share(f)
+        })
+        .unwrap_or(false)
+    }
+
+    /// Whether `tenant`'s request must spare the backends prefilling a quiet tenant's
+    /// prompt ([`LaneView::pick`]): some backend is, and its traffic is over its share.
+    fn spares_quiet(&self, tenant: &K, now: Timestamp) -> bool {
+        self.backends.iter().any(|b| b.prefill_now(now).1.is_some()) && self.over_share(tenant, now)
     }
 
     /// The tenants whose traffic is over their share ([`LaneView::over_share`]): those whose
@@ -2065,15 +2122,28 @@ impl<K: Hash + Eq> LaneView<'_, K> {
         if me.in_flight == 0 {
             return true; // everyone may have one request running
         }
-        let Some((sums, f)) = self.sums_for(me.tier, me.weight, now) else {
-            return true;
-        };
+        self.with_share(me.tier, me.weight, now, |sums, f| {
+            self.share_allows(me, sums, f, kv_cost, now)
+        })
+        .unwrap_or(true)
+    }
+
+    /// [`LaneView::within_share`] for tenant `me`, with a request running, from the sums at
+    /// its priority and the share figures of its weight.
+    fn share_allows(
+        &self,
+        me: &TenantUse,
+        sums: &TierSums,
+        f: &ShareOf,
+        kv_cost: u64,
+        now: Timestamp,
+    ) -> bool {
         // A tenant with a request running is active, so the sums count it.
         if sums.active < 2 {
             return true; // alone at its priority: it may take everything
         }
-        let over = me.over_share(&f);
-        let own = me.demand(&f, over);
+        let over = me.over_share(f);
+        let own = me.demand(f, over);
         let within_requests = (me.in_flight as u64) < own.limit_requests;
         let within_tokens = me.tokens.saturating_add(kv_cost) <= own.limit_tokens;
         if within_requests && within_tokens {

@@ -385,19 +385,16 @@ impl ScopeLimits {
         }
     }
 
-    /// A permit for one outstanding request; `None` when the scope does not bound them.
-    pub(crate) fn acquire(
-        &self,
-        scope: Scope,
-        retry: Option<RetryAfter>,
-    ) -> Result<Option<Permit>, LimitRefusal> {
+    /// A permit for one outstanding request; `None` when the scope does not bound them. A
+    /// refusal is this scope's concurrency (the caller knows when a permit frees).
+    pub(crate) fn acquire(&self, scope: Scope) -> Result<Option<Permit>, RefusalReason> {
         if !self.bounded.load(Ordering::Acquire) {
             return Ok(None);
         }
         self.concurrency
             .try_acquire()
             .map(Some)
-            .map_err(|_| (RefusalReason::Concurrency(scope), retry))
+            .map_err(|_| RefusalReason::Concurrency(scope))
     }
 
     /// Settles one request's charges (see [`Rates::settle`]).

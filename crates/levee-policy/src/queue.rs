@@ -321,12 +321,18 @@ impl<T, K: Hash + Eq + Ord + Clone> FairQueue<T, K> {
 
     /// Sets a tenant's fairness weight (default 1; 0 is treated as 1). A tenant of weight 2
     /// gets twice the token throughput of a weight-1 tenant when both are backlogged.
-    pub fn set_weight(&mut self, tenant: K, weight: u32) {
+    pub fn set_weight(&mut self, tenant: &K, weight: u32) {
         let w = weight.max(1);
-        if let Some(&id) = self.ids.get(&tenant) {
+        match self.weights.get_mut(tenant) {
+            Some(kept) if *kept == w => return,
+            Some(kept) => *kept = w,
+            None => {
+                self.weights.insert(tenant.clone(), w);
+            }
+        }
+        if let Some(&id) = self.ids.get(tenant) {
             self.tenants[id as usize].weight = w;
         }
-        self.weights.insert(tenant, w);
     }
 
     /// Whether a push of `cost` into `tier` would be accepted now.
@@ -1170,7 +1176,7 @@ mod tests {
     #[test]
     fn weights_divide_cost() {
         let mut fq = q(1000, 1_000_000);
-        fq.set_weight("heavy", 3);
+        fq.set_weight(&"heavy", 3);
         for i in 0..300 {
             fq.push(Tier(0), "heavy", 10, T0, Timestamp::MAX, i)
                 .unwrap();
@@ -1229,7 +1235,7 @@ mod tests {
         let ms = std::time::Duration::from_millis;
         let run = |aging: Option<std::time::Duration>| {
             let mut fq = q(10_000, u64::MAX);
-            fq.set_weight("heavy", 100);
+            fq.set_weight(&"heavy", 100);
             fq.set_aging(aging);
             // The light tenant, served a while ago, has one request waiting in front of a
             // heavy backlog that grows by one request per pop; each pop takes 1 ms.

@@ -61,7 +61,9 @@ impl RetryAfter {
 /// Retry-After grows when the queue stops draining.
 #[derive(Debug, Clone, Copy)]
 pub struct DrainRate {
-    tau_secs: f64,
+    /// `1/τ` with `τ` in nanoseconds: kept as a reciprocal so that recording an event
+    /// multiplies instead of dividing twice.
+    per_nano: f64,
     rate: f64,
     last: Option<Timestamp>,
 }
@@ -70,8 +72,9 @@ impl DrainRate {
     /// A rate estimator with time constant `tau` (how far back it effectively looks; 5–10 s
     /// suits a queue drain rate). A zero `tau` is treated as 1 ms.
     pub fn new(tau: Duration) -> Self {
+        let tau_secs = tau.as_secs_f64().max(1e-3);
         DrainRate {
-            tau_secs: tau.as_secs_f64().max(1e-3),
+            per_nano: 1.0 / (tau_secs * 1e9),
             rate: 0.0,
             last: None,
         }
@@ -82,8 +85,7 @@ impl DrainRate {
         match self.last {
             None => 0.0,
             Some(last) => {
-                let x =
-                    (now.as_nanos().saturating_sub(last.as_nanos())) as f64 / (self.tau_secs * 1e9);
+                let x = (now.as_nanos().saturating_sub(last.as_nanos())) as f64 * self.per_nano;
                 self.rate * exp_neg(x)
             }
         }
@@ -92,7 +94,7 @@ impl DrainRate {
     /// Records `n` events at `now`.
     pub fn record(&mut self, n: u64, now: Timestamp) {
         let r = self.decayed(now);
-        self.rate = r + n as f64 / self.tau_secs;
+        self.rate = r + n as f64 * (self.per_nano * 1e9);
         self.last = Some(match self.last {
             Some(l) if l > now => l,
             _ => now,

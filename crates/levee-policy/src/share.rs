@@ -24,7 +24,6 @@ use crate::clock::Timestamp;
 use crate::concurrency::{ConcurrencyLimit, Permit, PermitPool};
 use crate::limits::{Charged, LimitRefusal, ScopeLimits};
 use crate::refusal::{RefusalReason, Scope};
-use crate::retry::RetryAfter;
 
 /// Permits a pool takes at once: this share of the limit.
 const POOL_CHUNK_DIVISOR: usize = 256;
@@ -50,8 +49,7 @@ impl GlobalShare {
     pub(crate) fn acquire(
         &mut self,
         global: &ScopeLimits,
-        retry: Option<RetryAfter>,
-    ) -> Result<Option<Permit>, LimitRefusal> {
+    ) -> Result<Option<Permit>, RefusalReason> {
         let Some(limit) = global.bounded_concurrency() else {
             return Ok(None);
         };
@@ -68,7 +66,7 @@ impl GlobalShare {
         };
         permit
             .map(Some)
-            .map_err(|_| (RefusalReason::Concurrency(Scope::Global), retry))
+            .map_err(|_| RefusalReason::Concurrency(Scope::Global))
     }
 
     /// Makes sure the share holds one request of `tokens` tokens, taking a slice from the

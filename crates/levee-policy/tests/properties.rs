@@ -183,8 +183,8 @@ proptest! {
         ops in prop::collection::vec(q_op(), 1..300),
     ) {
         let mut q: FairQueue<u64, u8> = FairQueue::new(QueueLimits { tiers: 3, max_len, max_tokens });
-        q.set_weight(1, 2);
-        q.set_weight(3, 5);
+        q.set_weight(&1, 2);
+        q.set_weight(&3, 5);
         let mut live: Vec<Live> = Vec::new();
         let mut seq = 0u64;
         let mut now = 0u64;
@@ -283,7 +283,7 @@ proptest! {
         let mut q: FairQueue<u64, u8> =
             FairQueue::new(QueueLimits { tiers: 1, max_len: 10_000, max_tokens: u64::MAX });
         for (t, w) in weights.iter().enumerate() {
-            q.set_weight(t as u8, *w);
+            q.set_weight(&(t as u8), *w);
         }
         let mut u: f64 = 0.0;
         // Snapshot after each op: weighted service so far and backlog per tenant.
@@ -675,8 +675,8 @@ proptest! {
     ) {
         let mut q: FairQueue<u64, u8> =
             FairQueue::new(QueueLimits { tiers: 3, max_len: 1_000, max_tokens: u64::MAX });
-        q.set_weight(1, 2);
-        q.set_weight(3, 5);
+        q.set_weight(&1, 2);
+        q.set_weight(&3, 5);
         let mut tickets = Vec::new();
         for (i, (tier, tenant, cost, pop, cancel)) in ops.into_iter().enumerate() {
             let t = q.push(Tier(tier), tenant, cost, ts(i as u64), Timestamp::MAX, i as u64).unwrap();
@@ -738,7 +738,7 @@ proptest! {
         let mut q: FairQueue<u64, u8> =
             FairQueue::new(QueueLimits { tiers: 2, max_len: 10_000, max_tokens: u64::MAX });
         for (t, w) in weights.iter().enumerate() {
-            q.set_weight(t as u8, *w);
+            q.set_weight(&(t as u8), *w);
         }
         q.set_aging(Some(Duration::from_millis(horizon_ms)));
         q.set_shortest_first(shortest_first);
