@@ -23,7 +23,7 @@ use std::time::Duration;
 /// Demand counters and recommendations of every model.
 #[derive(Debug, Default)]
 pub struct Scaling {
-    models: RwLock<HashMap<String, Arc<ModelDemand>>>,
+    models: RwLock<HashMap<String, Arc<ModelDemand>, levee_policy::FastState>>,
 }
 
 #[derive(Debug)]

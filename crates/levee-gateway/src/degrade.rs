@@ -34,7 +34,7 @@ pub struct Degrader {
     kv_signal: bool,
     refusal_signal: bool,
     forced: Option<usize>,
-    lanes: HashMap<String, LaneState>,
+    lanes: HashMap<String, LaneState, levee_policy::FastState>,
 }
 
 impl Degrader {
@@ -46,7 +46,7 @@ impl Degrader {
             kv_signal: cfg.degrade.kv_signal,
             refusal_signal: cfg.degrade.refusal_signal,
             forced: None,
-            lanes: HashMap::new(),
+            lanes: HashMap::default(),
         }
     }
 

@@ -23,7 +23,7 @@ use tokio_util::sync::CancellationToken;
 /// The shared gateway.
 pub struct Gateway {
     runtime: RwLock<Arc<Runtime>>,
-    lanes: RwLock<HashMap<String, Arc<Lane>>>,
+    lanes: RwLock<HashMap<String, Arc<Lane>, levee_policy::FastState>>,
     /// What every lane shares: limits, counts, metrics, clock, the stop signal.
     ctx: Arc<LaneContext>,
     client: HttpClient,
@@ -101,7 +101,7 @@ impl Gateway {
             degrader: Mutex::new(Degrader::new(&rt.cfg)),
             ip_guard: Mutex::new(KeyedGcra::new(ip_quota(&rt.cfg), 100_000)),
             runtime: RwLock::new(Arc::new(rt)),
-            lanes: RwLock::new(HashMap::new()),
+            lanes: RwLock::new(HashMap::default()),
             ctx,
             client: build_client().map_err(|e| anyhow::anyhow!(e))?,
             draining: AtomicBool::new(false),

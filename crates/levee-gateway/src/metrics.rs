@@ -300,7 +300,7 @@ pub struct Metrics {
     /// another replica held them past `tasks.visibility_ms` or handed them back at shutdown.
     pub tasks_reclaimed: Counter,
     /// Tenants with their own series in the per-tenant metrics.
-    tenant_series: RwLock<HashSet<String>>,
+    tenant_series: RwLock<HashSet<String, levee_policy::FastState>>,
     /// Per backend: breaker trips and the time of the last look, to turn breaker stats into
     /// counters.
     breaker_seen: Mutex<HashMap<String, BreakerSeen>>,
@@ -476,7 +476,7 @@ impl Metrics {
             connections_refused: Family::default(),
             connections_expired: Counter::default(),
             tasks_reclaimed: Counter::default(),
-            tenant_series: RwLock::new(HashSet::new()),
+            tenant_series: RwLock::new(HashSet::default()),
             breaker_seen: Mutex::new(HashMap::new()),
             last_degrade_level: Mutex::new(HashMap::new()),
         }

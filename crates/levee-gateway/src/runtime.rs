@@ -5,8 +5,8 @@
 use crate::config::{Config, ModelConfig, StateBackend, TenantConfig, TierConfig};
 use crate::tokenize::TokenCounter;
 use levee_policy::{
-    AdmissionConfig, HeavyRule, Key, LaneConfig, LimitSpec, ModelSpec, RetryBounds, SharedLimits,
-    TenantLimits, TenantSpec, WaitBudget, Watermarks,
+    AdmissionConfig, FastState, HeavyRule, Key, LaneConfig, LimitSpec, ModelSpec, RetryBounds,
+    SharedLimits, TenantLimits, TenantSpec, WaitBudget, Watermarks,
 };
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -93,12 +93,12 @@ pub struct ExactCount {
 pub struct Runtime {
     /// The configuration.
     pub cfg: Arc<Config>,
-    /// SHA-256 of each key → tenant.
-    pub keys: HashMap<[u8; 32], Arc<Tenant>>,
+    /// SHA-256 of each key → tenant (a digest, not the client's bytes: the fast hasher).
+    pub keys: HashMap<[u8; 32], Arc<Tenant>, FastState>,
     /// Tenants in config order.
     pub tenants: Vec<Arc<Tenant>>,
     /// Models by name.
-    pub models: HashMap<String, Arc<Model>>,
+    pub models: HashMap<String, Arc<Model>, FastState>,
     /// Each tenant's scopes in the shared limit store (`[state] backend = "redis"` only).
     pub shared_scopes: HashMap<Key, Arc<[levee_store::ScopeLimits]>>,
     /// Keys already matched → their tenant, so a known key costs a map lookup instead of a
@@ -176,8 +176,8 @@ fn tenant_keys(t: &TenantConfig) -> Vec<[u8; 32]> {
 fn build_models(
     cfg: &Config,
     prev: Option<&Runtime>,
-) -> Result<HashMap<String, Arc<Model>>, Vec<String>> {
-    let mut models = HashMap::new();
+) -> Result<HashMap<String, Arc<Model>, FastState>, Vec<String>> {
+    let mut models = HashMap::default();
     let mut errors = Vec::new();
     for (i, m) in cfg.models.iter().enumerate() {
         let default_max_tokens = m
@@ -296,7 +296,7 @@ impl Runtime {
         limits.reconfigure_from(&admission_config(&cfg));
         let rates_shared = cfg.state.backend == StateBackend::Redis;
         let mut tenants = Vec::new();
-        let mut keys = HashMap::new();
+        let mut keys = HashMap::default();
         for t in &cfg.tenants {
             let tier_cfg = cfg.tiers.get(&t.tier).cloned().unwrap_or_default();
             let tenant_limits = limits.set_tenant(Key::new(&t.name), tenant_spec(t, rates_shared));

@@ -60,6 +60,7 @@ pub use correction::{PromptCorrection, PromptCorrections, TextKind};
 pub use degrade::{
     DegradeConfig, DegradeLevel, DegradePlan, DegradePlanner, DegradeStep, LoadSignals,
 };
+pub use fasthash::FastState;
 pub use fleet::{
     fair_split, slice_want, tiered_split, Budget, FleetLedger, SliceDemand, SliceGrant,
     MIN_MARGIN_SLOTS,
