@@ -7,6 +7,8 @@
 #
 #   bench/gateway-instructions.sh                        # levee (target/release) and nginx
 #   LEVEE_BASE=/path/to/levee bench/gateway-instructions.sh
+#   PROFILES=dir bench/gateway-instructions.sh      # keep each proxy's profile there, to read
+#                                                   # with callgrind_annotate --inclusive=yes
 #
 # Each proxy runs alone under callgrind (one worker thread's worth of speed: about 50 times
 # slower), takes 500 requests to warm up at 100/s, then its counters are zeroed and 2,000
@@ -50,6 +52,7 @@ count() {
   ir=$(callgrind_annotate "$TMP/$1.out.1" 2>/dev/null | awk '/PROGRAM TOTALS/{gsub(",","",$1); print $1}')
   ok=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['ok'])" "$TMP/$1.json")
   [ "$ok" -gt 0 ] || { echo "$1: no request answered" >&2; exit 1; }
+  [ -z "${PROFILES:-}" ] || { mkdir -p "$PROFILES" && cp "$TMP/$1.out.1" "$PROFILES/$1.callgrind"; }
   printf '%-6s %9s instructions per request (%s requests answered 200)\n' "$1" \
     "$(python3 -c "import sys; print(f'{int(sys.argv[1])//int(sys.argv[2]):,}')" "$ir" "$ok")" "$ok"
 }
