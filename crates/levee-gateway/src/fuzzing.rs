@@ -3,10 +3,11 @@
 //! code a hostile client or backend reaches with them, and panics when an invariant breaks.
 //! None of them needs a socket or a runtime.
 
+use crate::client_request::ClientRequest;
 use crate::config::{BackendKind, Config};
 use crate::error::ErrorCode;
 use crate::pipeline::check_body;
-use crate::proxy::{ClientRequest, EventSplitter, Usage};
+use crate::proxy::{EventSplitter, Usage};
 use bytes::Bytes;
 
 /// A request body as the read and classify phases see it, then rewritten for a backend.
@@ -17,7 +18,7 @@ pub fn request_body(data: &[u8]) {
     if check_body(data).is_err() {
         return; // the read phase answers 400
     }
-    let Ok((parsed, _prompt)) = ClientRequest::parse(Bytes::copy_from_slice(data)) else {
+    let Ok((parsed, _prompt)) = ClientRequest::parse(data) else {
         return; // 400
     };
     for (cap, usage) in [(None, false), (Some(7), true)] {

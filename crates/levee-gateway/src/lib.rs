@@ -16,6 +16,7 @@
 
 mod admin;
 mod autoscale;
+mod client_request;
 pub mod clock;
 pub mod config;
 pub mod conn;
@@ -25,6 +26,7 @@ pub mod error;
 pub mod fuzzing;
 mod gateway;
 mod lane;
+mod lite;
 pub mod metrics;
 #[cfg(feature = "otel")]
 pub mod otel;

@@ -813,8 +813,12 @@ impl Metrics {
                 v.push((model.into(), hs));
             }
         }
-        self.queue_wait
-            .get_or_create(&TierLabel { tier: tier.into() })
+        h.queue_wait
+            .get(tier, || {
+                self.queue_wait
+                    .get_or_create(&TierLabel { tier: tier.into() })
+                    .clone()
+            })
             .observe(queued);
         if t.abandoned {
             self.abandon(tenant, "dispatched");
@@ -958,9 +962,67 @@ pub struct TenantMetrics {
     requests: RwLock<Vec<(Box<str>, &'static str, Counter)>>,
     /// `levee_request_{queue,ttft,duration}_seconds` by model.
     times: RwLock<Vec<(Box<str>, [Histogram; 3])>>,
+    /// `levee_queue_wait_seconds` by tier.
+    queue_wait: ByTier<Histogram>,
+}
+
+/// One model's series of the prompt metrics written on every answer, kept on its lane as
+/// [`TenantMetrics`] are on a tenant: created on first use, then written without building
+/// a label set.
+#[derive(Debug, Default)]
+pub struct ModelMetrics {
+    estimate_ratio: OnceLock<Histogram>,
+    cached_tokens: OnceLock<Counter>,
+    correction: [OnceLock<Gauge<f64, AtomicU64>>; levee_policy::TextKind::COUNT],
 }
 
 impl Metrics {
+    /// Records `levee_prompt_estimate_ratio{model}` (estimate ÷ the engine's count).
+    pub fn estimate_ratio_for(&self, h: &ModelMetrics, model: &str, ratio: f64) {
+        h.estimate_ratio
+            .get_or_init(|| {
+                self.estimate_ratio
+                    .get_or_create(&ModelLabel {
+                        model: model.into(),
+                    })
+                    .clone()
+            })
+            .observe(ratio);
+    }
+
+    /// Sets `levee_prompt_correction{model,text}` for text of `kind`.
+    pub fn correction_for(
+        &self,
+        h: &ModelMetrics,
+        model: &str,
+        kind: levee_policy::TextKind,
+        factor: f64,
+    ) {
+        h.correction[kind.index()]
+            .get_or_init(|| {
+                self.prompt_correction
+                    .get_or_create(&CorrectionLabel {
+                        model: model.into(),
+                        text: kind.as_str(),
+                    })
+                    .clone()
+            })
+            .set(factor);
+    }
+
+    /// Counts `levee_prompt_cached_tokens_total{model}`.
+    pub fn cached_tokens_for(&self, h: &ModelMetrics, model: &str, tokens: u64) {
+        h.cached_tokens
+            .get_or_init(|| {
+                self.prompt_cached_tokens
+                    .get_or_create(&ModelLabel {
+                        model: model.into(),
+                    })
+                    .clone()
+            })
+            .inc_by(tokens);
+    }
+
     /// Counts one admission of a tenant's request in tier `tier`.
     pub fn admitted_for(&self, h: &TenantMetrics, tier: &str) {
         h.admitted

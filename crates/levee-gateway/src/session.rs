@@ -2,6 +2,7 @@
 //! opening. Both are hashed with a key drawn once per process (SipHash), so a client cannot
 //! aim its sessions at one slot of the session map, and a header's value is never kept.
 
+use crate::lite::Lite;
 use std::collections::hash_map::RandomState;
 use std::hash::{BuildHasher, Hasher};
 use std::sync::OnceLock;
@@ -42,7 +43,7 @@ pub(crate) fn from_header(headers: &http::HeaderMap, name: &str) -> Option<u64> 
 /// The conversation a chat request continues: its messages up to and including the first
 /// user message (system prompt and opening question), which every later turn of the same
 /// conversation resends unchanged. `None` without a user message.
-pub(crate) fn of_conversation(messages: Option<&serde_json::Value>) -> Option<u64> {
+pub(crate) fn of_conversation(messages: Option<&Lite<'_>>) -> Option<u64> {
     let list = messages?.as_array()?;
     let first_user = list
         .iter()
@@ -63,6 +64,12 @@ mod tests {
     use super::*;
     use serde_json::json;
 
+    /// The conversation key of a chat's `messages`, read as the request path reads them.
+    fn key(messages: serde_json::Value) -> Option<u64> {
+        let text = messages.to_string();
+        of_conversation(Some(&serde_json::from_str::<Lite>(&text).unwrap()))
+    }
+
     #[test]
     fn later_turns_share_the_opening_key() {
         let t1 = json!([
@@ -79,15 +86,12 @@ mod tests {
             {"role": "system", "content": "be brief"},
             {"role": "user", "content": "goodbye"}
         ]);
-        let k1 = of_conversation(Some(&t1));
+        let k1 = key(t1.clone());
         assert!(k1.is_some());
-        assert_eq!(k1, of_conversation(Some(&t2)));
-        assert_ne!(k1, of_conversation(Some(&other)));
-        assert_eq!(
-            of_conversation(Some(&json!([{"role": "system", "content": "x"}]))),
-            None
-        );
-        assert_eq!(of_conversation(Some(&json!("text"))), None);
+        assert_eq!(k1, key(t2.clone()));
+        assert_ne!(k1, key(other.clone()));
+        assert_eq!(key(json!([{"role": "system", "content": "x"}])), None);
+        assert_eq!(key(json!("text")), None);
         assert_eq!(of_conversation(None), None);
     }
 

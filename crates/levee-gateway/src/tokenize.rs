@@ -8,6 +8,7 @@
 //! The fallback is an estimate; the error of either is exported as
 //! `levee_prompt_estimate_ratio` (estimate ÷ the backend's own count) so an operator sees it.
 
+use std::borrow::Cow;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -18,17 +19,18 @@ const TOKENS_PER_CHAT: u64 = 2;
 /// Characters per token of the fallback rule.
 const CHARS_PER_TOKEN: u64 = 4;
 
-/// The text of a request's prompt, as read from its body.
+/// The text of a request's prompt, as read from its body (borrowed from it where the body
+/// holds the text as it is).
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
-pub struct PromptText {
+pub struct PromptText<'a> {
     /// Each message's text (chat), or each prompt string (completions).
-    pub parts: Vec<String>,
+    pub parts: Vec<Cow<'a, str>>,
     /// Whether it is a chat (`messages`) rather than a plain `prompt`.
     pub chat: bool,
     /// Tokens given as ids (a `prompt` of integers): counted as they are.
     pub token_ids: u64,
     /// Tool definitions (`tools`, `functions`) as their JSON text: counted as text.
-    pub tools: Option<String>,
+    pub tools: Option<Cow<'a, str>>,
     /// Image parts of chat messages: [`TOKENS_PER_IMAGE`] each.
     pub images: u64,
 }
@@ -48,7 +50,7 @@ fn is_cjk(c: char) -> bool {
 
 /// One walk over a text's characters: what the fallback counts and what the text's kind is
 /// judged by.
-#[derive(Debug, Default, Clone, Copy)]
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 struct Tally {
     /// CJK characters.
     cjk: u64,
@@ -64,18 +66,34 @@ impl Tally {
     fn of(text: &str) -> Tally {
         let mut t = Tally::default();
         for c in text.chars() {
-            if is_cjk(c) {
-                t.cjk += 1;
-                continue;
-            }
-            t.non_cjk += 1;
-            if c.is_ascii_punctuation() || c.is_ascii_digit() {
-                t.symbols += 1;
-            } else if !c.is_whitespace() {
-                t.letters += 1;
+            if c.is_ascii() {
+                // Most prompt text: no CJK range to test, ASCII's own whitespace rule.
+                t.non_cjk += 1;
+                let b = c as u8;
+                if b.is_ascii_punctuation() || b.is_ascii_digit() {
+                    t.symbols += 1;
+                } else if !(b.is_ascii_whitespace() || b == 0x0B) {
+                    t.letters += 1;
+                }
+            } else {
+                t.count(c);
             }
         }
         t
+    }
+
+    /// Counts one character of any kind.
+    fn count(&mut self, c: char) {
+        if is_cjk(c) {
+            self.cjk += 1;
+            return;
+        }
+        self.non_cjk += 1;
+        if c.is_ascii_punctuation() || c.is_ascii_digit() {
+            self.symbols += 1;
+        } else if !c.is_whitespace() {
+            self.letters += 1;
+        }
     }
 
     /// The fallback's count: the CJK characters, plus ⌈other characters / 4⌉.
@@ -139,7 +157,7 @@ impl TokenCounter {
             all.add(tally);
             text_tokens += match self {
                 TokenCounter::CharsPerToken => tally.fallback_tokens(),
-                TokenCounter::Tokenizer(t) => match t.encode(p.as_str(), false) {
+                TokenCounter::Tokenizer(t) => match t.encode(&**p, false) {
                     Ok(enc) => enc.len() as u64,
                     // A text the tokenizer cannot encode still costs something.
                     Err(_) => tally.fallback_tokens(),
@@ -223,7 +241,7 @@ mod tests {
     fn cjk_counts_a_token_a_character_and_kinds_follow_the_text() {
         use levee_policy::TextKind;
         let p = |t: &str| PromptText {
-            parts: vec![t.into()],
+            parts: vec![t.to_owned().into()],
             ..PromptText::default()
         };
         // 6 Han characters and "ok" (2 others): 6 + 1.
@@ -233,5 +251,17 @@ mod tests {
         assert_eq!(kind("The river rose all night."), TextKind::Prose);
         assert_eq!(kind("fn f(x: u8) -> u8 { x + 1 }"), TextKind::Symbols);
         assert_eq!(kind(""), TextKind::Prose);
+    }
+
+    proptest::proptest! {
+        /// The ASCII shortcut counts every character as the general rule does.
+        #[test]
+        fn the_ascii_shortcut_counts_as_the_general_rule(
+            text in "[\\x00-\\x7f\u{a0}\u{85}\u{3000}\u{6d41}\u{ac00}é]{0,40}"
+        ) {
+            let mut general = Tally::default();
+            text.chars().for_each(|c| general.count(c));
+            proptest::prop_assert_eq!(Tally::of(&text), general);
+        }
     }
 }

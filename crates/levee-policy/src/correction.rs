@@ -162,9 +162,13 @@ impl TextKind {
         }
     }
 
-    fn index(self) -> usize {
+    /// Its position among the kinds (`0..TextKind::COUNT`), for tables kept per kind.
+    pub fn index(self) -> usize {
         self as usize
     }
+
+    /// How many kinds there are.
+    pub const COUNT: usize = 3;
 }
 
 /// One model's corrections, one [`PromptCorrection`] per [`TextKind`]. A kind with too few
@@ -172,7 +176,7 @@ impl TextKind {
 /// levee has not yet seen the engine count is not assumed to be the easiest.
 #[derive(Debug, Clone, Default)]
 pub struct PromptCorrections {
-    kinds: [PromptCorrection; 3],
+    kinds: [PromptCorrection; TextKind::COUNT],
 }
 
 impl PromptCorrections {

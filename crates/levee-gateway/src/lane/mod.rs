@@ -83,6 +83,8 @@ pub(crate) struct Lane {
     prefill: Mutex<PrefillFit>,
     /// The engine's prompt counts against levee's estimates (see [`Lane::prompt_reservation`]).
     prompt: Mutex<levee_policy::PromptCorrections>,
+    /// This model's series of the per-request prompt metrics.
+    pub series: crate::metrics::ModelMetrics,
     /// The signal that cuts each preemptible request short, by its run
     /// (`queue.preempt_over_share`; empty while it is off).
     cuts: Mutex<std::collections::HashMap<u64, Arc<Notify>>>,
@@ -138,6 +140,7 @@ impl Lane {
             recent: Mutex::new(Recent::default()),
             prefill: Mutex::new(PrefillFit::new()),
             prompt: Mutex::new(levee_policy::PromptCorrections::default()),
+            series: crate::metrics::ModelMetrics::default(),
             cuts: Mutex::new(std::collections::HashMap::new()),
         });
         let stop = lane.ctx.stopped.clone();

@@ -3,13 +3,12 @@
 //! budget, and refuse at once what can never fit the model's context.
 
 use super::{RequestCtx, Seat};
+use crate::client_request::ClientRequest;
 use crate::error::GatewayError;
 use crate::gateway::Gateway;
 use crate::lane::Lane;
 use crate::metrics::TierLabel;
-use crate::proxy::ClientRequest;
 use crate::runtime::{Model, Runtime};
-use bytes::Bytes;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -62,11 +61,11 @@ pub(super) fn classify(
     body: &[u8],
     ctx: &mut RequestCtx,
 ) -> Result<Classified, GatewayError> {
-    // Copied into an allocation of its own: the body read from hyper is a view into the
-    // connection's read buffer, and a queued request holding it would keep that buffer alive
-    // (the caller drops its view once classified).
+    // The request keeps a copy of the body in an allocation of its own: the body read from
+    // hyper is a view into the connection's read buffer, and a queued request holding it
+    // would keep that buffer alive (the caller drops its view once classified).
     let affinity = gw.config().affinity.enabled;
-    let (parsed, prompt) = ClientRequest::parse_keyed(Bytes::copy_from_slice(body), affinity)?;
+    let (parsed, prompt) = ClientRequest::parse_keyed(body, affinity)?;
     let Some(model) = rt.models.get(&parsed.model).cloned() else {
         // Never a metric label from an unvalidated client string.
         ctx.model = "unknown".into();

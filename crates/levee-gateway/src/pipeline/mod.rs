@@ -536,23 +536,32 @@ struct Scan {
 }
 
 fn scan(b: &[u8]) -> Scan {
-    let (mut depth, mut in_str, mut escaped, mut digits) = (0usize, false, false, 0usize);
+    let (mut depth, mut digits) = (0usize, 0usize);
     let mut out = Scan::default();
     let mut prev = 0u8;
-    for (i, &c) in b.iter().enumerate() {
-        if in_str {
-            match (escaped, c) {
-                (true, b'u' | b'U') => {
-                    escaped = false;
-                    let surrogate = matches!(b.get(i + 1), Some(b'd' | b'D'))
-                        && matches!(b.get(i + 2), Some(b'8'..=b'9' | b'a'..=b'f' | b'A'..=b'F'));
+    let mut i = 0;
+    while let Some(&c) = b.get(i) {
+        if c == b'"' {
+            // A string: jump from escape to escape to its closing quote.
+            i += 1;
+            loop {
+                let Some(k) = memchr::memchr2(b'"', b'\\', &b[i.min(b.len())..]) else {
+                    return out;
+                };
+                i += k;
+                if b[i] == b'"' {
+                    break;
+                }
+                if matches!(b.get(i + 1), Some(b'u' | b'U')) {
+                    let surrogate = matches!(b.get(i + 2), Some(b'd' | b'D'))
+                        && matches!(b.get(i + 3), Some(b'8'..=b'9' | b'a'..=b'f' | b'A'..=b'F'));
                     out.needs_full_reading |= surrogate;
                 }
-                (true, _) => escaped = false,
-                (false, b'\\') => escaped = true,
-                (false, b'"') => in_str = false,
-                _ => {}
+                i += 2;
             }
+            digits = 0;
+            prev = c;
+            i += 1;
             continue;
         }
         if c.is_ascii_digit() {
@@ -564,7 +573,6 @@ fn scan(b: &[u8]) -> Scan {
             digits = 0;
         }
         match c {
-            b'"' => in_str = true,
             b'{' | b'[' => {
                 depth += 1;
                 out.depth = out.depth.max(depth);
@@ -573,6 +581,7 @@ fn scan(b: &[u8]) -> Scan {
             _ => {}
         }
         prev = c;
+        i += 1;
     }
     out
 }
@@ -679,5 +688,71 @@ mod tests {
             HeaderValue::from_static("Bearer abc"),
         );
         assert_eq!(bearer(&h), Some("abc"));
+    }
+
+    /// The scan as it was first written, a byte at a time: the reference the jumping one is
+    /// held to.
+    fn scan_bytewise(b: &[u8]) -> Scan {
+        let (mut depth, mut in_str, mut escaped, mut digits) = (0usize, false, false, 0usize);
+        let mut out = Scan::default();
+        let mut prev = 0u8;
+        for (i, &c) in b.iter().enumerate() {
+            if in_str {
+                match (escaped, c) {
+                    (true, b'u' | b'U') => {
+                        escaped = false;
+                        let surrogate = matches!(b.get(i + 1), Some(b'd' | b'D'))
+                            && matches!(
+                                b.get(i + 2),
+                                Some(b'8'..=b'9' | b'a'..=b'f' | b'A'..=b'F')
+                            );
+                        out.needs_full_reading |= surrogate;
+                    }
+                    (true, _) => escaped = false,
+                    (false, b'\\') => escaped = true,
+                    (false, b'"') => in_str = false,
+                    _ => {}
+                }
+                continue;
+            }
+            if c.is_ascii_digit() {
+                digits += 1;
+                out.needs_full_reading |= digits >= 300;
+            } else {
+                let exponent = (c == b'e' || c == b'E') && (prev.is_ascii_digit() || prev == b'.');
+                out.needs_full_reading |= exponent;
+                digits = 0;
+            }
+            match c {
+                b'"' => in_str = true,
+                b'{' | b'[' => {
+                    depth += 1;
+                    out.depth = out.depth.max(depth);
+                }
+                b'}' | b']' => depth = depth.saturating_sub(1),
+                _ => {}
+            }
+            prev = c;
+        }
+        out
+    }
+
+    proptest::proptest! {
+        /// The scan that jumps through strings finds what the byte-at-a-time one finds, on
+        /// texts made of JSON's structural bytes, escapes, digits and exponents.
+        #[test]
+        fn the_jumping_scan_finds_what_the_bytewise_one_does(
+            parts in proptest::collection::vec(proptest::sample::select(vec![
+                "\"", "\\", "\\u", "d8", "DA", "dc", "00", "{", "}", "[", "]", "1", "123",
+                "e", "E", ".", "5e3", "a", " ", ":", ",", "\\\"", "\\\\", "\u{e9}",
+            ]), 0..60),
+            long in 0usize..3,
+        ) {
+            let mut text: String = parts.concat();
+            if long == 1 {
+                text.push_str(&"7".repeat(301));
+            }
+            proptest::prop_assert_eq!(scan(text.as_bytes()), scan_bytewise(text.as_bytes()));
+        }
     }
 }

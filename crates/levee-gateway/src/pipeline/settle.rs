@@ -162,27 +162,18 @@ impl RequestSettle {
                 u.prompt_tokens,
                 u.completion_tokens,
             );
-            let model = crate::metrics::ModelLabel {
-                model: self.model.to_string(),
-            };
+            let series = &self.lane.series;
             if u.prompt_tokens > 0 {
-                m.estimate_ratio
-                    .get_or_create(&model)
-                    .observe(self.prompt_estimate as f64 / u.prompt_tokens as f64);
+                let ratio = self.prompt_estimate as f64 / u.prompt_tokens as f64;
+                m.estimate_ratio_for(series, &self.model, ratio);
                 let kind = self.prompt_kind;
                 let factor =
                     self.lane
                         .note_prompt_count(kind, self.prompt_estimate, u.prompt_tokens);
-                let label = crate::metrics::CorrectionLabel {
-                    model: model.model.clone(),
-                    text: kind.as_str(),
-                };
-                m.prompt_correction.get_or_create(&label).set(factor);
+                m.correction_for(series, &self.model, kind, factor);
             }
             if u.cached_tokens() > 0 {
-                m.prompt_cached_tokens
-                    .get_or_create(&model)
-                    .inc_by(u.cached_tokens());
+                m.cached_tokens_for(series, &self.model, u.cached_tokens());
             }
         }
         if let Some(t) = outcome.ttft {
