@@ -1,6 +1,7 @@
 //! A JSON value read from a request body the way the gateway looks inside one: strings
 //! borrowed from the body where they hold no escapes, objects as their fields in order.
 //! Reading one builds no map and copies no plain string, where `serde_json::Value` does both.
+//! And where a top-level field's value starts, found without reading the others.
 
 use serde::de::{self, MapAccess, SeqAccess, Visitor};
 use serde::{Deserialize, Serialize};
@@ -177,10 +178,69 @@ impl Serialize for Lite<'_> {
     }
 }
 
+/// Where the value of top-level field `key` starts in the JSON object `json` (the slice runs
+/// to the end of `json`: read one value from its start), found without reading the other
+/// fields' values: strings are skipped from escape to escape, nesting only counted. `None`
+/// when the object has no such field, or the key is written with escapes.
+pub(crate) fn top_level_value<'a>(json: &'a [u8], key: &str) -> Option<&'a [u8]> {
+    let skip_space = |mut j: usize| {
+        while matches!(json.get(j), Some(b' ' | b'\t' | b'\n' | b'\r')) {
+            j += 1;
+        }
+        j
+    };
+    let mut depth = 0usize;
+    let mut i = 0;
+    while let Some(&c) = json.get(i) {
+        match c {
+            b'"' => {
+                let end = string_end(json, i + 1)?;
+                let name = &json[i + 1..end];
+                i = end + 1;
+                if depth == 1 {
+                    let colon = skip_space(i);
+                    if json.get(colon) == Some(&b':') {
+                        if name == key.as_bytes() {
+                            return Some(&json[skip_space(colon + 1)..]);
+                        }
+                        i = colon + 1;
+                    }
+                }
+            }
+            b'{' | b'[' => {
+                depth += 1;
+                i += 1;
+            }
+            b'}' | b']' => {
+                depth = depth.saturating_sub(1);
+                i += 1;
+            }
+            _ => i += 1,
+        }
+    }
+    None
+}
+
+/// The index of the quote that closes the string whose text starts at `i`.
+fn string_end(json: &[u8], mut i: usize) -> Option<usize> {
+    loop {
+        i += memchr::memchr2(b'"', b'\\', json.get(i..)?)?;
+        if json[i] == b'"' {
+            return Some(i);
+        }
+        i += 2;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    /// An object key: short, with a quote to escape now and then, or `usage`.
+    fn key() -> impl Strategy<Value = String> {
+        prop_oneof![4 => "[a-z\"]{1,3}", 1 => Just("usage".to_string())]
+    }
 
     /// Any JSON value, nested up to three levels, with strings that need escapes.
     fn json() -> impl Strategy<Value = serde_json::Value> {
@@ -196,13 +256,34 @@ mod tests {
         leaf.prop_recursive(3, 24, 4, |inner| {
             prop_oneof![
                 prop::collection::vec(inner.clone(), 0..4).prop_map(Value::Array),
-                prop::collection::btree_map("[a-z\"]{1,3}", inner, 0..4)
+                prop::collection::btree_map(key(), inner, 0..4)
                     .prop_map(|m| Value::Object(m.into_iter().collect())),
             ]
         })
     }
 
     proptest! {
+        /// The value found for a top-level key is the one serde_json reads for it, wherever
+        /// the key is and whatever nests around it (`usage` inside other values too).
+        #[test]
+        fn a_top_level_value_is_found_where_serde_json_reads_it(
+            fields in prop::collection::btree_map(key(), json(), 0..6),
+            pretty in any::<bool>(),
+        ) {
+            let object = serde_json::Value::Object(fields.into_iter().collect());
+            let text = if pretty {
+                serde_json::to_string_pretty(&object).unwrap()
+            } else {
+                object.to_string()
+            };
+            let found = top_level_value(text.as_bytes(), "usage").map(|v| {
+                let mut de = serde_json::Deserializer::from_slice(v);
+                serde_json::Value::deserialize(&mut de).unwrap()
+            });
+            let read: serde_json::Value = serde_json::from_str(&text).unwrap();
+            prop_assert_eq!(found.as_ref(), read.get("usage"));
+        }
+
         /// What the gateway reads of a JSON text is that text's value: written out again it
         /// is the value serde_json reads (numbers, escapes and nesting included).
         #[test]

@@ -227,14 +227,8 @@ pub async fn finish_buffered(
             return Err(GatewayError::upstream_timeout(sent_at.elapsed()));
         }
     };
-    #[derive(Deserialize)]
-    struct WithUsage {
-        usage: Option<Usage>,
-    }
     if parts.status.is_success() {
-        settlement.outcome.usage = serde_json::from_slice::<WithUsage>(&bytes)
-            .ok()
-            .and_then(|w| w.usage);
+        settlement.outcome.usage = usage_of_body(&bytes);
         if parts.status == http::StatusCode::OK {
             keep(&bytes);
         }
@@ -604,6 +598,15 @@ fn split_events(buf: &[u8]) -> impl Iterator<Item = &[u8]> {
 
 /// If the event carries usage, returns it and whether the chunk is usage-only (no
 /// choices), i.e. the extra chunk `include_usage` adds.
+/// The `usage` of a whole (non-streamed) answer: found without reading the rest of it (the
+/// choices' text is most of an answer).
+fn usage_of_body(body: &[u8]) -> Option<Usage> {
+    let value = crate::lite::top_level_value(body, "usage")?;
+    Option::<Usage>::deserialize(&mut serde_json::Deserializer::from_slice(value))
+        .ok()
+        .flatten()
+}
+
 fn usage_of(event: &[u8]) -> Option<(Usage, bool)> {
     #[derive(Deserialize)]
     struct Chunk {
