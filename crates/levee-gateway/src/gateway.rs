@@ -6,6 +6,7 @@
 //! ([`crate::upkeep`]) reach the parts through it.
 
 use crate::config::{Config, StateBackend};
+use crate::conn_pool::Connector;
 use crate::degrade::{DegradeDecision, Degrader};
 use crate::lane::{Lane, LaneContext};
 use crate::metrics::Metrics;
@@ -26,7 +27,8 @@ pub struct Gateway {
     lanes: RwLock<HashMap<String, Arc<Lane>, levee_policy::FastState>>,
     /// What every lane shares: limits, counts, metrics, clock, the stop signal.
     ctx: Arc<LaneContext>,
-    client: HttpClient,
+    /// The shared upstream client, and the connector backends' own pools dial with.
+    upstream: (HttpClient, Connector),
     draining: AtomicBool,
     /// `/readyz` says 503 (a drain began) while requests are still served.
     leaving: AtomicBool,
@@ -103,7 +105,7 @@ impl Gateway {
             runtime: RwLock::new(Arc::new(rt)),
             lanes: RwLock::new(HashMap::default()),
             ctx,
-            client: build_client().map_err(|e| anyhow::anyhow!(e))?,
+            upstream: build_client().map_err(|e| anyhow::anyhow!(e))?,
             draining: AtomicBool::new(false),
             leaving: AtomicBool::new(false),
             scaling: crate::autoscale::Scaling::default(),
@@ -146,7 +148,12 @@ impl Gateway {
 
     /// The pooled upstream client.
     pub(crate) fn client(&self) -> &HttpClient {
-        &self.client
+        &self.upstream.0
+    }
+
+    /// The connector proxied requests dial backends with (see [`Backend::connector`]).
+    pub(crate) fn connector(&self) -> &Connector {
+        &self.upstream.1
     }
 
     /// The limits every lane shares (global, per tenant).

@@ -20,6 +20,7 @@ mod client_request;
 pub mod clock;
 pub mod config;
 pub mod conn;
+mod conn_pool;
 mod degrade;
 pub mod egress;
 pub mod error;

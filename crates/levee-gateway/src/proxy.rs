@@ -8,8 +8,9 @@
 //! how a client disconnect cancels the GPU work at once.
 
 use crate::config::OutlierConfig;
+use crate::conn_pool::{Connector, Lease};
 use crate::error::{ErrorCode, GatewayError};
-use crate::upstream::{closed_before_answer, Backend, HttpClient, Verdict};
+use crate::upstream::{Backend, Verdict};
 use axum::body::Body;
 use axum::response::Response;
 use bytes::{Bytes, BytesMut};
@@ -108,6 +109,8 @@ pub trait Settle: Send + 'static {
 /// Runs the settlement exactly once, on finish or on drop (client disconnect).
 pub struct Settlement {
     inner: Option<Box<dyn Settle>>,
+    /// The upstream connection, given back at a clean finish.
+    lease: Option<Lease>,
     /// The outcome so far; updated as the response progresses.
     pub outcome: Outcome,
 }
@@ -117,12 +120,26 @@ impl Settlement {
     pub fn new(inner: Box<dyn Settle>) -> Self {
         Settlement {
             inner: Some(inner),
+            lease: None,
             outcome: Outcome::default(),
         }
     }
 
-    /// Settles now with the outcome so far.
+    /// Holds the answer's connection: given back to its pool if the answer is read whole
+    /// ([`Settlement::finish`] with no transport error and no cut), closed otherwise.
+    pub fn keep_alive(&mut self, lease: Lease) {
+        self.lease = Some(lease);
+    }
+
+    /// Settles now with the outcome so far: the answer's body was read to its end (or
+    /// failed, as the outcome says).
     pub fn finish(mut self) {
+        let o = &self.outcome;
+        if !o.transport_error && !o.client_gone && o.stream_cut.is_none() {
+            if let Some(lease) = self.lease.take() {
+                lease.give_back();
+            }
+        }
         if let Some(s) = self.inner.take() {
             s.settle(self.outcome);
         }
@@ -139,17 +156,19 @@ impl Drop for Settlement {
     }
 }
 
-/// Sends the request upstream and waits for the response head until `deadline`. `request`
-/// gives the headers passed on (request id, trace context).
+/// Sends the request upstream on one of the backend's keep-alive connections and waits for
+/// the response head until `deadline`. `request` gives the headers passed on (request id,
+/// trace context). The connection comes back beside the answer, to be given back once the
+/// answer was read whole ([`Settlement::keep_alive`]).
 pub async fn send(
-    client: &HttpClient,
+    connector: &Connector,
     backend: &Backend,
     path: &str,
     body: Bytes,
     deadline: Instant,
     request: Option<&crate::request_log::RequestId>,
-) -> Result<http::Response<Incoming>, GatewayError> {
-    let client = backend.client(client);
+) -> Result<(http::Response<Incoming>, Lease), GatewayError> {
+    let connector = backend.connector(connector);
     let mut headers = crate::upstream::propagated_headers(request);
     headers.insert(
         http::header::CONTENT_TYPE,
@@ -157,36 +176,65 @@ pub async fn send(
     );
     let base = &backend.base;
     let uri = backend.uri(path).map_err(GatewayError::upstream)?;
+    // The request line names the path alone (origin form); the backend's fixed headers
+    // carry its `Host`.
+    let origin = uri.path_and_query().map_or_else(
+        || http::Uri::from_static("/"),
+        |pq| http::Uri::from(pq.clone()),
+    );
     let started = Instant::now();
-    // One more try when the backend closed the connection without a word of answer: a
+    // More tries when the backend closed the connection without a word of answer: a
     // keep-alive connection it closed (llama-server closes one after a few requests or
-    // seconds idle) as the request went out. It never read the request, so nothing runs
-    // twice; a backend that is really gone fails the second try (or its connect) too.
-    let mut tries_left = 2;
+    // seconds idle) before or as the request went out. It never read the request, so
+    // nothing runs twice; a backend that is really gone fails the next try (or its
+    // connect) too.
+    let mut tries_left = 3;
+    let timeout = || GatewayError::upstream_timeout(started.elapsed());
     loop {
         tries_left -= 1;
+        let mut lease = tokio::time::timeout_at(deadline, backend.pool.checkout(connector, &uri))
+            .await
+            .map_err(|_| timeout())?
+            .map_err(|e| {
+                GatewayError::upstream_unreachable(format!(
+                    "cannot connect to backend {base}: {}",
+                    causes(&*e)
+                ))
+            })?;
         let req = backend
-            .request(http::Method::POST, uri.clone(), body.clone(), &headers)
+            .request(http::Method::POST, origin.clone(), body.clone(), &headers)
             .map_err(|e| GatewayError::upstream(format!("cannot build upstream request: {e}")))?;
-        return match tokio::time::timeout_at(deadline, client.request(req)).await {
-            Ok(Ok(resp)) => Ok(resp),
-            Ok(Err(e)) if e.is_connect() => Err(GatewayError::upstream_unreachable(format!(
-                "cannot connect to backend {base}: {e}"
-            ))),
-            Ok(Err(e)) if tries_left > 0 && closed_before_answer(&e) => continue,
+        return match tokio::time::timeout_at(deadline, lease.send(req)).await {
+            Ok(Ok(resp)) => Ok((resp, lease)),
+            Ok(Err(e)) if tries_left > 0 && (e.unsent || e.error.is_incomplete_message()) => {
+                continue
+            }
             Ok(Err(e)) => {
-                let why = if closed_before_answer(&e) {
+                let why = if e.unsent || e.error.is_incomplete_message() {
                     " (it closed the connection without answering)"
                 } else {
                     ""
                 };
                 Err(GatewayError::upstream(format!(
-                    "backend {base} failed: {e}{why}"
+                    "backend {base} failed: {}{why}",
+                    causes(&e.error)
                 )))
             }
-            Err(_) => Err(GatewayError::upstream_timeout(started.elapsed())),
+            Err(_) => Err(timeout()),
         };
     }
+}
+
+/// An error and its causes, as one line.
+fn causes(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut out = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        out.push_str(": ");
+        out.push_str(&s.to_string());
+        source = s.source();
+    }
+    out
 }
 
 /// Reads a whole non-streaming response, learning its usage; `keep` sees the body of a 200.

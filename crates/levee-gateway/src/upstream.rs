@@ -3,10 +3,10 @@
 //! llama.cpp names).
 
 use crate::config::{read_ca_file, BackendConfig, BackendKind, OutlierConfig};
+use crate::conn_pool::{ConnPool, Connector};
 use bytes::Bytes;
 use http::{HeaderMap, StatusCode};
 use http_body_util::{BodyExt, Full};
-use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
@@ -22,7 +22,7 @@ use std::time::Duration;
 /// The pooled client every proxied request and scrape goes through, for `http://` and
 /// `https://` backends (TLS by rustls). Keep-alive connections are what make the proxy
 /// cheap: a new TCP connect per request would cost more than the whole admission pipeline.
-pub type HttpClient = Client<HttpsConnector<HttpConnector>, Full<Bytes>>;
+pub type HttpClient = Client<Connector, Full<Bytes>>;
 
 /// How long an idle upstream connection stays in the pool.
 const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(4);
@@ -47,30 +47,35 @@ fn tls_config(
         .with_no_client_auth())
 }
 
-/// Builds the shared upstream client (public roots only).
-pub fn build_client() -> Result<HttpClient, String> {
+/// The shared upstream client for scrapes and counts, and the connector the backends'
+/// own pools ([`ConnPool`]) dial proxied requests with (public roots only).
+pub fn build_client() -> Result<(HttpClient, Connector), String> {
     build_client_trusting(&[])
 }
 
-/// A client for `https://` backends whose certificates chain to the public roots or to
-/// `extra` (a private CA).
+/// A client and a connector for `https://` backends whose certificates chain to the public
+/// roots or to `extra` (a private CA).
 fn build_client_trusting(
     extra: &[rustls::pki_types::CertificateDer<'static>],
-) -> Result<HttpClient, String> {
-    tls_config(extra).map(client_with)
+) -> Result<(HttpClient, Connector), String> {
+    let conn = connector_with(tls_config(extra)?);
+    Ok((client_with(conn.clone()), conn))
 }
 
-fn client_with(tls: rustls::ClientConfig) -> HttpClient {
+fn connector_with(tls: rustls::ClientConfig) -> Connector {
     let mut conn = HttpConnector::new();
     conn.set_nodelay(true);
     conn.set_connect_timeout(Some(Duration::from_secs(2)));
     conn.set_keepalive(Some(Duration::from_secs(60)));
     conn.enforce_http(false);
-    let conn = hyper_rustls::HttpsConnectorBuilder::new()
+    hyper_rustls::HttpsConnectorBuilder::new()
         .with_tls_config(tls)
         .https_or_http()
         .enable_http1()
-        .wrap_connector(conn);
+        .wrap_connector(conn)
+}
+
+fn client_with(conn: Connector) -> HttpClient {
     Client::builder(TokioExecutor::new())
         // Below the 5 s after which llama-server (cpp-httplib) and uvicorn (vLLM) close an
         // idle keep-alive connection: a pooled connection the server has just closed fails
@@ -450,8 +455,11 @@ pub struct Backend {
     health_path: String,
     /// Headers every request to it carries: its API key, its static headers.
     fixed_headers: HeaderMap,
-    /// Its own client when it trusts a private CA (`ca_file`); else the shared one serves.
-    own_client: Option<HttpClient>,
+    /// Its own client and connector when it trusts a private CA (`ca_file`); else the
+    /// shared ones serve.
+    own_client: Option<(HttpClient, Connector)>,
+    /// Its keep-alive connections for proxied requests.
+    pub(crate) pool: Arc<ConnPool>,
     /// What shaped the two fields above, to tell whether a reload changed them.
     upstream_settings: (
         Option<String>,
@@ -555,6 +563,7 @@ impl Backend {
             health_path: cfg.health_path.clone(),
             fixed_headers: fixed_headers(cfg),
             own_client,
+            pool: Arc::default(),
             upstream_settings: (
                 cfg.api_key_env.clone(),
                 cfg.headers.clone(),
@@ -758,7 +767,12 @@ impl Backend {
 
     /// The client that reaches this backend: its own (a private CA), else `shared`.
     pub fn client<'a>(&'a self, shared: &'a HttpClient) -> &'a HttpClient {
-        self.own_client.as_ref().unwrap_or(shared)
+        self.own_client.as_ref().map_or(shared, |(c, _)| c)
+    }
+
+    /// The connector that dials this backend: its own (a private CA), else `shared`.
+    pub(crate) fn connector<'a>(&'a self, shared: &'a Connector) -> &'a Connector {
+        self.own_client.as_ref().map_or(shared, |(_, c)| c)
     }
 
     /// A request to this backend with its fixed headers (API key, static headers) and

@@ -4,6 +4,7 @@
 
 use super::classify::Classified;
 use super::settle::RequestSettle;
+use crate::conn_pool::Lease;
 use crate::error::{ErrorCode, GatewayError};
 use crate::gateway::Gateway;
 use crate::lane::Lane;
@@ -38,6 +39,7 @@ pub(super) async fn forward(
     let Sent {
         resp,
         first,
+        lease,
         sent_at,
         backend,
         judged,
@@ -62,7 +64,8 @@ pub(super) async fn forward(
         request: c.request.clone(),
         span: c.span.clone(),
     };
-    let settlement = Settlement::new(Box::new(settle));
+    let mut settlement = Settlement::new(Box::new(settle));
+    settlement.keep_alive(lease);
     if c.parsed.stream && resp.status().is_success() {
         let total = Duration::from_millis(rt.cfg.server.stream_timeout_ms);
         let limits = StreamLimits {
@@ -100,6 +103,8 @@ struct Sent {
     resp: http::Response<hyper::body::Incoming>,
     /// Its first frame, when it was read before the head went on ([`send_unless_cut`]).
     first: Option<proxy::FirstFrame>,
+    /// The connection it came on.
+    lease: Lease,
     sent_at: Instant,
     backend: Arc<Backend>,
     judged: bool,
@@ -125,7 +130,7 @@ async fn send_with_one_resend(
         let sent_at = Instant::now();
         admitted.mark_sent();
         let send = Box::pin(proxy::send(
-            gw.client(),
+            gw.connector(),
             &backend,
             path,
             upstream_body,
@@ -138,7 +143,7 @@ async fn send_with_one_resend(
             continue;
         };
         let verdict = match &sent {
-            Ok((r, _)) => {
+            Ok(((r, _), _)) => {
                 admitted.answered();
                 // Only backpressure has a Retry-After worth reading.
                 let status = r.status();
@@ -183,18 +188,18 @@ async fn send_unless_cut(
     rt: &Runtime,
     c: &Classified,
     admitted: &Admitted,
-    send: impl std::future::Future<Output = Result<http::Response<Incoming>, GatewayError>>,
-) -> Option<Result<proxy::Answer, GatewayError>> {
+    send: impl std::future::Future<Output = Result<(http::Response<Incoming>, Lease), GatewayError>>,
+) -> Option<Result<(proxy::Answer, Lease), GatewayError>> {
     let Some(cut) = admitted.cut_signal() else {
-        return Some(send.await.map(|r| (r, None)));
+        return Some(send.await.map(|(r, lease)| ((r, None), lease)));
     };
-    let resp = tokio::select! {
+    let sent = tokio::select! {
         sent = send => sent,
         () = cut.notified() => return None,
     };
-    let resp = match resp {
-        Ok(r) if c.parsed.stream && r.status().is_success() => r,
-        other => return Some(other.map(|r| (r, None))),
+    let (resp, lease) = match sent {
+        Ok((r, lease)) if c.parsed.stream && r.status().is_success() => (r, lease),
+        other => return Some(other.map(|(r, lease)| ((r, None), lease))),
     };
     let (parts, mut body) = resp.into_parts();
     let idle = Duration::from_millis(rt.cfg.server.stream_idle_timeout_ms);
@@ -202,7 +207,10 @@ async fn send_unless_cut(
         first = proxy::first_frame(&mut body, idle) => first,
         () = cut.notified() => return None,
     };
-    Some(Ok((http::Response::from_parts(parts, body), Some(first))))
+    Some(Ok((
+        (http::Response::from_parts(parts, body), Some(first)),
+        lease,
+    )))
 }
 
 /// Cut short for a tenant under its fair share before its answer started: queued again,
@@ -231,16 +239,17 @@ async fn requeue(
 /// The answer of the last send. A request that never reached its backend is refunded when
 /// its admission drops; one that did keeps its charges.
 fn finish_send(
-    sent: Result<proxy::Answer, GatewayError>,
+    sent: Result<(proxy::Answer, Lease), GatewayError>,
     admitted: &mut Admitted,
     sent_at: Instant,
     backend: Arc<Backend>,
     judged: bool,
 ) -> Result<Sent, GatewayError> {
     match sent {
-        Ok((resp, first)) => Ok(Sent {
+        Ok(((resp, first), lease)) => Ok(Sent {
             resp,
             first,
+            lease,
             sent_at,
             backend,
             judged,

@@ -1,0 +1,240 @@
+//! A backend's own keep-alive HTTP/1 connections for proxied requests. The shared client's
+//! pool hashes the backend's scheme and authority twice a request and spawns a task per
+//! answer to learn when its connection is free again; here each backend keeps a stack of
+//! idle connections, and a request gives its connection back itself once it has read the
+//! answer whole. Newest first, so a light load keeps few connections warm and the rest
+//! reach their idle limit and close.
+
+use bytes::Bytes;
+use http_body_util::Full;
+use hyper::body::Incoming;
+use hyper::client::conn::http1::SendRequest;
+use hyper_rustls::HttpsConnector;
+use hyper_util::client::legacy::connect::HttpConnector;
+use parking_lot::Mutex;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::time::Instant;
+
+/// What dials a backend: TCP, with TLS for `https://`.
+pub type Connector = HttpsConnector<HttpConnector>;
+
+/// A connection's sending half.
+type Sender = SendRequest<Full<Bytes>>;
+
+/// An error of dialling a backend, with its causes.
+pub(crate) type ConnectError = Box<dyn std::error::Error + Send + Sync>;
+
+/// How long an idle connection is kept: below the 5 s after which llama-server
+/// (cpp-httplib) and uvicorn (vLLM) close an idle keep-alive connection, so a request is
+/// seldom sent on a connection the server has just closed (it is sent again when it is).
+const IDLE_LIMIT: Duration = Duration::from_secs(4);
+
+/// Idle connections kept at most per backend.
+const MAX_IDLE: usize = 4096;
+
+/// One backend's idle connections, oldest first.
+#[derive(Default)]
+pub(crate) struct ConnPool {
+    idle: Mutex<Vec<(Sender, Instant)>>,
+}
+
+impl std::fmt::Debug for ConnPool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ConnPool")
+            .field("idle", &self.idle.lock().len())
+            .finish()
+    }
+}
+
+impl ConnPool {
+    /// An idle connection to `uri`'s backend that is still open, else a new one dialled
+    /// with `connector`.
+    pub(crate) async fn checkout(
+        self: &Arc<Self>,
+        connector: &Connector,
+        uri: &http::Uri,
+    ) -> Result<Lease, ConnectError> {
+        while let Some(mut sender) = self.take_idle(Instant::now()) {
+            // Given back once its answer was read whole: ready as soon as its connection's
+            // task has seen that end; an error means the server closed it meanwhile.
+            if sender.is_ready() || sender.ready().await.is_ok() {
+                return Ok(self.lease(sender));
+            }
+        }
+        let io = tower::ServiceExt::oneshot(connector.clone(), uri.clone()).await?;
+        let (sender, conn) = hyper::client::conn::http1::handshake(io).await?;
+        tokio::spawn(async move {
+            // Ends when the backend closes it, or once idle with its sender dropped.
+            if let Err(e) = conn.await {
+                tracing::debug!("upstream connection ended: {e}");
+            }
+        });
+        Ok(self.lease(sender))
+    }
+
+    fn lease(self: &Arc<Self>, sender: Sender) -> Lease {
+        Lease {
+            sender,
+            pool: self.clone(),
+        }
+    }
+
+    /// The newest idle connection still open, dropping those idle past [`IDLE_LIMIT`].
+    fn take_idle(&self, now: Instant) -> Option<Sender> {
+        let mut idle = self.idle.lock();
+        let expired = idle.partition_point(|(_, since)| now.duration_since(*since) > IDLE_LIMIT);
+        idle.drain(..expired);
+        while let Some((sender, _)) = idle.pop() {
+            if !sender.is_closed() {
+                return Some(sender);
+            }
+        }
+        None
+    }
+
+    fn give_back(&self, sender: Sender) {
+        let mut idle = self.idle.lock();
+        if idle.len() < MAX_IDLE && !sender.is_closed() {
+            idle.push((sender, Instant::now()));
+        }
+    }
+
+    /// Idle connections kept now.
+    #[cfg(test)]
+    fn idle(&self) -> usize {
+        self.idle.lock().len()
+    }
+}
+
+/// A connection held for one exchange. Given back ([`Lease::give_back`]) once the answer
+/// was read whole; dropped otherwise, which closes the connection (a half-read answer
+/// leaves it unusable, and dropping it is how a departed client cancels the engine's work).
+pub(crate) struct Lease {
+    sender: Sender,
+    pool: Arc<ConnPool>,
+}
+
+impl std::fmt::Debug for Lease {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Lease")
+    }
+}
+
+/// A request that could not be sent, with whether it went out at all.
+pub(crate) struct SendError {
+    pub error: hyper::Error,
+    /// It never left: the connection had closed first (another connection may take it).
+    pub unsent: bool,
+}
+
+impl Lease {
+    /// Sends `req` on the connection and waits for the answer's head.
+    pub(crate) async fn send(
+        &mut self,
+        req: http::Request<Full<Bytes>>,
+    ) -> Result<http::Response<Incoming>, SendError> {
+        self.sender.try_send_request(req).await.map_err(|mut e| {
+            let unsent = e.take_message().is_some();
+            SendError {
+                error: e.into_error(),
+                unsent,
+            }
+        })
+    }
+
+    /// The answer was read whole: the connection serves the next request.
+    pub(crate) fn give_back(self) {
+        self.pool.give_back(self.sender);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http_body_util::BodyExt;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    /// A server on an ephemeral port answering every request `ok`, counting connections.
+    async fn server() -> (http::Uri, Arc<AtomicUsize>) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let count = accepted.clone();
+        tokio::spawn(async move {
+            while let Ok((tcp, _)) = listener.accept().await {
+                count.fetch_add(1, Ordering::SeqCst);
+                tokio::spawn(async move {
+                    let svc = hyper::service::service_fn(|_req| async {
+                        Ok::<_, std::convert::Infallible>(http::Response::new(Full::new(
+                            Bytes::from_static(b"ok"),
+                        )))
+                    });
+                    let io = hyper_util::rt::TokioIo::new(tcp);
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(io, svc)
+                        .await;
+                });
+            }
+        });
+        (format!("http://{addr}/x").parse().unwrap(), accepted)
+    }
+
+    fn connector() -> Connector {
+        let mut http = HttpConnector::new();
+        http.enforce_http(false);
+        hyper_rustls::HttpsConnectorBuilder::new()
+            .with_tls_config(
+                rustls::ClientConfig::builder_with_provider(Arc::new(
+                    rustls::crypto::ring::default_provider(),
+                ))
+                .with_safe_default_protocol_versions()
+                .unwrap()
+                .with_root_certificates(rustls::RootCertStore::empty())
+                .with_no_client_auth(),
+            )
+            .https_or_http()
+            .enable_http1()
+            .wrap_connector(http)
+    }
+
+    async fn exchange(pool: &Arc<ConnPool>, uri: &http::Uri, give_back: bool) {
+        let mut lease = pool.checkout(&connector(), uri).await.unwrap();
+        let req = http::Request::get(uri.clone())
+            .header(http::header::HOST, "test")
+            .body(Full::new(Bytes::new()))
+            .unwrap();
+        let resp = lease.send(req).await.ok().unwrap();
+        let body = resp.into_body().collect().await.unwrap().to_bytes();
+        assert_eq!(&body[..], b"ok");
+        if give_back {
+            lease.give_back();
+        }
+    }
+
+    #[tokio::test]
+    async fn a_connection_given_back_serves_the_next_request_and_a_dropped_one_does_not() {
+        let (uri, accepted) = server().await;
+        let pool = Arc::new(ConnPool::default());
+        for _ in 0..5 {
+            exchange(&pool, &uri, true).await;
+        }
+        assert_eq!(accepted.load(Ordering::SeqCst), 1);
+        assert_eq!(pool.idle(), 1);
+        // Not given back (a half-read answer, a departed client): the next request dials.
+        exchange(&pool, &uri, false).await;
+        exchange(&pool, &uri, true).await;
+        assert_eq!(accepted.load(Ordering::SeqCst), 2);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn idle_connections_past_the_limit_are_not_reused() {
+        let (uri, accepted) = server().await;
+        let pool = Arc::new(ConnPool::default());
+        exchange(&pool, &uri, true).await;
+        tokio::time::advance(IDLE_LIMIT + Duration::from_millis(1)).await;
+        exchange(&pool, &uri, true).await;
+        assert_eq!(accepted.load(Ordering::SeqCst), 2);
+        assert_eq!(pool.idle(), 1);
+    }
+}
