@@ -262,7 +262,11 @@ impl ClientRequest {
         body: &[u8],
         conversation: bool,
     ) -> Result<(ClientRequest, PromptText<'_>), GatewayError> {
-        let head: Head = serde_json::from_slice(body).map_err(|e| {
+        // Read as text, checked once: serde_json then checks no string again.
+        let text = std::str::from_utf8(body).map_err(|_| {
+            GatewayError::bad_request("the request body is not UTF-8 (JSON must be)")
+        })?;
+        let head: Head = serde_json::from_str(text).map_err(|e| {
             if e.classify() == serde_json::error::Category::Data {
                 GatewayError::bad_request("request body must be a JSON object")
             } else {

@@ -201,9 +201,7 @@ pub async fn send(
                     causes(&*e)
                 ))
             })?;
-        let req = backend
-            .request(http::Method::POST, origin.clone(), body.clone(), &headers)
-            .map_err(|e| GatewayError::upstream(format!("cannot build upstream request: {e}")))?;
+        let req = backend.request(http::Method::POST, origin.clone(), body.clone(), &headers);
         return match tokio::time::timeout_at(deadline, lease.send(req)).await {
             Ok(Ok(resp)) => Ok((resp, lease)),
             Ok(Err(e)) if tries_left > 0 && (e.unsent || e.error.is_incomplete_message()) => {
@@ -649,8 +647,8 @@ fn split_events(buf: &[u8]) -> impl Iterator<Item = &[u8]> {
 /// The `usage` of a whole (non-streamed) answer: found without reading the rest of it (the
 /// choices' text is most of an answer).
 fn usage_of_body(body: &[u8]) -> Option<Usage> {
-    let value = crate::lite::top_level_value(body, "usage")?;
-    Option::<Usage>::deserialize(&mut serde_json::Deserializer::from_slice(value))
+    let value = std::str::from_utf8(crate::lite::top_level_value(body, "usage")?).ok()?;
+    Option::<Usage>::deserialize(&mut serde_json::Deserializer::from_str(value))
         .ok()
         .flatten()
 }

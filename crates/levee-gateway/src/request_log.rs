@@ -17,7 +17,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
 
 /// The header carrying the id both ways.
-pub const REQUEST_ID_HEADER: &str = "x-request-id";
+pub const REQUEST_ID_HEADER: http::HeaderName = http::HeaderName::from_static("x-request-id");
+/// W3C trace context, passed on to the backend as the client sent it.
+pub const TRACEPARENT: http::HeaderName = http::HeaderName::from_static("traceparent");
+/// W3C trace context's vendor part.
+pub const TRACESTATE: http::HeaderName = http::HeaderName::from_static("tracestate");
 
 /// A request's id (a request extension from the connection layer on).
 #[derive(Debug, Clone)]
@@ -78,10 +82,10 @@ impl RequestId {
             .filter(|v| plain_id(v))
             .cloned()
             .unwrap_or_else(|| made_id(process_prefix(), seq));
-        let traceparent = headers.get("traceparent").cloned();
+        let traceparent = headers.get(TRACEPARENT).cloned();
         let tracestate = traceparent
             .as_ref()
-            .and_then(|_| headers.get("tracestate").cloned());
+            .and_then(|_| headers.get(TRACESTATE).cloned());
         RequestId {
             seq,
             value,

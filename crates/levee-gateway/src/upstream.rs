@@ -517,10 +517,10 @@ pub fn propagated_headers(request: Option<&crate::request_log::RequestId>) -> He
     if let Some(id) = request {
         h.insert(crate::request_log::REQUEST_ID_HEADER, id.value.clone());
         if let Some(tp) = &id.traceparent {
-            h.insert("traceparent", tp.clone());
+            h.insert(crate::request_log::TRACEPARENT, tp.clone());
         }
         if let Some(ts) = &id.tracestate {
-            h.insert("tracestate", ts.clone());
+            h.insert(crate::request_log::TRACESTATE, ts.clone());
         }
     }
     h
@@ -783,16 +783,16 @@ impl Backend {
         uri: http::Uri,
         body: Bytes,
         extra: &HeaderMap,
-    ) -> Result<http::Request<Full<Bytes>>, http::Error> {
-        let mut req = http::Request::builder()
-            .method(method)
-            .uri(uri)
-            .body(Full::new(body))?;
+    ) -> http::Request<Full<Bytes>> {
+        let mut req = http::Request::new(Full::new(body));
+        *req.method_mut() = method;
+        *req.uri_mut() = uri;
         let h = req.headers_mut();
-        for (k, v) in self.fixed_headers.iter().chain(extra.iter()) {
+        *h = self.fixed_headers.clone();
+        for (k, v) in extra {
             h.insert(k.clone(), v.clone());
         }
-        Ok(req)
+        req
     }
 
     /// Checks the health path and reads `/metrics` once; updates load and health. Health is
@@ -916,7 +916,7 @@ impl Backend {
                 uri.clone(),
                 body.clone(),
                 &HeaderMap::new(),
-            )?;
+            );
             req.headers_mut().insert(
                 http::header::CONTENT_TYPE,
                 http::HeaderValue::from_static("application/json"),
@@ -946,7 +946,7 @@ impl Backend {
 
     async fn get(&self, client: &HttpClient, path: &str) -> anyhow::Result<String> {
         let uri: http::Uri = format!("{}{path}", self.base).parse()?;
-        let req = self.request(http::Method::GET, uri, Bytes::new(), &HeaderMap::new())?;
+        let req = self.request(http::Method::GET, uri, Bytes::new(), &HeaderMap::new());
         let resp = self.client(client).request(req).await?;
         if !resp.status().is_success() {
             anyhow::bail!("status {}", resp.status());
