@@ -54,29 +54,30 @@ pub struct RateInfo {
 impl RateInfo {
     /// Writes the six OpenAI headers (those that are known).
     pub fn write_headers(&self, h: &mut HeaderMap) {
-        fn put(h: &mut HeaderMap, name: &'static str, v: String) {
-            if let Ok(v) = HeaderValue::from_str(&v) {
-                h.insert(HeaderName::from_static(name), v);
+        const LIMIT_REQUESTS: HeaderName = HeaderName::from_static("x-ratelimit-limit-requests");
+        const REMAINING_REQUESTS: HeaderName =
+            HeaderName::from_static("x-ratelimit-remaining-requests");
+        const RESET_REQUESTS: HeaderName = HeaderName::from_static("x-ratelimit-reset-requests");
+        const LIMIT_TOKENS: HeaderName = HeaderName::from_static("x-ratelimit-limit-tokens");
+        const REMAINING_TOKENS: HeaderName =
+            HeaderName::from_static("x-ratelimit-remaining-tokens");
+        const RESET_TOKENS: HeaderName = HeaderName::from_static("x-ratelimit-reset-tokens");
+        let count = |h: &mut HeaderMap, name, v: Option<u64>| {
+            if let Some(v) = v {
+                h.insert(name, HeaderValue::from(v));
             }
-        }
-        if let Some(v) = self.limit_requests {
-            put(h, "x-ratelimit-limit-requests", v.to_string());
-        }
-        if let Some(v) = self.remaining_requests {
-            put(h, "x-ratelimit-remaining-requests", v.to_string());
-        }
-        if let Some(v) = self.reset_requests {
-            put(h, "x-ratelimit-reset-requests", openai_duration(v));
-        }
-        if let Some(v) = self.limit_tokens {
-            put(h, "x-ratelimit-limit-tokens", v.to_string());
-        }
-        if let Some(v) = self.remaining_tokens {
-            put(h, "x-ratelimit-remaining-tokens", v.to_string());
-        }
-        if let Some(v) = self.reset_tokens {
-            put(h, "x-ratelimit-reset-tokens", openai_duration(v));
-        }
+        };
+        let reset = |h: &mut HeaderMap, name, v: Option<Duration>| {
+            if let Some(v) = v.and_then(|d| HeaderValue::from_str(&openai_duration(d)).ok()) {
+                h.insert(name, v);
+            }
+        };
+        count(h, LIMIT_REQUESTS, self.limit_requests);
+        count(h, REMAINING_REQUESTS, self.remaining_requests);
+        reset(h, RESET_REQUESTS, self.reset_requests);
+        count(h, LIMIT_TOKENS, self.limit_tokens);
+        count(h, REMAINING_TOKENS, self.remaining_tokens);
+        reset(h, RESET_TOKENS, self.reset_tokens);
     }
 }
 

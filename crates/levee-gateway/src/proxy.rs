@@ -241,13 +241,19 @@ pub async fn finish_buffered(
     mut settlement: Settlement,
     deadline: Instant,
     sent_at: Instant,
-    extra: &[(&'static str, HeaderValue)],
+    extra: &http::HeaderMap,
     max_bytes: usize,
     keep: impl FnOnce(&Bytes),
 ) -> Result<Response, GatewayError> {
     let (parts, body) = resp.into_parts();
     settlement.outcome.status = parts.status.as_u16();
-    settlement.outcome.advised_retry = crate::upstream::advised_retry(&parts.headers);
+    // Only a refusal's advice is read (see `Verdict::of_response`).
+    if matches!(
+        parts.status,
+        StatusCode::TOO_MANY_REQUESTS | StatusCode::SERVICE_UNAVAILABLE
+    ) {
+        settlement.outcome.advised_retry = crate::upstream::advised_retry(&parts.headers);
+    }
     // The response head is the first byte a non-streaming client could see.
     settlement.outcome.ttft = Some(sent_at.elapsed());
     // Bounded: a backend that answers without end would otherwise grow this buffer until
@@ -284,7 +290,7 @@ pub async fn finish_buffered(
     *out.status_mut() = parts.status;
     copy_content_type(&parts.headers, out.headers_mut());
     for (k, v) in extra {
-        out.headers_mut().insert(*k, v.clone());
+        out.headers_mut().insert(k.clone(), v.clone());
     }
     Ok(out)
 }
@@ -361,7 +367,7 @@ pub fn stream_response(
     sent_at: Instant,
     limits: StreamLimits,
     backend: &str,
-    extra: &[(&'static str, HeaderValue)],
+    extra: &http::HeaderMap,
 ) -> Response {
     let (parts, body) = resp.into_parts();
     settlement.outcome.status = parts.status.as_u16();
@@ -389,7 +395,7 @@ pub fn stream_response(
         HeaderValue::from_static("no-cache"),
     );
     for (k, v) in extra {
-        out.headers_mut().insert(*k, v.clone());
+        out.headers_mut().insert(k.clone(), v.clone());
     }
     out
 }

@@ -274,21 +274,22 @@ fn answer_headers(
     admitted: &Admitted,
     resp: &http::Response<hyper::body::Incoming>,
     backend: &Backend,
-) -> Vec<(&'static str, HeaderValue)> {
+) -> HeaderMap {
+    const RETRY_AFTER_MS: http::HeaderName = http::HeaderName::from_static("retry-after-ms");
     let status = resp.status();
     let refused = status == http::StatusCode::TOO_MANY_REQUESTS
         || status == http::StatusCode::SERVICE_UNAVAILABLE;
     let mut extra = response_headers(gw, tenant, c, admitted, !refused);
     if refused {
         let wait = fleet_retry_after(gw, &c.lane, backend, advised_retry(resp.headers()));
-        extra.push((
-            "retry-after",
+        extra.insert(
+            http::header::RETRY_AFTER,
             HeaderValue::from(crate::error::retry_after_secs(wait)),
-        ));
-        extra.push((
-            "retry-after-ms",
+        );
+        extra.insert(
+            RETRY_AFTER_MS,
             HeaderValue::from(u64::try_from(wait.as_millis()).unwrap_or(u64::MAX)),
-        ));
+        );
     }
     extra
 }
@@ -331,16 +332,17 @@ fn response_headers(
     c: &Classified,
     admitted: &Admitted,
     rate: bool,
-) -> Vec<(&'static str, HeaderValue)> {
-    let mut extra: Vec<(&'static str, HeaderValue)> = Vec::new();
+) -> HeaderMap {
+    const QUEUE_MS: http::HeaderName = http::HeaderName::from_static("x-levee-queue-ms");
+    const DEGRADED: http::HeaderName = http::HeaderName::from_static("x-levee-degraded");
+    let mut extra = HeaderMap::new();
     if admitted.waited > Duration::ZERO {
-        if let Ok(v) = HeaderValue::from_str(&admitted.waited.as_millis().to_string()) {
-            extra.push(("x-levee-queue-ms", v));
-        }
+        let ms = u64::try_from(admitted.waited.as_millis()).unwrap_or(u64::MAX);
+        extra.insert(QUEUE_MS, HeaderValue::from(ms));
     }
     if !c.degraded.is_empty() {
         if let Ok(v) = HeaderValue::from_str(&c.degraded.join(", ")) {
-            extra.push(("x-levee-degraded", v));
+            extra.insert(DEGRADED, v);
         }
     }
     if !rate {
@@ -353,26 +355,8 @@ fn response_headers(
     }
     let info = rate_info(&rate);
     record_limiter_gauges(gw, &tenant.name, &info);
-    let mut rate_headers = HeaderMap::new();
-    info.write_headers(&mut rate_headers);
-    for (k, v) in rate_headers.iter() {
-        if let Some(name) = static_rate_header(k.as_str()) {
-            extra.push((name, v.clone()));
-        }
-    }
+    info.write_headers(&mut extra);
     extra
-}
-
-fn static_rate_header(name: &str) -> Option<&'static str> {
-    const NAMES: [&str; 6] = [
-        "x-ratelimit-limit-requests",
-        "x-ratelimit-remaining-requests",
-        "x-ratelimit-reset-requests",
-        "x-ratelimit-limit-tokens",
-        "x-ratelimit-remaining-tokens",
-        "x-ratelimit-reset-tokens",
-    ];
-    NAMES.into_iter().find(|n| *n == name)
 }
 
 fn record_limiter_gauges(gw: &Gateway, tenant: &str, r: &crate::error::RateInfo) {
