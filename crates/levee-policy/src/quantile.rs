@@ -22,15 +22,19 @@ pub(crate) fn nearest_rank_sorted(sorted: &[f64], q: f64) -> Option<f64> {
 pub(crate) struct SortedSamples(Vec<f64>);
 
 impl SortedSamples {
+    /// Adds `v` after any equal values: a run of equal samples (an exact tokenizer's
+    /// ratio of 1) grows at its end, and a run at the top moves nothing.
     pub(crate) fn insert(&mut self, v: f64) {
-        let i = self.0.partition_point(|x| x.total_cmp(&v).is_lt());
+        let i = self.0.partition_point(|x| x.total_cmp(&v).is_le());
         self.0.insert(i, v);
     }
 
-    /// Removes one value equal to `v` (under `total_cmp` equal values are the same bits).
+    /// Removes one value equal to `v`, the last of its run (under `total_cmp` equal values
+    /// are the same bits, so which one goes does not matter; the last moves least).
     pub(crate) fn remove(&mut self, v: f64) {
-        if let Ok(i) = self.0.binary_search_by(|x| x.total_cmp(&v)) {
-            self.0.remove(i);
+        let end = self.0.partition_point(|x| x.total_cmp(&v).is_le());
+        if end > 0 && self.0[end - 1].total_cmp(&v).is_eq() {
+            self.0.remove(end - 1);
         }
     }
 
