@@ -183,15 +183,14 @@ pub async fn send(
         |pq| http::Uri::from(pq.clone()),
     );
     let started = Instant::now();
-    // More tries when the backend closed the connection without a word of answer: a
+    // Sent again when the backend closed the connection without a word of answer: a
     // keep-alive connection it closed (llama-server closes one after a few requests or
-    // seconds idle) before or as the request went out. It never read the request, so
-    // nothing runs twice; a backend that is really gone fails the next try (or its
-    // connect) too.
-    let mut tries_left = 3;
+    // seconds idle) before the request went out (`unsent`: up to twice, on other
+    // connections), or as it went out (once: it never read the request, so nothing runs
+    // twice; a backend that is really gone fails that try, or its connect, too).
+    let (mut unsent_left, mut resent) = (2, false);
     let timeout = || GatewayError::upstream_timeout(started.elapsed());
     loop {
-        tries_left -= 1;
         let mut lease = tokio::time::timeout_at(deadline, backend.pool.checkout(connector, &uri))
             .await
             .map_err(|_| timeout())?
@@ -204,8 +203,13 @@ pub async fn send(
         let req = backend.request(http::Method::POST, origin.clone(), body.clone(), &headers);
         return match tokio::time::timeout_at(deadline, lease.send(req)).await {
             Ok(Ok(resp)) => Ok((resp, lease)),
-            Ok(Err(e)) if tries_left > 0 && (e.unsent || e.error.is_incomplete_message()) => {
-                continue
+            Ok(Err(e)) if e.unsent && unsent_left > 0 => {
+                unsent_left -= 1;
+                continue;
+            }
+            Ok(Err(e)) if e.error.is_incomplete_message() && !resent => {
+                resent = true;
+                continue;
             }
             Ok(Err(e)) => {
                 let why = if e.unsent || e.error.is_incomplete_message() {

@@ -273,3 +273,44 @@ async fn an_https_backend_with_a_private_ca() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Peers a backend saw, by address: one per connection.
+type Peers = Arc<Mutex<std::collections::HashSet<std::net::SocketAddr>>>;
+
+#[tokio::test]
+async fn answers_read_whole_leave_their_upstream_connection_for_the_next_request() {
+    use axum::extract::ConnectInfo;
+    let peers: Peers = Arc::default();
+    let app =
+        axum::Router::new()
+            .route(
+                "/v1/chat/completions",
+                post(
+                    |State(p): State<Peers>,
+                     ConnectInfo(from): ConnectInfo<std::net::SocketAddr>| async move {
+                        p.lock().insert(from);
+                        answer()
+                    },
+                ),
+            )
+            .route("/health", get(|| async { "ok" }))
+            .with_state(peers.clone());
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    tokio::spawn(async move {
+        let app = app.into_make_service_with_connect_info::<std::net::SocketAddr>();
+        let _ = axum::serve(l, app).await;
+    });
+    let gw = start(config(&[format!("http://{addr}")], 4)).await.unwrap();
+    let c = client();
+    for i in 0..5 {
+        let r = chat(&c, &gw.public_url(), "s", &format!("turn {i}")).await;
+        assert_eq!(r.status(), 200, "{}", r.text().await.unwrap());
+    }
+    assert_eq!(
+        peers.lock().len(),
+        1,
+        "five answers in turn came on one upstream connection"
+    );
+    gw.shutdown().await;
+}
