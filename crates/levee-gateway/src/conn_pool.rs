@@ -115,12 +115,6 @@ pub(crate) struct Lease {
     pool: Arc<ConnPool>,
 }
 
-impl std::fmt::Debug for Lease {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("Lease")
-    }
-}
-
 /// A request that could not be sent, with whether it went out at all.
 pub(crate) struct SendError {
     pub error: hyper::Error,
