@@ -131,8 +131,15 @@ NGINX_PID=$!
 PIDS+=($NGINX_PID)
 sleep 0.3
 
-# CPU ticks (1/100 s) used so far by a process and its children threads / workers.
-ticks() { local t=0; for p in "$@"; do t=$(( t + $(awk '{print $14+$15}' /proc/$p/stat 2>/dev/null || echo 0) )); done; echo $t; }
+# CPU ticks (1/100 s) used so far by processes (all their threads): "user system".
+ticks() {
+  local u=0 s=0 pu ps
+  for p in "$@"; do
+    read -r pu ps < <(awk '{print $14, $15}' /proc/$p/stat 2>/dev/null || echo 0 0)
+    u=$(( u + pu )); s=$(( s + ps ))
+  done
+  echo "$u $s"
+}
 proxy_pids() { # $1 target -> the proxy's pids (none for direct)
   case $1 in
     levee) echo "$LEVEE_PID" ;;
@@ -146,8 +153,16 @@ run() { # $1 name $2 url $3 rate $4 round
   t0=$(ticks $pids)
   out=$("$LOADGEN" --url "$2/v1/chat/completions" --rate "$3" --secs "$SECS" --warmup-secs "$WARMUP" --key "$KEY")
   t1=$(ticks $pids)
-  # CPU microseconds per request spent in the proxy (0 for direct).
-  out=$(python3 -c "import json,sys; d=json.loads(sys.argv[1]); n=$3*($SECS+$WARMUP); d['proxy_cpu_us_per_req']=($t1-$t0)*10000.0/n; print(json.dumps(d))" "$out")
+  # CPU microseconds per request spent in the proxy (0 for direct): in all, in user space
+  # and in the kernel.
+  out=$(python3 -c "
+import json, sys
+d = json.loads(sys.argv[1]); n = $3 * ($SECS + $WARMUP)
+(u0, s0), (u1, s1) = [map(int, t.split()) for t in sys.argv[2:4]]
+d['proxy_user_us_per_req'] = (u1 - u0) * 10000.0 / n
+d['proxy_sys_us_per_req'] = (s1 - s0) * 10000.0 / n
+d['proxy_cpu_us_per_req'] = d['proxy_user_us_per_req'] + d['proxy_sys_us_per_req']
+print(json.dumps(d))" "$out" "$t0" "$t1")
   echo "$1 $3 $4 $out" >>"$TMP/results.txt"
   echo "round $4: $1 @ $3/s: $out" >&2
 }
@@ -182,7 +197,7 @@ med = statistics.median
 print()
 print(f"{len(rounds)} rounds; latency in ms from each request's due time (open loop); medians over rounds")
 print()
-print("| rate | target | ok / sent | p50 | p90 | p99 | p99.9 | proxy CPU µs/req | added p99 vs direct (median of per-round differences) |")
+print("| rate | target | ok / sent | p50 | p90 | p99 | p99.9 | proxy CPU µs/req (user + kernel) | added p99 vs direct (median of per-round differences) |")
 print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
 for rate in rates:
     for name in ("direct", "levee", "base", "nginx"):
@@ -197,8 +212,8 @@ for rate in rates:
             diffs = [rows[(name, rate, r)]["ms_from_due"]["p99"] - rows[("direct", rate, r)]["ms_from_due"]["p99"]
                      for r in rounds if (name, rate, r) in rows and ("direct", rate, r) in rows]
             added = f"{med(diffs):+.3f} (rounds: {', '.join(f'{d:+.2f}' for d in diffs)})"
-        cpu = med([r.get("proxy_cpu_us_per_req", 0) for r in rs])
-        cpu_s = "" if name == "direct" else f"{cpu:.0f}"
+        cpu, user, kernel = (med([r.get(f"proxy_{k}_us_per_req", 0) for r in rs]) for k in ("cpu", "user", "sys"))
+        cpu_s = "" if name == "direct" else f"{cpu:.0f} ({user:.0f} + {kernel:.0f})"
         print(f"| {rate}/s | {name} | {ok} / {sent} | {p['p50']:.3f} | {p['p90']:.3f} | {p['p99']:.3f} | {p['p999']:.3f} | {cpu_s} | {added} |")
 PY
 
