@@ -22,6 +22,9 @@ pub type Connector = HttpsConnector<HttpConnector>;
 /// A connection's sending half.
 type Sender = SendRequest<Full<Bytes>>;
 
+/// Idle connections, each with when it was given back, oldest first.
+type Idle = Mutex<Vec<(Sender, Instant)>>;
+
 /// An error of dialling a backend, with its causes.
 pub(crate) type ConnectError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -30,19 +33,51 @@ pub(crate) type ConnectError = Box<dyn std::error::Error + Send + Sync>;
 /// seldom sent on a connection the server has just closed (it is sent again when it is).
 const IDLE_LIMIT: Duration = Duration::from_secs(4);
 
-/// Idle connections kept at most per backend.
+/// Idle connections kept at most per backend and worker.
 const MAX_IDLE: usize = 4096;
 
-/// One backend's idle connections, oldest first.
-#[derive(Default)]
+thread_local! {
+    /// The worker (event loop) this thread runs: 0 unless [`set_worker`] said otherwise.
+    static WORKER: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// Marks this thread as worker `n`'s event loop: the connections it dials are kept for its
+/// own requests.
+pub(crate) fn set_worker(n: usize) {
+    WORKER.with(|w| w.set(n));
+}
+
+/// Idle stacks a pool keeps at most: one per worker up to this many.
+const MAX_SHARDS: usize = 64;
+
+/// One backend's idle connections, oldest first, one stack per worker: a connection's task
+/// runs on the event loop that dialled it, and a request of another loop using it would
+/// wake that loop's thread twice (to send, to answer). Threads of a work-stealing runtime
+/// are all worker 0.
 pub(crate) struct ConnPool {
-    idle: Mutex<Vec<(Sender, Instant)>>,
+    shards: Box<[Idle]>,
+}
+
+impl Default for ConnPool {
+    fn default() -> Self {
+        ConnPool::with_shards(std::thread::available_parallelism().map_or(1, |n| n.get()))
+    }
+}
+
+impl ConnPool {
+    fn with_shards(n: usize) -> ConnPool {
+        ConnPool {
+            shards: (0..n.clamp(1, MAX_SHARDS))
+                .map(|_| Mutex::default())
+                .collect(),
+        }
+    }
 }
 
 impl std::fmt::Debug for ConnPool {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ConnPool")
-            .field("idle", &self.idle.lock().len())
+            .field("idle", &self.idle())
             .finish()
     }
 }
@@ -82,7 +117,7 @@ impl ConnPool {
 
     /// The newest idle connection still open, dropping those idle past [`IDLE_LIMIT`].
     fn take_idle(&self, now: Instant) -> Option<Sender> {
-        let mut idle = self.idle.lock();
+        let mut idle = self.shard().lock();
         let expired = idle.partition_point(|(_, since)| now.duration_since(*since) > IDLE_LIMIT);
         idle.drain(..expired);
         while let Some((sender, _)) = idle.pop() {
@@ -94,16 +129,20 @@ impl ConnPool {
     }
 
     fn give_back(&self, sender: Sender) {
-        let mut idle = self.idle.lock();
+        let mut idle = self.shard().lock();
         if idle.len() < MAX_IDLE && !sender.is_closed() {
             idle.push((sender, Instant::now()));
         }
     }
 
+    /// This thread's worker's idle connections.
+    fn shard(&self) -> &Idle {
+        &self.shards[WORKER.with(|w| w.get()) % self.shards.len()]
+    }
+
     /// Idle connections kept now.
-    #[cfg(test)]
     fn idle(&self) -> usize {
-        self.idle.lock().len()
+        self.shards.iter().map(|s| s.lock().len()).sum()
     }
 }
 
@@ -219,6 +258,23 @@ mod tests {
         exchange(&pool, &uri, false).await;
         exchange(&pool, &uri, true).await;
         assert_eq!(accepted.load(Ordering::SeqCst), 2);
+    }
+
+    #[tokio::test]
+    async fn a_worker_reuses_only_the_connections_it_dialled() {
+        let (uri, accepted) = server().await;
+        let pool = Arc::new(ConnPool::with_shards(2));
+        set_worker(1);
+        exchange(&pool, &uri, true).await;
+        set_worker(0);
+        exchange(&pool, &uri, true).await;
+        assert_eq!(accepted.load(Ordering::SeqCst), 2, "worker 0 dials its own");
+        for w in [1, 0, 1] {
+            set_worker(w);
+            exchange(&pool, &uri, true).await;
+        }
+        assert_eq!(accepted.load(Ordering::SeqCst), 2, "each reuses its own");
+        assert_eq!(pool.idle(), 2);
     }
 
     #[tokio::test(start_paused = true)]

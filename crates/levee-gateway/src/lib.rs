@@ -62,6 +62,11 @@ pub struct ServeArgs {
     /// Configuration file (TOML).
     #[arg(long, default_value = "levee.toml")]
     pub config: PathBuf,
+    /// Threads serving the public listener, each running its own single-threaded event loop
+    /// over its own connections (0: one per core). The admin listener and the gateway's
+    /// periodic work run on the first.
+    #[arg(long, env = "LEVEE_WORKERS", default_value_t = 0)]
+    pub workers: usize,
 }
 
 /// Validates a configuration file; `Err` holds one human-readable line per problem, each

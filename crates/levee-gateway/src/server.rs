@@ -100,8 +100,15 @@ impl GatewayHandle {
     }
 }
 
-/// Binds both listeners from `config.listen` (port 0 allowed) and starts serving.
+/// Binds both listeners from `config.listen` (port 0 allowed) and starts serving, all on the
+/// current runtime.
 pub async fn start(config: Config) -> anyhow::Result<GatewayHandle> {
+    start_with(config, 1).await
+}
+
+/// [`start`], with the public listener served by `workers` event loops: this runtime's and
+/// one single-threaded runtime on a thread of its own for each of the others.
+async fn start_with(config: Config, workers: usize) -> anyhow::Result<GatewayHandle> {
     let errors = config.validate();
     if !errors.is_empty() {
         anyhow::bail!("invalid configuration:\n  {}", errors.join("\n  "));
@@ -125,7 +132,8 @@ pub async fn start(config: Config) -> anyhow::Result<GatewayHandle> {
     let admin_router = admin::router(gateway.clone(), access);
     let public_l = Listening::public(public_listener, public_router, &gateway);
     let admin_l = Listening::admin(admin_listener, admin_router, &gateway);
-    let tasks = vec![
+    let mut tasks = spawn_workers(&public_l, &gateway, &stop_accepting, workers)?;
+    tasks.extend([
         tokio::spawn(accept_loop(
             public_l,
             gateway.clone(),
@@ -136,7 +144,7 @@ pub async fn start(config: Config) -> anyhow::Result<GatewayHandle> {
             gateway.clone(),
             stop_accepting.clone(),
         )),
-    ];
+    ]);
     tracing::info!(%public, %admin, "levee gateway listening");
     Ok(GatewayHandle {
         public,
@@ -146,6 +154,62 @@ pub async fn start(config: Config) -> anyhow::Result<GatewayHandle> {
         stop_accepting,
         tasks,
     })
+}
+
+/// The public listener's other event loops (worker 1 onwards, `workers - 1` of them): each a
+/// single-threaded runtime on a thread of its own, accepting on the same socket (the kernel
+/// wakes each; the first to accept takes the connection) and serving its connections to
+/// their end, with its own upstream connections ([`crate::conn_pool`]). A connection's
+/// request, its backend exchange and their wake-ups then stay on one thread, as in a
+/// worker process of nginx, where a work-stealing runtime hands them between threads.
+/// Returns, for each, a task of the current runtime that ends when its loop has.
+fn spawn_workers(
+    public: &Listening,
+    gw: &Arc<Gateway>,
+    stop: &CancellationToken,
+    workers: usize,
+) -> anyhow::Result<Vec<JoinHandle<()>>> {
+    use std::os::fd::AsFd;
+    let mut done = Vec::new();
+    for worker in 1..workers {
+        let tcp = std::net::TcpListener::from(public.tcp.as_fd().try_clone_to_owned()?);
+        tcp.set_nonblocking(true)?;
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| anyhow::anyhow!("cannot start worker {worker}'s runtime: {e}"))?;
+        let (router, limits) = (public.router.clone(), public.limits.clone());
+        let (gw, stop) = (gw.clone(), stop.clone());
+        let (ended, end) = tokio::sync::oneshot::channel::<()>();
+        std::thread::Builder::new()
+            .name(format!("levee-worker-{worker}"))
+            .spawn(move || {
+                crate::conn_pool::set_worker(worker);
+                runtime.block_on(async move {
+                    match TcpListener::from_std(tcp) {
+                        Ok(tcp) => {
+                            let l = Listening {
+                                name: "public",
+                                tcp,
+                                router,
+                                limits,
+                            };
+                            accept_loop(l, gw, stop).await;
+                        }
+                        Err(e) => tracing::error!(worker, "worker cannot listen: {e}"),
+                    }
+                });
+                // Its connections' tasks end with the runtime, before the loop is reported
+                // done.
+                drop(runtime);
+                let _ = ended.send(());
+            })
+            .map_err(|e| anyhow::anyhow!("cannot start worker thread {worker}: {e}"))?;
+        done.push(tokio::spawn(async move {
+            let _ = end.await;
+        }));
+    }
+    Ok(done)
 }
 
 /// The async task service, when `tasks.enabled`: on this replica's own store, or on the
@@ -499,7 +563,12 @@ pub async fn serve_cli(args: crate::ServeArgs) -> anyhow::Result<()> {
             errs.join("\n  ")
         )
     })?;
-    let handle = start(cfg).await?;
+    let workers = match args.workers {
+        0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+        n => n,
+    };
+    let handle = start_with(cfg, workers).await?;
+    tracing::info!(workers, "public listener served by {workers} event loops");
     let gw = handle.gateway().clone();
     crate::reload::watch(gw.clone(), args.config.clone())?;
     wait_for_termination().await;
@@ -593,5 +662,36 @@ mod tests {
             assert_eq!(resp.version(), want);
         }
         gw.shutdown().await;
+    }
+
+    #[tokio::test]
+    async fn a_worker_serves_the_public_listener_while_the_first_loop_is_busy() {
+        let mut cfg = Config::default();
+        cfg.listen.public = "127.0.0.1:0".parse().unwrap();
+        cfg.listen.admin = "127.0.0.1:0".parse().unwrap();
+        let gw = start_with(cfg, 2).await.unwrap();
+        let url: http::Uri = format!("{}/healthz", gw.public_url()).parse().unwrap();
+        // This test's runtime is the gateway's first loop: blocked until the client, on a
+        // runtime of its own, has its answers, so only worker 1 can accept and serve them.
+        let client = std::thread::spawn(move || {
+            let rt = tokio::runtime::Runtime::new().unwrap();
+            rt.block_on(async move {
+                for _ in 0..5 {
+                    let client = hyper_util::client::legacy::Client::builder(TokioExecutor::new())
+                        .build_http::<http_body_util::Empty<bytes::Bytes>>();
+                    let resp =
+                        tokio::time::timeout(Duration::from_secs(5), client.get(url.clone()))
+                            .await
+                            .expect("answered in time")
+                            .unwrap();
+                    assert_eq!(resp.status(), 200);
+                }
+            })
+        });
+        client.join().expect("every request served by worker 1");
+        // Shutdown returns once worker 1's loop has ended too.
+        tokio::time::timeout(Duration::from_secs(10), gw.shutdown())
+            .await
+            .expect("shutdown waits for and ends every worker");
     }
 }

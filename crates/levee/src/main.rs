@@ -156,10 +156,13 @@ fn main() -> ExitCode {
             }
         };
     }
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
+    // `serve` runs its own event loops, one per worker thread ([`levee_gateway::serve_cli`]):
+    // this thread's is the first. The other commands share one multi-threaded runtime.
+    let mut builder = match cli.command {
+        Command::Serve(_) => tokio::runtime::Builder::new_current_thread(),
+        _ => tokio::runtime::Builder::new_multi_thread(),
+    };
+    let runtime = match builder.enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("levee: cannot start the async runtime: {e}");
