@@ -134,7 +134,13 @@ pub fn watch(gw: Arc<Gateway>, path: PathBuf) -> anyhow::Result<()> {
             // Writes arrive as bursts of events; settle, then read the file once.
             tokio::time::sleep(Duration::from_millis(200)).await;
             while rx.try_recv().is_ok() {}
-            reload_from_file(&gw, &path, why);
+            // Off the event loop: reading the file and building the new state (a tokenizer
+            // file, say) would otherwise hold up the connections this loop serves.
+            let (gw, path) = (gw.clone(), path.clone());
+            let reloaded = tokio::task::spawn_blocking(move || reload_from_file(&gw, &path, why));
+            if let Err(e) = reloaded.await {
+                tracing::error!("configuration reload failed: {e}");
+            }
         }
     });
     Ok(())
