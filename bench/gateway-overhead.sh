@@ -9,9 +9,9 @@
 #   bench/gateway-overhead.sh            # SECS=5 ROUNDS=3 RATES="1000 5000" by default
 #   RSS_H2=1 ...                          # queue the 10k requests over h2c instead of HTTP/1.1
 #   ONLY_RSS=1 / NO_BUILD=1               # skip the latency runs / the cargo build
-#   LEVEE_WORKERS=1                       # levee's event loops (`serve --workers`; default: one per
-#                                         # core); a base build from before them reads it as
-#                                         # its tokio worker threads
+#   LEVEE_WORKERS=1                       # levee's tokio worker threads (default: one per core)
+#   LEVEE_EVENT_LOOPS=2                   # levee (and a base that knows the option) on that many
+#                                         # single-threaded event loops (`serve --event-loops`)
 #   LEVEE_BASE=/path/to/levee             # also a second levee from another build ("base"),
 #                                         # interleaved in the same rounds: before/after
 #

@@ -62,11 +62,12 @@ pub struct ServeArgs {
     /// Configuration file (TOML).
     #[arg(long, default_value = "levee.toml")]
     pub config: PathBuf,
-    /// Threads serving the public listener, each running its own single-threaded event loop
-    /// over its own connections (0: one per core). The admin listener and the gateway's
-    /// periodic work run on the first.
-    #[arg(long, env = "LEVEE_WORKERS", default_value_t = 0)]
-    pub workers: usize,
+    /// Serve the public listener on this many single-threaded event loops, a thread each,
+    /// instead of tokio's work-stealing runtime (0, the default). Less CPU per request and
+    /// memory per connection, but a loop the kernel puts off holds up every connection it
+    /// has: only for a gateway with cores of its own.
+    #[arg(long, env = "LEVEE_EVENT_LOOPS", default_value_t = 0)]
+    pub event_loops: usize,
 }
 
 /// Validates a configuration file; `Err` holds one human-readable line per problem, each

@@ -107,7 +107,8 @@ pub async fn start(config: Config) -> anyhow::Result<GatewayHandle> {
 }
 
 /// [`start`], with the public listener served by `workers` event loops: this runtime's and
-/// one single-threaded runtime on a thread of its own for each of the others.
+/// one single-threaded runtime on a thread of its own for each of the others (`levee serve
+/// --event-loops`).
 async fn start_with(config: Config, workers: usize) -> anyhow::Result<GatewayHandle> {
     let errors = config.validate();
     if !errors.is_empty() {
@@ -161,8 +162,10 @@ async fn start_with(config: Config, workers: usize) -> anyhow::Result<GatewayHan
 /// wakes each; the first to accept takes the connection) and serving its connections to
 /// their end, with its own upstream connections ([`crate::conn_pool`]). A connection's
 /// request, its backend exchange and their wake-ups then stay on one thread, as in a
-/// worker process of nginx, where a work-stealing runtime hands them between threads.
-/// Returns, for each, a task of the current runtime that ends when its loop has.
+/// worker process of nginx, where a work-stealing runtime hands them between threads; but
+/// no other thread takes them up while the kernel puts that thread off (BENCHMARKS.md,
+/// "Gateway overhead": the tail latency of a busy machine). Returns, for each, a task of
+/// the current runtime that ends when its loop has.
 fn spawn_workers(
     public: &Listening,
     gw: &Arc<Gateway>,
@@ -563,12 +566,13 @@ pub async fn serve_cli(args: crate::ServeArgs) -> anyhow::Result<()> {
             errs.join("\n  ")
         )
     })?;
-    let workers = match args.workers {
-        0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
-        n => n,
-    };
-    let handle = start_with(cfg, workers).await?;
-    tracing::info!(workers, "public listener served by {workers} event loops");
+    let handle = start_with(cfg, args.event_loops.max(1)).await?;
+    if args.event_loops > 0 {
+        tracing::info!(
+            loops = args.event_loops,
+            "public listener on single-threaded event loops"
+        );
+    }
     let gw = handle.gateway().clone();
     crate::reload::watch(gw.clone(), args.config.clone())?;
     wait_for_termination().await;

@@ -156,10 +156,10 @@ fn main() -> ExitCode {
             }
         };
     }
-    // `serve` runs its own event loops, one per worker thread ([`levee_gateway::serve_cli`]):
-    // this thread's is the first. The other commands share one multi-threaded runtime.
-    let mut builder = match cli.command {
-        Command::Serve(_) => tokio::runtime::Builder::new_current_thread(),
+    // `serve --event-loops N` runs its own single-threaded loops ([`levee_gateway::serve_cli`]):
+    // this thread's is the first. Everything else runs on tokio's work-stealing runtime.
+    let mut builder = match &cli.command {
+        Command::Serve(a) if a.event_loops > 0 => tokio::runtime::Builder::new_current_thread(),
         _ => tokio::runtime::Builder::new_multi_thread(),
     };
     let runtime = match builder.enable_all().build() {
