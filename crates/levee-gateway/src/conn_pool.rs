@@ -33,27 +33,28 @@ pub(crate) type ConnectError = Box<dyn std::error::Error + Send + Sync>;
 /// seldom sent on a connection the server has just closed (it is sent again when it is).
 const IDLE_LIMIT: Duration = Duration::from_secs(4);
 
-/// Idle connections kept at most per backend and worker.
+/// Idle connections kept at most per backend and event loop.
 const MAX_IDLE: usize = 4096;
 
 thread_local! {
-    /// The worker (event loop) this thread runs: 0 unless [`set_worker`] said otherwise.
-    static WORKER: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+    /// The event loop this thread runs (`levee serve --event-loops`): 0 unless [`set_event_loop`]
+    /// said otherwise.
+    static EVENT_LOOP: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
 }
 
-/// Marks this thread as worker `n`'s event loop: the connections it dials are kept for its
+/// Marks this thread as event loop `n`: the connections it dials are kept for its
 /// own requests.
-pub(crate) fn set_worker(n: usize) {
-    WORKER.with(|w| w.set(n));
+pub(crate) fn set_event_loop(n: usize) {
+    EVENT_LOOP.with(|w| w.set(n));
 }
 
-/// Idle stacks a pool keeps at most: one per worker up to this many.
+/// Idle stacks a pool keeps at most: one per event loop up to this many.
 const MAX_SHARDS: usize = 64;
 
-/// One backend's idle connections, oldest first, one stack per worker: a connection's task
+/// One backend's idle connections, oldest first, one stack per event loop: a connection's task
 /// runs on the event loop that dialled it, and a request of another loop using it would
 /// wake that loop's thread twice (to send, to answer). Threads of a work-stealing runtime
-/// are all worker 0.
+/// are all loop 0.
 pub(crate) struct ConnPool {
     shards: Box<[Idle]>,
 }
@@ -135,9 +136,9 @@ impl ConnPool {
         }
     }
 
-    /// This thread's worker's idle connections.
+    /// This thread's event loop's idle connections.
     fn shard(&self) -> &Idle {
-        &self.shards[WORKER.with(|w| w.get()) % self.shards.len()]
+        &self.shards[EVENT_LOOP.with(|w| w.get()) % self.shards.len()]
     }
 
     /// Idle connections kept now.
@@ -261,16 +262,16 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_worker_reuses_only_the_connections_it_dialled() {
+    async fn an_event_loop_reuses_only_the_connections_it_dialled() {
         let (uri, accepted) = server().await;
         let pool = Arc::new(ConnPool::with_shards(2));
-        set_worker(1);
+        set_event_loop(1);
         exchange(&pool, &uri, true).await;
-        set_worker(0);
+        set_event_loop(0);
         exchange(&pool, &uri, true).await;
-        assert_eq!(accepted.load(Ordering::SeqCst), 2, "worker 0 dials its own");
+        assert_eq!(accepted.load(Ordering::SeqCst), 2, "loop 0 dials its own");
         for w in [1, 0, 1] {
-            set_worker(w);
+            set_event_loop(w);
             exchange(&pool, &uri, true).await;
         }
         assert_eq!(accepted.load(Ordering::SeqCst), 2, "each reuses its own");

@@ -106,10 +106,10 @@ pub async fn start(config: Config) -> anyhow::Result<GatewayHandle> {
     start_with(config, 1).await
 }
 
-/// [`start`], with the public listener served by `workers` event loops: this runtime's and
+/// [`start`], with the public listener served by `loops` event loops: this runtime's and
 /// one single-threaded runtime on a thread of its own for each of the others (`levee serve
 /// --event-loops`).
-async fn start_with(config: Config, workers: usize) -> anyhow::Result<GatewayHandle> {
+async fn start_with(config: Config, loops: usize) -> anyhow::Result<GatewayHandle> {
     let errors = config.validate();
     if !errors.is_empty() {
         anyhow::bail!("invalid configuration:\n  {}", errors.join("\n  "));
@@ -133,7 +133,7 @@ async fn start_with(config: Config, workers: usize) -> anyhow::Result<GatewayHan
     let admin_router = admin::router(gateway.clone(), access);
     let public_l = Listening::public(public_listener, public_router, &gateway);
     let admin_l = Listening::admin(admin_listener, admin_router, &gateway);
-    let mut tasks = spawn_workers(&public_l, &gateway, &stop_accepting, workers)?;
+    let mut tasks = spawn_loops(&public_l, &gateway, &stop_accepting, loops)?;
     tasks.extend([
         tokio::spawn(accept_loop(
             public_l,
@@ -157,7 +157,7 @@ async fn start_with(config: Config, workers: usize) -> anyhow::Result<GatewayHan
     })
 }
 
-/// The public listener's other event loops (worker 1 onwards, `workers - 1` of them): each a
+/// The public listener's other event loops (loop 1 onwards, `loops - 1` of them): each a
 /// single-threaded runtime on a thread of its own, accepting on the same socket (the kernel
 /// wakes each; the first to accept takes the connection) and serving its connections to
 /// their end, with its own upstream connections ([`crate::conn_pool`]). A connection's
@@ -166,28 +166,30 @@ async fn start_with(config: Config, workers: usize) -> anyhow::Result<GatewayHan
 /// no other thread takes them up while the kernel puts that thread off (BENCHMARKS.md,
 /// "Gateway overhead": the tail latency of a busy machine). Returns, for each, a task of
 /// the current runtime that ends when its loop has.
-fn spawn_workers(
+fn spawn_loops(
     public: &Listening,
     gw: &Arc<Gateway>,
     stop: &CancellationToken,
-    workers: usize,
+    loops: usize,
 ) -> anyhow::Result<Vec<JoinHandle<()>>> {
     use std::os::fd::AsFd;
     let mut done = Vec::new();
-    for worker in 1..workers {
-        let tcp = std::net::TcpListener::from(public.tcp.as_fd().try_clone_to_owned()?);
-        tcp.set_nonblocking(true)?;
+    for n in 1..loops {
+        let tcp = public.tcp.as_fd().try_clone_to_owned().map_err(|e| {
+            anyhow::anyhow!("cannot share the public listener with event loop {n}: {e}")
+        })?;
+        let tcp = std::net::TcpListener::from(tcp);
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
-            .map_err(|e| anyhow::anyhow!("cannot start worker {worker}'s runtime: {e}"))?;
+            .map_err(|e| anyhow::anyhow!("cannot start event loop {n}'s runtime: {e}"))?;
         let (router, limits) = (public.router.clone(), public.limits.clone());
         let (gw, stop) = (gw.clone(), stop.clone());
         let (ended, end) = tokio::sync::oneshot::channel::<()>();
         std::thread::Builder::new()
-            .name(format!("levee-worker-{worker}"))
+            .name(format!("levee-loop-{n}"))
             .spawn(move || {
-                crate::conn_pool::set_worker(worker);
+                crate::conn_pool::set_event_loop(n);
                 runtime.block_on(async move {
                     match TcpListener::from_std(tcp) {
                         Ok(tcp) => {
@@ -199,7 +201,7 @@ fn spawn_workers(
                             };
                             accept_loop(l, gw, stop).await;
                         }
-                        Err(e) => tracing::error!(worker, "worker cannot listen: {e}"),
+                        Err(e) => tracing::error!(event_loop = n, "cannot listen: {e}"),
                     }
                 });
                 // Its connections' tasks end with the runtime, before the loop is reported
@@ -207,7 +209,7 @@ fn spawn_workers(
                 drop(runtime);
                 let _ = ended.send(());
             })
-            .map_err(|e| anyhow::anyhow!("cannot start worker thread {worker}: {e}"))?;
+            .map_err(|e| anyhow::anyhow!("cannot start event loop {n}'s thread: {e}"))?;
         done.push(tokio::spawn(async move {
             let _ = end.await;
         }));
@@ -669,14 +671,14 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_worker_serves_the_public_listener_while_the_first_loop_is_busy() {
+    async fn a_second_event_loop_serves_the_public_listener_while_the_first_is_busy() {
         let mut cfg = Config::default();
         cfg.listen.public = "127.0.0.1:0".parse().unwrap();
         cfg.listen.admin = "127.0.0.1:0".parse().unwrap();
         let gw = start_with(cfg, 2).await.unwrap();
         let url: http::Uri = format!("{}/healthz", gw.public_url()).parse().unwrap();
         // This test's runtime is the gateway's first loop: blocked until the client, on a
-        // runtime of its own, has its answers, so only worker 1 can accept and serve them.
+        // runtime of its own, has its answers, so only loop 1 can accept and serve them.
         let client = std::thread::spawn(move || {
             let rt = tokio::runtime::Runtime::new().unwrap();
             rt.block_on(async move {
@@ -692,10 +694,10 @@ mod tests {
                 }
             })
         });
-        client.join().expect("every request served by worker 1");
-        // Shutdown returns once worker 1's loop has ended too.
+        client.join().expect("every request served by loop 1");
+        // Shutdown returns once loop 1 has ended too.
         tokio::time::timeout(Duration::from_secs(10), gw.shutdown())
             .await
-            .expect("shutdown waits for and ends every worker");
+            .expect("shutdown waits for and ends every loop");
     }
 }
