@@ -147,7 +147,7 @@ mod tests {
         // queued request holds for its whole wait: 432 bytes with rustc 1.95, inside
         // jemalloc's 448-byte size class. Each class above costs every queued request more
         // (512: 0.6 MB more for the 10,000 queued requests of bench/gateway-overhead.sh,
-        // 77 MB with `levee serve`'s event loops; 640: 1.9 MB).
+        // 100 MB on the default runtime, 77 MB on event loops; 640: 1.9 MB).
         let gw = Gateway::new(crate::Config::default()).unwrap();
         let peer = "127.0.0.1:1".parse().unwrap();
         let id = RequestId::for_request(&HeaderMap::new(), Some(peer));
