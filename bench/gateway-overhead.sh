@@ -12,6 +12,9 @@
 #   LEVEE_WORKERS=1                       # levee's tokio worker threads (default: one per core)
 #   LEVEE_EVENT_LOOPS=2                   # levee (and a base that knows the option) on that many
 #                                         # single-threaded event loops (`serve --event-loops`)
+#   SYSCALLS=1                            # also count each proxy's system calls and context
+#                                         # switches per request (perf stat on the syscall
+#                                         # tracepoints: apt-get install -y linux-perf, as root)
 #   LEVEE_BASE=/path/to/levee             # also a second levee from another build ("base"),
 #                                         # interleaved in the same rounds: before/after
 #
@@ -153,7 +156,15 @@ run() { # $1 name $2 url $3 rate $4 round
   local out pids t0 t1
   pids=$(proxy_pids "$1")
   t0=$(ticks $pids)
-  out=$("$LOADGEN" --url "$2/v1/chat/completions" --rate "$3" --secs "$SECS" --warmup-secs "$WARMUP" --key "$KEY")
+  local load=("$LOADGEN" --url "$2/v1/chat/completions" --rate "$3" --secs "$SECS" --warmup-secs "$WARMUP" --key "$KEY")
+  rm -f "$TMP/perf.csv"
+  if [ "${SYSCALLS:-0}" = 1 ] && [ -n "$pids" ]; then
+    local pid_list
+    pid_list=$(echo $pids | tr ' ' ',')
+    out=$(perf stat -x, -o "$TMP/perf.csv" -e "$PERF_EVENTS" -p "$pid_list" -- "${load[@]}")
+  else
+    out=$("${load[@]}")
+  fi
   t1=$(ticks $pids)
   # CPU microseconds per request spent in the proxy (0 for direct): in all, in user space
   # and in the kernel.
@@ -164,10 +175,23 @@ d = json.loads(sys.argv[1]); n = $3 * ($SECS + $WARMUP)
 d['proxy_user_us_per_req'] = (u1 - u0) * 10000.0 / n
 d['proxy_sys_us_per_req'] = (s1 - s0) * 10000.0 / n
 d['proxy_cpu_us_per_req'] = d['proxy_user_us_per_req'] + d['proxy_sys_us_per_req']
-print(json.dumps(d))" "$out" "$t0" "$t1")
+try:
+    for line in open(sys.argv[4]):
+        f = line.strip().split(',')
+        if len(f) > 2 and f[0].replace('.', '').isdigit():
+            d['per_req_' + f[2].split(':')[-1]] = float(f[0]) / n
+except FileNotFoundError:
+    pass
+print(json.dumps(d))" "$out" "$t0" "$t1" "$TMP/perf.csv")
   echo "$1 $3 $4 $out" >>"$TMP/results.txt"
   echo "round $4: $1 @ $3/s: $out" >&2
 }
+
+# What SYSCALLS=1 counts (the proxy's threads, all its processes for nginx).
+PERF_EVENTS=context-switches,raw_syscalls:sys_enter,syscalls:sys_enter_futex,syscalls:sys_enter_epoll_wait,syscalls:sys_enter_writev,syscalls:sys_enter_recvfrom
+if [ "${SYSCALLS:-0}" = 1 ]; then
+  command -v perf >/dev/null || { echo "SYSCALLS=1 needs perf: apt-get install -y linux-perf" >&2; exit 1; }
+fi
 
 # Rounds interleave the targets so a burst of background load hits all of them alike; the
 # table reports, per rate and target, the median over rounds of each percentile, and the
@@ -217,6 +241,19 @@ for rate in rates:
         cpu, user, kernel = (med([r.get(f"proxy_{k}_us_per_req", 0) for r in rs]) for k in ("cpu", "user", "sys"))
         cpu_s = "" if name == "direct" else f"{cpu:.0f} ({user:.0f} + {kernel:.0f})"
         print(f"| {rate}/s | {name} | {ok} / {sent} | {p['p50']:.3f} | {p['p90']:.3f} | {p['p99']:.3f} | {p['p999']:.3f} | {cpu_s} | {added} |")
+counted = ("sys_enter", "sys_enter_writev", "sys_enter_recvfrom", "sys_enter_epoll_wait", "sys_enter_futex", "context-switches")
+if any("per_req_sys_enter" in r for r in rows.values()):
+    print()
+    print("Per request, medians over rounds (SYSCALLS=1; the proxy's own threads and processes):")
+    print()
+    print("| rate | target | system calls | writev | recvfrom | epoll_wait | futex | context switches |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for rate in rates:
+        for name in ("levee", "base", "nginx"):
+            rs = [rows[(name, rate, r)] for r in rounds if (name, rate, r) in rows]
+            if rs and all("per_req_sys_enter" in r for r in rs):
+                cells = " | ".join(f"{med([r.get('per_req_' + k, 0) for r in rs]):.2f}" for k in counted)
+                print(f"| {rate}/s | {name} | {cells} |")
 PY
 
 # --- RSS with QUEUED requests waiting in levee's queue -----------------------------------
