@@ -102,19 +102,24 @@ import glob, json, re, statistics, sys
 out, mode, runs = sys.argv[1], sys.argv[2], sys.argv[3:]
 print(f"backends: {'two llama-servers (gemma-3-270m, 4 slots, 1 thread)' if mode == 'llama' else 'two simulated engines (profiles/llamacpp-gemma3-270m-2core.toml)'}")
 print()
-print("| flood | routing | round | requests | success | goodput req/s | TTFT p50 ms | TTFT p99 ms | cached prompt tokens | prefilled tokens | prefilled per warm turn, median |")
-print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+print("| flood | routing | round | requests | success | goodput req/s | TTFT p50 ms | TTFT p99 ms | cached prompt tokens | prefilled tokens | prefilled per warm turn, median | prefilled per request, median | TTFT p50 floor ms |")
+print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
 
 
 def prefill(d):
     """From the llama-servers' own logs: the prompt tokens they computed (not found in a
-    cache), and the median of those per turn that found at least 50 tokens cached."""
-    evaluated, total, generated = {}, {}, {}
+    cache); the median of those per turn that found at least 50 tokens cached, and per
+    request; and the floor under the TTFT p50 that routing can reach: the median request's
+    computed tokens at the run's fastest prefill (the lowest ms per token of any prompt of
+    64 tokens or more), what it would take with a server to itself."""
+    evaluated, total, generated, rates = {}, {}, {}, []
     for f in glob.glob(f"{d}/llama-server-*.log"):
         for line in open(f):
-            m = re.search(r"task (\d+) \| prompt eval time = +[\d.]+ ms / +(\d+) tokens", line)
+            m = re.search(r"task (\d+) \| prompt eval time = +[\d.]+ ms / +(\d+) tokens \( +([\d.]+) ms per token", line)
             if m:
                 evaluated[(f, m[1])] = int(m[2])
+                if int(m[2]) >= 64:
+                    rates.append(float(m[3]))
             m = re.search(r"task (\d+) \| +eval time = +[\d.]+ ms / +(\d+) tokens", line)
             if m:
                 generated[(f, m[1])] = int(m[2])
@@ -122,10 +127,13 @@ def prefill(d):
             if m:
                 total[(f, m[1])] = int(m[2])
     if not evaluated:
-        return "", ""
+        return "", "", "", ""
     warm = [e for t, e in evaluated.items()
             if t in total and t in generated and total[t] - generated[t] - e >= 50]
-    return str(sum(evaluated.values())), (f"{statistics.median(warm):.0f}" if warm else "")
+    median = statistics.median(evaluated.values())
+    floor = f"{median * min(rates):.0f}" if rates else ""
+    return (str(sum(evaluated.values())), (f"{statistics.median(warm):.0f}" if warm else ""),
+            f"{median:.0f}", floor)
 
 for run in runs:
     flood, routing, rnd = run.split("-")
