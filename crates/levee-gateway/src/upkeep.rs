@@ -140,8 +140,8 @@ async fn scrape_all(gw: &Gateway) {
     let lanes = gw.lanes();
     let jobs = lanes.iter().flat_map(|lane| {
         lane.backends().into_iter().map(move |b| async move {
-            b.scrape(gw.client(), timeout, n).await;
-            lane.scraped(&b);
+            let reported = b.scrape(gw.client(), timeout, n).await;
+            lane.scraped(&b, reported);
         })
     });
     futures::future::join_all(jobs).await;

@@ -285,8 +285,52 @@ async fn levee_in_front_of_a_real_llama_server() {
         "{admin_metrics}"
     );
 
-    // The scraped llama.cpp metrics appear in /admin/state.
+    // A client that leaves mid-answer stops the server's work on it, streamed or not: levee
+    // closes its upstream connection and llama-server cancels the task (preemption and
+    // every abandonment rely on it). It would not for a non-streamed request were its
+    // `/metrics` read more often than once a second (as this gateway's scrape interval,
+    // 100 ms, would without `LLAMACPP_METRICS_EVERY`): the server only looks at the
+    // connection after a whole second without one. Without the cancellation it would
+    // generate all 400 tokens (`ignore_eos`).
     let g = gw.gateway().clone();
+    for stream in [false, true] {
+        let before = server.metric("llamacpp:tokens_predicted_total").await;
+        let mut conn = leave_mid_answer(&gw.public_url(), stream).await;
+        wait_until("the long request dispatched", || {
+            g.state_json()["models"][0]["backends"][0]["in_flight"].as_u64() == Some(1)
+        })
+        .await;
+        if stream {
+            // The stream's head or first event has come: the answer has started.
+            let mut first = [0u8; 256];
+            let n = tokio::io::AsyncReadExt::read(&mut conn, &mut first)
+                .await
+                .unwrap();
+            assert!(n > 0, "no answer started");
+        }
+        drop(conn);
+        // Read the server's gauges only every 3 s here, for the same reason.
+        let mut idle = false;
+        for _ in 0..20 {
+            tokio::time::sleep(Duration::from_secs(3)).await;
+            if server.metric("llamacpp:requests_processing").await == 0.0 {
+                idle = true;
+                break;
+            }
+        }
+        assert!(
+            idle,
+            "llama-server still busy a minute after the client left (stream {stream})"
+        );
+        let generated = server.metric("llamacpp:tokens_predicted_total").await - before;
+        assert!(
+            generated < 400.0,
+            "llama-server generated {generated} tokens for a request whose client left \
+             (stream {stream}): the cancellation did not reach it"
+        );
+    }
+
+    // The scraped llama.cpp metrics appear in /admin/state.
     wait_until("llama-server load scraped", || {
         g.state_json()["models"][0]["backends"][0]["reported"].is_object()
     })
@@ -336,6 +380,26 @@ async fn levee_in_front_of_a_real_llama_server() {
 
     gw.shutdown().await;
     drop(server);
+}
+
+/// Sends a long request (400 tokens, end of text ignored) for tenant `s` on a raw
+/// connection, so that the test decides when the client leaves: by dropping it.
+async fn leave_mid_answer(public_url: &str, stream: bool) -> tokio::net::TcpStream {
+    let addr = public_url.trim_start_matches("http://");
+    let body = serde_json::json!({"model": "m", "max_tokens": 400, "ignore_eos": true,
+        "stream": stream,
+        "messages": [{"role": "user", "content": "Tell a long story about a lighthouse keeper."}]})
+    .to_string();
+    let req = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: {addr}\r\nauthorization: Bearer key-s\r\n\
+         content-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    let mut conn = tokio::net::TcpStream::connect(addr).await.unwrap();
+    tokio::io::AsyncWriteExt::write_all(&mut conn, req.as_bytes())
+        .await
+        .unwrap();
+    conn
 }
 
 impl Drop for LlamaServer {

@@ -298,14 +298,16 @@ impl Lane {
         self.change(|l| l.set_backends(limits));
     }
 
-    /// After a scrape of `b`: its limits, health and report reach the admission state.
-    pub fn scraped(&self, b: &Backend) {
+    /// After a scrape of `b`: its limits, health and, when the scrape `reported` a new one,
+    /// its load report (stamped now: a report kept from an earlier scrape keeps its age)
+    /// reach the admission state.
+    pub fn scraped(&self, b: &Backend, reported: bool) {
         let now = self.ctx.clock.now();
         let mut adm = self.adm.lock();
         let l = adm.lane_mut();
         l.set_backend_limits(&b.key, b.limits());
         l.set_routable(&b.key, b.is_routable());
-        if let Some(r) = b.report() {
+        if let Some(r) = b.report().filter(|_| reported) {
             l.report(&b.key, r, now);
         }
     }
