@@ -192,7 +192,10 @@ async fn wait_ready(urls: &[String]) -> anyhow::Result<()> {
                  /metrics); is it running?",
                 READY_TIMEOUT.as_secs()
             );
-            tokio::time::sleep(Duration::from_millis(250)).await;
+            // Not more often: a llama-server polled for its /metrics within every second
+            // never notices that a non-streamed request's client has gone, and the wait
+            // would last until the previous run's abandoned requests ended by themselves.
+            tokio::time::sleep(Duration::from_secs(2)).await;
         }
     }
     Ok(())
