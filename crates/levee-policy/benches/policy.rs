@@ -283,8 +283,8 @@ impl<K: std::hash::Hash + Eq + Ord + Clone> Bench<K> {
 /// Threads that keep their work for the whole benchmark, as the one-thread case keeps its
 /// bench: every sample goes on with the same lanes (their queues, rate estimators and
 /// simulated time) instead of fresh ones built for it, so one and two threads are measured
-/// in the same state (fresh lanes per sample measured lanes warming up: one thread run that
-/// way took 4-10% longer than the one-thread bench). The lanes are built on the main thread
+/// in the same state (one thread run on fresh lanes per sample took 4-10% longer than the
+/// one-thread bench, measured by hand on 2026-12-06). The lanes are built on the main thread
 /// and run on others, as the gateway builds them at configuration load and runs them on its
 /// workers.
 struct Team {
@@ -334,6 +334,19 @@ impl Team {
         start.elapsed()
     }
 
+    /// Two threads taking turns at one `T` behind one lock, each running `step` on it.
+    fn sharing<T: Send + 'static>(shared: T, step: fn(&mut T)) -> Team {
+        let shared = Arc::new(Mutex::new(shared));
+        Team::new(
+            (0..2)
+                .map(|_| {
+                    let shared = Arc::clone(&shared);
+                    Box::new(move || step(&mut shared.lock())) as Box<dyn FnMut() + Send>
+                })
+                .collect(),
+        )
+    }
+
     /// A thread per bench, each cycling its own.
     fn of(benches: Vec<KeyBench>) -> Team {
         Team::new(
@@ -380,26 +393,12 @@ fn admission(c: &mut Criterion) {
     // Two threads deciding for one model: both contend for its lane's lock, as every
     // decision did when the gateway had one lock for all models.
     g.bench_function("full_decision/2_threads_1_model", |b| {
-        let shared = Arc::new(Mutex::new(KeyBench::alone(Key::new)));
-        let jobs = (0..2)
-            .map(|_| {
-                let shared = Arc::clone(&shared);
-                Box::new(move || shared.lock().cycle()) as Box<dyn FnMut() + Send>
-            })
-            .collect();
-        let team = Team::new(jobs);
+        let team = Team::sharing(KeyBench::alone(Key::new), KeyBench::cycle);
         b.iter_custom(|iters| team.run(iters))
     });
     // The floor under contention: the same lock taken and released with no work inside.
     g.bench_function("mutex_only/2_threads", |b| {
-        let shared = Arc::new(Mutex::new(0u64));
-        let jobs = (0..2)
-            .map(|_| {
-                let shared = Arc::clone(&shared);
-                Box::new(move || *shared.lock() += 1) as Box<dyn FnMut() + Send>
-            })
-            .collect();
-        let team = Team::new(jobs);
+        let team = Team::sharing(0u64, |n| *n += 1);
         b.iter_custom(|iters| team.run(iters))
     });
     // Parts of the decision, for orientation.
