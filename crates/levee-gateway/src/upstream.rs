@@ -99,6 +99,17 @@ pub struct ReportedLoad {
     pub kv_known: bool,
 }
 
+impl ReportedLoad {
+    /// The report as the admission state reads it.
+    pub fn as_report(&self) -> BackendReport {
+        BackendReport {
+            running: self.running,
+            waiting: self.waiting,
+            kv_usage: self.kv_known.then_some(self.kv_usage),
+        }
+    }
+}
+
 /// How often a llama-server's `/metrics` is read at most (see [`Backend::metrics_due`]): two
 /// of its one-second waits, so a scrape a little early still leaves one whole.
 pub(crate) const LLAMACPP_METRICS_EVERY: Duration = Duration::from_secs(2);
@@ -742,15 +753,6 @@ impl Backend {
         *self.load.lock()
     }
 
-    /// The last load report as the admission state reads it.
-    pub fn report(&self) -> Option<BackendReport> {
-        self.reported().map(|l| BackendReport {
-            running: l.running,
-            waiting: l.waiting,
-            kv_usage: l.kv_known.then_some(l.kv_usage),
-        })
-    }
-
     /// Feeds one finished request to the adaptive limit (if on): its time to first byte and
     /// whether the backend failed it.
     pub fn adaptive_sample(&self, ttft: Option<Duration>, failed: bool, in_flight: usize) {
@@ -807,14 +809,14 @@ impl Backend {
     /// answer (`/health`: vLLM and llama-server both serve it; a crashed or restarting engine
     /// answers 503 there while its `/metrics` may still answer); metrics are best effort.
     /// Without a health path (passive health only) the backend stays healthy here and
-    /// leaves routing only through its breaker and outlier ejection. Returns whether it
-    /// read a new load report.
+    /// leaves routing only through its breaker and outlier ejection. Returns the load report
+    /// it read, if it read one.
     pub async fn scrape(
         &self,
         client: &HttpClient,
         timeout: Duration,
         unhealthy_after: u32,
-    ) -> bool {
+    ) -> Option<ReportedLoad> {
         let ok = if self.health_path.is_empty() {
             true
         } else {
@@ -822,7 +824,7 @@ impl Backend {
             matches!(health, Ok(Ok(_)))
         };
         let get = |path: &'static str| tokio::time::timeout(timeout, self.get(client, path));
-        let mut reported = false;
+        let mut reported = None;
         if ok {
             if self.metrics_due(tokio::time::Instant::now()) {
                 if let Ok(Ok(text)) = get("/metrics").await {
@@ -882,19 +884,17 @@ impl Backend {
         due
     }
 
-    /// Takes the load figures (and vLLM's KV size) from `/metrics` text; whether it found
-    /// load figures there.
-    fn read_metrics(&self, text: &str) -> bool {
+    /// Takes the load figures (and vLLM's KV size) from `/metrics` text; the load figures,
+    /// if it found them there.
+    fn read_metrics(&self, text: &str) -> Option<ReportedLoad> {
         if self.kind == BackendKind::Vllm {
             if let Some(kv) = parse_vllm_cache_tokens(text) {
                 self.learned.lock().kv_tokens = Some(kv);
             }
         }
-        let Some(l) = parse_load(self.kind, text) else {
-            return false;
-        };
+        let l = parse_load(self.kind, text)?;
         *self.load.lock() = Some(l);
-        true
+        Some(l)
     }
 
     /// How many tokens `prompt` takes as this engine counts it (its template and tokenizer):

@@ -19,7 +19,7 @@ pub(crate) use request::{decide, rate_info, Admitted, Decision, QueueSpot, Waite
 use crate::clock::TokioClock;
 use crate::error::GatewayError;
 use crate::metrics::{Metrics, TierLabel};
-use crate::upstream::Backend;
+use crate::upstream::{Backend, ReportedLoad};
 use levee_policy::{
     AdmissionConfig, BackendLimits, Clock, Key, LaneAdmission, LoadSignals, ModelSpec, Pending,
     PrefillFit, SharedLimits, Timestamp,
@@ -298,17 +298,17 @@ impl Lane {
         self.change(|l| l.set_backends(limits));
     }
 
-    /// After a scrape of `b`: its limits, health and, when the scrape `reported` a new one,
-    /// its load report (stamped now: a report kept from an earlier scrape keeps its age)
-    /// reach the admission state.
-    pub fn scraped(&self, b: &Backend, reported: bool) {
+    /// After a scrape of `b`: its limits, health and the load report the scrape read, if it
+    /// read one, reach the admission state (stamped now: the one an earlier scrape read
+    /// keeps its age).
+    pub fn scraped(&self, b: &Backend, reported: Option<ReportedLoad>) {
         let now = self.ctx.clock.now();
         let mut adm = self.adm.lock();
         let l = adm.lane_mut();
         l.set_backend_limits(&b.key, b.limits());
         l.set_routable(&b.key, b.is_routable());
-        if let Some(r) = b.report().filter(|_| reported) {
-            l.report(&b.key, r, now);
+        if let Some(r) = reported {
+            l.report(&b.key, r.as_report(), now);
         }
     }
 
