@@ -352,16 +352,17 @@ impl ClientRequest {
     }
 
     /// The body to send upstream: `model` set to `model`, the cap written if `cap` is set,
-    /// `stream_options.include_usage` set if `include_usage`. Unchanged bytes (no copy)
-    /// when none of these changes anything.
+    /// and with `stream_with_usage` a stream asked for with `stream_options.include_usage`
+    /// (the client's own stream, or one levee reads whole in place of a non-streamed
+    /// answer). Unchanged bytes (no copy) when none of these changes anything.
     pub fn upstream_body(
         &self,
         model: &str,
         cap: Option<u32>,
-        include_usage: bool,
+        stream_with_usage: bool,
     ) -> Result<Bytes, GatewayError> {
         use serde_json::{Map, Value};
-        if model == self.model && cap.is_none() && !include_usage {
+        if model == self.model && cap.is_none() && !stream_with_usage {
             return Ok(self.raw.clone());
         }
         let mut body: Map<String, Value> = serde_json::from_slice(&self.raw)
@@ -374,7 +375,8 @@ impl ClientRequest {
             };
             body.insert(key.into(), Value::from(m));
         }
-        if include_usage {
+        if stream_with_usage {
+            body.insert("stream".into(), Value::Bool(true));
             let opts = body
                 .entry("stream_options")
                 .or_insert_with(|| Value::Object(Map::new()));
@@ -475,6 +477,7 @@ mod tests {
         assert_eq!(v["model"], "up");
         assert_eq!(v["max_tokens"], 3);
         assert_eq!(v["stream_options"]["include_usage"], true);
+        assert_eq!(v["stream"], true, "asked for a stream, with its usage");
         assert_eq!(v["messages"][0]["content"], "hi \u{e9}");
 
         let (r, _) =

@@ -34,6 +34,7 @@ pub mod otel;
 mod pipeline;
 mod proxy;
 mod queue_updates;
+mod reassemble;
 pub mod reload;
 mod request_log;
 mod response_cache;

@@ -239,9 +239,10 @@ fn causes(e: &(dyn std::error::Error + 'static)) -> String {
     out
 }
 
-/// Reads a whole non-streaming response, learning its usage; `keep` sees the body of a 200.
+/// Reads a whole non-streaming response (unless it was read ahead), learning its usage;
+/// `keep` sees the body of a 200.
 pub async fn finish_buffered(
-    resp: http::Response<Incoming>,
+    (resp, ahead): Answer,
     mut settlement: Settlement,
     deadline: Instant,
     sent_at: Instant,
@@ -260,11 +261,26 @@ pub async fn finish_buffered(
     }
     // The response head is the first byte a non-streaming client could see.
     settlement.outcome.ttft = Some(sent_at.elapsed());
-    // Bounded: a backend that answers without end would otherwise grow this buffer until
-    // the gateway runs out of memory.
-    let limited = http_body_util::Limited::new(body, max_bytes);
-    let bytes = match tokio::time::timeout_at(deadline, limited.collect()).await {
-        Ok(Ok(c)) => c.to_bytes(),
+    let mut headers = parts.headers;
+    let read = match ahead {
+        ReadAhead::Whole(bytes) => {
+            headers.insert(
+                http::header::CONTENT_TYPE,
+                HeaderValue::from_static("application/json"),
+            );
+            Ok(Ok(bytes))
+        }
+        // Bounded: a backend that answers without end would otherwise grow this buffer
+        // until the gateway runs out of memory.
+        ReadAhead::Nothing | ReadAhead::First(_) => {
+            let limited = http_body_util::Limited::new(body, max_bytes);
+            tokio::time::timeout_at(deadline, limited.collect())
+                .await
+                .map(|r| r.map(|c| c.to_bytes()))
+        }
+    };
+    let bytes = match read {
+        Ok(Ok(bytes)) => bytes,
         Ok(Err(e)) => {
             settlement.outcome.transport_error = true;
             settlement.finish();
@@ -292,7 +308,7 @@ pub async fn finish_buffered(
     settlement.finish();
     let mut out = Response::new(Body::from(bytes));
     *out.status_mut() = parts.status;
-    copy_content_type(&parts.headers, out.headers_mut());
+    copy_content_type(&headers, out.headers_mut());
     for (k, v) in extra {
         out.headers_mut().insert(k.clone(), v.clone());
     }
@@ -332,8 +348,77 @@ pub enum FirstFrame {
     Silent,
 }
 
-/// A backend's answer: its head (and body), and its first frame when it was read ahead.
-pub type Answer = (http::Response<Incoming>, Option<FirstFrame>);
+/// What of an answer's body was read before its head went on to the client.
+#[derive(Debug)]
+pub enum ReadAhead {
+    /// Nothing: the body is read as it is passed on.
+    Nothing,
+    /// A stream's first frame ([`first_frame`]).
+    First(FirstFrame),
+    /// The whole answer, put together from the stream levee asked for in place of a
+    /// non-streamed answer ([`read_whole_stream`]).
+    Whole(Bytes),
+}
+
+/// A backend's answer: its head (and body), and what of the body was read ahead.
+pub type Answer = (http::Response<Incoming>, ReadAhead);
+
+/// Whether an answer is a stream levee may read whole in place of a non-streamed answer.
+pub fn is_event_stream<B>(resp: &http::Response<B>) -> bool {
+    resp.status() == StatusCode::OK
+        && resp
+            .headers()
+            .get(http::header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.starts_with("text/event-stream"))
+}
+
+/// Reads a stream levee asked for in place of a non-streamed answer to its end, by
+/// `deadline`, and returns the answer's body as the backend would have sent it unstreamed
+/// ([`crate::reassemble`]). At most `max_bytes` of stream are read.
+pub async fn read_whole_stream(
+    body: &mut Incoming,
+    deadline: Instant,
+    sent_at: Instant,
+    max_bytes: usize,
+) -> Result<Bytes, GatewayError> {
+    let mut events = EventSplitter::default();
+    let mut whole = crate::reassemble::Reassembly::default();
+    let mut read = 0usize;
+    loop {
+        let frame = tokio::time::timeout_at(deadline, body.frame())
+            .await
+            .map_err(|_| GatewayError::upstream_timeout(sent_at.elapsed()))?;
+        let data = match frame {
+            Some(Ok(frame)) => match frame.into_data() {
+                Ok(data) => data,
+                Err(_) => continue, // trailers
+            },
+            Some(Err(e)) => {
+                return Err(GatewayError::upstream(format!(
+                    "backend response broke off: {e}"
+                )))
+            }
+            None => break,
+        };
+        read += data.len();
+        if read > max_bytes {
+            return Err(GatewayError::upstream(format!(
+                "the backend's answer is larger than server.max_response_bytes ({max_bytes})"
+            )));
+        }
+        let mut usage = None;
+        let complete = events.process(data, &mut usage);
+        for event in split_events(&complete) {
+            whole.event(event)?;
+        }
+    }
+    let rest = events.pending.split().freeze();
+    if !rest.is_empty() {
+        whole.event(&rest)?;
+    }
+    whole.finish().map(Bytes::from)
+}
 
 /// Reads the first frame of a stream's body (its first event, which engines send once the
 /// prompt is prefilled), waiting at most the stream's `idle` limit.
@@ -365,7 +450,7 @@ struct StreamState {
 /// `limits.deadline`, ends with an SSE error event in OpenAI's shape (and no `[DONE]`); the
 /// upstream connection is dropped and the settlement runs at that moment.
 pub fn stream_response(
-    (resp, first): Answer,
+    (resp, ahead): Answer,
     mut settlement: Settlement,
     strip_usage: bool,
     sent_at: Instant,
@@ -377,7 +462,10 @@ pub fn stream_response(
     settlement.outcome.status = parts.status.as_u16();
     let state = StreamState {
         body: Some(body),
-        first,
+        first: match ahead {
+            ReadAhead::First(first) => Some(first),
+            ReadAhead::Nothing | ReadAhead::Whole(_) => None,
+        },
         settlement: Some(settlement),
         events: EventSplitter {
             strip_usage,

@@ -110,10 +110,6 @@ impl ReportedLoad {
     }
 }
 
-/// How often a llama-server's `/metrics` is read at most (see [`Backend::metrics_due`]): two
-/// of its one-second waits, so a scrape a little early still leaves one whole.
-pub(crate) const LLAMACPP_METRICS_EVERY: Duration = Duration::from_secs(2);
-
 /// The largest sequence count a backend's gauges are taken to say.
 const MAX_GAUGE: f64 = 1e9;
 
@@ -460,8 +456,6 @@ pub struct Backend {
     ejection: Mutex<Ejection>,
     /// Last scraped load.
     pub load: Mutex<Option<ReportedLoad>>,
-    /// When its `/metrics` was last read (see [`LLAMACPP_METRICS_EVERY`]).
-    metrics_read: Mutex<Option<tokio::time::Instant>>,
     /// Latency-driven cap (when `adaptive = true`); the effective cap is the smaller of it
     /// and `max_in_flight`.
     adaptive: Option<Mutex<AdaptiveLimit>>,
@@ -600,7 +594,6 @@ impl Backend {
             scrape_failures: AtomicU32::new(0),
             ejection: Mutex::new(Ejection::default()),
             load: Mutex::new(None),
-            metrics_read: Mutex::new(None),
             adaptive: cfg.adaptive.then(|| {
                 let max = usize::try_from(cfg.max_in_flight)
                     .unwrap_or(usize::MAX)
@@ -738,6 +731,14 @@ impl Backend {
         *self.learned.lock()
     }
 
+    /// Whether the engine notices a client gone only on a stream. llama-server looks at a
+    /// non-streamed request's connection only after a whole second with nothing else to do:
+    /// with any other request running, an abandoned one runs to its last token. So levee
+    /// asks it for a stream in place of a non-streamed answer and reads that whole.
+    pub fn cancels_only_streams(&self) -> bool {
+        self.kind == BackendKind::Llamacpp
+    }
+
     /// Whether requests may be routed here now.
     pub fn is_routable(&self) -> bool {
         self.healthy.load(Ordering::Relaxed)
@@ -804,8 +805,7 @@ impl Backend {
         req
     }
 
-    /// Checks the health path and reads `/metrics` once (a llama-server's at most every
-    /// [`LLAMACPP_METRICS_EVERY`]); updates load and health. Health is the health path's
+    /// Checks the health path and reads `/metrics` once; updates load and health. Health is the health path's
     /// answer (`/health`: vLLM and llama-server both serve it; a crashed or restarting engine
     /// answers 503 there while its `/metrics` may still answer); metrics are best effort.
     /// Without a health path (passive health only) the backend stays healthy here and
@@ -826,10 +826,8 @@ impl Backend {
         let get = |path: &'static str| tokio::time::timeout(timeout, self.get(client, path));
         let mut reported = None;
         if ok {
-            if self.metrics_due(tokio::time::Instant::now()) {
-                if let Ok(Ok(text)) = get("/metrics").await {
-                    reported = self.read_metrics(&text);
-                }
+            if let Ok(Ok(text)) = get("/metrics").await {
+                reported = self.read_metrics(&text);
             }
             // The engine's size changes only when it restarts: read it until known.
             let known = self.learned.lock().max_context.is_some();
@@ -865,23 +863,6 @@ impl Backend {
             }
         }
         reported
-    }
-
-    /// Whether its `/metrics` is to be read now (and, if so, notes that it is). A
-    /// llama-server notices that the client of a non-streamed request has gone only when
-    /// it waited a whole second for that request's result without another `/metrics` or
-    /// `/slots` request meanwhile (each makes it start its wait again): read more often,
-    /// its abandoned requests run to their end, holding their slots (a client leaving, a
-    /// request cut short for preemption). So its `/metrics` is read at most every
-    /// [`LLAMACPP_METRICS_EVERY`], whatever `scrape.interval_ms`; its health every scrape.
-    fn metrics_due(&self, now: tokio::time::Instant) -> bool {
-        let mut last = self.metrics_read.lock();
-        let due = self.kind != BackendKind::Llamacpp
-            || last.is_none_or(|t| now.duration_since(t) >= LLAMACPP_METRICS_EVERY);
-        if due {
-            *last = Some(now);
-        }
-        due
     }
 
     /// Takes the load figures (and vLLM's KV size) from `/metrics` text; the load figures,
@@ -1055,28 +1036,6 @@ pub type BackendRef = Arc<Backend>;
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn a_llama_servers_metrics_are_read_at_most_every_two_seconds() {
-        let t0 = tokio::time::Instant::now();
-        let llama = Backend::new(
-            "m",
-            &BackendConfig {
-                kind: BackendKind::Llamacpp,
-                ..BackendConfig::default()
-            },
-        );
-        assert!(llama.metrics_due(t0));
-        assert!(!llama.metrics_due(t0 + Duration::from_millis(1_999)));
-        assert!(llama.metrics_due(t0 + LLAMACPP_METRICS_EVERY));
-        assert!(!llama.metrics_due(t0 + LLAMACPP_METRICS_EVERY));
-        let vllm = Backend::new("m", &BackendConfig::default());
-        assert_eq!(vllm.kind, BackendKind::Vllm);
-        assert!(
-            vllm.metrics_due(t0) && vllm.metrics_due(t0),
-            "vLLM's every scrape"
-        );
-    }
 
     #[test]
     fn the_host_header_is_the_urls_host_and_any_port_but_the_default() {

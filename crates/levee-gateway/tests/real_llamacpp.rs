@@ -285,21 +285,48 @@ async fn levee_in_front_of_a_real_llama_server() {
         "{admin_metrics}"
     );
 
-    // A client that leaves mid-answer stops the server's work on it, streamed or not: levee
-    // closes its upstream connection and llama-server cancels the task (preemption and
-    // every abandonment rely on it). It would not for a non-streamed request were its
-    // `/metrics` read more often than once a second (as this gateway's scrape interval,
-    // 100 ms, would without `LLAMACPP_METRICS_EVERY`): the server only looks at the
-    // connection after a whole second without one. Without the cancellation it would
-    // generate all 400 tokens (`ignore_eos`).
+    // A client that leaves mid-answer stops the server's work on it, streamed or not, while
+    // another client's long answer streams beside it: levee closes its upstream connection and
+    // llama-server cancels the task (preemption and every abandonment rely on it). A
+    // non-streamed request sent to llama-server as such would run to its last token here:
+    // the server looks at its connection only after a whole second with nothing else to do
+    // (no other stream's token, no `/metrics` read), so levee asks for a stream and
+    // answers its client whole. Without the cancellation the request would run on while
+    // the other answer does (both 400 tokens, `ignore_eos`).
     let g = gw.gateway().clone();
+    let in_flight = |n: u64| {
+        let g = g.clone();
+        move || g.state_json()["models"][0]["backends"][0]["in_flight"].as_u64() == Some(n)
+    };
     for stream in [false, true] {
         let before = server.metric("llamacpp:tokens_predicted_total").await;
+        let other = {
+            let (c, url) = (c.clone(), gw.public_url());
+            tokio::spawn(async move {
+                let r = c
+                    .post(format!("{url}/v1/chat/completions"))
+                    .bearer_auth("key-s")
+                    .json(&serde_json::json!({"model": "m", "max_tokens": 400,
+                        "ignore_eos": true, "stream": true,
+                        "stream_options": {"include_usage": true},
+                        "messages": [{"role": "user", "content": "Describe a harbour."}]}))
+                    .send()
+                    .await
+                    .unwrap();
+                assert_eq!(r.status(), 200);
+                let text = r.text().await.unwrap();
+                let usage = text
+                    .lines()
+                    .filter_map(|l| l.strip_prefix("data: "))
+                    .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+                    .find(|v| v["usage"].is_object())
+                    .unwrap_or_else(|| panic!("no usage in the stream: {text}"));
+                usage_of(&usage).1
+            })
+        };
+        wait_until("the other long request dispatched", in_flight(1)).await;
         let mut conn = leave_mid_answer(&gw.public_url(), stream).await;
-        wait_until("the long request dispatched", || {
-            g.state_json()["models"][0]["backends"][0]["in_flight"].as_u64() == Some(1)
-        })
-        .await;
+        wait_until("the long request dispatched", in_flight(2)).await;
         if stream {
             // The stream's head or first event has come: the answer has started.
             let mut first = [0u8; 256];
@@ -307,24 +334,30 @@ async fn levee_in_front_of_a_real_llama_server() {
                 .await
                 .unwrap();
             assert!(n > 0, "no answer started");
+        } else {
+            // Its prefill done and its first tokens generated (the prompt is ~30 tokens).
+            tokio::time::sleep(Duration::from_secs(2)).await;
         }
         drop(conn);
-        // Read the server's gauges only every 3 s here, for the same reason.
+        let other_generated = other.await.unwrap() as f64;
         let mut idle = false;
-        for _ in 0..20 {
-            tokio::time::sleep(Duration::from_secs(3)).await;
+        for _ in 0..60 {
             if server.metric("llamacpp:requests_processing").await == 0.0 {
                 idle = true;
                 break;
             }
+            tokio::time::sleep(Duration::from_secs(1)).await;
         }
         assert!(
             idle,
             "llama-server still busy a minute after the client left (stream {stream})"
         );
-        let generated = server.metric("llamacpp:tokens_predicted_total").await - before;
+        let generated =
+            server.metric("llamacpp:tokens_predicted_total").await - before - other_generated;
+        // Left about 2 s in (at ~30 tokens a second), it ends within a few tokens of that;
+        // noticed only once the other answer ended, it would end near its 400th.
         assert!(
-            generated < 400.0,
+            generated < 200.0,
             "llama-server generated {generated} tokens for a request whose client left \
              (stream {stream}): the cancellation did not reach it"
         );

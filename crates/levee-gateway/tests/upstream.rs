@@ -314,3 +314,44 @@ async fn answers_read_whole_leave_their_upstream_connection_for_the_next_request
     );
     gw.shutdown().await;
 }
+
+/// A llama-server notices a non-streamed client gone only when it has nothing else to do,
+/// so levee asks it for a stream and answers the client whole: the client gets the body
+/// the engine would have sent unstreamed, and the engine's work stops when the client
+/// leaves even once the stream has started.
+#[tokio::test]
+async fn a_llamacpp_backend_streams_what_levee_answers_whole() {
+    use levee_gateway::config::BackendKind;
+    use std::sync::atomic::Ordering;
+    let m = mock().await;
+    let mut cfg = config(&[m.url()], 4);
+    cfg.models[0].backends[0].kind = BackendKind::Llamacpp;
+    let gw = start(cfg).await.unwrap();
+    let c = client();
+    let r = chat(&c, &gw.public_url(), "s", "whole").await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["content-type"], "application/json");
+    let v: serde_json::Value = r.json().await.unwrap();
+    let sent = &m.received()[0];
+    assert_eq!(sent["stream"], true, "{sent}");
+    assert_eq!(sent["stream_options"]["include_usage"], true, "{sent}");
+    assert_eq!(v["object"], "chat.completion", "{v}");
+    assert_eq!(v["choices"][0]["message"]["role"], "assistant", "{v}");
+    assert_eq!(v["choices"][0]["message"]["content"], " w0 w1 w2 w3", "{v}");
+    assert_eq!(v["usage"]["completion_tokens"], 4, "{v}");
+
+    // The head and nothing more: the client leaves; the upstream stream is dropped.
+    m.state.head_first.store(true, Ordering::SeqCst);
+    m.hold(true);
+    let held = spawn_chat(&c, &gw.public_url(), "s", "left");
+    wait_until("the stream's head sent", || {
+        m.state.heads.load(Ordering::SeqCst) == 1
+    })
+    .await;
+    held.abort();
+    wait_until("the engine's work dropped", || {
+        m.state.cancelled.load(Ordering::SeqCst) == 1
+    })
+    .await;
+    gw.shutdown().await;
+}

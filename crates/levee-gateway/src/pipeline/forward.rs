@@ -17,6 +17,7 @@ use http::{HeaderMap, HeaderValue};
 use hyper::body::Incoming;
 use std::sync::Arc;
 use std::time::Duration;
+use tokio::sync::Notify;
 use tokio::time::Instant;
 
 /// The proxy phase.
@@ -38,7 +39,7 @@ pub(super) async fn forward(
     let sent = send_with_one_resend(gw, rt, &c, &mut admitted, backend, path, strip_usage).await?;
     let Sent {
         resp,
-        first,
+        ahead,
         lease,
         sent_at,
         backend,
@@ -74,7 +75,7 @@ pub(super) async fn forward(
             total,
         };
         Ok(proxy::stream_response(
-            (resp, first),
+            (resp, ahead),
             settlement,
             strip_usage,
             sent_at,
@@ -85,7 +86,7 @@ pub(super) async fn forward(
     } else {
         let keep = super::cached::keeper(gw, &c);
         Box::pin(proxy::finish_buffered(
-            resp,
+            (resp, ahead),
             settlement,
             sent_at + request_timeout,
             sent_at,
@@ -101,8 +102,8 @@ pub(super) async fn forward(
 /// went to outlier ejection.
 struct Sent {
     resp: http::Response<hyper::body::Incoming>,
-    /// Its first frame, when it was read before the head went on ([`send_unless_cut`]).
-    first: Option<proxy::FirstFrame>,
+    /// What of its body was read before the head went on ([`send_unless_cut`]).
+    ahead: proxy::ReadAhead,
     /// The connection it came on.
     lease: Lease,
     sent_at: Instant,
@@ -126,7 +127,11 @@ async fn send_with_one_resend(
     let mut resent = false;
     loop {
         let upstream_model = backend.upstream_model.as_deref().unwrap_or(&c.target.name);
-        let upstream_body = c.parsed.upstream_body(upstream_model, c.cap, strip_usage)?;
+        // A backend that cancels only streams is asked for one, read whole here.
+        let whole = !c.parsed.stream && backend.cancels_only_streams();
+        let upstream_body = c
+            .parsed
+            .upstream_body(upstream_model, c.cap, strip_usage || whole)?;
         let sent_at = Instant::now();
         admitted.mark_sent();
         let send = Box::pin(proxy::send(
@@ -138,7 +143,12 @@ async fn send_with_one_resend(
             c.request.as_deref(),
         ));
         // Cut short: the send was dropped (the upstream request aborted) before the wait.
-        let Some(sent) = send_unless_cut(rt, c, admitted, send).await else {
+        let whole = whole.then_some(Whole {
+            deadline: sent_at + request_timeout,
+            sent_at,
+            max_bytes: rt.cfg.server.max_response_bytes,
+        });
+        let Some(sent) = send_unless_cut(rt, c, admitted, send, whole).await else {
             backend = requeue(rt, c, admitted).await?;
             continue;
         };
@@ -180,37 +190,60 @@ async fn send_with_one_resend(
     }
 }
 
+/// A stream to read whole in place of a non-streamed answer: by when, and how much of it.
+struct Whole {
+    deadline: Instant,
+    sent_at: Instant,
+    max_bytes: usize,
+}
+
 /// Awaits `send` — unless the request is cut short first (`None`; dropping the send aborts
 /// the upstream request). A stream that may still be cut short keeps its answer from the
 /// client until its first event (engines send it once the prompt is prefilled; some send
-/// the head before), which comes back with the head.
+/// the head before), which comes back with the head. With `whole`, a stream asked for in
+/// place of a non-streamed answer is read to its end here, still cut short if it must be.
 async fn send_unless_cut(
     rt: &Runtime,
     c: &Classified,
     admitted: &Admitted,
     send: impl std::future::Future<Output = Result<(http::Response<Incoming>, Lease), GatewayError>>,
+    whole: Option<Whole>,
 ) -> Option<Result<(proxy::Answer, Lease), GatewayError>> {
-    let Some(cut) = admitted.cut_signal() else {
-        return Some(send.await.map(|(r, lease)| ((r, None), lease)));
-    };
-    let sent = tokio::select! {
-        sent = send => sent,
-        () = cut.notified() => return None,
-    };
-    let (resp, lease) = match sent {
-        Ok((r, lease)) if c.parsed.stream && r.status().is_success() => (r, lease),
-        other => return Some(other.map(|(r, lease)| ((r, None), lease))),
+    let cut = admitted.cut_signal();
+    let (resp, lease) = match unless_cut(cut.as_deref(), send).await? {
+        Ok(sent) => sent,
+        Err(e) => return Some(Err(e)),
     };
     let (parts, mut body) = resp.into_parts();
-    let idle = Duration::from_millis(rt.cfg.server.stream_idle_timeout_ms);
-    let first = tokio::select! {
-        first = proxy::first_frame(&mut body, idle) => first,
-        () = cut.notified() => return None,
+    let resp = http::Response::from_parts(parts, ());
+    let ahead = match whole {
+        Some(w) if proxy::is_event_stream(&resp) => {
+            let read = proxy::read_whole_stream(&mut body, w.deadline, w.sent_at, w.max_bytes);
+            match unless_cut(cut.as_deref(), read).await? {
+                Ok(bytes) => proxy::ReadAhead::Whole(bytes),
+                Err(e) => return Some(Err(e)),
+            }
+        }
+        _ if cut.is_some() && c.parsed.stream && resp.status().is_success() => {
+            let idle = Duration::from_millis(rt.cfg.server.stream_idle_timeout_ms);
+            proxy::ReadAhead::First(
+                unless_cut(cut.as_deref(), proxy::first_frame(&mut body, idle)).await?,
+            )
+        }
+        _ => proxy::ReadAhead::Nothing,
     };
-    Some(Ok((
-        (http::Response::from_parts(parts, body), Some(first)),
-        lease,
-    )))
+    Some(Ok(((resp.map(|()| body), ahead), lease)))
+}
+
+/// Awaits `f` unless `cut` is notified first (`None`: `f` is dropped).
+async fn unless_cut<F: std::future::Future>(cut: Option<&Notify>, f: F) -> Option<F::Output> {
+    let Some(cut) = cut else {
+        return Some(f.await);
+    };
+    tokio::select! {
+        out = f => Some(out),
+        () = cut.notified() => None,
+    }
 }
 
 /// Cut short for a tenant under its fair share before its answer started: queued again,
@@ -246,9 +279,9 @@ fn finish_send(
     judged: bool,
 ) -> Result<Sent, GatewayError> {
     match sent {
-        Ok(((resp, first), lease)) => Ok(Sent {
+        Ok(((resp, ahead), lease)) => Ok(Sent {
             resp,
-            first,
+            ahead,
             lease,
             sent_at,
             backend,
