@@ -78,6 +78,10 @@ pub struct Outcome {
     pub client_gone: bool,
     /// Time from sending to the first body byte.
     pub ttft: Option<Duration>,
+    /// Time from sending to the engine's first token, where levee saw it: a stream's first
+    /// frame (the client's own stream, or one read whole in place of a non-streamed
+    /// answer). `None` for an answer the engine sent whole.
+    pub engine_ttft: Option<Duration>,
     /// How a stream was cut after its head went out (the code of the SSE error event sent
     /// to the client: `stream_broken`, `stream_idle_timeout`, `stream_timeout`).
     pub stream_cut: Option<&'static str>,
@@ -263,12 +267,13 @@ pub async fn finish_buffered(
     settlement.outcome.ttft = Some(sent_at.elapsed());
     let mut headers = parts.headers;
     let read = match ahead {
-        ReadAhead::Whole(bytes) => {
+        ReadAhead::Whole(whole) => {
             headers.insert(
                 http::header::CONTENT_TYPE,
                 HeaderValue::from_static("application/json"),
             );
-            Ok(Ok(bytes))
+            settlement.outcome.engine_ttft = whole.first_frame;
+            Ok(Ok(whole.body))
         }
         // Bounded: a backend that answers without end would otherwise grow this buffer
         // until the gateway runs out of memory.
@@ -357,7 +362,16 @@ pub enum ReadAhead {
     First(FirstFrame),
     /// The whole answer, put together from the stream levee asked for in place of a
     /// non-streamed answer ([`read_whole_stream`]).
-    Whole(Bytes),
+    Whole(WholeStream),
+}
+
+/// A stream read whole ([`read_whole_stream`]).
+#[derive(Debug)]
+pub struct WholeStream {
+    /// The answer's body as the backend would have sent it unstreamed.
+    body: Bytes,
+    /// When its first frame came, from sending.
+    first_frame: Option<Duration>,
 }
 
 /// A backend's answer: its head (and body), and what of the body was read ahead.
@@ -381,10 +395,11 @@ pub async fn read_whole_stream(
     deadline: Instant,
     sent_at: Instant,
     max_bytes: usize,
-) -> Result<Bytes, GatewayError> {
+) -> Result<WholeStream, GatewayError> {
     let mut events = EventSplitter::default();
     let mut whole = crate::reassemble::Reassembly::default();
     let mut read = 0usize;
+    let mut first_frame = None;
     loop {
         let frame = tokio::time::timeout_at(deadline, body.frame())
             .await
@@ -401,6 +416,7 @@ pub async fn read_whole_stream(
             }
             None => break,
         };
+        first_frame.get_or_insert_with(|| sent_at.elapsed());
         read += data.len();
         if read > max_bytes {
             return Err(GatewayError::upstream(format!(
@@ -417,7 +433,10 @@ pub async fn read_whole_stream(
     if !rest.is_empty() {
         whole.event(&rest)?;
     }
-    whole.finish().map(Bytes::from)
+    Ok(WholeStream {
+        body: whole.finish()?.into(),
+        first_frame,
+    })
 }
 
 /// Reads the first frame of a stream's body (its first event, which engines send once the
@@ -526,6 +545,7 @@ impl StreamState {
                     if let Some(s) = self.settlement.as_mut() {
                         if s.outcome.ttft.is_none() {
                             s.outcome.ttft = Some(self.sent_at.elapsed());
+                            s.outcome.engine_ttft = s.outcome.ttft;
                         }
                     }
                     let mut usage = None;

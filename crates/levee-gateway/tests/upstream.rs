@@ -16,6 +16,7 @@ use levee_gateway::start;
 use parking_lot::Mutex;
 use std::collections::BTreeMap;
 use std::sync::Arc;
+use std::time::Duration;
 
 /// Headers of the requests a backend received.
 type Seen = Arc<Mutex<Vec<HeaderMap>>>;
@@ -353,5 +354,32 @@ async fn a_llamacpp_backend_streams_what_levee_answers_whole() {
         m.state.cancelled.load(Ordering::SeqCst) == 1
     })
     .await;
+    gw.shutdown().await;
+}
+
+/// A stream read whole still shows levee the engine's first token: non-streamed answers
+/// from a llama-server teach the backend's time to first token, and a tier whose objective
+/// the backend cannot meet refuses a predicted miss.
+#[tokio::test]
+async fn a_llamacpp_backends_whole_answers_teach_its_time_to_first_token() {
+    use levee_gateway::config::{BackendKind, SloMiss};
+    let m = mock().await;
+    *m.state.first_token_delay.lock() = Duration::from_millis(60);
+    let mut cfg = config(&[m.url()], 8);
+    cfg.models[0].backends[0].kind = BackendKind::Llamacpp;
+    let premium = cfg.tiers.get_mut("premium").unwrap();
+    premium.ttft_slo_ms = Some(30);
+    premium.slo_miss = SloMiss::Refuse;
+    let gw = start(cfg).await.unwrap();
+    let c = client();
+    // The free tier has no objective: all of these go, none of them streamed.
+    for i in 0..20 {
+        let r = chat(&c, &gw.public_url(), "f", &format!("learn {i}")).await;
+        assert_eq!(r.status(), 200);
+        r.bytes().await.unwrap();
+    }
+    let r = chat(&c, &gw.public_url(), "p", "premium").await;
+    assert_eq!(r.status(), 429, "{}", r.text().await.unwrap());
+    assert_eq!(r.headers()["x-levee-refusal"], "predicted_slo_miss");
     gw.shutdown().await;
 }

@@ -381,7 +381,7 @@ impl Lane {
         p.factor(kind)
     }
 
-    /// Records a streamed response's prompt (levee's estimate) and its time to first token,
+    /// Records a response's prompt (levee's estimate) and the engine's time to first token,
     /// for the prefill fit.
     pub fn note_prefill(&self, prompt_tokens: u64, ttft: Duration) {
         self.prefill.lock().note(prompt_tokens, ttft);

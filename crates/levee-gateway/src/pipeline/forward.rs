@@ -59,7 +59,6 @@ pub(super) async fn forward(
         lane: c.lane.clone(),
         prompt_estimate: c.prompt_estimate,
         prompt_kind: c.prompt_kind,
-        streamed: c.parsed.stream,
         outlier: rt.cfg.outlier.clone(),
         judged,
         request: c.request.clone(),
@@ -220,7 +219,7 @@ async fn send_unless_cut(
         Some(w) if proxy::is_event_stream(&resp) => {
             let read = proxy::read_whole_stream(&mut body, w.deadline, w.sent_at, w.max_bytes);
             match unless_cut(cut.as_deref(), read).await? {
-                Ok(bytes) => proxy::ReadAhead::Whole(bytes),
+                Ok(whole) => proxy::ReadAhead::Whole(whole),
                 Err(e) => return Some(Err(e)),
             }
         }

@@ -30,8 +30,6 @@ pub(super) struct RequestSettle {
     pub lane: Arc<Lane>,
     pub prompt_estimate: u64,
     pub prompt_kind: levee_policy::TextKind,
-    /// Streamed: its time to first token is the end of its prefill (the prefill fit).
-    pub streamed: bool,
     pub outlier: crate::config::OutlierConfig,
     /// The outcome already went to outlier ejection (see `proxy_phase`).
     pub judged: bool,
@@ -128,14 +126,14 @@ fn per_token(ttft: Duration, total: Duration, completion: u64) -> Option<Duratio
 }
 
 impl RequestSettle {
-    /// A successful streamed answer's time to first token and time per output token go to
-    /// its backend's latency fit; the error of the time to first token predicted at dispatch
-    /// goes to `levee_ttft_prediction_ratio`.
+    /// A successful answer's time to first token and time per output token, where levee saw
+    /// the engine's first token (a stream), go to its backend's latency fit; the error of
+    /// the time to first token predicted at dispatch goes to `levee_ttft_prediction_ratio`.
     fn observe_latency(&self, outcome: &Outcome) {
-        let (Some(a), Some(ttft)) = (&self.admitted, outcome.ttft) else {
+        let (Some(a), Some(ttft)) = (&self.admitted, outcome.engine_ttft) else {
             return;
         };
-        if !self.streamed || !(200..300).contains(&outcome.status) || outcome.client_gone {
+        if !(200..300).contains(&outcome.status) || outcome.client_gone {
             return;
         }
         let completion = outcome.usage.map_or(0, |u| u.completion_tokens);
@@ -179,7 +177,9 @@ impl RequestSettle {
         if let Some(t) = outcome.ttft {
             m.ttft_for(&self.tenant.metrics, &self.tenant.tier, t.as_secs_f64());
             self.lane.note_ttft(now, t);
-            if self.streamed && (200..300).contains(&outcome.status) {
+        }
+        if let Some(t) = outcome.engine_ttft {
+            if (200..300).contains(&outcome.status) {
                 self.lane
                     .note_prefill(prefilled(self.prompt_estimate, outcome), t);
             }
