@@ -43,7 +43,9 @@ pub fn request_body(data: &[u8]) {
 
 /// A backend's SSE bytes, cut into chunks where the first bytes say. Invariants: without
 /// usage stripping the client gets exactly the backend's bytes, whole events only (what is
-/// forwarded is a prefix of the input ending at an event end); with it, nothing panics.
+/// forwarded is a prefix of the input ending at an event end); with it, nothing panics; and
+/// the stream read whole in place of a non-streamed answer is either refused or a JSON
+/// object with a `choices` list.
 pub fn sse_stream(data: &[u8]) {
     let (cuts, body) = data.split_at(data.len().min(8));
     let chunks = chunk(body, cuts);
@@ -59,8 +61,28 @@ pub fn sse_stream(data: &[u8]) {
                 body.starts_with(&out),
                 "forwarded bytes the backend did not send"
             );
+            whole_answer(&out);
         }
     }
+}
+
+/// The answer put together from whole events `events` (see [`sse_stream`]).
+fn whole_answer(events: &[u8]) {
+    let mut whole = crate::reassemble::Reassembly::default();
+    for event in crate::proxy::split_events(events) {
+        if whole.event(event).is_err() {
+            return;
+        }
+    }
+    let Ok(body) = whole.finish() else { return };
+    let v: serde_json::Value = match serde_json::from_slice(&body) {
+        Ok(v) => v,
+        Err(e) => panic!("the answer read whole is not JSON: {e}"),
+    };
+    assert!(
+        v["choices"].is_array(),
+        "no choices in the answer read whole: {v}"
+    );
 }
 
 fn chunk<'a>(body: &'a [u8], cuts: &[u8]) -> Vec<&'a [u8]> {

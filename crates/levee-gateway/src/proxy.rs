@@ -746,7 +746,7 @@ fn strip_null_usage(event: &[u8], out: &mut BytesMut) {
 }
 
 /// Splits a buffer of whole events into events (each keeping its blank line).
-fn split_events(buf: &[u8]) -> impl Iterator<Item = &[u8]> {
+pub(crate) fn split_events(buf: &[u8]) -> impl Iterator<Item = &[u8]> {
     let mut framer = Framer::default();
     let mut start = 0;
     std::iter::from_fn(move || {

@@ -75,6 +75,11 @@ fn sse_like() -> impl Strategy<Value = Vec<u8>> {
                 .to_string()
         ),
         Just("data: [DONE]".to_string()),
+        Just(
+            "data: {\"choices\":[{\"index\":1,\"delta\":{\"tool_calls\":[{\"index\":0,\"function\":{\"arguments\":\"{\\\"a\\\"\"}}]},\"finish_reason\":\"tool_calls\"}]}"
+                .to_string()
+        ),
+        Just("data: {\"choices\":[{\"index\":0,\"text\":\" t\",\"logprobs\":{\"tokens\":[\" t\"]},\"finish_reason\":null}]}".to_string()),
         Just(": keep-alive".to_string()),
         "[ -~]{0,20}",
     ];
