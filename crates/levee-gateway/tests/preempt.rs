@@ -47,12 +47,19 @@ fn send(
 /// sends one. Checks that `b` reaches the backend while the flood is held (the held
 /// requests cannot end: one was cut short), and that once released everything is answered —
 /// the request cut short served on its second send. (When the mock notices a dropped
-/// connection is hyper's business; nothing here waits for it.)
-async fn quiet_beside_a_held_flood(stream: bool) {
+/// connection is hyper's business; nothing here waits for it.) With `llamacpp`, the backend
+/// is a llama-server, which levee sends a stream even for a non-streamed request.
+async fn quiet_beside_a_held_flood(stream: bool, llamacpp: bool) {
     let be = mock().await;
-    be.state.head_first.store(stream, Ordering::SeqCst);
+    let streamed_upstream = stream || llamacpp;
+    be.state
+        .head_first
+        .store(streamed_upstream, Ordering::SeqCst);
     let mut cfg = config(std::slice::from_ref(&be.url()), 4);
     cfg.queue.preempt_over_share = true;
+    if llamacpp {
+        cfg.models[0].backends[0].kind = levee_gateway::config::BackendKind::Llamacpp;
+    }
     // Queued requests wait for the test's release, however slow the machine: no queue
     // budget may run out first.
     let standard = cfg.tiers.get_mut("standard").unwrap();
@@ -82,7 +89,7 @@ async fn quiet_beside_a_held_flood(stream: bool) {
         .map(|i| send(&c, &base, "a", format!("flood-{i}"), stream))
         .collect();
     wait_until("the flood holding every slot", || be.count() == 8).await;
-    if stream {
+    if streamed_upstream {
         // Their heads sent: from here only levee's holding them back keeps them preemptible.
         wait_until("the flood's heads sent", || {
             be.state.heads.load(Ordering::SeqCst) == 8
@@ -142,12 +149,19 @@ async fn quiet_beside_a_held_flood(stream: bool) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_quiet_tenant_takes_the_slot_of_the_flooders_youngest_request_which_is_served_later() {
-    quiet_beside_a_held_flood(false).await;
+    quiet_beside_a_held_flood(false, false).await;
+}
+
+/// A non-streamed request that levee reads from a llama-server as a stream stays
+/// preemptible after the stream's head came, until its answer is whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_llamacpp_answer_read_whole_is_cut_short_after_its_streams_head() {
+    quiet_beside_a_held_flood(false, true).await;
 }
 
 /// A stream whose backend sent its head but not yet its first event has sent nothing to its
 /// client: levee holds the head back while it may still be cut short.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_is_cut_short_until_its_first_event() {
-    quiet_beside_a_held_flood(true).await;
+    quiet_beside_a_held_flood(true, false).await;
 }
