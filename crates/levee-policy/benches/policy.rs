@@ -370,6 +370,13 @@ fn admission(c: &mut Criterion) {
         let mut s: Bench<Arc<str>> = Bench::alone(|n| Arc::from(n));
         b.iter(|| s.cycle())
     });
+    // The one-thread case in the harness of the two-thread ones (a thread of its own, its
+    // lane built on the main thread, the decisions behind a boxed closure): what the
+    // harness alone adds, so that the two-thread figures read against it show contention.
+    g.bench_function("full_decision/1_thread_in_team", |b| {
+        let team = Team::of(vec![KeyBench::alone(Key::new)]);
+        b.iter_custom(|iters| team.run(iters))
+    });
     // Two threads deciding for two models of one gateway: each lane under its own lock, the
     // global scope's rates and concurrency (limited here) shared. Reported time per
     // iteration is wall time / iters: the latency of one decision as each thread sees it.
