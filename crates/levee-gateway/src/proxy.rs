@@ -290,13 +290,9 @@ pub async fn finish_buffered(
             settlement.outcome.transport_error = true;
             settlement.finish();
             if e.is::<http_body_util::LengthLimitError>() {
-                return Err(GatewayError::upstream(format!(
-                    "the backend's answer is larger than server.max_response_bytes ({max_bytes})"
-                )));
+                return Err(too_large(max_bytes));
             }
-            return Err(GatewayError::upstream(format!(
-                "backend response broke off: {e}"
-            )));
+            return Err(broke_off(&*e));
         }
         Err(_) => {
             settlement.outcome.transport_error = true;
@@ -318,6 +314,18 @@ pub async fn finish_buffered(
         out.headers_mut().insert(k.clone(), v.clone());
     }
     Ok(out)
+}
+
+/// A non-streamed answer (or the stream read in its place) over `server.max_response_bytes`.
+fn too_large(max_bytes: usize) -> GatewayError {
+    GatewayError::upstream(format!(
+        "the backend's answer is larger than server.max_response_bytes ({max_bytes})"
+    ))
+}
+
+/// A non-streamed answer (or the stream read in its place) that broke off.
+fn broke_off(e: &dyn std::fmt::Display) -> GatewayError {
+    GatewayError::upstream(format!("backend response broke off: {e}"))
 }
 
 fn copy_content_type(from: &http::HeaderMap, to: &mut http::HeaderMap) {
@@ -409,19 +417,13 @@ pub async fn read_whole_stream(
                 Ok(data) => data,
                 Err(_) => continue, // trailers
             },
-            Some(Err(e)) => {
-                return Err(GatewayError::upstream(format!(
-                    "backend response broke off: {e}"
-                )))
-            }
+            Some(Err(e)) => return Err(broke_off(&e)),
             None => break,
         };
         first_frame.get_or_insert_with(|| sent_at.elapsed());
         read += data.len();
         if read > max_bytes {
-            return Err(GatewayError::upstream(format!(
-                "the backend's answer is larger than server.max_response_bytes ({max_bytes})"
-            )));
+            return Err(too_large(max_bytes));
         }
         let mut usage = None;
         let complete = events.process(data, &mut usage);

@@ -733,7 +733,7 @@ impl Backend {
 
     /// Whether the engine notices a client gone only on a stream. llama-server looks at a
     /// non-streamed request's connection only after a whole second with nothing else to do:
-    /// with any other request running, an abandoned one runs to its last token. So levee
+    /// with any other stream running, an abandoned one runs to its last token. So levee
     /// asks it for a stream in place of a non-streamed answer and reads that whole.
     pub fn cancels_only_streams(&self) -> bool {
         self.kind == BackendKind::Llamacpp
@@ -805,9 +805,10 @@ impl Backend {
         req
     }
 
-    /// Checks the health path and reads `/metrics` once; updates load and health. Health is the health path's
-    /// answer (`/health`: vLLM and llama-server both serve it; a crashed or restarting engine
-    /// answers 503 there while its `/metrics` may still answer); metrics are best effort.
+    /// Checks the health path and reads `/metrics` once; updates load and health. Health is
+    /// the health path's answer (`/health`: vLLM and llama-server both serve it; a crashed or
+    /// restarting engine answers 503 there while its `/metrics` may still answer); metrics
+    /// are best effort.
     /// Without a health path (passive health only) the backend stays healthy here and
     /// leaves routing only through its breaker and outlier ejection. Returns the load report
     /// it read, if it read one.
