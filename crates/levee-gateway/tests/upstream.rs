@@ -316,18 +316,22 @@ async fn answers_read_whole_leave_their_upstream_connection_for_the_next_request
     gw.shutdown().await;
 }
 
+/// The test configuration with the mock `m` as a llama-server of `cap` slots.
+fn llamacpp_config(m: &Mock, cap: u32) -> levee_gateway::Config {
+    let mut cfg = config(&[m.url()], cap);
+    cfg.models[0].backends[0].kind = levee_gateway::config::BackendKind::Llamacpp;
+    cfg
+}
+
 /// A llama-server notices a non-streamed client gone only when it has nothing else to do,
 /// so levee asks it for a stream and answers the client whole: the client gets the body
 /// the engine would have sent unstreamed, and the engine's work stops when the client
 /// leaves even once the stream has started.
 #[tokio::test]
 async fn a_llamacpp_backend_streams_what_levee_answers_whole() {
-    use levee_gateway::config::BackendKind;
     use std::sync::atomic::Ordering;
     let m = mock().await;
-    let mut cfg = config(&[m.url()], 4);
-    cfg.models[0].backends[0].kind = BackendKind::Llamacpp;
-    let gw = start(cfg).await.unwrap();
+    let gw = start(llamacpp_config(&m, 4)).await.unwrap();
     let c = client();
     let r = chat(&c, &gw.public_url(), "s", "whole").await;
     assert_eq!(r.status(), 200);
@@ -362,11 +366,10 @@ async fn a_llamacpp_backend_streams_what_levee_answers_whole() {
 /// the backend cannot meet refuses a predicted miss.
 #[tokio::test]
 async fn a_llamacpp_backends_whole_answers_teach_its_time_to_first_token() {
-    use levee_gateway::config::{BackendKind, SloMiss};
+    use levee_gateway::config::SloMiss;
     let m = mock().await;
     *m.state.first_token_delay.lock() = Duration::from_millis(60);
-    let mut cfg = config(&[m.url()], 8);
-    cfg.models[0].backends[0].kind = BackendKind::Llamacpp;
+    let mut cfg = llamacpp_config(&m, 8);
     let premium = cfg.tiers.get_mut("premium").unwrap();
     premium.ttft_slo_ms = Some(30);
     premium.slo_miss = SloMiss::Refuse;
