@@ -558,7 +558,8 @@ const PER_MESSAGE: u32 = levee_engine::tokenizer::CHAT_TOKENS_PER_MESSAGE;
 const PER_PROMPT: u32 = levee_engine::tokenizer::CHAT_TOKENS_PER_PROMPT;
 
 /// A session's next turn: after a think time, the history (every earlier question and
-/// answer, as separate messages) and a new question. Turns that would start after the run
+/// answer, as separate messages) and a new question (`sessions.follow_up_tokens`, else the
+/// class's `prompt_tokens`). Turns that would start after the run
 /// ends are dropped before they are scheduled (they were never offered).
 fn schedule_next_turn(ctx: &Arc<Ctx>, req: &Req, done_ns: u64, answer: String) {
     let mut rng = SmallRng::seed_from_u64(req.session_seed);
@@ -568,7 +569,15 @@ fn schedule_next_turn(ctx: &Arc<Ctx>, req: &Req, done_ns: u64, answer: String) {
         return;
     }
     let class = &ctx.scenario.classes[usize::from(req.class).min(ctx.scenario.classes.len() - 1)];
-    let question = class.prompt_tokens.sample(&mut rng).round().max(1.0) as u32;
+    let question = ctx
+        .scenario
+        .sessions
+        .follow_up_tokens
+        .as_ref()
+        .unwrap_or(&class.prompt_tokens)
+        .sample(&mut rng)
+        .round()
+        .max(1.0) as u32;
     let max_tokens = class.max_tokens.sample(&mut rng).round().max(1.0) as u32;
     let mut history: Vec<Said> = req.history.as_deref().cloned().unwrap_or_default();
     history.push(Said {

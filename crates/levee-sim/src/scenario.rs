@@ -257,6 +257,9 @@ impl Scenario {
             .think_time_s
             .validate()
             .context("sessions.think_time_s")?;
+        if let Some(d) = &self.sessions.follow_up_tokens {
+            d.validate().context("sessions.follow_up_tokens")?;
+        }
         anyhow::ensure!(
             self.sessions.context_tokens != Some(0),
             "sessions.context_tokens must be > 0 (or left out)"
@@ -659,6 +662,10 @@ pub struct Sessions {
     pub turns: Dist,
     /// Seconds between an answer and the next question.
     pub think_time_s: Dist,
+    /// Tokens of a later turn's new question; the class's `prompt_tokens` if left out. A
+    /// session that opens with a long document or instructions and goes on with short
+    /// questions sets it apart from the opening's size.
+    pub follow_up_tokens: Option<Dist>,
     /// The client's context window, if it keeps to one: a turn whose history plus its
     /// `max_tokens` would not fit drops its oldest history first, as chat clients do.
     pub context_tokens: Option<u32>,
@@ -674,6 +681,7 @@ impl Default for Sessions {
                 min: None,
                 max: None,
             },
+            follow_up_tokens: None,
             context_tokens: None,
         }
     }

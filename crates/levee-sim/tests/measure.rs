@@ -494,6 +494,44 @@ async fn a_stopped_run_reports_what_happened_and_the_rest_as_cancelled() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sessions_later_questions_take_their_own_size() {
+    let (url, server) = serve(Server::default()).await;
+    let scenario = Scenario::from_toml_str(
+        r#"
+        [arrival]
+        process = "constant"
+        [[phases]]
+        kind = "steady"
+        duration_s = 1.0
+        rps = 9         # 3 conversations of 3 turns a second
+        [[classes]]
+        stream = false
+        prompt_tokens = { dist = "constant", value = 40 }
+        [sessions]
+        share = 1.0
+        turns = { dist = "constant", value = 3 }
+        think_time_s = { dist = "constant", value = 0.01 }
+        follow_up_tokens = { dist = "constant", value = 3 }
+        "#,
+    )
+    .unwrap();
+    let target = Target {
+        base_url: url.clone(),
+        metrics: vec![],
+        engine_admin: vec![],
+    };
+    let r = levee_sim::run(&scenario, &target, &quiet()).await.unwrap();
+    assert_eq!(r.totals.scheduled, 9);
+    assert_eq!(r.totals.ok, 9);
+    // The opening asks 40 tokens; each later turn resends it and the answers ("hi", 1
+    // token) and asks 3: 40, 44, 48 tokens of text.
+    let mut sizes: Vec<usize> = server.seen.lock().unwrap().iter().map(|s| s.1).collect();
+    sizes.sort();
+    sizes.dedup();
+    assert_eq!(sizes, vec![40, 44, 48]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sessions_grow_prompts_and_metrics_and_faults_are_recorded() {
     let (url, server) = serve(Server::default()).await;
     let scenario = Scenario::from_toml_str(
