@@ -18,6 +18,22 @@ fn every_shipped_scenario_parses_and_round_trips() {
         .contains("flash-crowd"));
 }
 
+/// The floods the bench scripts run (`bench/*.toml`) load as `levee sim` loads them.
+#[test]
+fn every_bench_flood_parses() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../bench");
+    let mut seen = 0;
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e == "toml") {
+            let text = std::fs::read_to_string(&path).unwrap();
+            Scenario::from_toml_str(&text).unwrap_or_else(|e| panic!("{}: {e:#}", path.display()));
+            seen += 1;
+        }
+    }
+    assert!(seen >= 7, "found {seen} floods in {}", dir.display());
+}
+
 #[test]
 fn empty_scenario_is_all_defaults() {
     let s = Scenario::from_toml_str("").unwrap();
