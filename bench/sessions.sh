@@ -2,22 +2,26 @@
 # Session affinity against load-only routing, side by side, on two real llama-servers:
 #  1. installs llama-server and gemma-3-270m (bench/install-llama.sh) and builds levee
 #     (release);
-#  2. for each flood — bench/sessions-flood.toml (multi-turn conversations that resend their
-#     history) and bench/sessions-plain.toml (single-turn requests, the control) — and each
+#  2. for each flood — bench/sessions-flood.toml (multi-turn conversations of questions of
+#     similar size that resend their history), bench/sessions-document.toml (conversations
+#     that open with a long document and go on with short follow-ups) and
+#     bench/sessions-plain.toml (single-turn requests, the control) — and each
 #     routing — load only ([affinity] enabled = false) and affinity ([affinity] enabled =
 #     true, epsilon 0.5) — starts two fresh llama-servers (4 slots, one CPU thread each; the
 #     why is in bench/llama-servers.sh: fresh so that no run finds the previous run's
 #     prompts cached), a gateway in front of them, and runs the flood with `levee sim`;
 #  3. prints TTFT p50/p99, goodput and success per run as a markdown table, also written to
 #     target/sessions/table.md, with each run's report in target/sessions/<flood>-<routing>/.
-# The goal (issue 25): on the session flood, TTFT p50 at least halved at equal goodput;
-# on the plain flood, affinity no more than 5% worse than load only.
-# Every process it starts is killed at the end (by PID). About 6 minutes after the build.
+# The goal: on a session flood, TTFT p50 at least halved at equal goodput; on the plain
+# flood, affinity no more than 5% worse than load only.
+# Every process it starts is killed at the end (by PID). About 12 minutes a round after the
+# build.
 #
 #   bench/sessions.sh            # two llama-servers
 #   bench/sessions.sh --sim      # two simulated engines (levee engine) calibrated to them
 #
-# LEVEE=path/to/levee uses that binary instead of building one; FLOODS="plain" runs only
+# LEVEE=path/to/levee uses that binary instead of building one; FLOODS="plain" (of flood,
+# document, plain) runs only
 # those floods; ROUNDS=N runs each pair N times, load and affinity alternating (run-to-run
 # spread is the yardstick for a 5% difference); SCALE=X multiplies every flood's rates
 # (`levee sim --rate-scale`); REQUEST_LOG=1 has the gateway log every request (queue and TTFT
@@ -87,7 +91,7 @@ run() {
 }
 
 RUNS=()
-for flood in ${FLOODS:-flood plain}; do
+for flood in ${FLOODS:-flood document plain}; do
   for ((round = 1; round <= ${ROUNDS:-1}; round++)); do
     for routing in load affinity; do
       echo "running sessions-$flood with $routing routing, round $round ($MODE backends)" >&2

@@ -967,6 +967,104 @@ proptest! {
 }
 
 // ---------------------------------------------------------------------------------------
+// Affinity on a flood without sessions: every request opens a conversation of its own (a
+// key never seen before, as the gateway's hash of a single-turn request's opening is), so
+// affinity has nothing to keep and decides exactly as load alone does: the same refusals,
+// the same backends, the same queue order, whatever the arrivals, sizes and completions.
+
+/// A lane of two backends (3 slots and 2,000 KV tokens each) with a small queue, four
+/// tenants under one tier-wide fair share, and affinity on or off.
+fn two_backends_with_a_queue(affinity: bool) -> Admission<u32, u8> {
+    let mut cfg = AdmissionConfig::new();
+    cfg.tenant_default = LimitSpec::UNLIMITED;
+    let mut a: Admission<u32, u8> = Admission::new(cfg);
+    let mut lane = LaneConfig::new(Watermarks::new(4, 8, 12).unwrap());
+    lane.affinity = affinity.then_some(AffinityConfig {
+        epsilon: 0.5,
+        max_sessions: 64,
+    });
+    a.set_model(
+        0,
+        ModelSpec {
+            limits: LimitSpec::UNLIMITED,
+            lane,
+        },
+    );
+    let limits = BackendLimits {
+        max_in_flight: 3,
+        kv_tokens: Some(2000),
+    };
+    a.set_backends(
+        &0,
+        ["b0", "b1"]
+            .iter()
+            .map(|n| (Arc::<str>::from(*n), limits))
+            .collect(),
+    );
+    a
+}
+
+/// What a decision says, without its handles: dispatched (item, backend), queued (place)
+/// or refused (reason).
+fn decided(admit: Admit<u32, u8>, running: &mut Vec<Grant<u8>>) -> String {
+    match admit {
+        Admit::Dispatch(d) => {
+            let said = format!("dispatch {} to {:?}", d.item, d.grant.backend());
+            running.push(d.grant);
+            said
+        }
+        Admit::Queued { position, .. } => format!("queued at {position}"),
+        Admit::Refused(r) => format!("refused {} for {:?}", r.item, r.reason),
+    }
+}
+
+/// Every queued request that may go now, as dispatched.
+fn drained(
+    a: &mut Admission<u32, u8>,
+    now: Timestamp,
+    running: &mut Vec<Grant<u8>>,
+) -> Vec<String> {
+    std::iter::from_fn(|| a.dequeue(&0, now))
+        .map(|d| decided(Admit::Dispatch(d), running))
+        .collect()
+}
+
+proptest! {
+    #[test]
+    fn affinity_decides_a_flood_without_sessions_as_load_alone(
+        ops in prop::collection::vec((0u8..3, 0u8..4, 1u64..900, 0usize..16), 1..300),
+    ) {
+        let mut with = two_backends_with_a_queue(true);
+        let mut without = two_backends_with_a_queue(false);
+        let (mut running_with, mut running_without) = (Vec::new(), Vec::new());
+        for (step, (op, tenant, tokens, pick)) in ops.into_iter().enumerate() {
+            let now = ts(step as u64 * 10_000_000);
+            if op == 0 && !running_with.is_empty() {
+                prop_assert_eq!(running_with.len(), running_without.len());
+                let i = pick % running_with.len();
+                let done = Completion { outcome: Outcome::Success, actual_tokens: Some(tokens) };
+                with.complete(running_with.remove(i), done, now);
+                without.complete(running_without.remove(i), done, now);
+            } else {
+                let req = AdmissionRequest {
+                    tenant: tenant + 1, model: 0, tier: Tier(0), prompt_tokens: tokens,
+                    completion_tokens: 100, max_wait: Some(Duration::from_secs(60)),
+                    session: Some(step as u64), answered_at_end: false,
+                };
+                let a = decided(with.admit(&req, step as u32, now), &mut running_with);
+                let mut plain = req.clone();
+                plain.session = None;
+                let b = decided(without.admit(&plain, step as u32, now), &mut running_without);
+                prop_assert_eq!(a, b, "step {}", step);
+            }
+            let a = drained(&mut with, now, &mut running_with);
+            let b = drained(&mut without, now, &mut running_without);
+            prop_assert_eq!(a, b, "queue after step {}", step);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
 // Fleet budgets: the max-min split, and replicas leasing slices of one backend's budget in
 // any order never hold, nor admit, more than the budget between them.
 
