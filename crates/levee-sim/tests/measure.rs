@@ -141,6 +141,14 @@ async fn serve(server: Server) -> (String, Arc<Server>) {
     (format!("http://{addr}"), state)
 }
 
+/// The sizes of the prompts the server was sent (characters of text), each once, smallest first.
+fn prompt_sizes(server: &Server) -> Vec<usize> {
+    let mut sizes: Vec<usize> = server.seen.lock().unwrap().iter().map(|s| s.1).collect();
+    sizes.sort();
+    sizes.dedup();
+    sizes
+}
+
 fn quiet() -> RunOptions {
     RunOptions {
         progress: false,
@@ -515,20 +523,14 @@ async fn a_sessions_later_questions_take_their_own_size() {
         "#,
     )
     .unwrap();
-    let target = Target {
-        base_url: url.clone(),
-        metrics: vec![],
-        engine_admin: vec![],
-    };
-    let r = levee_sim::run(&scenario, &target, &quiet()).await.unwrap();
+    let r = levee_sim::run(&scenario, &Target::new(&url), &quiet())
+        .await
+        .unwrap();
     assert_eq!(r.totals.scheduled, 9);
     assert_eq!(r.totals.ok, 9);
     // The opening asks 40 tokens; each later turn resends it and the answers ("hi", 1
     // token) and asks 3: 40, 44, 48 tokens of text.
-    let mut sizes: Vec<usize> = server.seen.lock().unwrap().iter().map(|s| s.1).collect();
-    sizes.sort();
-    sizes.dedup();
-    assert_eq!(sizes, vec![40, 44, 48]);
+    assert_eq!(prompt_sizes(&server), vec![40, 44, 48]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -580,10 +582,7 @@ async fn sessions_grow_prompts_and_metrics_and_faults_are_recorded() {
     assert_eq!(r.totals.ok, 18);
     // Turn n resends every earlier question (10 tokens) and answer ("hi", 1 token) and asks
     // a new question: 10, 21, 32 tokens of text.
-    let mut sizes: Vec<usize> = server.seen.lock().unwrap().iter().map(|s| s.1).collect();
-    sizes.sort();
-    sizes.dedup();
-    assert_eq!(sizes, vec![10, 21, 32]);
+    assert_eq!(prompt_sizes(&server), vec![10, 21, 32]);
 
     let waiting = r
         .metrics
