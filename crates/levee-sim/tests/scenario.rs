@@ -26,8 +26,7 @@ fn every_bench_flood_parses() {
     for entry in std::fs::read_dir(&dir).unwrap() {
         let path = entry.unwrap().path();
         if path.extension().is_some_and(|e| e == "toml") {
-            let text = std::fs::read_to_string(&path).unwrap();
-            Scenario::from_toml_str(&text).unwrap_or_else(|e| panic!("{}: {e:#}", path.display()));
+            Scenario::from_file(&path).unwrap_or_else(|e| panic!("{e:#}"));
             seen += 1;
         }
     }
