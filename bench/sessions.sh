@@ -20,12 +20,11 @@
 #   bench/sessions.sh            # two llama-servers
 #   bench/sessions.sh --sim      # two simulated engines (levee engine) calibrated to them
 #
-# LEVEE=path/to/levee uses that binary instead of building one; FLOODS="plain" (of flood,
-# document, plain) runs only
-# those floods; ROUNDS=N runs each pair N times, load and affinity alternating (run-to-run
-# spread is the yardstick for a 5% difference); SCALE=X multiplies every flood's rates
-# (`levee sim --rate-scale`); REQUEST_LOG=1 has the gateway log every request (queue and TTFT
-# ms, backend) to <run>/gateway.log.
+# LEVEE=path/to/levee uses that binary instead of building one; FLOODS="plain" runs only
+# those floods (of flood, document, plain); ROUNDS=N runs each pair N times, load and
+# affinity alternating (run-to-run spread is the yardstick for a 5% difference); SCALE=X
+# multiplies every flood's rates (`levee sim --rate-scale`); REQUEST_LOG=1 has the gateway
+# log every request (queue and TTFT ms, backend) to <run>/gateway.log.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=target/sessions
