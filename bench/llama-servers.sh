@@ -14,6 +14,10 @@
 # when the CPU advertises AMX, and on virtual machines whose kernel does not grant AMX to
 # processes (seen here: Sapphire Rapids guests) the first matrix product dies with SIGILL
 # (`tilezero`). Without repacking, the plain AVX2/AVX-512 kernels run on every machine.
+# LLAMA_BATCH=N sets --batch-size and --ubatch-size to N: the most prompt tokens a server
+# computes in one step beside its running answers (chunked prefill). Unset, llama-server's
+# own defaults (2048 and 512): a prompt of up to 2048 tokens is computed in one step, and a
+# request that arrives meanwhile waits for all of it.
 
 LLAMA_PIDS=()
 LLAMA_URLS=()
@@ -42,6 +46,7 @@ start_llama_servers() {
     port=$(free_port)
     "$binary" --model "$model" --host 127.0.0.1 --port "$port" \
       --parallel 4 --ctx-size 8192 --threads 1 --metrics --no-repack --alias gemma-3-270m \
+      ${LLAMA_BATCH:+--batch-size "$LLAMA_BATCH" --ubatch-size "$LLAMA_BATCH"} \
       >"$logdir/llama-server-$i.log" 2>&1 &
     LLAMA_PIDS+=($!)
     LLAMA_URLS+=("http://127.0.0.1:$port")

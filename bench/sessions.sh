@@ -24,7 +24,9 @@
 # those floods (of flood, document, plain); ROUNDS=N runs each pair N times, load and
 # affinity alternating (run-to-run spread is the yardstick for a 5% difference); SCALE=X
 # multiplies every flood's rates (`levee sim --rate-scale`); REQUEST_LOG=1 has the gateway
-# log every request (queue and TTFT ms, backend) to <run>/gateway.log.
+# log every request (queue and TTFT ms, backend) to <run>/gateway.log; LLAMA_BATCH=N has the
+# llama-servers compute at most N prompt tokens a step (chunked prefill; see
+# bench/llama-servers.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=target/sessions
@@ -101,9 +103,11 @@ for flood in ${FLOODS:-flood document plain}; do
 done
 
 python3 - "$OUT" "$MODE" "${RUNS[@]}" <<'PY' | tee "$OUT/table.md"
-import glob, json, re, statistics, sys
+import glob, json, os, re, statistics, sys
 out, mode, runs = sys.argv[1], sys.argv[2], sys.argv[3:]
-print(f"backends: {'two llama-servers (gemma-3-270m, 4 slots, 1 thread)' if mode == 'llama' else 'two simulated engines (profiles/llamacpp-gemma3-270m-2core.toml)'}")
+batch = os.environ.get("LLAMA_BATCH")
+chunk = f", prompts computed {batch} tokens a step" if batch else ""
+print(f"backends: {f'two llama-servers (gemma-3-270m, 4 slots, 1 thread{chunk})' if mode == 'llama' else 'two simulated engines (profiles/llamacpp-gemma3-270m-2core.toml)'}")
 print()
 print("| flood | routing | round | requests | success | goodput req/s | TTFT p50 ms | TTFT p99 ms | cached prompt tokens | prefilled tokens | prefilled per warm turn, median | prefilled per request, median | TTFT p50 floor ms |")
 print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
