@@ -142,6 +142,7 @@ def prefill(d):
     return (str(sum(evaluated.values())), (f"{statistics.median(warm):.0f}" if warm else ""),
             f"{median:.0f}", floor)
 
+figures = {}
 for run in runs:
     flood, routing, rnd = run.split("-")
     d = f"{out}/{run}"
@@ -151,7 +152,24 @@ for run in runs:
         if line.startswith("levee_prompt_cached_tokens_total"):
             cached += float(line.split()[-1])
     t = r["latency"]["ttft"]
+    figures.setdefault((flood, routing), []).append(
+        (t["p50"], t["p99"], r["rates"]["goodput_rps"], r["rates"]["success_rate"]))
     print(f"| sessions-{flood} | {routing} | {rnd} | {r['totals']['sent']} "
           f"| {r['rates']['success_rate']:.3f} | {r['rates']['goodput_rps']:.2f} "
           f"| {t['p50']:.0f} | {t['p99']:.0f} | {cached:.0f} | {' | '.join(prefill(d))} |")
+
+# Medians over the rounds, and affinity's change against load only.
+print()
+print("| flood | rounds | TTFT p50 ms, load → affinity | TTFT p99 ms | goodput req/s | success |")
+print("| --- | --- | --- | --- | --- | --- |")
+for flood in dict.fromkeys(f for f, _ in figures):
+    load, aff = figures.get((flood, "load")), figures.get((flood, "affinity"))
+    if not load or not aff:
+        continue
+    cells = []
+    for i, fmt in enumerate(("{:,.0f}", "{:,.0f}", "{:.2f}", "{:.3f}")):
+        a, b = statistics.median(x[i] for x in load), statistics.median(x[i] for x in aff)
+        change = f" ({(b - a) / a:+.0%})" if a else ""
+        cells.append(f"{fmt.format(a)} → {fmt.format(b)}{change}")
+    print(f"| sessions-{flood} | {min(len(load), len(aff))} | {' | '.join(cells)} |")
 PY
