@@ -41,6 +41,10 @@ stop_llama_servers() {
 # (at most 120 s), and fills LLAMA_URLS.
 start_llama_servers() {
   local n=$1 binary=$2 model=$3 logdir=$4 i port url
+  if [[ -n ${LLAMA_BATCH:-} && ! $LLAMA_BATCH =~ ^[1-9][0-9]*$ ]]; then
+    echo "LLAMA_BATCH=$LLAMA_BATCH: give a whole number of tokens (e.g. 128), or leave it unset" >&2
+    return 1
+  fi
   mkdir -p "$logdir"
   for ((i = 0; i < n; i++)); do
     port=$(free_port)

@@ -10,8 +10,10 @@
 #     true, epsilon 0.5) — starts two fresh llama-servers (4 slots, one CPU thread each; the
 #     why is in bench/llama-servers.sh: fresh so that no run finds the previous run's
 #     prompts cached), a gateway in front of them, and runs the flood with `levee sim`;
-#  3. prints TTFT p50/p99, goodput and success per run as a markdown table, also written to
-#     target/sessions/table.md, with each run's report in target/sessions/<flood>-<routing>/.
+#  3. prints TTFT p50/p99, goodput and success per run as a markdown table, then per flood
+#     the medians of the rounds with affinity's change against load only, both also written
+#     to target/sessions/table.md, with each run's report in
+#     target/sessions/<flood>-<routing>-<round>/.
 # The goal: on a session flood, TTFT p50 at least halved at equal goodput; on the plain
 # flood, affinity no more than 5% worse than load only.
 # Every process it starts is killed at the end (by PID). About 12 minutes a round after the
