@@ -11,8 +11,10 @@
 #     why is in bench/llama-servers.sh: fresh so that no run finds the previous run's
 #     prompts cached), a gateway in front of them, and runs the flood with `levee sim`;
 #  3. prints TTFT p50/p99, goodput and success per run as a markdown table, then per flood
-#     the medians of the rounds with affinity's change against load only, both also written
-#     to target/sessions/table.md, with each run's report in
+#     the medians of the rounds with affinity's change against load only, then per run where
+#     the time to first token goes (the wait in levee's queue, with REQUEST_LOG=1; the
+#     servers' prefill, and how many prompts were prefilled beside another prompt on the same
+#     server), all also written to target/sessions/table.md, with each run's report in
 #     target/sessions/<flood>-<routing>-<round>/.
 # The goal: on a session flood, TTFT p50 at least halved at equal goodput; on the plain
 # flood, affinity no more than 5% worse than load only.
@@ -160,6 +162,50 @@ for run in runs:
           f"| {r['rates']['success_rate']:.3f} | {r['rates']['goodput_rps']:.2f} "
           f"| {t['p50']:.0f} | {t['p99']:.0f} | {cached:.0f} | {' | '.join(prefill(d))} |")
 
+def where_time_goes(d):
+    """Where a run's time to first token goes, from the gateway's request log (with
+    REQUEST_LOG=1: the wait in levee's queue) and the llama-servers' logs (when each prompt
+    started and how long its prefill took): the mean wait in the queue and the share of
+    requests that waited more than 100 ms; the TTFT less that wait (p50); the servers'
+    prefill time (p50); the share of prompts whose prefill ran while another prompt was
+    being prefilled on the same server; and the milliseconds per computed token of prompts
+    prefilled alone and of those prefilled beside another (medians)."""
+    queue, rest = [], []
+    log = f"{d}/gateway.log"
+    if os.path.exists(log):
+        for line in open(log):
+            if line.startswith("{") and '"queue_ms"' in line:
+                r = json.loads(line)
+                if r.get("ttft_ms") is not None and r.get("queue_ms") is not None:
+                    queue.append(r["queue_ms"])
+                    rest.append(r["ttft_ms"] - r["queue_ms"])
+    def seconds(stamp):  # llama-server's log stamps: minutes.seconds.milliseconds.microseconds
+        m, s, ms, us = (int(x) for x in stamp.split("."))
+        return m * 60 + s + ms / 1e3 + us / 1e6
+    prefills = []  # (server, start s, end s, tokens, ms)
+    for f in glob.glob(f"{d}/llama-server-*.log"):
+        started = {}
+        for line in open(f):
+            m = re.match(r"(\d+\.\d+\.\d+\.\d+) .*task (\d+) \| processing task", line)
+            if m:
+                started[m[2]] = seconds(m[1])
+            m = re.match(r"\S+ .*task (\d+) \| prompt eval time = +([\d.]+) ms / +(\d+) tokens", line)
+            if m and m[1] in started and int(m[3]) > 0:
+                t0 = started[m[1]]
+                prefills.append((f, t0, t0 + float(m[2]) / 1e3, int(m[3]), float(m[2])))
+    alone, beside = [], []
+    for i, (f, a, b, n, ms) in enumerate(prefills):
+        shared = any(j != i and g == f and s < b and e > a for j, (g, s, e, _, _) in enumerate(prefills))
+        (beside if shared else alone).append(ms / n)
+    cell = lambda xs, fmt: fmt(xs) if xs else ""
+    return [
+        cell(queue, lambda q: f"{statistics.mean(q):,.0f} ({sum(v > 100 for v in q) / len(q):.0%})"),
+        cell(rest, lambda r: f"{statistics.median(r):,.0f}"),
+        cell(prefills, lambda p: f"{statistics.median(x[4] for x in p):,.0f}"),
+        cell(prefills, lambda p: f"{len(beside) / len(p):.0%}"),
+        f"{cell(alone, lambda a: f'{statistics.median(a):.1f}')} → {cell(beside, lambda b: f'{statistics.median(b):.1f}')}",
+    ]
+
 # Medians over the rounds, and affinity's change against load only.
 print()
 print("| flood | rounds | TTFT p50 ms, load → affinity | TTFT p99 ms | goodput req/s | success |")
@@ -174,4 +220,13 @@ for flood in dict.fromkeys(f for f, _ in figures):
         change = f" ({(b - a) / a:+.0%})" if a else ""
         cells.append(f"{fmt.format(a)} → {fmt.format(b)}{change}")
     print(f"| sessions-{flood} | {min(len(load), len(aff))} | {' | '.join(cells)} |")
+
+# Where each run's time to first token goes.
+print()
+print("| flood | routing | round | TTFT p50 ms | levee queue: mean ms (requests > 100 ms) | TTFT less the queue, p50 ms | server prefill p50 ms | prompts prefilled beside another | ms per computed token, alone → beside another |")
+print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+for run in runs:
+    flood, routing, rnd = run.split("-")
+    t = json.load(open(f"{out}/{run}/report.json"))["latency"]["ttft"]
+    print(f"| sessions-{flood} | {routing} | {rnd} | {t['p50']:,.0f} | {' | '.join(where_time_goes(f'{out}/{run}'))} |")
 PY
