@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # User-space instructions per proxied request, counted by valgrind (callgrind): levee (and a
-# second build, "base") against nginx in front of the same `levee engine --profile zero`. A
+# second build, "base") against the bare hyper proxy (examples/bare_proxy.rs: the stack levee
+# is built on, nothing else) and nginx, in front of the same `levee engine --profile zero`. A
 # figure host noise does not move, for the part of a request's cost that is the proxy's own
 # code (the kernel's part, about half of levee's CPU per request and most of nginx's, is not
 # counted: bench/gateway-overhead.sh measures the whole).
 #
-#   bench/gateway-instructions.sh                        # levee (target/release) and nginx
+#   bench/gateway-instructions.sh                        # levee (target/release), bare, nginx
 #   LEVEE_BASE=/path/to/levee bench/gateway-instructions.sh
 #   PROFILES=dir bench/gateway-instructions.sh      # keep each proxy's profile there, to read
 #                                                   # with callgrind_annotate --inclusive=yes
@@ -16,17 +17,18 @@
 # Periodic work (scrapes, recomputations) is counted too, spread over 100 requests a second
 # where a real load spreads it over thousands. Needs valgrind and nginx (apt-get install -y
 # valgrind nginx) and release builds (cargo build --release -p levee && cargo build --release
-# -p levee-gateway --example loadgen). About two minutes.
+# -p levee-gateway --example loadgen --example bare_proxy). About three minutes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=target/release/levee
 LOADGEN=target/release/examples/loadgen
+BARE=target/release/examples/bare_proxy
 NGINX=$(command -v nginx || echo /usr/sbin/nginx)
 for t in valgrind callgrind_control callgrind_annotate; do
   command -v $t >/dev/null || { echo "$t not found: apt-get install -y valgrind" >&2; exit 1; }
 done
 [ -x "$NGINX" ] || { echo "nginx not found: apt-get install -y nginx" >&2; exit 1; }
-[ -x "$BIN" ] && [ -x "$LOADGEN" ] || { echo "build first: cargo build --release -p levee && cargo build --release -p levee-gateway --example loadgen" >&2; exit 1; }
+[ -x "$BIN" ] && [ -x "$LOADGEN" ] && [ -x "$BARE" ] || { echo "build first: cargo build --release -p levee && cargo build --release -p levee-gateway --example loadgen --example bare_proxy" >&2; exit 1; }
 [ -z "${LEVEE_BASE:-}" ] || [ -x "$LEVEE_BASE" ] || { echo "LEVEE_BASE=$LEVEE_BASE is not an executable" >&2; exit 1; }
 
 TMP=$(mktemp -d /tmp/levee-instr.XXXXXX)
@@ -93,6 +95,16 @@ TOML
 
 levee levee "$BIN"
 [ -z "${LEVEE_BASE:-}" ] || levee base "$LEVEE_BASE"
+
+# The floor: hyper and tokio alone (examples/bare_proxy.rs).
+BARE_PORT=$(free_port)
+valgrind --tool=callgrind --dump-instr=no --callgrind-out-file="$TMP/bare.out" \
+  "$BARE" --listen "127.0.0.1:$BARE_PORT" --upstream "http://127.0.0.1:$ENGINE_PORT" >"$TMP/bare.log" 2>&1 &
+BARE_PID=$!
+PIDS+=($BARE_PID)
+wait_http "http://127.0.0.1:$BARE_PORT/v1/models"
+count bare "http://127.0.0.1:$BARE_PORT" "$BARE_PID"
+kill "$BARE_PID"; wait "$BARE_PID" 2>/dev/null || true
 
 NGINX_PORT=$(free_port)
 mkdir -p "$TMP/nginx"

@@ -2,6 +2,8 @@
 # Gateway overhead, side by side in one run, on loopback:
 #   direct  : loadgen -> levee engine (zero profile)
 #   levee   : loadgen -> levee serve -> engine
+#   bare    : loadgen -> bare_proxy (hyper's server and pooled client on tokio, nothing
+#             else: the floor of the stack levee is built on) -> engine
 #   nginx   : loadgen -> nginx (plain reverse proxy, keep-alive upstream) -> engine
 # at 1k and 5k requests/s (open loop, fixed rate; latency measured from each request's due
 # time). Then RSS of levee with 10k requests queued.
@@ -30,11 +32,13 @@ ulimit -n 65536 2>/dev/null || ulimit -n 16384 || true
 
 # NO_BUILD=1 reuses the binaries already in target/release.
 # Two builds: `--example` alone selects only the example, not levee's binary.
-[ "${NO_BUILD:-0}" = 1 ] || { cargo build --release -q -p levee && cargo build --release -q -p levee-gateway --example loadgen; }
+[ "${NO_BUILD:-0}" = 1 ] || { cargo build --release -q -p levee && cargo build --release -q -p levee-gateway --example loadgen --example bare_proxy; }
 BIN=target/release/levee
 BASE_BIN=${LEVEE_BASE:-}
 [ -z "$BASE_BIN" ] || [ -x "$BASE_BIN" ] || { echo "LEVEE_BASE=$BASE_BIN is not an executable" >&2; exit 1; }
 LOADGEN=target/release/examples/loadgen
+BARE=target/release/examples/bare_proxy
+[ -x "$BARE" ] || { echo "$BARE not built: cargo build --release -p levee-gateway --example bare_proxy" >&2; exit 1; }
 NGINX=$(command -v nginx || echo /usr/sbin/nginx)
 [ -x "$NGINX" ] || { echo "nginx not found: apt-get install -y nginx" >&2; exit 1; }
 
@@ -47,6 +51,7 @@ free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",
 wait_http() { for _ in $(seq 1 200); do curl -s -o /dev/null "$1" && return 0; sleep 0.05; done; echo "timeout waiting for $1" >&2; exit 1; }
 
 ENGINE_PORT=$(free_port); LEVEE_PORT=$(free_port); ADMIN_PORT=$(free_port); NGINX_PORT=$(free_port)
+BARE_PORT=$(free_port)
 BASE_PORT=$(free_port); BASE_ADMIN_PORT=$(free_port)
 KEY=sk-bench
 KEY_SHA=$(printf %s "$KEY" | sha256sum | cut -d' ' -f1)
@@ -134,6 +139,9 @@ NGINX
 "$NGINX" -c "$TMP/nginx.conf" -g 'daemon off;' >"$TMP/nginx.log" 2>&1 &
 NGINX_PID=$!
 PIDS+=($NGINX_PID)
+"$BARE" --listen "127.0.0.1:$BARE_PORT" --upstream "http://127.0.0.1:$ENGINE_PORT" >"$TMP/bare.log" 2>&1 &
+BARE_PID=$!
+PIDS+=($BARE_PID)
 sleep 0.3
 
 # CPU ticks (1/100 s) used so far by processes (all their threads): "user system".
@@ -149,6 +157,7 @@ proxy_pids() { # $1 target -> the proxy's pids (none for direct)
   case $1 in
     levee) echo "$LEVEE_PID" ;;
     base) echo "$BASE_PID" ;;
+    bare) echo "$BARE_PID" ;;
     nginx) echo "$NGINX_PID $(pgrep -P "$NGINX_PID" | tr '\n' ' ')" ;;
   esac
 }
@@ -199,11 +208,12 @@ fi
 [ "${ONLY_RSS:-0}" = 1 ] && RATES=""
 for round in $(seq 1 "$ROUNDS"); do
   for rate in $RATES; do
-    for target in direct levee ${BASE_BIN:+base} nginx; do
+    for target in direct levee ${BASE_BIN:+base} bare nginx; do
       case $target in
         direct) url="http://127.0.0.1:$ENGINE_PORT" ;;
         levee) url="http://127.0.0.1:$LEVEE_PORT" ;;
         base) url="http://127.0.0.1:$BASE_PORT" ;;
+        bare) url="http://127.0.0.1:$BARE_PORT" ;;
         nginx) url="http://127.0.0.1:$NGINX_PORT" ;;
       esac
       run "$target" "$url" "$rate" "$round"
@@ -226,7 +236,7 @@ print()
 print("| rate | target | ok / sent | p50 | p90 | p99 | p99.9 | proxy CPU µs/req (user + kernel) | added p99 vs direct (median of per-round differences) |")
 print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
 for rate in rates:
-    for name in ("direct", "levee", "base", "nginx"):
+    for name in ("direct", "levee", "base", "bare", "nginx"):
         rs = [rows[(name, rate, r)] for r in rounds if (name, rate, r) in rows]
         if not rs:
             continue
@@ -241,6 +251,17 @@ for rate in rates:
         cpu, user, kernel = (med([r.get(f"proxy_{k}_us_per_req", 0) for r in rs]) for k in ("cpu", "user", "sys"))
         cpu_s = "" if name == "direct" else f"{cpu:.0f} ({user:.0f} + {kernel:.0f})"
         print(f"| {rate}/s | {name} | {ok} / {sent} | {p['p50']:.3f} | {p['p90']:.3f} | {p['p99']:.3f} | {p['p999']:.3f} | {cpu_s} | {added} |")
+# CPU per request against nginx's, each the median over rounds of the ratio in one round.
+print()
+for rate in rates:
+    ratios = []
+    for name in ("levee", "base", "bare"):
+        rs = [(rows[(name, rate, r)], rows[("nginx", rate, r)]) for r in rounds
+              if (name, rate, r) in rows and ("nginx", rate, r) in rows]
+        if rs and all(n["proxy_cpu_us_per_req"] > 0 for _, n in rs):
+            ratios.append(f"{name} {med([x['proxy_cpu_us_per_req'] / n['proxy_cpu_us_per_req'] for x, n in rs]):.2f}×")
+    if ratios:
+        print(f"CPU per request against nginx's at {rate}/s (median of the rounds' ratios): {', '.join(ratios)}")
 counted = ("sys_enter", "sys_enter_writev", "sys_enter_recvfrom", "sys_enter_epoll_wait", "sys_enter_futex", "context-switches")
 if any("per_req_sys_enter" in r for r in rows.values()):
     print()
@@ -249,7 +270,7 @@ if any("per_req_sys_enter" in r for r in rows.values()):
     print("| rate | target | system calls | writev | recvfrom | epoll_wait | futex | context switches |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for rate in rates:
-        for name in ("levee", "base", "nginx"):
+        for name in ("levee", "base", "bare", "nginx"):
             rs = [rows[(name, rate, r)] for r in rounds if (name, rate, r) in rows]
             if rs and all("per_req_sys_enter" in r for r in rs):
                 cells = " | ".join(f"{med([r.get('per_req_' + k, 0) for r in rs]):.2f}" for k in counted)
