@@ -203,7 +203,8 @@ def where_time_goes(d):
         cell(rest, lambda r: f"{statistics.median(r):,.0f}"),
         cell(prefills, lambda p: f"{statistics.median(x[4] for x in p):,.0f}"),
         cell(prefills, lambda p: f"{len(beside) / len(p):.0%}"),
-        f"{cell(alone, lambda a: f'{statistics.median(a):.1f}')} → {cell(beside, lambda b: f'{statistics.median(b):.1f}')}",
+        cell(prefills, lambda _: f"{cell(alone, lambda a: f'{statistics.median(a):.1f}')} → "
+             f"{cell(beside, lambda b: f'{statistics.median(b):.1f}')}"),
     ]
 
 # Medians over the rounds, and affinity's change against load only.
