@@ -117,33 +117,47 @@ print("| flood | routing | round | requests | success | goodput req/s | TTFT p50
 print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
 
 
+def server_tasks(d):
+    """Each task the llama-servers of run directory `d` logged, keyed by (log file, task id):
+    when it started (s since the server's start), its prompt tokens computed, their time and
+    ms per token, the tokens it generated, and the tokens its slot held at the end."""
+    def seconds(stamp):  # llama-server's log stamps: minutes.seconds.milliseconds.microseconds
+        m, s, ms, us = (int(x) for x in stamp.split("."))
+        return m * 60 + s + ms / 1e3 + us / 1e6
+    tasks = {}
+    for f in glob.glob(f"{d}/llama-server-*.log"):
+        for line in open(f):
+            m = re.match(r"(\d+\.\d+\.\d+\.\d+) .*task (\d+) \| processing task", line)
+            if m:
+                tasks.setdefault((f, m[2]), {})["start"] = seconds(m[1])
+            m = re.search(r"task (\d+) \| prompt eval time = +([\d.]+) ms / +(\d+) tokens \( +([\d.]+) ms per token", line)
+            if m:
+                tasks.setdefault((f, m[1]), {}).update(
+                    prompt=int(m[3]), prompt_ms=float(m[2]), ms_per_token=float(m[4]))
+            m = re.search(r"task (\d+) \| +eval time = +[\d.]+ ms / +(\d+) tokens", line)
+            if m:
+                tasks.setdefault((f, m[1]), {})["generated"] = int(m[2])
+            m = re.search(r"task (\d+) \| stop processing: n_tokens = (\d+)", line)
+            if m:
+                tasks.setdefault((f, m[1]), {})["total"] = int(m[2])
+    return tasks
+
 def prefill(d):
     """From the llama-servers' own logs: the prompt tokens they computed (not found in a
     cache); the median of those per turn that found at least 50 tokens cached, and per
     request; and the floor under the TTFT p50 that routing can reach: the median request's
     computed tokens at the run's fastest prefill (the lowest ms per token of any prompt of
     64 tokens or more), what it would take with a server to itself."""
-    evaluated, total, generated, rates = {}, {}, {}, []
-    for f in glob.glob(f"{d}/llama-server-*.log"):
-        for line in open(f):
-            m = re.search(r"task (\d+) \| prompt eval time = +[\d.]+ ms / +(\d+) tokens \( +([\d.]+) ms per token", line)
-            if m:
-                evaluated[(f, m[1])] = int(m[2])
-                if int(m[2]) >= 64:
-                    rates.append(float(m[3]))
-            m = re.search(r"task (\d+) \| +eval time = +[\d.]+ ms / +(\d+) tokens", line)
-            if m:
-                generated[(f, m[1])] = int(m[2])
-            m = re.search(r"task (\d+) \| stop processing: n_tokens = (\d+)", line)
-            if m:
-                total[(f, m[1])] = int(m[2])
-    if not evaluated:
+    tasks = [t for t in server_tasks(d).values() if "prompt" in t]
+    if not tasks:
         return "", "", "", ""
-    warm = [e for t, e in evaluated.items()
-            if t in total and t in generated and total[t] - generated[t] - e >= 50]
-    median = statistics.median(evaluated.values())
+    evaluated = [t["prompt"] for t in tasks]
+    rates = [t["ms_per_token"] for t in tasks if t["prompt"] >= 64]
+    warm = [t["prompt"] for t in tasks
+            if "total" in t and "generated" in t and t["total"] - t["generated"] - t["prompt"] >= 50]
+    median = statistics.median(evaluated)
     floor = f"{median * min(rates):.0f}" if rates else ""
-    return (str(sum(evaluated.values())), (f"{statistics.median(warm):.0f}" if warm else ""),
+    return (str(sum(evaluated)), (f"{statistics.median(warm):.0f}" if warm else ""),
             f"{median:.0f}", floor)
 
 figures = {}
@@ -179,20 +193,9 @@ def where_time_goes(d):
                 if r.get("ttft_ms") is not None and r.get("queue_ms") is not None:
                     queue.append(r["queue_ms"])
                     rest.append(r["ttft_ms"] - r["queue_ms"])
-    def seconds(stamp):  # llama-server's log stamps: minutes.seconds.milliseconds.microseconds
-        m, s, ms, us = (int(x) for x in stamp.split("."))
-        return m * 60 + s + ms / 1e3 + us / 1e6
-    prefills = []  # (server, start s, end s, tokens, ms)
-    for f in glob.glob(f"{d}/llama-server-*.log"):
-        started = {}
-        for line in open(f):
-            m = re.match(r"(\d+\.\d+\.\d+\.\d+) .*task (\d+) \| processing task", line)
-            if m:
-                started[m[2]] = seconds(m[1])
-            m = re.match(r"\S+ .*task (\d+) \| prompt eval time = +([\d.]+) ms / +(\d+) tokens", line)
-            if m and m[1] in started and int(m[3]) > 0:
-                t0 = started[m[1]]
-                prefills.append((f, t0, t0 + float(m[2]) / 1e3, int(m[3]), float(m[2])))
+    prefills = [(f, t["start"], t["start"] + t["prompt_ms"] / 1e3, t["prompt"], t["prompt_ms"])
+                for (f, _), t in server_tasks(d).items()
+                if "start" in t and t.get("prompt", 0) > 0]  # (server, start s, end s, tokens, ms)
     alone, beside = [], []
     for i, (f, a, b, n, ms) in enumerate(prefills):
         shared = any(j != i and g == f and s < b and e > a for j, (g, s, e, _, _) in enumerate(prefills))
