@@ -3,7 +3,10 @@
 //! built on — hyper's HTTP/1.1 server and its pooled keep-alive client on tokio's
 //! work-stealing runtime, one worker per core, as `levee serve` runs by default — that passes
 //! every request to one upstream and streams the answer back. No authentication, limits,
-//! queue, metrics or logging: what a request costs here, levee cannot go below on this stack.
+//! queue, metrics or logging, and HTTP/1.1 only (levee also accepts h2c on the port): the
+//! cost of the stack alone, a floor for levee on that runtime. It allocates with the system
+//! allocator where levee uses jemalloc, and uses hyper-util's pooled client where levee keeps
+//! its own pool.
 //!
 //! ```text
 //! bare_proxy --listen 127.0.0.1:8081 --upstream http://127.0.0.1:8000
