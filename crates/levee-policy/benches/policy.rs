@@ -254,8 +254,10 @@ impl<K: std::hash::Hash + Eq + Ord + Clone> Bench<K> {
 
     /// One full decision: admit (all limits, watermark, fair share, KV fit, dispatch or
     /// enqueue), complete the oldest request in flight, dispatch what that frees — with the
-    /// lane's lock held, as the gateway holds it.
-    #[inline]
+    /// lane's lock held, as the gateway holds it. Never inlined: `bench/decision-instructions.sh`
+    /// finds the decisions in a profile by this function's name (a call costs a few
+    /// instructions of the ~10,000 a decision takes).
+    #[inline(never)]
     fn cycle(&mut self) {
         self.now += 1_000;
         self.i = (self.i + 1) % self.reqs.len();
