@@ -20,7 +20,8 @@
 //!   failed them itself and vouches for nothing, so it is stated and set aside. A contender
 //!   whose own calm run failed them misses. A failed request counts as an infinitely late
 //!   first token: with `k` failures in `n`, the p99 is the request at rank `ceil(0.99 n)`
-//!   with the failures placed last, infinite when that rank falls among them.
+//!   with the failures placed last, infinite when that rank falls among them. Each p99 is
+//!   stated with its distribution-free 95% interval (the verdict reads the p99 itself).
 //! - **suspect reference**: when a contender's flood goodput exceeds the knee by more than
 //!   [`SUSPECT_MARGIN`], the knee is not the best a protected fleet achieves, and the drill
 //!   says so instead of printing a triumph.
@@ -178,6 +179,68 @@ pub fn p99_ttft_counting_failures(g: &Group) -> f64 {
         .unwrap_or(g.ttft.max)
 }
 
+/// The 99th percentile's distribution-free 95% interval for [`p99_ttft_counting_failures`]:
+/// the requests at ranks `0.99 n ∓ 1.96 √(0.99 · 0.01 · n)` (rounded outwards, the upper one
+/// rank further: the count of requests below the true percentile is binomial), failures
+/// last as infinitely late. The upper end is `None` when that rank lies past the last
+/// request — the sample then bounds the percentile only from below (below about 560
+/// requests) — and infinite when it falls among the failures. `None` when the report
+/// does not keep the slowest requests that far down (reports of older builds).
+pub fn p99_interval_counting_failures(g: &Group) -> Option<(f64, Option<f64>)> {
+    let n = g.requests;
+    if n == 0 {
+        return None;
+    }
+    let successes = g.ttft.count.min(n);
+    let mean = 0.99 * n as f64;
+    let spread = 1.96 * (mean * 0.01).sqrt();
+    let low_rank = ((mean - spread).floor() as u64).max(1);
+    let high_rank = (mean + spread).ceil() as u64 + 1;
+    // The successful request at `rank` (from 1, ascending), failures placed last.
+    let at = |rank: u64| -> Option<f64> {
+        if rank > successes {
+            return Some(f64::INFINITY);
+        }
+        g.ttft_slowest_ms.get((successes - rank) as usize).copied()
+    };
+    let low = at(low_rank)?;
+    let high = if high_rank > n {
+        None
+    } else {
+        Some(at(high_rank)?)
+    };
+    Some((low, high))
+}
+
+/// A p99 in words, with its 95% interval when the report allows one: `3709 ms [3412–4135+]`,
+/// a `+` where the interval reaches past the slowest request.
+fn p99_text(p99: f64, g: &Group) -> String {
+    let value = if p99.is_finite() {
+        format!("{p99:.0} ms")
+    } else {
+        "∞ (failures)".into()
+    };
+    let bound = |v: f64| {
+        if v.is_finite() {
+            format!("{v:.0}")
+        } else {
+            "∞".into()
+        }
+    };
+    match p99_interval_counting_failures(g) {
+        Some((low, Some(high))) => format!("{value} [{}–{}]", bound(low), bound(high)),
+        Some((low, None)) => {
+            let slowest = if g.ttft.count < g.requests {
+                f64::INFINITY
+            } else {
+                g.ttft_slowest_ms.first().copied().unwrap_or(g.ttft.max)
+            };
+            format!("{value} [{}–{}+]", bound(low), bound(slowest))
+        }
+        None => value,
+    }
+}
+
 /// Whether the quiet tenants (`flood`) kept the success and p99 TTFT of a `calm` run (both
 /// p99s counting failures as infinitely late).
 pub fn isolation(calm: &Group, flood: &Group) -> Check {
@@ -195,16 +258,18 @@ pub fn isolation(calm: &Group, flood: &Group) -> Check {
     let fell = calm.success_rate - flood.success_rate;
     let success_ok = fell <= ISOLATION_SUCCESS_POINTS + 1e-12;
     let ttft_ok = after <= before * (1.0 + ISOLATION_TTFT_RISE);
-    let after_text = if after.is_finite() {
-        format!("{after:.0} ms ({:+.0}%)", (after / before - 1.0) * 100.0)
+    let rise = if after.is_finite() {
+        format!(" ({:+.0}%)", (after / before - 1.0) * 100.0)
     } else {
-        "∞ (failures)".into()
+        String::new()
     };
     Check::judged(
         format!(
-            "success {:.1}→{:.1}%, p99 TTFT {before:.0}→{after_text}",
+            "success {:.1}→{:.1}%, p99 TTFT {}→{}{rise}",
             calm.success_rate * 100.0,
-            flood.success_rate * 100.0
+            flood.success_rate * 100.0,
+            p99_text(before, calm),
+            p99_text(after, flood),
         ),
         success_ok && ttft_ok,
     )
@@ -323,7 +388,7 @@ pub fn amplification(report: &Report) -> Check {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use levee_sim::report::{Percentiles, Second};
+    use levee_sim::report::{slowest_kept, Percentiles, Second};
 
     pub(crate) fn report_with(seconds: Vec<Second>) -> Report {
         Report {
@@ -373,7 +438,7 @@ mod tests {
                 max: p99,
                 ..Percentiles::default()
             },
-            ttft_slowest_ms: vec![p99; (requests / 100 + 1).min(ok) as usize],
+            ttft_slowest_ms: vec![p99; slowest_kept(requests).min(ok) as usize],
             ..Group::default()
         }
     }
@@ -515,6 +580,50 @@ mod tests {
         );
     }
 
+    /// A group of `n` requests whose successful TTFTs are 1, 2, … ms, the last `failed`
+    /// of them failures, keeping the slowest as a report does.
+    fn ranked(n: u64, failed: u64) -> Group {
+        let ok = n - failed;
+        let mut g = group(n, ok, ok as f64);
+        g.ttft_slowest_ms = (1..=ok)
+            .rev()
+            .take(slowest_kept(n) as usize)
+            .map(|v| v as f64)
+            .collect();
+        g
+    }
+
+    #[test]
+    fn the_p99_interval_takes_the_ranks_two_deviations_around_it() {
+        // 1,000 requests: ranks 990 ∓ 6.2, rounded outwards, the upper one rank further.
+        let g = ranked(1000, 0);
+        assert_eq!(p99_ttft_counting_failures(&g), 990.0);
+        assert_eq!(
+            p99_interval_counting_failures(&g),
+            Some((983.0, Some(998.0)))
+        );
+        // 350 requests: the upper rank (351) lies past the last request, so the sample
+        // bounds the percentile only from below; the printout marks it.
+        let g = ranked(350, 0);
+        assert_eq!(p99_interval_counting_failures(&g), Some((342.0, None)));
+        assert!(
+            p99_text(347.0, &g).ends_with("[342–350+]"),
+            "{}",
+            p99_text(347.0, &g)
+        );
+        // Failures placed last: the upper rank falls among them.
+        let g = ranked(1000, 5);
+        assert_eq!(
+            p99_interval_counting_failures(&g),
+            Some((983.0, Some(f64::INFINITY)))
+        );
+        // A report that kept only the `n / 100 + 1` slowest cannot place the lower end.
+        let mut g = ranked(1000, 0);
+        g.ttft_slowest_ms.truncate(11);
+        assert_eq!(p99_interval_counting_failures(&g), None);
+        assert_eq!(p99_text(990.0, &g), "990 ms");
+    }
+
     #[test]
     fn the_isolation_p99_places_failures_last_at_rank_ceil_99_percent() {
         // 1000 requests, 9 failed (under 1%): rank 990 of 1000 is the success at rank 990
@@ -563,7 +672,7 @@ mod tests {
         assert_eq!(c.met, Some(false), "{}", c.measured);
         assert!(
             c.measured.contains(
-                "vs the unprotected calm run: success 100.0→100.0%, p99 TTFT 200→320 ms (+60%)"
+                "vs the unprotected calm run: success 100.0→100.0%, p99 TTFT 200 ms [200–200]→320 ms [320–320] (+60%)"
             ),
             "{}",
             c.measured

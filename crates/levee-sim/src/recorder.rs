@@ -2,8 +2,8 @@
 //! [`Record`] per finished request, so the hot path takes no lock.
 
 use crate::report::{
-    Group, Latency, MetricSeries, Percentiles, Rates, Report, Second, SloSpec, TaskSummary, Totals,
-    SCHEMA,
+    slowest_kept, Group, Latency, MetricSeries, Percentiles, Rates, Report, Second, SloSpec,
+    TaskSummary, Totals, SCHEMA,
 };
 use crate::scenario::{Scenario, Slo};
 use hdrhistogram::Histogram;
@@ -142,7 +142,7 @@ impl GroupAcc {
             ttft_slowest_ms: self
                 .ttft
                 .as_ref()
-                .map(|h| slowest_ms(h, self.requests / 100 + 1))
+                .map(|h| slowest_ms(h, slowest_kept(self.requests)))
                 .unwrap_or_default(),
             e2e: p(&self.e2e),
             errors: self.errors.clone(),

@@ -235,8 +235,9 @@ pub struct Group {
     pub goodput_rps: f64,
     /// TTFT from intended send time, successful requests.
     pub ttft: Percentiles,
-    /// The slowest successful requests' TTFTs (ms, slowest first): the `requests / 100 + 1`
-    /// largest, enough to place a 99th percentile that counts failures as infinitely late.
+    /// The slowest successful requests' TTFTs (ms, slowest first): the
+    /// [`slowest_kept`]`(requests)` largest, enough to place a 99th percentile that counts
+    /// failures as infinitely late, and the lower end of its 95% interval.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub ttft_slowest_ms: Vec<f64>,
     /// End to end from intended send time, successful requests.
@@ -321,6 +322,15 @@ pub struct FaultRecord {
 }
 
 /// Writes a report as pretty JSON, creating parent directories.
+/// How many of a group's slowest successful TTFTs its report keeps
+/// ([`Group::ttft_slowest_ms`]) for `requests` requests: the 1% above the 99th percentile, the
+/// percentile itself, and two standard deviations of the count above it further down (the
+/// lower end of the percentile's distribution-free 95% interval).
+pub fn slowest_kept(requests: u64) -> u64 {
+    let above = requests as f64 / 100.0;
+    (above + 2.0 * above.sqrt()).ceil() as u64 + 2
+}
+
 pub fn write_json(report: &Report, path: &Path) -> anyhow::Result<()> {
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir)
