@@ -213,13 +213,12 @@ pub fn p99_interval_counting_failures(g: &Group) -> Option<(f64, Option<f64>)> {
 }
 
 /// A p99 in words, with its 95% interval when the report allows one: `3709 ms [3412–4135+]`,
-/// a `+` where the interval reaches past the slowest request.
+/// a `+` where the interval reaches past the slowest request (a success: past a failure the
+/// end is `∞`). An infinite p99 has no interval to state.
 fn p99_text(p99: f64, g: &Group) -> String {
-    let value = if p99.is_finite() {
-        format!("{p99:.0} ms")
-    } else {
-        "∞ (failures)".into()
-    };
+    if !p99.is_finite() {
+        return "∞ (failures)".into();
+    }
     let bound = |v: f64| {
         if v.is_finite() {
             format!("{v:.0}")
@@ -227,17 +226,15 @@ fn p99_text(p99: f64, g: &Group) -> String {
             "∞".into()
         }
     };
+    let failures = g.ttft.count < g.requests;
     match p99_interval_counting_failures(g) {
-        Some((low, Some(high))) => format!("{value} [{}–{}]", bound(low), bound(high)),
+        Some((low, Some(high))) => format!("{p99:.0} ms [{}–{}]", bound(low), bound(high)),
+        Some((low, None)) if failures => format!("{p99:.0} ms [{}–∞]", bound(low)),
         Some((low, None)) => {
-            let slowest = if g.ttft.count < g.requests {
-                f64::INFINITY
-            } else {
-                g.ttft_slowest_ms.first().copied().unwrap_or(g.ttft.max)
-            };
-            format!("{value} [{}–{}+]", bound(low), bound(slowest))
+            let slowest = g.ttft_slowest_ms.first().copied().unwrap_or(g.ttft.max);
+            format!("{p99:.0} ms [{}–{}+]", bound(low), bound(slowest))
         }
-        None => value,
+        None => format!("{p99:.0} ms"),
     }
 }
 
@@ -617,6 +614,11 @@ mod tests {
             p99_interval_counting_failures(&g),
             Some((983.0, Some(f64::INFINITY)))
         );
+        // 350 requests, one failed: the interval's upper end lies past the failure.
+        let g = ranked(350, 1);
+        assert_eq!(p99_text(347.0, &g), "347 ms [342–∞]");
+        // An infinite p99 states no interval.
+        assert_eq!(p99_text(f64::INFINITY, &ranked(100, 5)), "∞ (failures)");
         // A report that kept only the `n / 100 + 1` slowest cannot place the lower end.
         let mut g = ranked(1000, 0);
         g.ttft_slowest_ms.truncate(11);
