@@ -186,7 +186,7 @@ pub fn p99_ttft_counting_failures(g: &Group) -> f64 {
 /// request — the sample then bounds the percentile only from below (below about 560
 /// requests) — and infinite when it falls among the failures. `None` when the report
 /// does not keep the slowest requests that far down (reports of older builds).
-pub fn p99_interval_counting_failures(g: &Group) -> Option<(f64, Option<f64>)> {
+fn p99_interval_counting_failures(g: &Group) -> Option<(f64, Option<f64>)> {
     let n = g.requests;
     if n == 0 {
         return None;

@@ -321,7 +321,6 @@ pub struct FaultRecord {
     pub error: Option<String>,
 }
 
-/// Writes a report as pretty JSON, creating parent directories.
 /// How many of a group's slowest successful TTFTs its report keeps
 /// ([`Group::ttft_slowest_ms`]) for `requests` requests: the 1% above the 99th percentile, the
 /// percentile itself, and two standard deviations of the count above it further down (the
@@ -331,6 +330,7 @@ pub fn slowest_kept(requests: u64) -> u64 {
     (above + 2.0 * above.sqrt()).ceil() as u64 + 2
 }
 
+/// Writes a report as pretty JSON, creating parent directories.
 pub fn write_json(report: &Report, path: &Path) -> anyhow::Result<()> {
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir)
