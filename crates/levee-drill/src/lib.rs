@@ -587,6 +587,19 @@ fn judge(plan: &Plan, runs: &Runs) -> Judged {
         per_contender(outcomes, &|o| verdicts::premium(&o.report, over_quota(o))),
     );
     rows.extend(isolation_rows(plan, runs));
+    for (flooder, tier) in tenants::flooders_with_tier(&plan.scenario) {
+        rows.push(VerdictRow {
+            target: format!(
+                "{flooder}'s goodput over the run ≥ an equal share of its tier's ({}): \
+                 isolation not bought by starving it",
+                tier.join(", ")
+            ),
+            checks: outcomes
+                .iter()
+                .map(|(_, o)| verdicts::flooder_share(&o.report, &flooder, &tier))
+                .collect(),
+        });
+    }
     rows.push(VerdictRow {
         target: "retry amplification (attempts / scheduled)".into(),
         checks: outcomes

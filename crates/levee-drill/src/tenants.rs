@@ -47,6 +47,25 @@ pub(crate) fn calm_flooders(base: &Scenario) -> Scenario {
     s
 }
 
+/// Each flooder with the tenants of its tier (itself included), in the scenario's order:
+/// whom its goodput is compared with ([`crate::verdicts::flooder_share`]).
+pub(crate) fn flooders_with_tier(scenario: &Scenario) -> Vec<(String, Vec<String>)> {
+    scenario
+        .tenants
+        .iter()
+        .filter(|t| is_flooder(scenario, t))
+        .map(|f| {
+            let tier = scenario
+                .tenants
+                .iter()
+                .filter(|t| t.tier == f.tier)
+                .map(|t| t.name.clone())
+                .collect();
+            (f.name.clone(), tier)
+        })
+        .collect()
+}
+
 /// Premium requests that a client-side rate check with each premium tenant's configured
 /// quota finds over it, given `sends` (per tenant name: when each request was first sent, in
 /// ms, in order — from the client's own record of a run, every session turn included): the

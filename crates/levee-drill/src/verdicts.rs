@@ -22,6 +22,8 @@
 //!   first token: with `k` failures in `n`, the p99 is the request at rank `ceil(0.99 n)`
 //!   with the failures placed last, infinite when that rank falls among them. Each p99 is
 //!   stated with its distribution-free 95% interval (the verdict reads the p99 itself).
+//! - **flooder's share**: a flooder's goodput over the run at least an equal share of its
+//!   tier's (the scenario's tenants of its tier): isolation not bought by starving it.
 //! - **suspect reference**: when a contender's flood goodput exceeds the knee by more than
 //!   [`SUSPECT_MARGIN`], the knee is not the best a protected fleet achieves, and the drill
 //!   says so instead of printing a triumph.
@@ -293,6 +295,45 @@ pub fn isolation_against(own: &Group, baselines: &[(&str, &Group)], flood: &Grou
         }
     }
     Check::judged(measured, met)
+}
+
+/// Whether `flooder` was served at least an equal share of its tier's goodput over the run
+/// (`tier`: the tier's tenants, itself included): its neighbours' isolation must not be
+/// bought by starving it. A tenant that sends less than an equal share leaves the rest to the
+/// others, so a flooder beside quiet neighbours gets more than that; one held below it while
+/// they got theirs was held back for them. Stated without a verdict when its tier served
+/// nothing.
+pub fn flooder_share(report: &Report, flooder: &str, tier: &[String]) -> Check {
+    let goodput = |t: &str| report.per_tenant.get(t).map_or(0.0, |g| g.goodput_rps);
+    let total: f64 = tier.iter().map(|t| goodput(t)).sum();
+    let mine = goodput(flooder);
+    if total <= 0.0 || tier.is_empty() {
+        return Check {
+            measured: format!("{mine:.2} req/s (its tier served nothing)"),
+            met: None,
+        };
+    }
+    let equal = 1.0 / tier.len() as f64;
+    let others: Vec<f64> = tier
+        .iter()
+        .filter(|t| *t != flooder)
+        .map(|t| goodput(t))
+        .collect();
+    let range = match (
+        others.iter().copied().reduce(f64::min),
+        others.iter().copied().reduce(f64::max),
+    ) {
+        (Some(lo), Some(hi)) => format!("; the others {lo:.2}–{hi:.2} each"),
+        _ => String::new(),
+    };
+    Check::judged(
+        format!(
+            "{mine:.2} req/s = {:.0}% of its tier's {total:.2} (an equal share: {:.0}%){range}",
+            100.0 * mine / total,
+            100.0 * equal
+        ),
+        mine / total >= equal - 1e-9,
+    )
 }
 
 /// A contender whose flood goodput beats the knee by more than this is evidence that the
@@ -624,6 +665,38 @@ mod tests {
         g.ttft_slowest_ms.truncate(11);
         assert_eq!(p99_interval_counting_failures(&g), None);
         assert_eq!(p99_text(990.0, &g), "990 ms");
+    }
+
+    #[test]
+    fn a_flooder_held_below_an_equal_share_of_its_tier_misses() {
+        let mut r = report_with(Vec::new());
+        let tier: Vec<String> = ["noisy", "a", "b", "c"].map(String::from).to_vec();
+        let set = |r: &mut Report, rates: [f64; 4]| {
+            for (t, g) in tier.iter().zip(rates) {
+                let mut group = group(100, 100, 100.0);
+                group.goodput_rps = g;
+                r.per_tenant.insert(t.clone(), group);
+            }
+        };
+        // Quiet neighbours served their 1.7 req/s, the flooder the rest: more than a quarter.
+        set(&mut r, [3.0, 1.7, 1.6, 1.8]);
+        let c = flooder_share(&r, "noisy", &tier);
+        assert_eq!(c.met, Some(true), "{}", c.measured);
+        assert!(
+            c.measured
+                .starts_with("3.00 req/s = 37% of its tier's 8.10 (an equal share: 25%)"),
+            "{}",
+            c.measured
+        );
+        // Held to 1.2 req/s while they got theirs: isolation bought by starving it.
+        set(&mut r, [1.2, 1.7, 1.6, 1.8]);
+        assert_eq!(flooder_share(&r, "noisy", &tier).met, Some(false));
+        // Everyone backlogged and served alike: exactly an equal share is met.
+        set(&mut r, [2.0, 2.0, 2.0, 2.0]);
+        assert_eq!(flooder_share(&r, "noisy", &tier).met, Some(true));
+        // Nothing served: stated, not judged.
+        set(&mut r, [0.0; 4]);
+        assert_eq!(flooder_share(&r, "noisy", &tier).met, None);
     }
 
     #[test]
