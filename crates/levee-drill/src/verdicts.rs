@@ -668,6 +668,22 @@ mod tests {
     }
 
     #[test]
+    fn a_report_keeps_enough_of_the_slowest_to_place_every_p99_interval() {
+        // `slowest_kept` (levee-sim) and the interval's lower rank are computed apart: for
+        // any size, with or without failures, what a report keeps must reach the lower end.
+        for n in 1..=5_000u64 {
+            for failed in [0, n / 200, n / 50] {
+                let g = ranked(n, failed);
+                assert!(
+                    p99_interval_counting_failures(&g).is_some(),
+                    "{n} requests, {failed} failed: {} kept",
+                    g.ttft_slowest_ms.len()
+                );
+            }
+        }
+    }
+
+    #[test]
     fn a_flooder_held_below_an_equal_share_of_its_tier_misses() {
         let mut r = report_with(Vec::new());
         let tier: Vec<String> = ["noisy", "a", "b", "c"].map(String::from).to_vec();
