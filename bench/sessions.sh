@@ -107,7 +107,7 @@ for flood in ${FLOODS:-flood document plain}; do
 done
 
 python3 - "$OUT" "$MODE" "${RUNS[@]}" <<'PY' | tee "$OUT/table.md"
-import glob, json, os, re, statistics, sys
+import functools, glob, json, os, re, statistics, sys
 out, mode, runs = sys.argv[1], sys.argv[2], sys.argv[3:]
 batch = os.environ.get("LLAMA_BATCH")
 chunk = f", prompts computed {batch} tokens a step" if batch else ""
@@ -117,10 +117,12 @@ print("| flood | routing | round | requests | success | goodput req/s | TTFT p50
 print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
 
 
+@functools.lru_cache(maxsize=None)
 def server_tasks(d):
     """Each task the llama-servers of run directory `d` logged, keyed by (log file, task id):
     when it started (s since the server's start), its prompt tokens computed, their time and
-    ms per token, the tokens it generated, and the tokens its slot held at the end."""
+    ms per token, the tokens it generated, and the tokens its slot held at the end. Read once
+    per directory: both tables use it (callers must not change what it returns)."""
     def seconds(stamp):  # llama-server's log stamps: minutes.seconds.milliseconds.microseconds
         m, s, ms, us = (int(x) for x in stamp.split("."))
         return m * 60 + s + ms / 1e3 + us / 1e6
