@@ -7,9 +7,10 @@
 #  3. `levee drill --calibrate-config` against them (--backend): measures their capacity on
 #     THIS machine by the drill's own method (a low-rate sample for the servers' prompt
 #     sizes, then open-loop steps of rising rate through the competent capped proxy, the
-#     flood's request mix, no retries; the knee is the best goodput) and derives levee's
-#     configuration from it by the formula in crates/levee-drill/drill-gateway.toml's
-#     comments, written to target/real-backend/gateway.toml;
+#     flood's request mix, no retries; the knee is the median goodput of the best step and
+#     two repeats of it on other arrival seeds) and derives levee's configuration from it
+#     by the formula in crates/levee-drill/drill-gateway.toml's comments, written to
+#     target/real-backend/gateway.toml;
 #  4. `levee drill` with that configuration: measures the knee again, then floods the
 #     servers with bench/real-backend-flood.toml (5x the knee for 30 s, naive retries)
 #     through every contender: unprotected round-robin, the capped pass-through, HAProxy

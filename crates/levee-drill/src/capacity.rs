@@ -26,8 +26,15 @@
 //!    crashes an engine or two caps in a row add under 2%. After a crash, the gap between
 //!    the highest crash-free cap and the one that crashed is halved, a step at a time (up to
 //!    three), so the knee does not hang on one lucky or unlucky step at the crashing cap.
-//! 5. **The knee** is the best goodput of any crash-free step, at any cap: the best a
-//!    protected fleet achieved.
+//! 5. **The knee** is the best a protected fleet achieves, confirmed. The best crash-free
+//!    step (at any cap) is the highest of all the sweep's noisy readings (a step's window
+//!    counts a hundred-odd requests, ±10%), so on its own it reads high: the winner's curse.
+//!    It is run twice more, each on fresh engines, at its cap and rate of new conversations,
+//!    with the arrival seed + 1 and + 2 (the same seed would replay the same arrivals); the
+//!    knee is the median of the three goodputs, a run in which an engine crashed counting as
+//!    0 (a cap that crashes one time in three is not a protected fleet: the median is then
+//!    the lower of the other two). If both repeats crash (a median of 0), the cap is not one
+//!    a protected fleet runs at, and the best step at a lower cap is confirmed the same way.
 
 use crate::contender::Setup;
 use crate::fleet::Fleet;
@@ -186,6 +193,10 @@ pub(crate) fn wait_budget(scenario: &Scenario) -> Duration {
 pub(crate) struct SweepStep {
     /// The proxy's cap per engine in this step.
     pub cap: u32,
+    /// New conversations a second the step was run at (what [`sweep_scenario`] was given).
+    pub rate: f64,
+    /// The seed of the step's arrivals and mix.
+    pub seed: u64,
     /// Requests offered a second in the step's window (by intended time, every turn of a
     /// session counted).
     pub offered_rps: f64,
@@ -195,21 +206,86 @@ pub(crate) struct SweepStep {
     pub e2e_p99_ms: f64,
 }
 
+/// A sweep step confirmed: run twice more (see the module documentation).
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Confirmation {
+    /// The sweep's step, then its two repeats (its cap and rate, its seed + 1 and + 2).
+    pub runs: [SweepStep; 3],
+}
+
+impl Confirmation {
+    /// A run's goodput as the knee counts it: 0 when an engine crashed.
+    fn counted(s: &SweepStep) -> f64 {
+        if s.crashed {
+            0.0
+        } else {
+            s.goodput_rps
+        }
+    }
+
+    /// The run whose counted goodput is the median of the three.
+    pub(crate) fn median_run(&self) -> &SweepStep {
+        let mut order: Vec<&SweepStep> = self.runs.iter().collect();
+        order.sort_by(|a, b| Self::counted(a).total_cmp(&Self::counted(b)));
+        order[1]
+    }
+
+    /// The median of the three counted goodputs.
+    pub(crate) fn median_rps(&self) -> f64 {
+        Self::counted(self.median_run())
+    }
+
+    /// The three goodputs in run order, e.g. `12.9, 0 (an engine crashed) and 11.2 req/s`.
+    pub(crate) fn goodputs(&self) -> String {
+        let g: Vec<String> = self
+            .runs
+            .iter()
+            .map(|s| {
+                if s.crashed {
+                    "0 (an engine crashed)".to_string()
+                } else {
+                    format!("{:.1}", s.goodput_rps)
+                }
+            })
+            .collect();
+        format!("{}, {} and {} req/s", g[0], g[1], g[2])
+    }
+}
+
 /// The capacity measurement's result.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct Sweep {
     pub cap: OperatorCap,
     pub steps: Vec<SweepStep>,
+    /// The knee's confirmations, in order: the last one gave the knee; any before it had a
+    /// median of 0 and moved the knee to a lower cap.
+    pub confirmations: Vec<Confirmation>,
+    /// The median goodput of the last confirmation.
     pub knee_rps: f64,
 }
 
 impl Sweep {
-    /// The step that reached the knee.
+    /// The run that gave the knee: of the last confirmation's three, the one with the
+    /// median goodput (crash-free, as the knee is above 0).
     pub(crate) fn knee_step(&self) -> Option<&SweepStep> {
-        self.steps
-            .iter()
+        self.confirmations
+            .last()
+            .map(Confirmation::median_run)
             .filter(|s| !s.crashed)
-            .max_by(|a, b| a.goodput_rps.total_cmp(&b.goodput_rps))
+    }
+
+    /// How the knee was reached, e.g. `the median of three runs at cap 20 per engine and
+    /// 7.1 conversations/s: 12.9, 11.2 and 10.8 req/s`.
+    pub(crate) fn knee_words(&self) -> String {
+        match self.confirmations.last() {
+            Some(c) => format!(
+                "the median of three runs at cap {} per engine and {:.1} conversations/s: {}",
+                c.runs[0].cap,
+                c.runs[0].rate,
+                c.goodputs()
+            ),
+            None => "no step confirmed".to_string(),
+        }
     }
 }
 
@@ -295,17 +371,20 @@ async fn sample_sizes(
     Ok(sizes)
 }
 
-/// One step of the sweep: `rps` of the scenario's mix on a fresh fleet behind the capped
-/// proxy; goodput over `window` (seconds of the step).
+/// One step of the sweep: `rps` new conversations a second of the scenario's mix, its
+/// arrivals drawn from `seed`, on a fresh fleet behind the capped proxy; goodput over
+/// `window` (seconds of the step).
 async fn sweep_step(
     scenario: &Scenario,
     setup: &Setup<'_>,
     timing: &Timing,
     cap: Cap,
     rps: f64,
+    seed: u64,
     window: &[u32],
 ) -> anyhow::Result<SweepStep> {
-    let s = sweep_scenario(scenario, rps, timing.step_s);
+    let mut s = sweep_scenario(scenario, rps, timing.step_s);
+    s.seed = seed;
     let opts = RunOptions {
         drain: Some(Duration::from_millis(500)),
         ..setup.opts.clone()
@@ -319,6 +398,8 @@ async fn sweep_step(
     let (report, _) = run?;
     Ok(SweepStep {
         cap: cap.per_backend,
+        rate: rps,
+        seed,
         // What the step offered in the window, every turn counted (by intended time).
         offered_rps: verdicts::window_mean(&report, window, |s| s.offered).unwrap_or(0.0),
         goodput_rps: verdicts::window_goodput(&report, window).unwrap_or(0.0),
@@ -372,14 +453,21 @@ pub(crate) async fn measure_knee(
     let competent = competent_cap(&op, setup.engines, wait_budget(scenario));
     let estimate = estimated_capacity(scenario, setup.engines, engine, op.per_engine);
     let window: Vec<u32> = (timing.step_warm_s as u32..timing.step_s as u32).collect();
-    let run = |rps: f64| sweep_step(scenario, setup, timing, competent, rps, &window);
+    let seed = scenario.seed;
+    let run = |rps: f64| sweep_step(scenario, setup, timing, competent, rps, seed, &window);
+    // The capped proxy at another cap per engine, its queue as long as the fleet's slots.
+    let capped = |cap: u32| Cap {
+        per_backend: cap,
+        queue_len: cap as usize * setup.engines,
+        ..competent
+    };
     let mut steps: Vec<SweepStep> = Vec::new();
     // The first step: halved (up to three times) while it is far past the knee (an engine
     // crashed, or its goodput was under half its rate of new conversations).
     let mut first = estimate * timing.first_step;
     for halvings in 0.. {
         let step = run(first).await?;
-        print_step(&step);
+        print_step(&step, NOT_COUNTED);
         steps.push(step);
         if (!step.crashed && step.goodput_rps >= 0.5 * first) || halvings == 3 {
             break;
@@ -393,30 +481,78 @@ pub(crate) async fn measure_knee(
         && (steps.len() as u32) < timing.max_steps
     {
         let step = run(first * (1.0 + k * timing.rise / timing.first_step)).await?;
-        print_step(&step);
+        print_step(&step, NOT_COUNTED);
         steps.push(step);
         k += 1.0;
     }
     raise_cap(&mut steps, &op, timing, |cap, rps| {
-        let cap = Cap {
-            per_backend: cap,
-            queue_len: cap as usize * setup.engines,
-            ..competent
-        };
-        sweep_step(scenario, setup, timing, cap, rps, &window)
+        sweep_step(scenario, setup, timing, capped(cap), rps, seed, &window)
     })
     .await?;
-    let knee = best_goodput(&steps);
+    let confirmations = confirm_knee(&steps, |cap, rps, seed| {
+        sweep_step(scenario, setup, timing, capped(cap), rps, seed, &window)
+    })
+    .await?;
+    let knee = confirmations.last().map_or(0.0, Confirmation::median_rps);
     anyhow::ensure!(
         knee > 0.0,
-        "the capacity sweep found no crash-free step with goodput (steps: {steps:?}); the \
-         engines cannot serve this scenario's mix within its SLO"
+        "the capacity sweep found no crash-free step with goodput that held when run again \
+         (steps: {steps:?}; confirmations: {confirmations:?}); the engines cannot serve this \
+         scenario's mix within its SLO"
     );
     Ok(Sweep {
         cap: op,
         steps,
+        confirmations,
         knee_rps: knee,
     })
+}
+
+/// The knee's confirmation (see the module documentation): the best crash-free step run
+/// twice more by `step(cap, rate, seed)`, at its cap and rate of new conversations, with
+/// its seed + 1 and + 2; the knee is the median of the three, a run that crashed an engine
+/// counting as 0. When the median is 0 (both repeats crashed, or served nothing within the
+/// SLO), the best step at a lower cap is confirmed instead, and so on down. Returns the
+/// confirmations in order; the last one's median is the knee (none: no step to confirm).
+async fn confirm_knee<F, Fut>(steps: &[SweepStep], step: F) -> anyhow::Result<Vec<Confirmation>>
+where
+    F: Fn(u32, f64, u64) -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<SweepStep>>,
+{
+    let mut confirmations = Vec::new();
+    let mut below = u32::MAX;
+    while let Some(&best) = steps
+        .iter()
+        .filter(|s| !s.crashed && s.cap < below && s.goodput_rps > 0.0)
+        .max_by(|a, b| a.goodput_rps.total_cmp(&b.goodput_rps))
+    {
+        eprintln!(
+            "      the best step again (cap {}, {:.1} conversations/s), twice, on arrival seeds \
+             {} and {}:",
+            best.cap,
+            best.rate,
+            best.seed.wrapping_add(1),
+            best.seed.wrapping_add(2)
+        );
+        let mut runs = [best; 3];
+        for (i, run) in runs.iter_mut().enumerate().skip(1) {
+            *run = step(best.cap, best.rate, best.seed.wrapping_add(i as u64)).await?;
+            print_step(run, COUNTED_AS_0);
+        }
+        let confirmation = Confirmation { runs };
+        let median = confirmation.median_rps();
+        confirmations.push(confirmation);
+        if median > 0.0 {
+            break;
+        }
+        eprintln!(
+            "      median 0: cap {} is not one a protected fleet runs at; the best step at a \
+             lower cap instead",
+            best.cap
+        );
+        below = best.cap;
+    }
+    Ok(confirmations)
 }
 
 /// The best goodput of a crash-free step (0 when none).
@@ -470,7 +606,7 @@ where
         let run = step(cap, (best * 1.5).max(0.2));
         async move {
             let s = run.await?;
-            print_step(&s);
+            print_step(&s, NOT_COUNTED);
             anyhow::Ok((s, !s.crashed && s.goodput_rps >= best * 1.02))
         }
     };
@@ -514,16 +650,21 @@ where
     Ok(())
 }
 
-fn print_step(step: &SweepStep) {
+/// What a step that crashed an engine counts for: nothing in the sweep, 0 in a
+/// confirmation's median.
+const NOT_COUNTED: &str = "not counted";
+const COUNTED_AS_0: &str = "counted as 0";
+
+fn print_step(step: &SweepStep, crashed: &str) {
     eprintln!(
         "      cap {:>3}: {:>6.1} req/s offered → {:>6.1} req/s within the SLO{}",
         step.cap,
         step.offered_rps,
         step.goodput_rps,
         if step.crashed {
-            "  (an engine crashed: not counted)"
+            format!("  (an engine crashed: {crashed})")
         } else {
-            ""
+            String::new()
         }
     );
 }
@@ -542,8 +683,10 @@ pub(crate) fn method(timing: &Timing, wait: Duration) -> String {
          the best or {} steps in a row add under 2%; then at caps of 1.5×, 2.25×, … the \
          formula's (up to max_num_seqs), one step each offered 1.5× the best so far, until a \
          cap crashes an engine or two caps add under 2%, then halving the gap below a crashing \
-         cap (up to {NARROWING_STEPS} steps); the knee is the best crash-free step \
-         at any cap",
+         cap (up to {NARROWING_STEPS} steps); the knee is the median goodput of the best \
+         crash-free step (at any cap) and two repeats of it on fresh engines with other \
+         arrival seeds, a repeat that crashes an engine counting as 0 (a median of 0: the \
+         best step at a lower cap, confirmed the same way)",
         timing.step_s,
         timing.step_warm_s,
         timing.sample_s,
@@ -567,21 +710,48 @@ pub(crate) fn render_steps(sweep: &Sweep) -> String {
         op.kv_tokens, op.p95_tokens, op.samples, op.per_engine, op.max_num_seqs
     );
     for st in &sweep.steps {
+        s.push_str(&step_line(st, NOT_COUNTED));
+    }
+    for c in &sweep.confirmations {
+        let best = &c.runs[0];
         let _ = writeln!(
             s,
-            "  cap {:>3}: offered {:>6.1} req/s → goodput {:>6.1} req/s{}",
-            st.cap,
-            st.offered_rps,
-            st.goodput_rps,
-            if st.crashed {
-                "  (a server crashed: not counted)"
-            } else {
-                ""
-            }
+            "  the best step again (cap {}, {:.1} conversations/s), on arrival seeds {} and {}:",
+            best.cap, best.rate, c.runs[1].seed, c.runs[2].seed
         );
+        for st in &c.runs[1..] {
+            s.push_str(&step_line(st, COUNTED_AS_0));
+        }
+        if c.median_rps() <= 0.0 {
+            let _ = writeln!(
+                s,
+                "  median of {}: 0, the best step at a lower cap instead",
+                c.goodputs()
+            );
+        }
     }
-    let _ = write!(s, "  knee: {:.1} req/s", sweep.knee_rps);
+    let _ = write!(
+        s,
+        "  knee: {:.1} req/s, {}",
+        sweep.knee_rps,
+        sweep.knee_words()
+    );
     s
+}
+
+/// One step's line in [`render_steps`].
+fn step_line(st: &SweepStep, crashed: &str) -> String {
+    format!(
+        "  cap {:>3}: offered {:>6.1} req/s → goodput {:>6.1} req/s{}\n",
+        st.cap,
+        st.offered_rps,
+        st.goodput_rps,
+        if st.crashed {
+            format!("  (a server crashed: {crashed})")
+        } else {
+            String::new()
+        }
+    )
 }
 
 #[cfg(test)]
@@ -638,6 +808,8 @@ mod tests {
             .unwrap();
         let first = SweepStep {
             cap: 6,
+            rate: 2.0,
+            seed: 42,
             offered_rps: 4.0,
             goodput_rps: 3.0,
             crashed: false,
@@ -649,6 +821,8 @@ mod tests {
             rt.block_on(raise_cap(&mut steps, &op, &FULL, |cap, rps| async move {
                 Ok(SweepStep {
                     cap,
+                    rate: rps,
+                    seed: 42,
                     offered_rps: rps,
                     goodput_rps: f64::from(cap) / 2.0,
                     crashed: cap >= crash_at,
@@ -675,6 +849,8 @@ mod tests {
         rt.block_on(raise_cap(&mut steps, &op, &FULL, |cap, rps| async move {
             Ok(SweepStep {
                 cap,
+                rate: rps,
+                seed: 42,
                 offered_rps: rps,
                 goodput_rps: f64::from(cap.min(9)),
                 crashed: cap >= 14,
@@ -690,6 +866,8 @@ mod tests {
     fn the_sweep_goes_past_flat_steps_until_goodput_falls_or_a_plateau() {
         let step = |g: f64| SweepStep {
             cap: 8,
+            rate: 0.0,
+            seed: 42,
             offered_rps: 0.0,
             goodput_rps: g,
             crashed: false,
@@ -712,5 +890,147 @@ mod tests {
             ..step(12.0)
         });
         assert!(sweep_done(&crashed, 3));
+    }
+
+    /// A sweep step: `cap`, goodput `g`, at 2 conversations/s a cap unit, seed 42.
+    fn step_at(cap: u32, g: f64, crashed: bool) -> SweepStep {
+        SweepStep {
+            cap,
+            rate: f64::from(cap) / 2.0,
+            seed: 42,
+            offered_rps: 0.0,
+            goodput_rps: g,
+            crashed,
+            e2e_p99_ms: f64::from(cap),
+        }
+    }
+
+    /// Confirms `steps` with repeats that `repeat(cap, seed)` answers as (goodput, crashed);
+    /// returns the sweep and the calls made (cap, rate, seed).
+    fn confirmed(
+        steps: Vec<SweepStep>,
+        repeat: impl Fn(u32, u64) -> (f64, bool),
+    ) -> (Sweep, Vec<(u32, f64, u64)>) {
+        let calls = std::cell::RefCell::new(Vec::new());
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let confirmations = rt
+            .block_on(confirm_knee(&steps, |cap, rate, seed| {
+                calls.borrow_mut().push((cap, rate, seed));
+                let (g, crashed) = repeat(cap, seed);
+                let s = SweepStep {
+                    rate,
+                    seed,
+                    e2e_p99_ms: 1000.0 + g,
+                    ..step_at(cap, g, crashed)
+                };
+                async move { Ok(s) }
+            }))
+            .unwrap();
+        let knee_rps = confirmations.last().map_or(0.0, Confirmation::median_rps);
+        let sweep = Sweep {
+            cap: OperatorCap {
+                samples: 1,
+                p95_tokens: 1,
+                kv_tokens: 1,
+                max_num_seqs: 64,
+                per_engine: 6,
+            },
+            steps,
+            confirmations,
+            knee_rps,
+        };
+        (sweep, calls.into_inner())
+    }
+
+    #[test]
+    fn the_knee_is_the_median_of_the_best_step_and_two_repeats_on_other_seeds() {
+        // Cap 9's 12.9 is the best crash-free step (cap 14's crashed); run again it
+        // serves 10.8 and 11.2: the lucky 12.9 does not win, the median 11.2 does.
+        let steps = vec![
+            step_at(6, 8.0, false),
+            step_at(9, 12.9, false),
+            step_at(14, 20.0, true),
+        ];
+        let (sweep, calls) = confirmed(steps, |_, seed| {
+            (if seed == 43 { 10.8 } else { 11.2 }, false)
+        });
+        // The same cap and rate of new conversations, the seed + 1 and + 2.
+        assert_eq!(calls, vec![(9, 4.5, 43), (9, 4.5, 44)]);
+        assert_eq!(sweep.confirmations.len(), 1);
+        assert_eq!(sweep.knee_rps, 11.2);
+        // The knee's step is the median run, with its own end to end.
+        let knee = sweep.knee_step().unwrap();
+        assert_eq!(
+            (knee.seed, knee.goodput_rps, knee.e2e_p99_ms),
+            (44, 11.2, 1011.2)
+        );
+        assert_eq!(
+            sweep.knee_words(),
+            "the median of three runs at cap 9 per engine and 4.5 conversations/s: 12.9, \
+             10.8 and 11.2 req/s"
+        );
+        // Repeats above the original: the median is the lower repeat, not the mean or max.
+        let (sweep, _) = confirmed(vec![step_at(9, 10.0, false)], |_, seed| {
+            (if seed == 43 { 13.0 } else { 11.0 }, false)
+        });
+        assert_eq!(sweep.knee_rps, 11.0);
+    }
+
+    #[test]
+    fn a_repeat_that_crashes_an_engine_counts_as_0() {
+        // The crashed repeat's 14.0 would make 12.9 the median if it counted; as 0 the
+        // median is the other repeat's 11.0.
+        let (sweep, calls) = confirmed(vec![step_at(9, 12.9, false)], |_, seed| {
+            if seed == 43 {
+                (14.0, true)
+            } else {
+                (11.0, false)
+            }
+        });
+        assert_eq!(calls.len(), 2);
+        assert_eq!(sweep.knee_rps, 11.0);
+        assert!(!sweep.knee_step().unwrap().crashed);
+        assert_eq!(
+            sweep.confirmations[0].goodputs(),
+            "12.9, 0 (an engine crashed) and 11.0 req/s"
+        );
+    }
+
+    #[test]
+    fn when_both_repeats_crash_the_best_step_at_a_lower_cap_is_confirmed() {
+        // Cap 14's 12.5 is the best step, but both its repeats crash (median 0): next is
+        // the best step below cap 14, cap 9's 11.0 (not cap 20's crash-free 10.0, above
+        // the cap that failed).
+        let steps = vec![
+            step_at(6, 8.0, false),
+            step_at(9, 11.0, false),
+            step_at(14, 12.5, false),
+            step_at(20, 10.0, false),
+        ];
+        let (sweep, calls) = confirmed(steps, |cap, seed| {
+            if cap >= 14 {
+                (12.0, true)
+            } else {
+                (if seed == 43 { 10.0 } else { 10.5 }, false)
+            }
+        });
+        assert_eq!(
+            calls,
+            vec![(14, 7.0, 43), (14, 7.0, 44), (9, 4.5, 43), (9, 4.5, 44)]
+        );
+        assert_eq!(sweep.confirmations.len(), 2);
+        assert_eq!(sweep.confirmations[0].median_rps(), 0.0);
+        assert_eq!(sweep.knee_rps, 10.5);
+        assert_eq!(sweep.knee_step().unwrap().cap, 9);
+        // Every cap failing: no knee (the sweep then says so).
+        let (sweep, calls) = confirmed(vec![step_at(6, 8.0, false)], |_, _| (8.0, true));
+        assert_eq!(calls.len(), 2);
+        assert_eq!(sweep.knee_rps, 0.0);
+        assert!(sweep.knee_step().is_none());
+        // No crash-free step with goodput: nothing to confirm.
+        let (sweep, calls) = confirmed(vec![step_at(6, 8.0, true)], |_, _| (8.0, false));
+        assert!(calls.is_empty() && sweep.confirmations.is_empty());
     }
 }

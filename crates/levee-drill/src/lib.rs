@@ -5,8 +5,9 @@
 //!    sample of the scenario's mix gives the prompt sizes the servers report; the operator
 //!    formula caps each engine at ⌊KV tokens ÷ p95(prompt + max_tokens)⌋ (at most its
 //!    `max_num_seqs`); open-loop steps of rising rate go through that competent capped proxy
-//!    on fresh engines, past flat steps, until goodput falls or plateaus. The knee — the best
-//!    goodput of a crash-free step — is the reference and the scenario's `1x`.
+//!    on fresh engines, past flat steps, until goodput falls or plateaus. The knee — the
+//!    median goodput of the best crash-free step and two repeats of it on other arrival
+//!    seeds, a repeat that crashes counting as 0 — is the reference and the scenario's `1x`.
 //! 2. **The contenders, same flood, same seed, fresh engines each**: a plain round-robin
 //!    pass-through (unprotected); the competent capped pass-through (the formula's cap, a
 //!    FIFO queue with a wait budget, passive health, one retry); HAProxy configured the same
@@ -329,7 +330,7 @@ struct Runs {
 async fn measure(plan: &mut Plan, total_steps: usize) -> anyhow::Result<Sweep> {
     eprintln!(
         "[1/{total_steps}] capacity: the best goodput through the competent capped proxy, \
-         steps of rising rate on {}",
+         steps of rising rate, the best run twice more, on {}",
         if plan.external() {
             "the servers"
         } else {
@@ -344,8 +345,9 @@ async fn measure(plan: &mut Plan, total_steps: usize) -> anyhow::Result<Sweep> {
         capacity::wait_budget(&plan.scenario),
     ));
     eprintln!(
-        "      knee: {:.1} req/s within the SLO (1x from here on)",
-        sweep.knee_rps
+        "      knee: {:.1} req/s within the SLO, {} (1x from here on)",
+        sweep.knee_rps,
+        sweep.knee_words()
     );
     Ok(sweep)
 }
@@ -750,6 +752,18 @@ fn write_page(
     Ok(html)
 }
 
+/// A capacity step in `drill.json`.
+fn step_json(s: &capacity::SweepStep) -> serde_json::Value {
+    serde_json::json!({
+        "cap_per_engine": s.cap,
+        "conversations_rps": s.rate,
+        "seed": s.seed,
+        "offered_rps": s.offered_rps,
+        "goodput_rps": s.goodput_rps,
+        "crashed": s.crashed,
+    })
+}
+
 /// `drill.json`: the method, the sweep, every run's figures and the verdicts.
 fn summary_json(plan: &Plan, runs: &Runs, judged: &Judged) -> serde_json::Value {
     let over_quota = |o: &Outcome| {
@@ -773,11 +787,11 @@ fn summary_json(plan: &Plan, runs: &Runs, judged: &Judged) -> serde_json::Value 
                 "per_engine": op.per_engine,
             },
             "knee_rps": runs.sweep.knee_rps,
-            "steps": runs.sweep.steps.iter().map(|s| serde_json::json!({
-                "cap_per_engine": s.cap,
-                "offered_rps": s.offered_rps,
-                "goodput_rps": s.goodput_rps,
-                "crashed": s.crashed,
+            "knee": runs.sweep.knee_words(),
+            "steps": runs.sweep.steps.iter().map(step_json).collect::<Vec<_>>(),
+            "confirmations": runs.sweep.confirmations.iter().map(|c| serde_json::json!({
+                "runs": c.runs.iter().map(step_json).collect::<Vec<_>>(),
+                "median_goodput_rps": c.median_rps(),
             })).collect::<Vec<_>>(),
         },
         "flood_window_s": judged.window,
