@@ -7,8 +7,8 @@
 #  3. `levee drill --calibrate-config` against them (--backend): measures their capacity on
 #     THIS machine by the drill's own method (a low-rate sample for the servers' prompt
 #     sizes, then open-loop steps of rising rate through the competent capped proxy, the
-#     flood's request mix, no retries; the knee is the median goodput of the best step and
-#     two repeats of it on other arrival seeds) and derives levee's configuration from it
+#     flood's request mix, no retries; the knee is the mean goodput of two repeats of the
+#     best step on other arrival seeds) and derives levee's configuration from it
 #     by the formula in crates/levee-drill/drill-gateway.toml's comments, written to
 #     target/real-backend/gateway.toml;
 #  4. `levee drill` with that configuration: measures the knee again, then floods the

@@ -6,8 +6,9 @@
 //!    formula caps each engine at ⌊KV tokens ÷ p95(prompt + max_tokens)⌋ (at most its
 //!    `max_num_seqs`); open-loop steps of rising rate go through that competent capped proxy
 //!    on fresh engines, past flat steps, until goodput falls or plateaus. The knee — the
-//!    median goodput of the best crash-free step and two repeats of it on other arrival
-//!    seeds, a repeat that crashes counting as 0 — is the reference and the scenario's `1x`.
+//!    mean goodput of two repeats of the best crash-free step on other arrival seeds (its
+//!    own reading, the luckiest of many, left out) — is the reference and the scenario's
+//!    `1x`.
 //! 2. **The contenders, same flood, same seed, fresh engines each**: a plain round-robin
 //!    pass-through (unprotected); the competent capped pass-through (the formula's cap, a
 //!    FIFO queue with a wait budget, passive health, one retry); HAProxy configured the same
@@ -466,7 +467,7 @@ async fn calibrate(plan: &mut Plan) -> anyhow::Result<()> {
         },
         max_in_flight: plan.engine.gpu.max_running_seqs,
     };
-    let e2e_ms = sweep.knee_step().map_or(0.0, |s| s.e2e_p99_ms);
+    let e2e_ms = sweep.knee_e2e_p99_ms().unwrap_or(0.0);
     let text = operator::calibrated_config(
         &fleet,
         &operator::Basis {
@@ -791,7 +792,7 @@ fn summary_json(plan: &Plan, runs: &Runs, judged: &Judged) -> serde_json::Value 
             "steps": runs.sweep.steps.iter().map(step_json).collect::<Vec<_>>(),
             "confirmations": runs.sweep.confirmations.iter().map(|c| serde_json::json!({
                 "runs": c.runs.iter().map(step_json).collect::<Vec<_>>(),
-                "median_goodput_rps": c.median_rps(),
+                "knee_rps": c.knee_rps(),
             })).collect::<Vec<_>>(),
         },
         "flood_window_s": judged.window,
