@@ -72,7 +72,7 @@ pub struct DrillArgs {
     #[arg(long, value_name = "FILE")]
     pub gateway_config: Option<PathBuf>,
     /// A time-scaled drill: the scenario's timeline at a fifth (rates unchanged), a shorter
-    /// capacity sweep; under a minute for the shipped flash-crowd.
+    /// capacity sweep; under three minutes for the shipped flash-crowd on 2 cores.
     #[arg(long)]
     pub quick: bool,
     /// Hide the live progress lines.
