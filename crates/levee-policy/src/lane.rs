@@ -185,6 +185,10 @@ pub struct BackendReport {
 struct Backend {
     id: Arc<str>,
     limits: BackendLimits,
+    /// `limits.kv_tokens` after the lane's KV headroom ([`Backend::usable_tokens`]), worked
+    /// out whenever either changes ([`Backend::set_limits`]) instead of on every read: a
+    /// decision reads it a few dozen times.
+    usable: Option<u64>,
     routable: bool,
     breaker: Breaker,
     in_flight: usize,
@@ -233,9 +237,21 @@ impl Backend {
         }
     }
 
-    /// KV tokens levee may fill, after headroom.
+    /// KV tokens levee may fill, after `headroom` (the lane's, which the kept figure was
+    /// worked out with).
     fn usable_tokens(&self, headroom: f64) -> Option<u64> {
-        self.limits.kv_tokens.map(|t| self.usable_of(t, headroom))
+        debug_assert_eq!(
+            self.usable,
+            self.limits.kv_tokens.map(|t| self.usable_of(t, headroom)),
+            "a backend's usable KV tokens were not worked out again"
+        );
+        self.usable
+    }
+
+    /// Sets its limits, and what its KV budget leaves after the lane's `headroom`.
+    fn set_limits(&mut self, limits: BackendLimits, headroom: f64) {
+        self.limits = limits;
+        self.usable = limits.kv_tokens.map(|t| self.usable_of(t, headroom));
     }
 
     /// What stays of `tokens` after headroom.
@@ -654,6 +670,9 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
             }
         }
         self.cfg = cfg;
+        for b in &mut self.backends {
+            b.set_limits(b.limits, self.cfg.kv_headroom);
+        }
         self.forget_shares();
     }
 
@@ -702,14 +721,12 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
                 .iter()
                 .position(|b| b.id == id)
                 .map(|i| old.swap_remove(i));
-            let b = match kept {
-                Some(mut b) => {
-                    b.limits = limits;
-                    b
-                }
+            let mut b = match kept {
+                Some(b) => b,
                 None => Backend {
                     id,
                     limits,
+                    usable: None,
                     routable: true,
                     breaker: Breaker::new(self.cfg.breaker),
                     in_flight: 0,
@@ -725,6 +742,7 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
                     prefilling: VecDeque::new(),
                 },
             };
+            b.set_limits(limits, self.cfg.kv_headroom);
             self.backends.push(b);
         }
         self.in_flight = self.backends.iter().map(|b| b.in_flight).sum();
@@ -747,7 +765,11 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
     /// Changes a backend's limits (learned from the engine). `false` if there is no such
     /// backend.
     pub fn set_backend_limits(&mut self, id: &str, limits: BackendLimits) -> bool {
-        let found = self.backend_mut(id).map(|b| b.limits = limits).is_some();
+        let headroom = self.cfg.kv_headroom;
+        let found = self
+            .backend_mut(id)
+            .map(|b| b.set_limits(limits, headroom))
+            .is_some();
         self.forget_shares();
         found
     }
