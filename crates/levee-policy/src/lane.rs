@@ -1781,13 +1781,31 @@ impl ShareTable {
     /// Where the share figures of `weight` at priority `level` are kept (computed first if
     /// they are not; once as many weights as are kept were seen there, the last kept gives
     /// way); `None` for a priority the table does not have.
+    ///
+    /// A judgement or an update looks figures up at each priority it touches, a dozen
+    /// times a decision, and finds them kept nearly always: that look-up is inlined into
+    /// its callers, the working out ([`ShareTable::add_figures`]) is not.
+    #[inline]
     fn figures_index(&mut self, level: usize, weight: u32) -> Option<usize> {
-        let figures = self.figures.get_mut(level)?;
-        if let Some(i) = figures.iter().position(|f| f.weight == weight) {
-            return Some(i);
+        match self
+            .figures
+            .get(level)?
+            .iter()
+            .position(|f| f.weight == weight)
+        {
+            Some(i) => Some(i),
+            None => self.add_figures(level, weight),
         }
+    }
+
+    /// Works out and keeps the share figures of `weight` at priority `level`
+    /// ([`ShareTable::figures_index`]), which has none of that weight yet.
+    #[cold]
+    #[inline(never)]
+    fn add_figures(&mut self, level: usize, weight: u32) -> Option<usize> {
         let weights = self.by_tier.get(level)?.weights;
         let f = ShareOf::new(self.slots, self.tokens, weights, weight);
+        let figures = self.figures.get_mut(level)?;
         if figures.len() >= FIGURES_KEPT {
             figures.pop();
         }
@@ -1796,6 +1814,7 @@ impl ShareTable {
     }
 
     /// The share figures of `weight` at priority `level` ([`ShareTable::figures_index`]).
+    #[inline]
     fn figures_of(&mut self, level: usize, weight: u32) -> Option<&ShareOf> {
         let i = self.figures_index(level, weight)?;
         self.figures.get(level)?.get(i)
@@ -2071,7 +2090,7 @@ impl<K: Hash + Eq> LaneView<'_, K> {
     /// The request slots, usable tokens and the sums at priority `tier`, building the
     /// sums first if they are stale.
     fn sums(&self, tier: Tier, now: Timestamp) -> Option<(u64, Option<u64>, TierSums)> {
-        let t = self.table(now);
+        let t = self.table(now)?;
         Some((t.slots, t.tokens, *t.by_tier.get(usize::from(tier.0))?))
     }
 
@@ -2084,23 +2103,29 @@ impl<K: Hash + Eq> LaneView<'_, K> {
         now: Timestamp,
         judge: impl FnOnce(&TierSums, &ShareOf) -> R,
     ) -> Option<R> {
-        let mut t = self.table(now);
+        let mut t = self.table(now)?;
         let level = usize::from(tier.0);
         let i = t.figures_index(level, weight)?;
         let (sums, f) = (t.by_tier.get(level)?, t.figures.get(level)?.get(i)?);
         Some(judge(sums, f))
     }
 
-    /// The fair-share table, built first if it is stale.
-    fn table(&self, now: Timestamp) -> std::cell::RefMut<'_, ShareTable> {
-        std::cell::RefMut::map(self.shares.borrow_mut(), |shares| {
-            if shares.as_ref().is_some_and(|t| !t.valid_at(now)) {
-                *shares = None;
-            }
-            shares.get_or_insert_with(|| {
-                ShareTable::build(self.tenants, self.backends, self.cfg, now)
-            })
-        })
+    /// The fair-share table, built first if it is stale (always `Some`). Inlined: every
+    /// judgement reads it, and it is nearly always fresh.
+    #[inline]
+    fn table(&self, now: Timestamp) -> Option<std::cell::RefMut<'_, ShareTable>> {
+        let mut shares = self.shares.borrow_mut();
+        if !shares.as_ref().is_some_and(|t| t.valid_at(now)) {
+            *shares = Some(self.build_table(now));
+        }
+        std::cell::RefMut::filter_map(shares, Option::as_mut).ok()
+    }
+
+    /// A fresh fair-share table ([`LaneView::table`]), out of the readers' way.
+    #[cold]
+    #[inline(never)]
+    fn build_table(&self, now: Timestamp) -> ShareTable {
+        ShareTable::build(self.tenants, self.backends, self.cfg, now)
     }
 
     /// Whether `tenant`'s traffic is over its weighted share of the lane (see
