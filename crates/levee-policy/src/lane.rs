@@ -295,9 +295,16 @@ impl Backend {
     /// On a fleet the engine runs the other replicas' requests too: this replica's part of
     /// what it runs is at least what it runs less what the others hold.
     fn request_cap(&self, now: Timestamp, cfg: &LaneConfig) -> usize {
-        let cap = self.slot_cap(cfg);
+        self.request_cap_of(
+            self.slot_cap(cfg),
+            self.fresh_report(now, cfg.report_max_age),
+        )
+    }
+
+    /// [`Backend::request_cap`] from its cap ([`Backend::slot_cap`]) and its fresh report.
+    fn request_cap_of(&self, cap: usize, report: Option<&BackendReport>) -> usize {
         let others = self.fleet.map_or(0.0, |f| f.others.slots as f64);
-        match self.fresh_report(now, cfg.report_max_age) {
+        match report {
             Some(r) if r.waiting >= 1.0 => cap.min(((r.running - others).max(1.0)) as usize),
             _ => cap,
         }
@@ -307,14 +314,16 @@ impl Backend {
     /// figure when it is larger. On a fleet the engine's figure covers every replica's
     /// requests; this replica's part of it is at least the figure less what the others hold.
     fn tokens_in_use(&self, now: Timestamp, cfg: &LaneConfig) -> u64 {
+        self.tokens_in_use_of(self.fresh_report(now, cfg.report_max_age))
+    }
+
+    /// [`Backend::tokens_in_use`] from its fresh report.
+    fn tokens_in_use_of(&self, report: Option<&BackendReport>) -> u64 {
         let (others, engine_total) = match self.fleet {
             Some(f) => (f.others.kv_tokens, f.engine_kv),
             None => (0, None),
         };
-        let reported = match (
-            self.fresh_report(now, cfg.report_max_age),
-            engine_total.or(self.limits.kv_tokens),
-        ) {
+        let reported = match (report, engine_total.or(self.limits.kv_tokens)) {
             (
                 Some(BackendReport {
                     kv_usage: Some(u), ..
@@ -360,11 +369,23 @@ impl Backend {
 
     /// Whether it can take a request of `kv_cost` tokens now with `cap` requests at most.
     fn has_room_under(&self, cap: usize, kv_cost: u64, now: Timestamp, cfg: &LaneConfig) -> bool {
+        self.has_room_of(cap, self.tokens_in_use(now, cfg), kv_cost, now, cfg)
+    }
+
+    /// [`Backend::has_room_under`] with `in_use` tokens in use ([`Backend::tokens_in_use`]).
+    fn has_room_of(
+        &self,
+        cap: usize,
+        in_use: u64,
+        kv_cost: u64,
+        now: Timestamp,
+        cfg: &LaneConfig,
+    ) -> bool {
         if !self.routable || self.in_flight >= cap {
             return false;
         }
         if let Some(usable) = self.usable_tokens(cfg.kv_headroom) {
-            if self.tokens_in_use(now, cfg).saturating_add(kv_cost) > usable {
+            if in_use.saturating_add(kv_cost) > usable {
                 return false;
             }
         }
@@ -374,17 +395,44 @@ impl Backend {
     /// Fill in [0, 1+]: the larger of its request and token fill, plus half the engine's own
     /// queue (a tie-breaker that lags by a scrape).
     fn fill(&self, now: Timestamp, cfg: &LaneConfig) -> f64 {
-        let cap = self.slot_cap(cfg).max(1) as f64;
+        let report = self.fresh_report(now, cfg.report_max_age);
+        self.fill_of(
+            self.slot_cap(cfg),
+            self.tokens_in_use_of(report),
+            report,
+            cfg,
+        )
+    }
+
+    /// [`Backend::fill`] from its cap ([`Backend::slot_cap`]), the tokens in use and its
+    /// fresh report.
+    fn fill_of(
+        &self,
+        slots: usize,
+        in_use: u64,
+        report: Option<&BackendReport>,
+        cfg: &LaneConfig,
+    ) -> f64 {
+        let cap = slots.max(1) as f64;
         let by_requests = self.in_flight as f64 / cap;
         let by_tokens = match self.usable_tokens(cfg.kv_headroom) {
-            Some(u) if u > 0 => self.tokens_in_use(now, cfg) as f64 / u as f64,
+            Some(u) if u > 0 => in_use as f64 / u as f64,
             _ => 0.0,
         };
-        let queued = self
-            .fresh_report(now, cfg.report_max_age)
-            .map(|r| r.waiting / cap)
-            .unwrap_or(0.0);
+        let queued = report.map(|r| r.waiting / cap).unwrap_or(0.0);
         by_requests.max(by_tokens) + 0.5 * queued
+    }
+
+    /// Its [`Backend::fill`] if it [`Backend::has_room`] for a request of `kv_cost` now. Both
+    /// read its cap, the engine's report and the tokens in use: picking a backend works them
+    /// out once for the two.
+    fn fill_if_room(&self, kv_cost: u64, now: Timestamp, cfg: &LaneConfig) -> Option<f64> {
+        let slots = self.slot_cap(cfg);
+        let report = self.fresh_report(now, cfg.report_max_age);
+        let in_use = self.tokens_in_use_of(report);
+        let cap = self.request_cap_of(slots, report);
+        self.has_room_of(cap, in_use, kv_cost, now, cfg)
+            .then(|| self.fill_of(slots, in_use, report, cfg))
     }
 }
 
@@ -2263,9 +2311,11 @@ impl<K: Hash + Eq> LaneView<'_, K> {
         let mut requests = 0u64;
         let mut tokens = Some(0u64);
         for b in self.backends.iter().filter(|b| b.routable) {
-            requests += b.request_cap(now, self.cfg).saturating_sub(b.in_flight) as u64;
+            let report = b.fresh_report(now, self.cfg.report_max_age);
+            let cap = b.request_cap_of(b.slot_cap(self.cfg), report);
+            requests += cap.saturating_sub(b.in_flight) as u64;
             tokens = match (tokens, b.usable_tokens(self.cfg.kv_headroom)) {
-                (Some(t), Some(u)) => Some(t + u.saturating_sub(b.tokens_in_use(now, self.cfg))),
+                (Some(t), Some(u)) => Some(t + u.saturating_sub(b.tokens_in_use_of(report))),
                 _ => None,
             };
         }
@@ -2366,17 +2416,16 @@ impl<K: Hash + Eq> LaneView<'_, K> {
         let isolated = self.cfg.isolated_tier == Some(tier);
         let mut best: Option<(usize, (u8, u8, f64))> = None;
         for (i, b) in self.backends.iter().enumerate() {
-            if except == Some(&*b.id) || !b.has_room(kv_cost, now, self.cfg) {
+            if except == Some(&*b.id) {
                 continue;
             }
+            let Some(fill) = b.fill_if_room(kv_cost, now, self.cfg) else {
+                continue;
+            };
             if isolated && (b.fenced(now) || !b.quiet(self.prefill_window, now)) {
                 continue;
             }
-            let key = (
-                u8::from(b.fenced(now)),
-                u8::from(prefilling_quiet(b)),
-                b.fill(now, self.cfg),
-            );
+            let key = (u8::from(b.fenced(now)), u8::from(prefilling_quiet(b)), fill);
             let better = |bk: (u8, u8, f64)| {
                 (key.0, key.1) < (bk.0, bk.1) || ((key.0, key.1) == (bk.0, bk.1) && key.2 < bk.2)
             };
