@@ -100,6 +100,7 @@ pub struct LaneConfig {
 
 impl LaneConfig {
     /// The tightest time per output token objective of any tier.
+    #[inline]
     fn tightest_tpot(&self) -> Option<Duration> {
         self.slo.iter().filter_map(|s| s.tpot).min()
     }
@@ -230,6 +231,7 @@ struct Prefill {
 }
 
 impl Backend {
+    #[inline]
     fn fresh_report(&self, now: Timestamp, max_age: Duration) -> Option<&BackendReport> {
         match &self.report {
             Some((r, at)) if now.saturating_duration_since(*at) <= max_age => Some(r),
@@ -262,6 +264,7 @@ impl Backend {
 
     /// Requests it may hold at most: its slots, or fewer when the lane has a time per
     /// output token objective and its learned slowdown caps the batch below them.
+    #[inline]
     fn slot_cap(&self, cfg: &LaneConfig) -> usize {
         let slots = self.limits.max_in_flight;
         match cfg.tightest_tpot() {
@@ -302,6 +305,7 @@ impl Backend {
     }
 
     /// [`Backend::request_cap`] from its cap ([`Backend::slot_cap`]) and its fresh report.
+    #[inline]
     fn request_cap_of(&self, cap: usize, report: Option<&BackendReport>) -> usize {
         let others = self.fleet.map_or(0.0, |f| f.others.slots as f64);
         match report {
@@ -318,6 +322,7 @@ impl Backend {
     }
 
     /// [`Backend::tokens_in_use`] from its fresh report.
+    #[inline]
     fn tokens_in_use_of(&self, report: Option<&BackendReport>) -> u64 {
         let (others, engine_total) = match self.fleet {
             Some(f) => (f.others.kv_tokens, f.engine_kv),
@@ -2092,6 +2097,7 @@ impl TenantUse {
     /// outstanding demand (running + queued) up to that limit, the part of it not yet
     /// running, and what it could still take before reaching the limit. `f`: the share
     /// figures of its weight; `over`: [`TenantUse::over_share`] with them.
+    #[inline]
     fn demand(&self, f: &ShareOf, over: bool) -> Demand {
         let (share_requests, share_tokens) = (f.requests, f.tokens);
         // A burst of its own — up to z standard deviations of Poisson-like traffic that
