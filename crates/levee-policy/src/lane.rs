@@ -274,6 +274,7 @@ impl Backend {
     }
 
     /// Prompt tokens being prefilled here now, and until when a quiet tenant's prompt is.
+    #[inline]
     fn prefill_now(&self, now: Timestamp) -> (u64, Option<Timestamp>) {
         let mut tokens = 0;
         let mut quiet = None;
