@@ -1892,7 +1892,12 @@ impl ShareTable {
 
     /// Replaces active tenant `before`'s demand with what it is `after` a change: at each
     /// priority its old part taken out and its new one put in, the share figures looked up
-    /// once, and nothing done where its part stays as it was.
+    /// once, and nothing done where its counts and traffic stay as they were.
+    ///
+    /// Where they change, its part is swapped without first comparing the old with the new
+    /// (they nearly always differ): each sum holds the part being taken out (it is that
+    /// part's exact sum with the other tenants', see [`TierSums::replace`]), so swapping a
+    /// part for an equal one leaves the sums as they are.
     fn replace(&mut self, before: &TenantUse, after: &TenantUse) {
         if (before.tier, before.weight) != (after.tier, after.weight) {
             self.apply(before, Sign::Minus);
@@ -1923,9 +1928,6 @@ impl ShareTable {
                 continue;
             }
             let (was, is) = (before.demand(f, was_over), after.demand(f, over));
-            if (was, was_over) == (is, over) {
-                continue;
-            }
             self.by_tier[level].replace((&was, was_over), (&is, over));
         }
     }
@@ -1952,8 +1954,17 @@ impl TierSums {
     /// Takes out one tenant's demand `was` and puts in `is` (each with whether its traffic
     /// is over its share), each sum written once. [`NO_DEMAND`] on one side adds or takes
     /// out a tenant.
+    ///
+    /// A sum always holds the part taken out of it: the sums are built from the active
+    /// tenants' parts, each part is worked out from the tenant's figures and the share
+    /// figures alone (which stay for the table's life), and a tenant's figures change only
+    /// through [`Lane::update_tenant`] (which swaps its part) or with the table dropped.
+    /// The subtraction saturates all the same; debug builds check that it need not.
     fn replace(&mut self, (was, was_over): (&Demand, bool), (is, over): (&Demand, bool)) {
-        let swap = |sum: &mut u64, old: u64, new: u64| *sum = sum.saturating_sub(old) + new;
+        let swap = |sum: &mut u64, old: u64, new: u64| {
+            debug_assert!(*sum >= old, "a fair-share sum lost a part it held");
+            *sum = sum.saturating_sub(old) + new;
+        };
         swap(&mut self.demand_requests, was.requests, is.requests);
         swap(&mut self.demand_tokens, was.tokens, is.tokens);
         swap(
