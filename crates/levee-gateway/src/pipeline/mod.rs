@@ -391,8 +391,10 @@ fn admission<'a>(
 
 /// Whether the client asked for queue-position comments (`x-levee-queue-updates: 1`).
 pub(crate) fn wants_queue_updates(headers: &HeaderMap) -> bool {
+    // A name, not a `&str`: looking up a `&str` first turns it into one, on every request.
+    const QUEUE_UPDATES: http::HeaderName = http::HeaderName::from_static("x-levee-queue-updates");
     headers
-        .get("x-levee-queue-updates")
+        .get(QUEUE_UPDATES)
         .is_some_and(|v| v.as_bytes() == b"1")
 }
 
