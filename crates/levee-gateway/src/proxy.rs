@@ -173,11 +173,6 @@ pub async fn send(
     request: Option<&crate::request_log::RequestId>,
 ) -> Result<(http::Response<Incoming>, Lease), GatewayError> {
     let connector = backend.connector(connector);
-    let mut headers = crate::upstream::propagated_headers(request);
-    headers.insert(
-        http::header::CONTENT_TYPE,
-        http::HeaderValue::from_static("application/json"),
-    );
     let base = &backend.base;
     let uri = backend.uri(path).map_err(GatewayError::upstream)?;
     // The request line names the path alone (origin form); the backend's fixed headers
@@ -204,7 +199,13 @@ pub async fn send(
                     causes(&*e)
                 ))
             })?;
-        let req = backend.request(http::Method::POST, origin.clone(), body.clone(), &headers);
+        let mut req = backend.request(http::Method::POST, origin.clone(), body.clone());
+        // Written straight into the request's headers, after the backend's fixed ones.
+        crate::upstream::propagate(req.headers_mut(), request);
+        req.headers_mut().insert(
+            http::header::CONTENT_TYPE,
+            http::HeaderValue::from_static("application/json"),
+        );
         return match tokio::time::timeout_at(deadline, lease.send(req)).await {
             Ok(Ok(resp)) => Ok((resp, lease)),
             Ok(Err(e)) if e.unsent && unsent_left > 0 => {

@@ -521,10 +521,9 @@ fn host_header(url: &str) -> Option<http::HeaderValue> {
     http::HeaderValue::from_str(&value).ok()
 }
 
-/// The request-scoped headers passed on to the backend: the request id levee answers with,
-/// and the W3C trace context the client sent.
-pub fn propagated_headers(request: Option<&crate::request_log::RequestId>) -> HeaderMap {
-    let mut h = HeaderMap::new();
+/// Writes the request-scoped headers passed on to the backend into `h`: the request id
+/// levee answers with, and the W3C trace context the client sent.
+pub fn propagate(h: &mut HeaderMap, request: Option<&crate::request_log::RequestId>) {
     if let Some(id) = request {
         h.insert(crate::request_log::REQUEST_ID_HEADER, id.value.clone());
         if let Some(tp) = &id.traceparent {
@@ -534,7 +533,6 @@ pub fn propagated_headers(request: Option<&crate::request_log::RequestId>) -> He
             h.insert(crate::request_log::TRACESTATE, ts.clone());
         }
     }
-    h
 }
 
 /// The paths requests are proxied to.
@@ -785,23 +783,18 @@ impl Backend {
         self.own_client.as_ref().map_or(shared, |(_, c)| c)
     }
 
-    /// A request to this backend with its fixed headers (API key, static headers) and
-    /// `extra` (the propagated ones).
+    /// A request to this backend with its fixed headers (API key, static headers); the
+    /// caller adds the request's own.
     pub fn request(
         &self,
         method: http::Method,
         uri: http::Uri,
         body: Bytes,
-        extra: &HeaderMap,
     ) -> http::Request<Full<Bytes>> {
         let mut req = http::Request::new(Full::new(body));
         *req.method_mut() = method;
         *req.uri_mut() = uri;
-        let h = req.headers_mut();
-        *h = self.fixed_headers.clone();
-        for (k, v) in extra {
-            h.insert(k.clone(), v.clone());
-        }
+        *req.headers_mut() = self.fixed_headers.clone();
         req
     }
 
@@ -936,12 +929,7 @@ impl Backend {
         let uri: http::Uri = format!("{}{path}", self.base).parse()?;
         let body = Bytes::from(body.to_string());
         let send = || -> anyhow::Result<_> {
-            let mut req = self.request(
-                http::Method::POST,
-                uri.clone(),
-                body.clone(),
-                &HeaderMap::new(),
-            );
+            let mut req = self.request(http::Method::POST, uri.clone(), body.clone());
             req.headers_mut().insert(
                 http::header::CONTENT_TYPE,
                 http::HeaderValue::from_static("application/json"),
@@ -971,7 +959,7 @@ impl Backend {
 
     async fn get(&self, client: &HttpClient, path: &str) -> anyhow::Result<String> {
         let uri: http::Uri = format!("{}{path}", self.base).parse()?;
-        let req = self.request(http::Method::GET, uri, Bytes::new(), &HeaderMap::new());
+        let req = self.request(http::Method::GET, uri, Bytes::new());
         let resp = self.client(client).request(req).await?;
         if !resp.status().is_success() {
             anyhow::bail!("status {}", resp.status());
