@@ -160,7 +160,9 @@ impl Drop for Unclaimed {
 
 impl RequestCtx {
     fn new(gw: &Arc<Gateway>, path: &'static str, request: Option<Arc<RequestId>>) -> Self {
-        let dash = Key::new("-");
+        // One key shared by every request (a new one would allocate each time).
+        static DASH: std::sync::LazyLock<Key> = std::sync::LazyLock::new(|| Key::new("-"));
+        let dash = DASH.clone();
         RequestCtx {
             phase: Phase::Reading,
             gw: gw.clone(),
