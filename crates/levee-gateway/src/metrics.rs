@@ -722,24 +722,34 @@ impl Metrics {
             .inc();
     }
 
-    /// Sets a tenant's remaining quota gauges (those of its limits that are known). A
-    /// tenant past `observe.max_tenant_series` gets none: one `other` gauge written by many
-    /// tenants would mean nothing.
-    pub fn limiter_remaining(&self, tenant: &str, requests: Option<u64>, tokens: Option<u64>) {
+    /// Sets a tenant's remaining quota gauges (those of its limits that are known), through
+    /// its handles `h`. A tenant past `observe.max_tenant_series` gets none: one `other`
+    /// gauge written by many tenants would mean nothing.
+    pub fn limiter_remaining_for(
+        &self,
+        h: &TenantMetrics,
+        tenant: &str,
+        requests: Option<u64>,
+        tokens: Option<u64>,
+    ) {
         if !self.tenant_series.read().contains(tenant) {
             return;
         }
-        let label = TenantLabel {
-            tenant: tenant.to_string(),
+        let set = |handle: &OnceLock<Gauge>, family: &Family<TenantLabel, Gauge>, v: u64| {
+            handle
+                .get_or_init(|| {
+                    let label = TenantLabel {
+                        tenant: tenant.to_string(),
+                    };
+                    family.get_or_create(&label).clone()
+                })
+                .set(i64::try_from(v).unwrap_or(i64::MAX));
         };
-        let as_i64 = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
         if let Some(v) = requests {
-            let g = self.limiter_remaining_requests.get_or_create(&label);
-            g.set(as_i64(v));
+            set(&h.remaining_requests, &self.limiter_remaining_requests, v);
         }
         if let Some(v) = tokens {
-            let g = self.limiter_remaining_tokens.get_or_create(&label);
-            g.set(as_i64(v));
+            set(&h.remaining_tokens, &self.limiter_remaining_tokens, v);
         }
     }
 }
@@ -964,6 +974,9 @@ pub struct TenantMetrics {
     times: RwLock<Vec<(Box<str>, [Histogram; 3])>>,
     /// `levee_queue_wait_seconds` by tier.
     queue_wait: ByTier<Histogram>,
+    /// `levee_limiter_remaining_{requests,tokens}`, each created when first set.
+    remaining_requests: OnceLock<Gauge>,
+    remaining_tokens: OnceLock<Gauge>,
 }
 
 /// One model's series of the prompt metrics written on every answer, kept on its lane as
@@ -1130,7 +1143,7 @@ mod tests {
             let h = TenantMetrics::default();
             m.request_for(&h, t, "m", "ok");
             m.tokens_for(&h, t, 1, 2);
-            m.limiter_remaining(t, Some(5), Some(50));
+            m.limiter_remaining_for(&h, t, Some(5), Some(50));
         }
         let requests = samples(&m, "levee_requests_total");
         assert!(requests.iter().any(|l| l.contains("tenant=\"a\"")));

@@ -386,14 +386,14 @@ fn response_headers(
         rate.tokens = f.tokens;
     }
     let info = rate_info(&rate);
-    record_limiter_gauges(gw, &tenant.name, &info);
+    gw.metrics().limiter_remaining_for(
+        &tenant.metrics,
+        &tenant.name,
+        info.remaining_requests,
+        info.remaining_tokens,
+    );
     info.write_headers(&mut extra);
     extra
-}
-
-fn record_limiter_gauges(gw: &Gateway, tenant: &str, r: &crate::error::RateInfo) {
-    gw.metrics()
-        .limiter_remaining(tenant, r.remaining_requests, r.remaining_tokens);
 }
 
 /// Feeds a verdict to the backend's outlier ejection; an ejection holds the backend's breaker
