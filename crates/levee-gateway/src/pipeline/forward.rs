@@ -46,7 +46,7 @@ pub(super) async fn forward(
         judged,
     } = sent;
     let backend_id = backend.id.clone();
-    c.span.record("backend", &*backend_id);
+    super::record(&c.span, "backend", &*backend_id);
     let extra = answer_headers(gw, &tenant, &c, &admitted, &resp, &backend);
     let settle = RequestSettle {
         gw: gw.clone(),

@@ -184,7 +184,7 @@ impl RequestCtx {
         self.tenant = tenant.name.clone();
         self.response_cache = tenant.response_cache();
         self.tier = seat.tier.clone();
-        self.span.record("tenant", &*tenant.name);
+        record(&self.span, "tenant", &*tenant.name);
     }
 }
 
@@ -323,7 +323,7 @@ fn serve<'a>(
         let rt = gw.runtime();
         let c = debug_span!("classify").in_scope(|| classify::classify(gw, &rt, &seat, &body, ctx));
         drop(body);
-        ctx.span.record("model", &*ctx.model);
+        record(&ctx.span, "model", &*ctx.model);
         let mut c = c?;
         if let Some(resp) = cached::when_degraded(gw, &tenant, &c, ctx) {
             return Ok(resp);
@@ -343,7 +343,7 @@ fn serve<'a>(
                 Err(answer) => return answer,
             };
             ctx.phase = Phase::Dispatched;
-            ctx.span.record("queue_ms", ms(admitted.waited));
+            record(&ctx.span, "queue_ms", ms(admitted.waited));
             admit::count_admitted(gw, &tenant, &seat, &c);
             let (admitted, backend) =
                 debug_span!("dispatch").in_scope(|| admit::dispatch(admitted, &c))?;
@@ -610,10 +610,19 @@ fn request_span(path: &'static str, request: Option<&RequestId>) -> Span {
 
 /// Records how a request ended on its span.
 fn record_end(span: &Span, outcome: &str, status: u16) {
-    span.record("outcome", outcome);
-    span.record("http.response.status_code", status);
+    record(span, "outcome", outcome);
+    record(span, "http.response.status_code", status);
     if status >= 500 || status == 0 {
-        span.record("otel.status_code", "ERROR");
+        record(span, "otel.status_code", "ERROR");
+    }
+}
+
+/// Records `value` as field `field` of `span`. A disabled span's fields go nowhere once a
+/// subscriber is set (before one is, `tracing` may hand them to `log`), yet recording one
+/// still looks the field up by name among the span's: skipped then.
+fn record(span: &Span, field: &str, value: impl tracing::field::Value) {
+    if !span.is_disabled() || !tracing::dispatcher::has_been_set() {
+        span.record(field, value);
     }
 }
 
