@@ -35,7 +35,12 @@
 //!    being the highest, so any average with it would keep part of its luck (the median of
 //!    the three, tried first, still reads about half a step's deviation high). A repeat
 //!    that crashes an engine, or serves nothing within the SLO, means the cap is not one a
-//!    protected fleet runs at: the best step at a lower cap is confirmed the same way.
+//!    protected fleet runs at. The gap between it and the highest crash-free cap below is
+//!    then halved as in 4 (a step at a time, up to three in all, each at the rate of the
+//!    step that did not hold): a held step ends the halving, a crash lowers the gap's top.
+//!    Then the best step below the cap that did not hold is confirmed the same way. Without
+//!    the halving, a cap that crashed in a repeat dropped the knee to the next cap the sweep
+//!    happened to try, a third lower, leaving the caps between untried.
 
 use crate::contender::Setup;
 use crate::fleet::Fleet;
@@ -487,7 +492,7 @@ pub(crate) async fn measure_knee(
         sweep_step(scenario, setup, timing, capped(cap), rps, seed, &window)
     })
     .await?;
-    let confirmations = confirm_knee(&steps, |cap, rps, seed| {
+    let confirmations = confirm_knee(&mut steps, |cap, rps, seed| {
         sweep_step(scenario, setup, timing, capped(cap), rps, seed, &window)
     })
     .await?;
@@ -512,19 +517,26 @@ pub(crate) async fn measure_knee(
 /// The knee's confirmation (see the module documentation): the best crash-free step run
 /// twice more by `step(cap, rate, seed)`, at its cap and rate of new conversations, with
 /// its seed + 1 and + 2; the knee is the mean of the two repeats. When a repeat crashed an
-/// engine or served nothing within the SLO, the best step at a lower cap is confirmed
-/// instead, and so on down. Returns the confirmations in order; the last one gives the
-/// knee if its repeats held (none: no step to confirm).
-async fn confirm_knee<F, Fut>(steps: &[SweepStep], step: F) -> anyhow::Result<Vec<Confirmation>>
+/// engine or served nothing within the SLO, the gap below that cap is narrowed (its steps
+/// added to `steps`) and the best step below it is confirmed instead, and so on down.
+/// Returns the confirmations in order; the last one gives the knee if its repeats held
+/// (none: no step to confirm).
+async fn confirm_knee<F, Fut>(
+    steps: &mut Vec<SweepStep>,
+    step: F,
+) -> anyhow::Result<Vec<Confirmation>>
 where
     F: Fn(u32, f64, u64) -> Fut,
     Fut: std::future::Future<Output = anyhow::Result<SweepStep>>,
 {
+    let held = |s: &&SweepStep| !s.crashed && s.goodput_rps > 0.0;
     let mut confirmations = Vec::new();
     let mut below = u32::MAX;
+    let mut narrowing = 0;
     while let Some(&best) = steps
         .iter()
-        .filter(|s| !s.crashed && s.cap < below && s.goodput_rps > 0.0)
+        .filter(|s| s.cap < below)
+        .filter(held)
         .max_by(|a, b| a.goodput_rps.total_cmp(&b.goodput_rps))
     {
         eprintln!(
@@ -541,17 +553,41 @@ where
             print_step(run, NOT_HELD);
         }
         let confirmation = Confirmation { runs };
-        let held = confirmation.held();
+        let confirmed = confirmation.held();
         confirmations.push(confirmation);
-        if held {
+        if confirmed {
             break;
         }
         eprintln!(
-            "      a repeat did not hold: cap {} is not one a protected fleet runs at; the best \
-             step at a lower cap instead",
+            "      a repeat did not hold: cap {} is not one a protected fleet runs at; the gap \
+             below it narrowed, then the best step below it confirmed",
             best.cap
         );
         below = best.cap;
+        // Halve the gap between `below` and the highest crash-free cap under it until a
+        // step holds (a new candidate) or the gap closes.
+        while narrowing < NARROWING_STEPS {
+            let Some(low) = steps
+                .iter()
+                .filter(|s| s.cap < below)
+                .filter(held)
+                .map(|s| s.cap)
+                .max()
+            else {
+                break;
+            };
+            if below - low <= 1 {
+                break;
+            }
+            let s = step(low + (below - low) / 2, best.rate, best.seed).await?;
+            print_step(&s, NOT_COUNTED);
+            steps.push(s);
+            narrowing += 1;
+            if !s.crashed {
+                break;
+            }
+            below = s.cap;
+        }
     }
     Ok(confirmations)
 }
@@ -687,7 +723,8 @@ pub(crate) fn method(timing: &Timing, wait: Duration) -> String {
          cap (up to {NARROWING_STEPS} steps); the knee is the mean goodput of two repeats of \
          the best crash-free step (at any cap) on fresh engines with other arrival seeds, its \
          own reading left out as the luckiest of many (a repeat that crashes an engine or \
-         serves nothing: the best step at a lower cap, confirmed the same way)",
+         serves nothing: the gap below its cap halved as above, then the best step below it \
+         confirmed the same way)",
         timing.step_s,
         timing.step_warm_s,
         timing.sample_s,
@@ -909,7 +946,7 @@ mod tests {
     /// Confirms `steps` with repeats that `repeat(cap, seed)` answers as (goodput, crashed);
     /// returns the sweep and the calls made (cap, rate, seed).
     fn confirmed(
-        steps: Vec<SweepStep>,
+        mut steps: Vec<SweepStep>,
         repeat: impl Fn(u32, u64) -> (f64, bool),
     ) -> (Sweep, Vec<(u32, f64, u64)>) {
         let calls = std::cell::RefCell::new(Vec::new());
@@ -917,7 +954,7 @@ mod tests {
             .build()
             .unwrap();
         let confirmations = rt
-            .block_on(confirm_knee(&steps, |cap, rate, seed| {
+            .block_on(confirm_knee(&mut steps, |cap, rate, seed| {
                 calls.borrow_mut().push((cap, rate, seed));
                 let (g, crashed) = repeat(cap, seed);
                 let s = SweepStep {
@@ -989,7 +1026,19 @@ mod tests {
             (_, 43) => (10.0, false),
             _ => (10.4, false),
         });
-        assert_eq!(calls.len(), 4);
+        // Cap 14's repeats, the gap 9–14 halved at cap 11 (at cap 14's rate, the sweep's
+        // seed), then cap 9's repeats: cap 11's 10.4 is below cap 9's 11.0.
+        assert_eq!(
+            calls,
+            vec![
+                (14, 7.0, 43),
+                (14, 7.0, 44),
+                (11, 7.0, 42),
+                (9, 4.5, 43),
+                (9, 4.5, 44)
+            ]
+        );
+        assert_eq!(sweep.steps.last().map(|s| s.cap), Some(11));
         assert_eq!(
             sweep.confirmations[0].goodputs(),
             "12.9 (the sweep's), 0 (an engine crashed) and 12.5 req/s"
@@ -1015,15 +1064,24 @@ mod tests {
             step_at(20, 10.0, false),
         ];
         let (sweep, calls) = confirmed(steps, |cap, seed| {
-            if cap >= 14 {
+            if cap >= 11 {
                 (12.0, true)
             } else {
                 (if seed == 43 { 10.0 } else { 10.5 }, false)
             }
         });
+        // The gap 9–14 halved at cap 11, which crashes, then at 10, which holds but
+        // serves less than cap 9.
         assert_eq!(
             calls,
-            vec![(14, 7.0, 43), (14, 7.0, 44), (9, 4.5, 43), (9, 4.5, 44)]
+            vec![
+                (14, 7.0, 43),
+                (14, 7.0, 44),
+                (11, 7.0, 42),
+                (10, 7.0, 42),
+                (9, 4.5, 43),
+                (9, 4.5, 44)
+            ]
         );
         assert_eq!(sweep.confirmations.len(), 2);
         assert_eq!(sweep.confirmations[0].knee_rps(), None);
@@ -1037,5 +1095,57 @@ mod tests {
         // No crash-free step with goodput: nothing to confirm.
         let (sweep, calls) = confirmed(vec![step_at(6, 8.0, true)], |_, _| (8.0, false));
         assert!(calls.is_empty() && sweep.confirmations.is_empty());
+    }
+
+    #[test]
+    fn the_caps_between_one_that_did_not_hold_and_the_next_tried_are_searched() {
+        // Cap 20's 12.0 is the best step, but a repeat crashes an engine; the sweep tried
+        // nothing between 14 and 20. Halved: cap 17 crashes, cap 15 holds and beats cap
+        // 14's reading, so cap 15 is confirmed (not cap 14, a quarter lower).
+        let steps = vec![
+            step_at(9, 8.0, false),
+            step_at(14, 10.0, false),
+            step_at(20, 12.0, false),
+            step_at(30, 0.0, true),
+        ];
+        let (sweep, calls) = confirmed(steps, |cap, _| match cap {
+            17.. => (11.5, true),
+            15 | 16 => (10.8, false),
+            _ => (9.5, false),
+        });
+        assert_eq!(
+            calls,
+            vec![
+                (20, 10.0, 43),
+                (20, 10.0, 44),
+                (17, 10.0, 42),
+                (15, 10.0, 42),
+                (15, 10.0, 43),
+                (15, 10.0, 44)
+            ]
+        );
+        let caps: Vec<u32> = sweep.steps.iter().map(|s| s.cap).collect();
+        assert_eq!(caps, vec![9, 14, 20, 30, 17, 15]);
+        assert_eq!(sweep.confirmations.len(), 2);
+        assert!((sweep.knee_rps - 10.8).abs() < 1e-9);
+        // When cap 15 does not hold either, the gap below it (14–15) is closed: cap 14 is
+        // confirmed.
+        let (sweep, calls) = confirmed(
+            vec![
+                step_at(9, 8.0, false),
+                step_at(14, 10.0, false),
+                step_at(20, 12.0, false),
+            ],
+            |cap, seed| match (cap, seed) {
+                (17.., _) => (11.5, true),
+                (15, 42) => (10.8, false),
+                (15, _) => (10.8, true),
+                _ => (9.5, false),
+            },
+        );
+        let tried: Vec<u32> = calls.iter().map(|c| c.0).collect();
+        assert_eq!(tried, vec![20, 20, 17, 15, 15, 15, 14, 14]);
+        assert!((sweep.knee_rps - 9.5).abs() < 1e-9);
+        assert_eq!(sweep.confirmations.last().map(|c| c.runs[0].cap), Some(14));
     }
 }
