@@ -16,6 +16,8 @@ pub(crate) enum Contender {
     Capped,
     Haproxy,
     Levee,
+    /// levee with the `--compare-config` configuration.
+    LeveeCompare,
 }
 
 impl Contender {
@@ -25,6 +27,7 @@ impl Contender {
             Contender::Capped => "capped",
             Contender::Haproxy => "haproxy",
             Contender::Levee => "levee",
+            Contender::LeveeCompare => "levee-compare",
         }
     }
 
@@ -40,6 +43,7 @@ impl Contender {
                  health checks, redispatch)"
             }
             Contender::Levee => "levee",
+            Contender::LeveeCompare => "levee with the --compare-config configuration",
         }
     }
 }
@@ -95,8 +99,15 @@ async fn run_on(
             h.stop().await;
             r
         }
-        Contender::Levee => {
-            let gws = Gateways::start(scenario, setup, &fleet.urls()).await?;
+        Contender::Levee | Contender::LeveeCompare => {
+            let text = match (who, setup.compare_text) {
+                (Contender::LeveeCompare, Some(text)) => text,
+                (Contender::LeveeCompare, None) => {
+                    anyhow::bail!("the compared levee runs only with --compare-config")
+                }
+                _ => setup.gateway_text,
+            };
+            let gws = Gateways::start(scenario, setup, text, &fleet.urls()).await?;
             let mut target = fleet.target(gws.base_url());
             target.metrics.extend(gws.metrics());
             let r = fleet.run(scenario, &target, &setup.opts).await;
@@ -118,9 +129,10 @@ impl Gateways {
     pub(crate) async fn start(
         scenario: &Scenario,
         setup: &Setup<'_>,
+        gateway_text: &str,
         urls: &[String],
     ) -> anyhow::Result<Self> {
-        let mut cfg = gateway_config(setup.gateway_text, scenario, urls)?;
+        let mut cfg = gateway_config(gateway_text, scenario, urls)?;
         let shared = (setup.replicas > 1).then(|| {
             let nanos = std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
@@ -252,13 +264,16 @@ mod tests {
             backends: Vec::new(),
             engine: crate::drill_engine_config(),
             gateway_text: crate::SHIPPED_GATEWAY_CONFIG,
+            compare_text: None,
             opts: levee_sim::RunOptions::default(),
             cap: None,
             out: std::env::temp_dir(),
             replicas: 2,
             redis_url: url.into(),
         };
-        let gws = Gateways::start(&scenario, &setup, &urls).await.unwrap();
+        let gws = Gateways::start(&scenario, &setup, setup.gateway_text, &urls)
+            .await
+            .unwrap();
         assert_eq!(gws.replicas.len(), 2);
         let (_, prefix) = gws.shared.clone().unwrap();
         let client = reqwest::Client::new();

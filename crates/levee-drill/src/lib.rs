@@ -71,6 +71,11 @@ pub struct DrillArgs {
     /// engines); default: the shipped `drill-gateway.toml`.
     #[arg(long, value_name = "FILE")]
     pub gateway_config: Option<PathBuf>,
+    /// A second levee configuration, run as one more contender on the same knee, the same
+    /// flood and the same calm run: what one setting changes, side by side in one run
+    /// (e.g. the shipped configuration without its tiers' latency objectives).
+    #[arg(long, value_name = "FILE")]
+    pub compare_config: Option<PathBuf>,
     /// A time-scaled drill: the scenario's timeline at a fifth (rates unchanged), a shorter
     /// capacity sweep; under three minutes for the shipped flash-crowd on 2 cores.
     #[arg(long)]
@@ -147,6 +152,8 @@ struct Plan {
     timing: Timing,
     scenario: Scenario,
     gateway_text: String,
+    /// The `--compare-config` configuration's text.
+    compare_text: Option<String>,
     /// levee's configuration with placeholder backends: checked before any run, and the
     /// quotas the premium verdict's client-side check applies.
     gateway: levee_gateway::Config,
@@ -189,6 +196,12 @@ impl Plan {
             })?,
             None => SHIPPED_GATEWAY_CONFIG.to_string(),
         };
+        let compare_text = match &args.compare_config {
+            Some(path) => Some(std::fs::read_to_string(path).with_context(|| {
+                format!("cannot read the compared configuration {}", path.display())
+            })?),
+            None => None,
+        };
         anyhow::ensure!(
             !external || scenario.faults.is_empty(),
             "scenario {:?} injects faults, which need simulated engines; --backend servers \
@@ -202,6 +215,10 @@ impl Plan {
         } else {
             gateway_config(&gateway_text, &scenario, &placeholders(engines))?
         };
+        if let Some(text) = &compare_text {
+            gateway_config(text, &scenario, &placeholders(engines))
+                .context("the --compare-config configuration")?;
+        }
         let mut engine = engine_of(&args)?;
         engine.gpu.restart_secs *= timing.time_scale;
         let flooders = scenario
@@ -215,11 +232,12 @@ impl Plan {
             timing,
             scenario,
             gateway_text,
+            contenders: contenders(compare_text.is_some()),
+            compare_text,
             gateway,
             engine,
             engines,
             flooders,
-            contenders: contenders(),
             cap: None,
         })
     }
@@ -234,6 +252,7 @@ impl Plan {
             backends: self.args.backends.clone(),
             engine: self.engine.clone(),
             gateway_text: &self.gateway_text,
+            compare_text: self.compare_text.as_deref(),
             opts: RunOptions {
                 progress: !self.args.quiet,
                 drain: Some(Duration::from_secs_f64(self.timing.drain_s)),
@@ -290,13 +309,17 @@ fn placeholders(n: usize) -> Vec<String> {
         .collect()
 }
 
-/// Who runs the flood: HAProxy only where it is installed.
-fn contenders() -> Vec<Contender> {
+/// Who runs the flood: HAProxy only where it is installed, the compared levee only with
+/// `--compare-config`.
+fn contenders(compare: bool) -> Vec<Contender> {
     let mut c = vec![Contender::Unprotected, Contender::Capped];
     if haproxy::available() {
         c.push(Contender::Haproxy);
     }
     c.push(Contender::Levee);
+    if compare {
+        c.push(Contender::LeveeCompare);
+    }
     c
 }
 
@@ -409,6 +432,10 @@ pub async fn run_cli(args: DrillArgs) -> anyhow::Result<()> {
     let gw_copy = out.join("gateway.toml");
     std::fs::write(&gw_copy, &plan.gateway_text)
         .with_context(|| format!("cannot write {}", gw_copy.display()))?;
+    if let Some(text) = &plan.compare_text {
+        let path = out.join("gateway-compare.toml");
+        std::fs::write(&path, text).with_context(|| format!("cannot write {}", path.display()))?;
+    }
     plan.announce();
     let runs = run_all(&mut plan).await?;
     let judged = judge(&plan, &runs);
@@ -633,7 +660,7 @@ fn judge(plan: &Plan, runs: &Runs) -> Judged {
 }
 
 /// One contender's isolation check against its own calm run and the baselines' (every
-/// contender but levee).
+/// contender but levee, either configuration).
 fn isolation_check(group: &tenants::QuietGroup, runs: &Runs, who: Contender, o: &Outcome) -> Check {
     let Some(flood) = group.of(&o.report) else {
         return Check {
@@ -654,7 +681,7 @@ fn isolation_check(group: &tenants::QuietGroup, runs: &Runs, who: Contender, o: 
     let baselines: Vec<(&str, &levee_sim::report::Group)> = runs
         .calm
         .iter()
-        .filter(|(c, _)| *c != who && *c != Contender::Levee)
+        .filter(|(c, _)| *c != who && !matches!(c, Contender::Levee | Contender::LeveeCompare))
         .filter_map(|(c, _)| Some((c.label(), calm_of(*c)?)))
         .collect();
     verdicts::isolation_against(own, &baselines, flood)

@@ -14,6 +14,8 @@ pub(crate) struct Setup<'a> {
     pub backends: Vec<String>,
     pub engine: EngineConfig,
     pub gateway_text: &'a str,
+    /// The `--compare-config` configuration, for the compared levee.
+    pub compare_text: Option<&'a str>,
     pub opts: RunOptions,
     /// The capped baselines' limits (set once the capacity is measured).
     pub cap: Option<Cap>,
