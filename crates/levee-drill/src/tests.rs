@@ -271,3 +271,54 @@ fn the_shipped_config_follows_its_formula_from_its_stated_capacity() {
     assert_eq!(noisy.requests_per_minute, standard.requests_per_minute);
     assert!(gateway_config(&text, &s, &fleet.urls).is_ok());
 }
+
+/// The drill's arguments as `levee drill` parses them.
+fn drill_args(args: &[&str]) -> crate::DrillArgs {
+    #[derive(clap::Parser)]
+    struct Cli {
+        #[command(flatten)]
+        drill: crate::DrillArgs,
+    }
+    let argv = std::iter::once("drill").chain(args.iter().copied());
+    <Cli as clap::Parser>::try_parse_from(argv)
+        .expect("the arguments parse")
+        .drill
+}
+
+#[test]
+fn a_compared_configuration_runs_as_one_more_levee_and_is_checked_before_any_run() {
+    use crate::contender::Contender;
+    let dir = std::env::temp_dir().join(format!("levee-drill-compare-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    // Without it: no compared levee.
+    let plan = crate::Plan::new(drill_args(&["--scenario", "noisy-neighbor"])).unwrap();
+    assert!(!plan.contenders.contains(&Contender::LeveeCompare));
+    assert!(plan.compare_text.is_none());
+    // With it: levee-compare runs last, with that file's text.
+    let good = dir.join("good.toml");
+    let text = SHIPPED_GATEWAY_CONFIG.replace("[queue]\n", "[queue]\npreempt_over_share = true\n");
+    std::fs::write(&good, &text).unwrap();
+    let plan = crate::Plan::new(drill_args(&[
+        "--scenario",
+        "noisy-neighbor",
+        "--compare-config",
+        good.to_str().unwrap(),
+    ]))
+    .unwrap();
+    assert_eq!(plan.contenders.last(), Some(&Contender::LeveeCompare));
+    assert_eq!(plan.compare_text.as_deref(), Some(text.as_str()));
+    assert_eq!(plan.setup().compare_text, Some(text.as_str()));
+    // A configuration levee would refuse fails before any run, naming the option.
+    let bad = dir.join("bad.toml");
+    std::fs::write(&bad, "[queue]\nsafe = \"many\"\n").unwrap();
+    let err = crate::Plan::new(drill_args(&[
+        "--scenario",
+        "noisy-neighbor",
+        "--compare-config",
+        bad.to_str().unwrap(),
+    ]))
+    .err()
+    .expect("a broken compared configuration is refused");
+    assert!(format!("{err:#}").contains("--compare-config"), "{err:#}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
