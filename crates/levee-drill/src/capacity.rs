@@ -1147,5 +1147,13 @@ mod tests {
         assert_eq!(tried, vec![20, 20, 17, 15, 15, 15, 14, 14]);
         assert!((sweep.knee_rps - 9.5).abs() < 1e-9);
         assert_eq!(sweep.confirmations.last().map(|c| c.runs[0].cap), Some(14));
+        // Every cap in the gap crashing: three halving steps at most, then the best below.
+        let (sweep, calls) = confirmed(
+            vec![step_at(4, 3.0, false), step_at(40, 12.0, false)],
+            |cap, _| if cap > 4 { (11.0, true) } else { (3.0, false) },
+        );
+        let tried: Vec<u32> = calls.iter().map(|c| c.0).collect();
+        assert_eq!(tried, vec![40, 40, 22, 13, 8, 4, 4]);
+        assert!((sweep.knee_rps - 3.0).abs() < 1e-9);
     }
 }
