@@ -446,14 +446,31 @@ fn serve_connection(
                 .header_read_timeout(header_timeout)
                 .max_buf_size(max_header_bytes.max(8192))
                 .keep_alive(true);
-            tokio::spawn(watch(
-                Box::pin(b.serve_connection(io, svc)),
-                activity,
-                policy,
-                conn,
-            ));
+            let served = with_fresh_write_buffer(|| Box::pin(b.serve_connection(io, svc)));
+            tokio::spawn(watch(served, activity, policy, conn));
         }
     });
+}
+
+/// The size of hyper's HTTP/1 connection buffers (its `INIT_BUFFER_SIZE`): the write buffer
+/// a connection allocates when it is built, and the read buffer it allocates on its first
+/// read and again after each request whose body is still held when it next reads.
+const HYPER_BUFFER_BYTES: usize = 8192;
+
+/// Builds an HTTP/1 connection with `build` so that hyper's write buffer, which a waiting
+/// connection never writes, takes memory of its own and not the read buffer a previous
+/// connection has just freed. That freed buffer holds the page the previous request was
+/// read into; the allocator hands the most recently freed block of a size to the next
+/// request for that size, which without this is the write buffer, so every waiting
+/// connection kept a written page of its own (with 10,000 requests queued: 102 MB against
+/// 63 MB with this; BENCHMARKS.md, "Gateway overhead"). Held over the build, the block goes
+/// to the connection's first read instead, which writes into it anyway. One more allocation
+/// and free a connection, no lasting memory.
+fn with_fresh_write_buffer<T>(build: impl FnOnce() -> T) -> T {
+    let recycled = std::hint::black_box(Vec::<u8>::with_capacity(HYPER_BUFFER_BYTES));
+    let built = build();
+    drop(recycled);
+    built
 }
 
 /// The service of one connection: each request is counted as in progress on it until its
