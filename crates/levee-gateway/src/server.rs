@@ -461,9 +461,9 @@ const HYPER_BUFFER_BYTES: usize = 8192;
 /// connection never writes, takes memory of its own and not the read buffer a previous
 /// connection has just freed. That freed buffer holds the page the previous request was
 /// read into; the allocator hands the most recently freed block of a size to the next
-/// request for that size, which without this is the write buffer, so every waiting
+/// allocation of that size, which without this is the write buffer, so every waiting
 /// connection kept a written page of its own (with 10,000 requests queued: 102 MB against
-/// 63 MB with this; BENCHMARKS.md, "Gateway overhead"). Held over the build, the block goes
+/// 61 MB with this; BENCHMARKS.md, "Gateway overhead"). Held over the build, the block goes
 /// to the connection's first read instead, which writes into it anyway. One more allocation
 /// and free a connection, no lasting memory.
 fn with_fresh_write_buffer<T>(build: impl FnOnce() -> T) -> T {
