@@ -64,9 +64,9 @@ pub struct ServeArgs {
     #[arg(long, default_value = "levee.toml")]
     pub config: PathBuf,
     /// Serve the public listener on this many single-threaded event loops, a thread each,
-    /// instead of tokio's work-stealing runtime (0, the default). Less CPU per request and
-    /// memory per connection, but a loop the kernel puts off holds up every connection it
-    /// has: only for a gateway with cores of its own.
+    /// instead of tokio's work-stealing runtime (0, the default). Less CPU per request, but a
+    /// loop the kernel puts off holds up every connection it has: only for a gateway with
+    /// cores of its own.
     #[arg(long, env = "LEVEE_EVENT_LOOPS", default_value_t = 0)]
     pub event_loops: usize,
 }
