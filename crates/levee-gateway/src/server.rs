@@ -444,7 +444,7 @@ fn serve_connection(
             let mut b = Http1Builder::new();
             b.timer(TokioTimer::new())
                 .header_read_timeout(header_timeout)
-                .max_buf_size(max_header_bytes.max(8192))
+                .max_buf_size(max_header_bytes.max(HYPER_BUFFER_BYTES))
                 .keep_alive(true);
             let served = with_fresh_write_buffer(|| Box::pin(b.serve_connection(io, svc)));
             tokio::spawn(watch(served, activity, policy, conn));
@@ -454,7 +454,8 @@ fn serve_connection(
 
 /// The size of hyper's HTTP/1 connection buffers (its `INIT_BUFFER_SIZE`): the write buffer
 /// a connection allocates when it is built, and the read buffer it allocates on its first
-/// read and again after each request whose body is still held when it next reads.
+/// read and again after each request whose body is still held when it next reads; also the
+/// least `max_buf_size` hyper accepts.
 const HYPER_BUFFER_BYTES: usize = 8192;
 
 /// Builds an HTTP/1 connection with `build` so that hyper's write buffer, which a waiting
