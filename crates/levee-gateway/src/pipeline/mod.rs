@@ -304,8 +304,10 @@ pub(crate) async fn serve_task(
 }
 
 /// Everything after authentication: classify → admit → dispatch → proxy → settle. `body`
-/// is dropped once classified: read from hyper it is a view into the connection's read
-/// buffer, which a queued request must not keep alive (hyper would allocate a second one).
+/// is dropped once classified: read from hyper it is a view into the connection's first read
+/// buffer, which a queued request must not keep alive (hyper has already allocated a second
+/// one by then; the first, freed, goes to the next connection's read:
+/// `server::with_fresh_write_buffer`).
 #[expect(
     clippy::manual_async_fn,
     reason = "an async fn keeps its arguments twice while a request waits"
