@@ -4,6 +4,15 @@
 //! idle connections, and a request gives its connection back itself once it has read the
 //! answer whole. Newest first, so a light load keeps few connections warm and the rest
 //! reach their idle limit and close.
+//!
+//! A request that finds no idle connection dials one, but takes a connection given back
+//! before its dial is done (the dial goes on by itself and leaves its connection idle), and
+//! at most [`MAX_DIALS`] dials are under way to one backend at a time (a request beyond
+//! waits for a dial or a connection given back, whichever comes first). Without these, a
+//! pause of a few hundred milliseconds at 5,000 requests a second made as many requests
+//! dial at once, each waiting for its own dial: past the backend's listen backlog (128 for
+//! a listener bound by tokio's `TcpListener::bind`), whose dropped SYNs the kernel retries
+//! only after a second, so a short pause became a stall of one to two seconds.
 
 use bytes::Bytes;
 use http_body_util::Full;
@@ -14,6 +23,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use parking_lot::Mutex;
 use std::sync::Arc;
 use std::time::Duration;
+use tokio::sync::{Notify, Semaphore};
 use tokio::time::Instant;
 
 /// What dials a backend: TCP, with TLS for `https://`.
@@ -27,7 +37,11 @@ type Sender = SendRequest<Full<Bytes>>;
 /// loops taking and giving back connections never contend for one line.
 #[derive(Default)]
 #[repr(align(128))]
-struct Idle(Mutex<Vec<(Sender, Instant)>>);
+struct Idle {
+    senders: Mutex<Vec<(Sender, Instant)>>,
+    /// Told of each connection given back, for a request waiting for one.
+    given_back: Notify,
+}
 
 /// An error of dialling a backend, with its causes.
 pub(crate) type ConnectError = Box<dyn std::error::Error + Send + Sync>;
@@ -39,6 +53,11 @@ const IDLE_LIMIT: Duration = Duration::from_secs(4);
 
 /// Idle connections kept at most per backend and event loop.
 const MAX_IDLE: usize = 4096;
+
+/// Dials under way to one backend at most (see the module's note): a quarter of a
+/// 128-connection listen backlog, and still thousands of new connections a second at a
+/// round trip of a few milliseconds per dial.
+const MAX_DIALS: usize = 32;
 
 thread_local! {
     /// The event loop this thread runs (`levee serve --event-loops`): 0 unless [`set_event_loop`]
@@ -62,6 +81,8 @@ const MAX_SHARDS: usize = 64;
 /// are all loop 0.
 pub(crate) struct ConnPool {
     shards: Box<[Idle]>,
+    /// A permit per dial under way.
+    dials: Arc<Semaphore>,
 }
 
 impl Default for ConnPool {
@@ -76,6 +97,7 @@ impl ConnPool {
             shards: (0..n.clamp(1, MAX_SHARDS))
                 .map(|_| Idle::default())
                 .collect(),
+            dials: Arc::new(Semaphore::new(MAX_DIALS)),
         }
     }
 }
@@ -90,28 +112,80 @@ impl std::fmt::Debug for ConnPool {
 
 impl ConnPool {
     /// An idle connection to `uri`'s backend that is still open, else a new one dialled
-    /// with `connector`.
+    /// with `connector` once a dial is free, else the first connection given back.
     pub(crate) async fn checkout(
         self: &Arc<Self>,
         connector: &Connector,
         uri: &http::Uri,
     ) -> Result<Lease, ConnectError> {
+        self.checkout_with(|| dial(connector.clone(), uri.clone()))
+            .await
+    }
+
+    /// [`ConnPool::checkout`] with `dial` making a new connection. A dial races the
+    /// connections given back meanwhile: one given back first is taken, and the dial goes on
+    /// by itself and leaves its connection idle (a SYN the backend's full backlog dropped is
+    /// retried by the kernel only after a second, and must not hold a request that long).
+    async fn checkout_with<D, F>(self: &Arc<Self>, dial: D) -> Result<Lease, ConnectError>
+    where
+        D: Fn() -> F,
+        F: std::future::Future<Output = Result<Sender, ConnectError>> + Send + 'static,
+    {
+        loop {
+            if let Some(sender) = self.ready_idle().await {
+                return Ok(self.lease(sender));
+            }
+            let shard = self.shard();
+            // Registered before looking again, so a connection given back in between is
+            // not missed.
+            let given_back = shard.given_back.notified();
+            tokio::pin!(given_back);
+            given_back.as_mut().enable();
+            if !shard.senders.lock().is_empty() {
+                continue;
+            }
+            let permit = match self.dials.clone().try_acquire_owned() {
+                Ok(p) => p,
+                Err(_) => tokio::select! {
+                    biased;
+                    () = &mut given_back => continue,
+                    p = self.dials.clone().acquire_owned() => p.map_err(|e| Box::new(e) as ConnectError)?,
+                },
+            };
+            let mut dialling = Box::pin(dial());
+            loop {
+                tokio::select! {
+                    biased;
+                    sender = &mut dialling => return Ok(self.lease(sender?)),
+                    () = &mut given_back => {}
+                }
+                // A wake may be stale (one given back before anyone waited): look.
+                given_back.set(shard.given_back.notified());
+                given_back.as_mut().enable();
+                if let Some(sender) = self.ready_idle().await {
+                    let pool = self.clone();
+                    tokio::spawn(async move {
+                        if let Ok(sender) = dialling.await {
+                            pool.give_back(sender);
+                        }
+                        drop(permit);
+                    });
+                    return Ok(self.lease(sender));
+                }
+            }
+        }
+    }
+
+    /// The newest idle connection that is still open, once ready to send.
+    async fn ready_idle(&self) -> Option<Sender> {
         while let Some(mut sender) = self.take_idle(Instant::now()) {
             // Given back once its answer was read whole: ready as soon as its connection's
             // task has seen that end; an error means the server closed it meanwhile.
             if sender.is_ready() || sender.ready().await.is_ok() {
-                return Ok(self.lease(sender));
+                return Some(sender);
             }
         }
-        let io = tower::ServiceExt::oneshot(connector.clone(), uri.clone()).await?;
-        let (sender, conn) = hyper::client::conn::http1::handshake(io).await?;
-        tokio::spawn(async move {
-            // Ends when the backend closes it, or once idle with its sender dropped.
-            if let Err(e) = conn.await {
-                tracing::debug!("upstream connection ended: {e}");
-            }
-        });
-        Ok(self.lease(sender))
+        None
     }
 
     fn lease(self: &Arc<Self>, sender: Sender) -> Lease {
@@ -123,7 +197,7 @@ impl ConnPool {
 
     /// The newest idle connection still open, dropping those idle past [`IDLE_LIMIT`].
     fn take_idle(&self, now: Instant) -> Option<Sender> {
-        let mut idle = self.shard().0.lock();
+        let mut idle = self.shard().senders.lock();
         let expired = idle.partition_point(|(_, since)| now.duration_since(*since) > IDLE_LIMIT);
         idle.drain(..expired);
         while let Some((sender, _)) = idle.pop() {
@@ -135,9 +209,12 @@ impl ConnPool {
     }
 
     fn give_back(&self, sender: Sender) {
-        let mut idle = self.shard().0.lock();
+        let shard = self.shard();
+        let mut idle = shard.senders.lock();
         if idle.len() < MAX_IDLE && !sender.is_closed() {
             idle.push((sender, Instant::now()));
+            drop(idle);
+            shard.given_back.notify_one();
         }
     }
 
@@ -148,8 +225,21 @@ impl ConnPool {
 
     /// Idle connections kept now.
     fn idle(&self) -> usize {
-        self.shards.iter().map(|s| s.0.lock().len()).sum()
+        self.shards.iter().map(|s| s.senders.lock().len()).sum()
     }
+}
+
+/// A new connection to `uri`'s backend, its task spawned.
+async fn dial(connector: Connector, uri: http::Uri) -> Result<Sender, ConnectError> {
+    let io = tower::ServiceExt::oneshot(connector, uri).await?;
+    let (sender, conn) = hyper::client::conn::http1::handshake(io).await?;
+    tokio::spawn(async move {
+        // Ends when the backend closes it, or once idle with its sender dropped.
+        if let Err(e) = conn.await {
+            tracing::debug!("upstream connection ended: {e}");
+        }
+    });
+    Ok(sender)
 }
 
 /// A connection held for one exchange. Given back ([`Lease::give_back`]) once the answer
@@ -292,5 +382,121 @@ mod tests {
         exchange(&pool, &uri, true).await;
         assert_eq!(accepted.load(Ordering::SeqCst), 2);
         assert_eq!(pool.idle(), 1);
+    }
+
+    /// A dial that waits for `gate` (counting dials started in `started`) before dialling
+    /// `uri`.
+    fn gated_dial(
+        uri: &http::Uri,
+        gate: &Arc<tokio::sync::Semaphore>,
+        started: &Arc<AtomicUsize>,
+    ) -> impl Fn() -> std::pin::Pin<
+        Box<dyn std::future::Future<Output = Result<Sender, ConnectError>> + Send>,
+    > {
+        let (uri, gate, started) = (uri.clone(), gate.clone(), started.clone());
+        move || {
+            let (uri, gate, started) = (uri.clone(), gate.clone(), started.clone());
+            Box::pin(async move {
+                started.fetch_add(1, Ordering::SeqCst);
+                let _open = gate.acquire().await.unwrap();
+                dial(connector(), uri).await
+            })
+        }
+    }
+
+    /// Lets every task spawned on this single-threaded runtime run until it waits.
+    async fn let_tasks_run() {
+        for _ in 0..50 {
+            tokio::task::yield_now().await;
+        }
+    }
+
+    fn get(uri: &http::Uri) -> http::Request<Full<Bytes>> {
+        http::Request::get(uri.clone())
+            .header(http::header::HOST, "test")
+            .body(Full::new(Bytes::new()))
+            .unwrap()
+    }
+
+    #[tokio::test]
+    async fn no_more_than_max_dials_are_under_way_at_once() {
+        let (uri, accepted) = server().await;
+        let pool = Arc::new(ConnPool::default());
+        let gate = Arc::new(tokio::sync::Semaphore::new(0));
+        let started = Arc::new(AtomicUsize::new(0));
+        let n = MAX_DIALS * 3;
+        let mut tasks = Vec::new();
+        for _ in 0..n {
+            let (pool, dial) = (pool.clone(), gated_dial(&uri, &gate, &started));
+            tasks.push(tokio::spawn(async move {
+                pool.checkout_with(dial).await.map(|_| ())
+            }));
+        }
+        let_tasks_run().await;
+        assert_eq!(started.load(Ordering::SeqCst), MAX_DIALS, "the rest wait");
+        // Dials finish one by one; each frees a dial for a waiting request.
+        gate.add_permits(n);
+        for t in tasks {
+            t.await.unwrap().ok().unwrap();
+        }
+        assert_eq!(started.load(Ordering::SeqCst), n);
+        assert_eq!(accepted.load(Ordering::SeqCst), n);
+    }
+
+    #[tokio::test]
+    async fn a_request_whose_dial_hangs_takes_a_connection_given_back_and_the_dial_goes_on() {
+        let (uri, accepted) = server().await;
+        let pool = Arc::new(ConnPool::default());
+        let mut held = pool.checkout(&connector(), &uri).await.ok().unwrap();
+        // The next request's dial hangs (a dropped SYN, say).
+        let gate = Arc::new(tokio::sync::Semaphore::new(0));
+        let started = Arc::new(AtomicUsize::new(0));
+        let waiting = {
+            let (pool, dial, uri) = (pool.clone(), gated_dial(&uri, &gate, &started), uri.clone());
+            tokio::spawn(async move {
+                let mut lease = pool.checkout_with(dial).await.ok().unwrap();
+                lease
+                    .send(get(&uri))
+                    .await
+                    .ok()
+                    .unwrap()
+                    .into_body()
+                    .collect()
+                    .await
+                    .unwrap();
+            })
+        };
+        let_tasks_run().await;
+        assert_eq!(started.load(Ordering::SeqCst), 1);
+        assert!(!waiting.is_finished());
+        held.send(get(&uri))
+            .await
+            .ok()
+            .unwrap()
+            .into_body()
+            .collect()
+            .await
+            .unwrap();
+        held.give_back();
+        // Bounded: a wake lost would otherwise hang the test.
+        tokio::time::timeout(Duration::from_secs(10), waiting)
+            .await
+            .expect("the waiting request took the connection given back")
+            .unwrap();
+        assert_eq!(
+            accepted.load(Ordering::SeqCst),
+            1,
+            "its dial has not connected"
+        );
+        // The dial, let through, connects by itself and its connection waits idle.
+        gate.add_permits(1);
+        tokio::time::timeout(Duration::from_secs(10), async {
+            while pool.idle() == 0 {
+                tokio::task::yield_now().await;
+            }
+        })
+        .await
+        .expect("the dial's connection was kept");
+        assert_eq!(accepted.load(Ordering::SeqCst), 2);
     }
 }
