@@ -327,8 +327,8 @@ mod tests {
             .wrap_connector(http)
     }
 
-    async fn exchange(pool: &Arc<ConnPool>, uri: &http::Uri, give_back: bool) {
-        let mut lease = pool.checkout(&connector(), uri).await.unwrap();
+    /// One request on `lease`, its answer read whole.
+    async fn ask(lease: &mut Lease, uri: &http::Uri) {
         let req = http::Request::get(uri.clone())
             .header(http::header::HOST, "test")
             .body(Full::new(Bytes::new()))
@@ -336,6 +336,11 @@ mod tests {
         let resp = lease.send(req).await.ok().unwrap();
         let body = resp.into_body().collect().await.unwrap().to_bytes();
         assert_eq!(&body[..], b"ok");
+    }
+
+    async fn exchange(pool: &Arc<ConnPool>, uri: &http::Uri, give_back: bool) {
+        let mut lease = pool.checkout(&connector(), uri).await.unwrap();
+        ask(&mut lease, uri).await;
         if give_back {
             lease.give_back();
         }
@@ -411,13 +416,6 @@ mod tests {
         }
     }
 
-    fn get(uri: &http::Uri) -> http::Request<Full<Bytes>> {
-        http::Request::get(uri.clone())
-            .header(http::header::HOST, "test")
-            .body(Full::new(Bytes::new()))
-            .unwrap()
-    }
-
     #[tokio::test]
     async fn no_more_than_max_dials_are_under_way_at_once() {
         let (uri, accepted) = server().await;
@@ -455,28 +453,13 @@ mod tests {
             let (pool, dial, uri) = (pool.clone(), gated_dial(&uri, &gate, &started), uri.clone());
             tokio::spawn(async move {
                 let mut lease = pool.checkout_with(dial).await.ok().unwrap();
-                lease
-                    .send(get(&uri))
-                    .await
-                    .ok()
-                    .unwrap()
-                    .into_body()
-                    .collect()
-                    .await
-                    .unwrap();
+                ask(&mut lease, &uri).await;
             })
         };
         let_tasks_run().await;
         assert_eq!(started.load(Ordering::SeqCst), 1);
         assert!(!waiting.is_finished());
-        held.send(get(&uri))
-            .await
-            .ok()
-            .unwrap()
-            .into_body()
-            .collect()
-            .await
-            .unwrap();
+        ask(&mut held, &uri).await;
         held.give_back();
         // Bounded: a wake lost would otherwise hang the test.
         tokio::time::timeout(Duration::from_secs(10), waiting)
