@@ -111,8 +111,9 @@ impl std::fmt::Debug for ConnPool {
 }
 
 impl ConnPool {
-    /// An idle connection to `uri`'s backend that is still open, else a new one dialled
-    /// with `connector` once a dial is free, else the first connection given back.
+    /// An idle connection to `uri`'s backend that is still open, else whichever comes
+    /// first: a connection given back, or a new one dialled with `connector` (once one of
+    /// the backend's [`MAX_DIALS`] dials is free).
     pub(crate) async fn checkout(
         self: &Arc<Self>,
         connector: &Connector,
