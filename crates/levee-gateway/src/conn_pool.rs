@@ -59,6 +59,12 @@ const MAX_IDLE: usize = 4096;
 /// round trip of a few milliseconds per dial.
 const MAX_DIALS: usize = 32;
 
+/// The longest a dial may take, TLS handshake included. The connector bounds the TCP
+/// connect alone (2 s); without this, a backend that accepts and never completes TLS would
+/// hold a dial slot for good once its request had taken another connection, and
+/// [`MAX_DIALS`] such dials would leave the backend undialable.
+const DIAL_LIMIT: Duration = Duration::from_secs(5);
+
 thread_local! {
     /// The event loop this thread runs (`levee serve --event-loops`): 0 unless [`set_event_loop`]
     /// said otherwise.
@@ -230,10 +236,21 @@ impl ConnPool {
     }
 }
 
-/// A new connection to `uri`'s backend, its task spawned.
+/// A new connection to `uri`'s backend, its task spawned; at most [`DIAL_LIMIT`] in the
+/// making.
 async fn dial(connector: Connector, uri: http::Uri) -> Result<Sender, ConnectError> {
-    let io = tower::ServiceExt::oneshot(connector, uri).await?;
-    let (sender, conn) = hyper::client::conn::http1::handshake(io).await?;
+    let connect = async {
+        let io = tower::ServiceExt::oneshot(connector, uri).await?;
+        Ok::<_, ConnectError>(hyper::client::conn::http1::handshake(io).await?)
+    };
+    let (sender, conn) = tokio::time::timeout(DIAL_LIMIT, connect)
+        .await
+        .map_err(|_| {
+            format!(
+                "the backend took more than {} s to connect and complete its TLS handshake",
+                DIAL_LIMIT.as_secs()
+            )
+        })??;
     tokio::spawn(async move {
         // Ends when the backend closes it, or once idle with its sender dropped.
         if let Err(e) = conn.await {
@@ -415,6 +432,32 @@ mod tests {
         for _ in 0..50 {
             tokio::task::yield_now().await;
         }
+    }
+
+    /// A backend that accepts TCP and never answers a TLS handshake: its dial ends at
+    /// [`DIAL_LIMIT`] with an error that says so, and its slot is free again (a dial left to
+    /// finish in the background would otherwise hold it for good).
+    #[tokio::test(start_paused = true)]
+    async fn a_dial_that_never_completes_tls_ends_at_the_limit() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((tcp, _)) = listener.accept().await {
+                held.push(tcp);
+            }
+        });
+        let uri: http::Uri = format!("https://{addr}/x").parse().unwrap();
+        let pool = Arc::new(ConnPool::default());
+        let began = Instant::now();
+        let err = tokio::time::timeout(DIAL_LIMIT * 4, pool.checkout(&connector(), &uri))
+            .await
+            .expect("the dial ended by itself")
+            .err()
+            .expect("a dial that never completes TLS fails");
+        assert!(err.to_string().contains("TLS handshake"), "{err}");
+        assert!(began.elapsed() >= DIAL_LIMIT, "{:?}", began.elapsed());
+        assert_eq!(pool.dials.available_permits(), MAX_DIALS);
     }
 
     #[tokio::test]
