@@ -110,6 +110,8 @@ pub enum ErrorCode {
     MethodNotAllowed,
     /// 413: the body is larger than `server.max_body_bytes`.
     RequestTooLarge,
+    /// 415: the body comes compressed (`Content-Encoding`), which levee does not decode.
+    UnsupportedContentEncoding,
     /// 404: no such model.
     ModelNotFound,
     /// 404: no such route.
@@ -182,6 +184,7 @@ impl ErrorCode {
             ContextLengthExceeded => "context_length_exceeded",
             MethodNotAllowed => "method_not_allowed",
             RequestTooLarge => "request_too_large",
+            UnsupportedContentEncoding => "unsupported_content_encoding",
             ModelNotFound => "model_not_found",
             NotFound => "not_found",
             TaskNotFound => "task_not_found",
@@ -216,6 +219,7 @@ impl ErrorCode {
             InvalidRequest | ContextLengthExceeded => StatusCode::BAD_REQUEST,
             MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             RequestTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            UnsupportedContentEncoding => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             ModelNotFound | NotFound | TaskNotFound => StatusCode::NOT_FOUND,
             InvalidApiKey | InvalidAdminToken => StatusCode::UNAUTHORIZED,
             AdminActionsDisabled | AdminRequestRefused => StatusCode::FORBIDDEN,
@@ -441,6 +445,17 @@ impl GatewayError {
         Self::new(
             ErrorCode::RequestTooLarge,
             format!("request body is larger than {limit} bytes; send a smaller request"),
+        )
+    }
+
+    /// 415 `unsupported_content_encoding`.
+    pub fn compressed_body(encoding: &str) -> Self {
+        Self::new(
+            ErrorCode::UnsupportedContentEncoding,
+            format!(
+                "the request body is sent with content-encoding {encoding:?}, which levee does \
+                 not decode; send it uncompressed"
+            ),
         )
     }
 
@@ -793,6 +808,7 @@ mod tests {
             ContextLengthExceeded,
             MethodNotAllowed,
             RequestTooLarge,
+            UnsupportedContentEncoding,
             ModelNotFound,
             NotFound,
             TaskNotFound,

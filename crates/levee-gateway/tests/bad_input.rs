@@ -70,6 +70,28 @@ async fn bad_requests_get_openai_errors() {
         "request_too_large",
     )
     .await;
+    // A compressed body (levee reads JSON as sent), and `identity`, which is not one.
+    expect_error(
+        c.post(&url)
+            .bearer_auth("key-s")
+            .header("content-encoding", "gzip")
+            .body(vec![0x1f, 0x8b, 0x08, 0x00])
+            .send()
+            .await
+            .unwrap(),
+        415,
+        "unsupported_content_encoding",
+    )
+    .await;
+    let identity = c
+        .post(&url)
+        .bearer_auth("key-s")
+        .header("content-encoding", "identity")
+        .json(&chat_body("plain"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(identity.status(), 200);
     // Unknown model.
     let unknown = serde_json::json!({"model": "nope", "messages": []});
     expect_error(
@@ -94,8 +116,9 @@ async fn bad_requests_get_openai_errors() {
     )
     .await;
     expect_error(c.get(&url).send().await.unwrap(), 405, "method_not_allowed").await;
-    // Nothing bad reached the backend, and a good request still works.
-    assert_eq!(m.count(), 0);
+    // Nothing bad reached the backend (only the `identity` one did), and a good request
+    // still works.
+    assert_eq!(m.count(), 1);
     assert_eq!(chat(&c, &gw.public_url(), "s", "fine").await.status(), 200);
     gw.shutdown().await;
 }

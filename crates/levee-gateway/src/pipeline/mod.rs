@@ -455,13 +455,24 @@ fn unbox(req: Box<Request>) -> Request {
 }
 
 /// Read: the body, within `limit` bytes; the request head is dropped here so its buffer is
-/// not held while queued.
+/// not held while queued. A compressed body is refused (415) before it is read: its bytes
+/// are not the JSON they stand for, and neither levee nor an OpenAI-style engine behind it
+/// decodes them.
 pub(crate) async fn read_body(
     req: Request,
     limit: usize,
     timeout: Duration,
 ) -> Result<Bytes, GatewayError> {
     let (parts, body) = req.into_parts();
+    for encoding in parts.headers.get_all(http::header::CONTENT_ENCODING) {
+        let encoding = String::from_utf8_lossy(encoding.as_bytes());
+        if encoding
+            .split(',')
+            .any(|e| !e.trim().is_empty() && !e.trim().eq_ignore_ascii_case("identity"))
+        {
+            return Err(GatewayError::compressed_body(encoding.trim()));
+        }
+    }
     if let Some(len) = parts
         .headers
         .get(http::header::CONTENT_LENGTH)
