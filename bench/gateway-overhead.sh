@@ -14,6 +14,8 @@
 #   LEVEE_WORKERS=1                       # levee's tokio worker threads (default: one per core)
 #   LEVEE_EVENT_LOOPS=2                   # levee (and a base that knows the option) on that many
 #                                         # single-threaded event loops (`serve --event-loops`)
+#   (each round's added p99 is also printed beside the CPU the hypervisor took meanwhile and
+#   the load generator's own worst lag: a round slow for the machine is told apart)
 #   SYSCALLS=1                            # also count each proxy's system calls and context
 #                                         # switches per request (perf stat on the syscall
 #                                         # tracepoints: apt-get install -y linux-perf, as root)
@@ -161,10 +163,14 @@ proxy_pids() { # $1 target -> the proxy's pids (none for direct)
     nginx) echo "$NGINX_PID $(pgrep -P "$NGINX_PID" | tr '\n' ' ')" ;;
   esac
 }
+# CPU ticks (1/100 s) the hypervisor took from this machine so far, all cores (the `steal`
+# column of /proc/stat; 0 on bare metal).
+stolen() { awk '/^cpu /{print $9}' /proc/stat; }
 run() { # $1 name $2 url $3 rate $4 round
-  local out pids t0 t1
+  local out pids t0 t1 st0 st1
   pids=$(proxy_pids "$1")
   t0=$(ticks $pids)
+  st0=$(stolen)
   local load=("$LOADGEN" --url "$2/v1/chat/completions" --rate "$3" --secs "$SECS" --warmup-secs "$WARMUP" --key "$KEY")
   rm -f "$TMP/perf.csv"
   if [ "${SYSCALLS:-0}" = 1 ] && [ -n "$pids" ]; then
@@ -175,12 +181,14 @@ run() { # $1 name $2 url $3 rate $4 round
     out=$("${load[@]}")
   fi
   t1=$(ticks $pids)
+  st1=$(stolen)
   # CPU microseconds per request spent in the proxy (0 for direct): in all, in user space
-  # and in the kernel.
+  # and in the kernel. And the milliseconds of CPU the hypervisor took meanwhile.
   out=$(python3 -c "
 import json, sys
 d = json.loads(sys.argv[1]); n = $3 * ($SECS + $WARMUP)
 (u0, s0), (u1, s1) = [map(int, t.split()) for t in sys.argv[2:4]]
+d['stolen_ms'] = ($st1 - $st0) * 10
 d['proxy_user_us_per_req'] = (u1 - u0) * 10000.0 / n
 d['proxy_sys_us_per_req'] = (s1 - s0) * 10000.0 / n
 d['proxy_cpu_us_per_req'] = d['proxy_user_us_per_req'] + d['proxy_sys_us_per_req']
@@ -251,6 +259,25 @@ for rate in rates:
         cpu, user, kernel = (med([r.get(f"proxy_{k}_us_per_req", 0) for r in rs]) for k in ("cpu", "user", "sys"))
         cpu_s = "" if name == "direct" else f"{cpu:.0f} ({user:.0f} + {kernel:.0f})"
         print(f"| {rate}/s | {name} | {ok} / {sent} | {p['p50']:.3f} | {p['p90']:.3f} | {p['p99']:.3f} | {p['p999']:.3f} | {cpu_s} | {added} |")
+# What the machine did in each round: a round whose load generator fell behind its own
+# schedule, or whose CPU the hypervisor took, is slow for every target it hits.
+print()
+print("Added p99 by round (ms), with the CPU the hypervisor took from this machine meanwhile (ms, all cores) and the load generator's worst lag behind its schedule (ms):")
+print()
+print("| rate | target | " + " | ".join(f"round {r}" for r in rounds) + " |")
+print("| --- | --- | " + " | ".join("---" for _ in rounds) + " |")
+for rate in rates:
+    for name in ("direct", "levee", "base", "bare", "nginx"):
+        cells = []
+        for r in rounds:
+            x, d = rows.get((name, rate, r)), rows.get(("direct", rate, r))
+            if x is None or d is None:
+                cells.append("")
+                continue
+            added = "" if name == "direct" else f"{x['ms_from_due']['p99'] - d['ms_from_due']['p99']:+.2f} "
+            cells.append(f"{added}(stolen {x['stolen_ms']}, lag {x['max_schedule_lag_ms']:.1f})")
+        if any(cells):
+            print(f"| {rate}/s | {name} | " + " | ".join(cells) + " |")
 # CPU per request against nginx's, each the median over rounds of the ratio in one round.
 print()
 for rate in rates:
