@@ -2,7 +2,7 @@
 //! ([`RequestCtx`]). Their order, in one place ([`serve_client`] and [`serve`]):
 //!
 //! 1. **authenticate** — draining, the per-IP guard, API key → tenant and tier;
-//! 2. **read** — the body, within its size limit;
+//! 2. **read** — the body, within its size limit and uncompressed;
 //! 3. **classify** ([`classify`]) — model, the lane's degradation, prompt count, completion
 //!    budget, context check; then **count** ([`count`]) — a long prompt counted by a backend
 //!    itself, when the model asks for exact counts;
