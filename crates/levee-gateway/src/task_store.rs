@@ -66,7 +66,7 @@ pub struct CallbackState {
     pub delivered: bool,
     /// POSTs tried so far.
     pub attempts: u32,
-    /// No more attempts will be made (delivered, or out of attempts).
+    /// No more attempts will be made (delivered, refused by policy, or out of attempts).
     pub done: bool,
     /// The last failure, for the tenant to read.
     pub last_error: Option<String>,

@@ -999,7 +999,8 @@ async fn a_task_prefill_fences_its_backend_and_holds_the_next_task() {
 /// Issue 22: a tenant's `callback_url` is not a way into the gateway's network. Loopback
 /// (in its dotted, hex, short and IPv4-mapped forms), link-local metadata and a name that
 /// resolves to loopback are refused after resolution, the receiver is never called, and
-/// `last_error` says "refused by policy" whatever the address would have answered.
+/// `last_error` says "refused by policy" whatever the address would have answered. A
+/// refusal is final: the first attempt is the last, with attempts and time left.
 #[tokio::test]
 async fn callbacks_to_internal_addresses_are_refused_by_policy() {
     std::env::set_var("LEVEE_TEST_SSRF_SECRET", "ssrf-secret");
@@ -1008,7 +1009,8 @@ async fn callbacks_to_internal_addresses_are_refused_by_policy() {
     let port = rcv.url.trim_start_matches("http://127.0.0.1:");
     let port = port.trim_end_matches("/hook").to_string();
     let mut cfg = task_config(&[m.url()], 4, "ssrf", 4);
-    cfg.tasks.callback_attempts = 1;
+    cfg.tasks.callback_attempts = 3;
+    cfg.tasks.callback_backoff_ms = 1;
     cfg.tenants[3].callback_secret_env = Some("LEVEE_TEST_SSRF_SECRET".into());
     let gw = levee_gateway::start(cfg).await.unwrap();
     let base = gw.public_url();
@@ -1039,11 +1041,13 @@ async fn callbacks_to_internal_addresses_are_refused_by_policy() {
         let mut seen = Value::Null;
         for _ in 0..POLLS {
             seen = get(&c, &base, "a", id).await.json().await.unwrap();
-            if seen["callback"]["attempts"] == 1 {
+            if seen["callback"]["done"] == true {
                 break;
             }
             tokio::time::sleep(Duration::from_millis(25)).await;
         }
+        assert_eq!(seen["callback"]["done"], true, "{u}: {seen}");
+        assert_eq!(seen["callback"]["attempts"], 1, "{u}: {seen}");
         assert_eq!(seen["callback"]["delivered"], false, "{u}: {seen}");
         assert_eq!(
             seen["callback"]["last_error"], "refused by policy",

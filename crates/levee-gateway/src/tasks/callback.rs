@@ -55,7 +55,9 @@ impl Tasks {
         let stop = gw.stopped_token();
         while attempts < self.cfg.callback_attempts {
             let outcome = match &secret {
-                None => Err("the tenant has no callback secret configured".to_string()),
+                None => Err(Failure::Failed(
+                    "the tenant has no callback secret configured".to_string(),
+                )),
                 Some(secret) => {
                     let ts = unix_ms() / 1000;
                     let Some(sig) = sign(secret, ts, &body) else {
@@ -73,8 +75,12 @@ impl Tasks {
                     state: if ok { "delivered" } else { "failed" }.into(),
                 })
                 .inc();
-            let give_up = ok || attempts >= self.cfg.callback_attempts || secret.is_none();
-            self.record_attempt(&task.id, attempts, ok, give_up, outcome.err())
+            // A refused destination stays refused: trying it again only waits longer.
+            let refused = matches!(outcome, Err(Failure::Refused));
+            let give_up =
+                ok || refused || attempts >= self.cfg.callback_attempts || secret.is_none();
+            let last = outcome.err().map(Failure::into_message);
+            self.record_attempt(&task.id, attempts, ok, give_up, last)
                 .await;
             if give_up {
                 return true;
@@ -135,7 +141,25 @@ fn sign(secret: &str, ts: u64, body: &str) -> Option<String> {
 /// What a callback attempt's failure stores as `last_error` when the destination was
 /// refused: the same words whatever the address would have answered, so the field cannot be
 /// used to probe the gateway's network.
-pub(crate) const REFUSED_BY_POLICY: &str = "refused by policy";
+const REFUSED_BY_POLICY: &str = "refused by policy";
+
+/// Why a callback attempt failed.
+enum Failure {
+    /// The egress policy refuses the destination (or its URL cannot name one): final.
+    Refused,
+    /// Anything else (no answer, an error status, no connection): tried again, with backoff.
+    Failed(String),
+}
+
+impl Failure {
+    /// What is stored as the attempt's `last_error`.
+    fn into_message(self) -> String {
+        match self {
+            Failure::Refused => REFUSED_BY_POLICY.to_string(),
+            Failure::Failed(m) => m,
+        }
+    }
+}
 
 /// Largest response head read from a receiver; its body is never read.
 const MAX_RECEIVER_HEAD: usize = 16 * 1024;
@@ -148,22 +172,22 @@ async fn post_callback(
     sig: &str,
     body: &str,
     cfg: &TasksConfig,
-) -> Result<(), String> {
+) -> Result<(), Failure> {
     let timeout = Duration::from_millis(cfg.callback_timeout_ms);
-    let uri: http::Uri = url.parse().map_err(|_| REFUSED_BY_POLICY.to_string())?;
+    let uri: http::Uri = url.parse().map_err(|_| Failure::Refused)?;
     let (Some(host), Some(authority)) = (uri.host(), uri.authority()) else {
-        return Err(REFUSED_BY_POLICY.to_string());
+        return Err(Failure::Refused);
     };
     if uri.scheme_str() != Some("http") {
-        return Err(REFUSED_BY_POLICY.to_string());
+        return Err(Failure::Refused);
     }
     let host = host
         .trim_start_matches('[')
         .trim_end_matches(']')
         .to_string();
     let port = uri.port_u16().unwrap_or(80);
-    let policy = EgressPolicy::new(&gw.config().tasks.callback_allow)
-        .map_err(|_| REFUSED_BY_POLICY.to_string())?;
+    let policy =
+        EgressPolicy::new(&gw.config().tasks.callback_allow).map_err(|_| Failure::Refused)?;
     let path = uri.path_and_query().map_or("/", |p| p.as_str()).to_string();
     let req = http::Request::post(path)
         .header(http::header::HOST, authority.as_str())
@@ -172,19 +196,22 @@ async fn post_callback(
         .header("x-levee-timestamp", ts.to_string())
         .header("x-levee-signature", format!("sha256={sig}"))
         .body(http_body_util::Full::new(Bytes::from(body.to_string())))
-        .map_err(|e| format!("bad callback request: {e}"))?;
+        .map_err(|e| Failure::Failed(format!("bad callback request: {e}")))?;
     let attempt = async {
         let addr = resolve_permitted(&policy, &host, port).await?;
-        send_pinned(addr, req).await
+        send_pinned(addr, req).await.map_err(Failure::Failed)
     };
     match tokio::time::timeout(timeout, attempt).await {
-        Err(_) => Err(format!("no answer within {} ms", cfg.callback_timeout_ms)),
+        Err(_) => Err(Failure::Failed(format!(
+            "no answer within {} ms",
+            cfg.callback_timeout_ms
+        ))),
         Ok(Err(e)) => Err(e),
         Ok(Ok(s)) if s.is_success() => Ok(()),
-        Ok(Ok(s)) if s.is_redirection() => Err(format!(
+        Ok(Ok(s)) if s.is_redirection() => Err(Failure::Failed(format!(
             "the receiver answered {s}; redirects are not followed"
-        )),
-        Ok(Ok(s)) => Err(format!("the receiver answered {s}")),
+        ))),
+        Ok(Ok(s)) => Err(Failure::Failed(format!("the receiver answered {s}"))),
     }
 }
 
@@ -195,13 +222,13 @@ async fn resolve_permitted(
     policy: &EgressPolicy,
     host: &str,
     port: u16,
-) -> Result<std::net::SocketAddr, String> {
+) -> Result<std::net::SocketAddr, Failure> {
     let addrs: Vec<std::net::SocketAddr> = tokio::net::lookup_host((host, port))
         .await
-        .map_err(|_| "the receiver's host name does not resolve".to_string())?
+        .map_err(|_| Failure::Failed("the receiver's host name does not resolve".to_string()))?
         .collect();
     if addrs.is_empty() || addrs.iter().any(|a| !policy.permits(host, a.ip())) {
-        return Err(REFUSED_BY_POLICY.to_string());
+        return Err(Failure::Refused);
     }
     Ok(addrs[0])
 }

@@ -997,7 +997,7 @@ impl Tasks {
         }
         if let Some(c) = &t.callback {
             v["callback"] = json!({"delivered": c.delivered, "attempts": c.attempts,
-                "last_error": c.last_error});
+                "done": c.done, "last_error": c.last_error});
         }
         v
     }
