@@ -752,6 +752,14 @@ impl IntoResponse for GatewayError {
                 HeaderValue::from_static(origin.as_str()),
             );
         }
+        // The codings that would have been accepted (RFC 9110, 12.5.3): none but the body
+        // as it is.
+        if self.code == ErrorCode::UnsupportedContentEncoding {
+            h.insert(
+                http::header::ACCEPT_ENCODING,
+                HeaderValue::from_static("identity"),
+            );
+        }
         resp
     }
 }
