@@ -6,7 +6,10 @@
 #             else: the floor of the stack levee is built on) -> engine
 #   nginx   : loadgen -> nginx (plain reverse proxy, keep-alive upstream) -> engine
 # at 1k and 5k requests/s (open loop, fixed rate; latency measured from each request's due
-# time). Then RSS of levee with 10k requests queued.
+# time). Each round's added p99 is also printed beside the CPU the hypervisor took from the
+# machine meanwhile and the load generator's own worst lag, so that a round slow for the
+# machine is told apart from a round slow for a proxy. Then RSS of levee with 10k requests
+# queued.
 #
 #   bench/gateway-overhead.sh            # SECS=5 ROUNDS=3 RATES="1000 5000" by default
 #   RSS_H2=1 ...                          # queue the 10k requests over h2c instead of HTTP/1.1
@@ -14,8 +17,6 @@
 #   LEVEE_WORKERS=1                       # levee's tokio worker threads (default: one per core)
 #   LEVEE_EVENT_LOOPS=2                   # levee (and a base that knows the option) on that many
 #                                         # single-threaded event loops (`serve --event-loops`)
-#   (each round's added p99 is also printed beside the CPU the hypervisor took meanwhile and
-#   the load generator's own worst lag: a round slow for the machine is told apart)
 #   SYSCALLS=1                            # also count each proxy's system calls and context
 #                                         # switches per request (perf stat on the syscall
 #                                         # tracepoints: apt-get install -y linux-perf, as root)
