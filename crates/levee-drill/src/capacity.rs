@@ -71,7 +71,10 @@ pub(crate) struct Timing {
     pub flat_steps_to_stop: u32,
     /// Sweep: most steps.
     pub max_steps: u32,
-    /// After a run's last scheduled send, how long requests still in flight may finish.
+    /// Sample run: after its last scheduled send, how long requests still in flight may
+    /// finish (a size is noted when its answer ends). The sweep's steps count goodput by
+    /// completion inside their window, which closes before the step's end; the contenders'
+    /// floods wait for the client's timeout.
     pub drain_s: f64,
     /// First seconds of a flood stretch left out of the goodput window.
     pub flood_warm_s: f64,

@@ -322,3 +322,31 @@ fn a_compared_configuration_runs_as_one_more_levee_and_is_checked_before_any_run
     assert!(format!("{err:#}").contains("--compare-config"), "{err:#}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn a_flood_waits_for_its_last_requests_as_long_as_their_client_would() {
+    // A contender's flood that stopped watching before its last requests could end would
+    // count healthy ones as failures (`cancelled`): the premium verdict, at 99.9%, would
+    // miss on the drill's own cut. Whatever the timing (quick or full), the wait after the
+    // last scheduled send outlasts the client's timeout, so each request ends by itself.
+    for name in levee_sim::scenarios::names() {
+        for quick in [false, true] {
+            let mut args = vec!["--scenario", name];
+            if quick {
+                args.push("--quick");
+            }
+            let plan = crate::Plan::new(drill_args(&args)).unwrap();
+            let timeout = plan.scenario.client.timeout_s;
+            let waits = plan
+                .setup()
+                .opts
+                .drain
+                .map_or(timeout + 1.0, |d| d.as_secs_f64());
+            assert!(
+                waits > timeout,
+                "{name} (quick: {quick}): the flood stops watching {waits} s after its last \
+                 send, before its client's timeout ({timeout} s)"
+            );
+        }
+    }
+}
