@@ -116,6 +116,11 @@ fn failure_rows(scenario: &Scenario, runs: &[(Contender, Outcome)]) -> Vec<Row> 
             format!("{t} ({:.1}%)", 100.0 * t as f64 / all as f64)
         }
     });
+    // A single tenant past its contract is refused by its own quota however idle the fleet:
+    // told apart, so a low goodput is read for what it is.
+    row("  of which tenants' own quotas", &|o| {
+        verdicts::tenant_quota_refusals(&o.report.errors).to_string()
+    });
     // Premium must not fail: what failed it, by cause (levee names the check that refused).
     row("premium failures, by cause", &|o| {
         o.report

@@ -388,6 +388,21 @@ pub fn refusals_with_code(errors: &std::collections::BTreeMap<String, u64>, code
         .sum()
 }
 
+/// 429s levee answered by a tenant's own quota (its request or token rate, its
+/// concurrency, or its heavy requests' share: the check levee names starts `tenant_` or
+/// `heavy_`): a contract the gateway keeps, not capacity it lacks.
+pub fn tenant_quota_refusals(errors: &std::collections::BTreeMap<String, u64>) -> u64 {
+    errors
+        .iter()
+        .filter(|(k, _)| {
+            k.strip_prefix("429:")
+                .and_then(|rest| rest.split(':').nth(1))
+                .is_some_and(|check| check.starts_with("tenant_") || check.starts_with("heavy_"))
+        })
+        .map(|(_, v)| *v)
+        .sum()
+}
+
 /// 4xx answers other than 429 that levee produced itself; never excused.
 pub fn levee_client_errors(errors: &std::collections::BTreeMap<String, u64>) -> u64 {
     errors
@@ -594,6 +609,23 @@ mod tests {
         .collect();
         assert_eq!(refusals_with_code(&errors, "queue_timeout"), 5);
         assert_eq!(refusals_with_code(&errors, "capacity_overload"), 0);
+    }
+
+    #[test]
+    fn tenant_quota_refusals_are_those_levee_names_for_a_tenant() {
+        let errors: std::collections::BTreeMap<String, u64> = [
+            ("429:rate_limit_exceeded:tenant_requests", 2),
+            ("429:rate_limit_exceeded:tenant_tokens", 3),
+            ("429:rate_limit_exceeded:heavy_concurrency", 4),
+            ("429:rate_limit_exceeded:global_requests", 100),
+            ("429:capacity_overload:soft_watermark", 100),
+            ("429:queue_timeout", 100),
+            ("4xx:400:levee", 100),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect();
+        assert_eq!(tenant_quota_refusals(&errors), 9);
     }
 
     #[test]
