@@ -40,6 +40,10 @@ pub const BUILTIN: &[(&str, &str)] = &[
         include_str!("../../../scenarios/overload-3x.toml"),
     ),
     (
+        "habitual-max-tokens",
+        include_str!("../../../scenarios/habitual-max-tokens.toml"),
+    ),
+    (
         "async-batch",
         include_str!("../../../scenarios/async-batch.toml"),
     ),
