@@ -610,15 +610,32 @@ fn judge(plan: &Plan, runs: &Runs) -> Judged {
             }),
         );
     }
-    let over_quota = |o: &Outcome| {
-        operator::premium_over_quota(&o.report.first_sends_ms, &plan.scenario, &plan.gateway)
+    // Requests too long for the engines, by the engines' own rule on the schedule's sizes:
+    // known for the drill's simulated engines only (a real server's tokenizer is its own).
+    let over_context = if plan.external() {
+        0
+    } else {
+        // The schedule already ran, so it builds; were it not to, nothing is excused.
+        operator::premium_over_context(&plan.scenario, plan.engine.gpu.max_model_len)
+            .unwrap_or_else(|e| {
+                tracing::warn!("premium requests too long for the engines not counted: {e:#}");
+                0
+            })
+    };
+    let excuses = |o: &Outcome| verdicts::PremiumExcuses {
+        over_quota: operator::premium_over_quota(
+            &o.report.first_sends_ms,
+            &plan.scenario,
+            &plan.gateway,
+        ),
+        over_context,
     };
     push(
         format!(
-            "premium ≥ {:.1}% of its in-quota requests (engine-refused invalid requests apart)",
+            "premium ≥ {:.1}% of its in-quota requests (requests too long for the engines apart)",
             verdicts::PREMIUM_TARGET * 100.0
         ),
-        per_contender(outcomes, &|o| verdicts::premium(&o.report, over_quota(o))),
+        per_contender(outcomes, &|o| verdicts::premium(&o.report, excuses(o))),
     );
     rows.extend(isolation_rows(plan, runs));
     for (flooder, tier) in tenants::flooders_with_tier(&plan.scenario) {

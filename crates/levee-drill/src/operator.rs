@@ -115,6 +115,38 @@ pub(crate) fn premium_over_quota(
     over
 }
 
+/// Premium requests of the run's schedule that no engine of `max_model_len` tokens takes:
+/// the prompt as the engine counts it (the simulator writes exactly the scheduled number of
+/// engine tokens, plus the chat template's on the chat path) and `max_tokens` together over
+/// the context, the engine's own rule — an estimate independent of levee's, to weigh
+/// levee's own 400s against. `scenario` must be the one the run used (its schedule is
+/// rebuilt from its seed). Sessions' later turns are not in the schedule and are not
+/// counted, so the estimate errs low.
+pub(crate) fn premium_over_context(scenario: &Scenario, max_model_len: u32) -> anyhow::Result<u64> {
+    use levee_engine::tokenizer::{CHAT_TOKENS_PER_MESSAGE, CHAT_TOKENS_PER_PROMPT};
+    let template = if scenario.request.path.ends_with("/chat/completions") {
+        CHAT_TOKENS_PER_PROMPT + CHAT_TOKENS_PER_MESSAGE
+    } else {
+        0
+    };
+    let schedule = levee_sim::arrivals::build(scenario)?;
+    let over = schedule
+        .arrivals
+        .iter()
+        .filter(|a| {
+            scenario
+                .tenants
+                .get(usize::from(a.tenant))
+                .is_some_and(|t| t.tier == "premium")
+        })
+        .filter(|a| {
+            u64::from(a.prompt_tokens) + u64::from(template) + u64::from(a.max_tokens)
+                > u64::from(max_model_len)
+        })
+        .count();
+    Ok(over as u64)
+}
+
 /// The fleet a calibrated configuration is for.
 pub(crate) struct Fleet {
     /// The backends' base URLs.

@@ -350,3 +350,60 @@ fn a_flood_waits_for_its_last_requests_as_long_as_their_client_would() {
         }
     }
 }
+
+#[test]
+fn premium_requests_too_long_for_the_engines_are_counted_from_the_schedule() {
+    use crate::operator::premium_over_context;
+    let ctx = drill_engine_config().gpu.max_model_len;
+    let scenario = |prompt: u32, max_tokens: u32| {
+        levee_sim::Scenario::from_toml_str(&format!(
+            r#"
+name = "sizes"
+capacity_rps = 10.0
+[[phases]]
+kind = "steady"
+duration_s = 10
+rps = "1x"
+[[classes]]
+name = "c"
+prompt_tokens = {{ dist = "constant", value = {prompt} }}
+max_tokens = {{ dist = "constant", value = {max_tokens} }}
+[[tenants]]
+name = "p"
+api_key = "sk-p"
+share = 0.5
+tier = "premium"
+[[tenants]]
+name = "s"
+api_key = "sk-s"
+share = 0.5
+tier = "standard"
+"#
+        ))
+        .unwrap()
+    };
+    let premium_sent = |s: &levee_sim::Scenario| {
+        let sched = levee_sim::arrivals::build(s).unwrap();
+        sched.arrivals.iter().filter(|a| a.tenant == 0).count() as u64
+    };
+    // Every premium request over the context, the standard ones not counted.
+    let long = scenario(ctx - 100, 200);
+    assert!(premium_sent(&long) > 10);
+    assert_eq!(
+        premium_over_context(&long, ctx).unwrap(),
+        premium_sent(&long)
+    );
+    // The prompt alone fits with its max_tokens: none.
+    let fits = scenario(ctx - 300, 200);
+    assert_eq!(premium_over_context(&fits, ctx).unwrap(), 0);
+    // The chat template's tokens count as the engine counts them: one token over is over.
+    let template = levee_engine::tokenizer::CHAT_TOKENS_PER_PROMPT
+        + levee_engine::tokenizer::CHAT_TOKENS_PER_MESSAGE;
+    let edge = scenario(ctx - 200 - template, 200);
+    assert_eq!(premium_over_context(&edge, ctx).unwrap(), 0);
+    let over = scenario(ctx - 200 - template + 1, 200);
+    assert_eq!(
+        premium_over_context(&over, ctx).unwrap(),
+        premium_sent(&over)
+    );
+}

@@ -138,17 +138,32 @@ pub fn crashes(total: u64, injected: u64) -> Check {
     Check::judged(measured, overload == 0)
 }
 
-/// Premium success over its in-quota requests. `over_quota_estimate` is the number of
-/// premium requests an independent rate check of the schedule finds over quota.
-pub fn premium(report: &Report, over_quota_estimate: u64) -> Option<Check> {
+/// Independent counts of the premium requests a gateway may rightly refuse, from the
+/// schedule: over the tenant's quota, and too long for the engines' context.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct PremiumExcuses {
+    /// Premium requests a rate check of the schedule finds over quota.
+    pub over_quota: u64,
+    /// Premium requests whose prompt and `max_tokens` exceed the engines' context.
+    pub over_context: u64,
+}
+
+/// Premium success over its in-quota requests.
+pub fn premium(report: &Report, excuses: PremiumExcuses) -> Option<Check> {
     let g = report.per_tier.get("premium")?;
     if g.requests == 0 {
         return None;
     }
     let refused_as_over_quota = refusals_with_code(&g.errors, "rate_limit_exceeded");
-    let excused = refused_as_over_quota.min(over_quota_estimate);
-    // An invalid request the engine itself refused is the client's fault, not the fleet's.
-    let invalid = engine_client_errors(&g.errors);
+    let excused = refused_as_over_quota.min(excuses.over_quota);
+    // An invalid request the engine itself refused is the client's fault, not the fleet's;
+    // so is one levee refused itself, as far as the schedule has requests too long for the
+    // engines that the engines did not refuse. Beyond that count, levee's own 4xx is the
+    // gateway's failure.
+    let by_engine = engine_client_errors(&g.errors);
+    let by_levee =
+        levee_client_errors(&g.errors).min(excuses.over_context.saturating_sub(by_engine));
+    let invalid = by_engine + by_levee;
     let in_quota = g.requests.saturating_sub(excused + invalid);
     let rate = if in_quota == 0 {
         1.0
@@ -559,23 +574,30 @@ mod tests {
         assert_eq!(crashes(0, 0).met, Some(true));
     }
 
+    fn over_quota(n: u64) -> PremiumExcuses {
+        PremiumExcuses {
+            over_quota: n,
+            over_context: 0,
+        }
+    }
+
     #[test]
     fn premium_fails_when_in_quota_requests_fail_and_over_quota_refusals_are_capped() {
         let mut r = report_with(Vec::new());
         let mut g = group(1000, 1000, 100.0);
         r.per_tier.insert("premium".into(), g.clone());
-        assert_eq!(premium(&r, 0).unwrap().met, Some(true));
+        assert_eq!(premium(&r, over_quota(0)).unwrap().met, Some(true));
         // Two failures in a thousand: 99.8%.
         g.ok = 998;
         r.per_tier.insert("premium".into(), g.clone());
-        assert_eq!(premium(&r, 0).unwrap().met, Some(false));
+        assert_eq!(premium(&r, over_quota(0)).unwrap().met, Some(false));
         // 100 refused as over quota, and the schedule really was 100 over: excused.
         g.ok = 900;
         g.errors.insert("429:rate_limit_exceeded".into(), 100);
         r.per_tier.insert("premium".into(), g.clone());
-        assert_eq!(premium(&r, 100).unwrap().met, Some(true));
+        assert_eq!(premium(&r, over_quota(100)).unwrap().met, Some(true));
         // The same refusals when the schedule was only 10 over quota: 90 in-quota failures.
-        let c = premium(&r, 10).unwrap();
+        let c = premium(&r, over_quota(10)).unwrap();
         assert_eq!(c.met, Some(false), "{}", c.measured);
         // levee names the quota that refused: the same excuse.
         g.errors.clear();
@@ -584,16 +606,16 @@ mod tests {
         g.errors
             .insert("429:rate_limit_exceeded:tenant_tokens".into(), 40);
         r.per_tier.insert("premium".into(), g.clone());
-        assert_eq!(premium(&r, 100).unwrap().met, Some(true));
+        assert_eq!(premium(&r, over_quota(100)).unwrap().met, Some(true));
         // A capacity refusal is never excused, whatever check made it.
         g.errors.clear();
         g.errors
             .insert("429:capacity_overload:predicted_wait".into(), 100);
         r.per_tier.insert("premium".into(), g.clone());
-        assert_eq!(premium(&r, 100).unwrap().met, Some(false));
+        assert_eq!(premium(&r, over_quota(100)).unwrap().met, Some(false));
         // No premium traffic: no verdict.
         r.per_tier.clear();
-        assert!(premium(&r, 0).is_none());
+        assert!(premium(&r, over_quota(0)).is_none());
     }
 
     #[test]
@@ -832,7 +854,7 @@ mod tests {
         // The engine refused 10 requests as too long for its context: the client's fault.
         g.errors.insert("4xx:400".into(), 10);
         r.per_tier.insert("premium".into(), g.clone());
-        let c = premium(&r, 0).unwrap();
+        let c = premium(&r, over_quota(0)).unwrap();
         assert_eq!(c.met, Some(true), "{}", c.measured);
         assert!(c.measured.ends_with("of 990"), "{}", c.measured);
         assert_eq!(engine_client_errors(&g.errors), 10);
@@ -840,10 +862,28 @@ mod tests {
         g.errors.clear();
         g.errors.insert("4xx:400:levee".into(), 10);
         r.per_tier.insert("premium".into(), g.clone());
-        let c = premium(&r, 0).unwrap();
+        let c = premium(&r, over_quota(0)).unwrap();
         assert_eq!(c.met, Some(false), "{}", c.measured);
         assert_eq!(levee_client_errors(&g.errors), 10);
         assert_eq!(engine_client_errors(&g.errors), 0);
+        // Unless the schedule itself has that many requests too long for the engines: levee
+        // refused what the engines would have.
+        let too_long = |n| PremiumExcuses {
+            over_quota: 0,
+            over_context: n,
+        };
+        let c = premium(&r, too_long(10)).unwrap();
+        assert_eq!(c.met, Some(true), "{}", c.measured);
+        assert!(c.measured.ends_with("of 990"), "{}", c.measured);
+        // Only as many as the schedule has, less those the engines refused themselves.
+        let c = premium(&r, too_long(6)).unwrap();
+        assert_eq!(c.met, Some(false), "{}", c.measured);
+        g.errors.insert("4xx:400".into(), 4);
+        g.ok = 986;
+        r.per_tier.insert("premium".into(), g.clone());
+        let c = premium(&r, too_long(10)).unwrap();
+        assert_eq!(c.met, Some(false), "{}", c.measured);
+        assert!(c.measured.ends_with("of 990"), "{}", c.measured);
     }
 
     #[test]
