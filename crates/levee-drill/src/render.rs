@@ -333,13 +333,22 @@ fn by_cause(errors: &std::collections::BTreeMap<String, u64>) -> String {
     let mut out: Vec<String> = kinds
         .iter()
         .take(3)
-        .map(|(k, n)| format!("{} {n}", k.strip_prefix("429:").unwrap_or(k)))
+        .map(|(k, n)| format!("{} {n}", cause(k)))
         .collect();
     let rest: u64 = kinds.iter().skip(3).map(|(_, n)| **n).sum();
     if rest > 0 {
         out.push(format!("other {rest}"));
     }
     out.join(", ")
+}
+
+/// An error key as a cause: a 429 by the check levee named (`429:rate_limit_exceeded:
+/// tenant_requests` → `tenant_requests`: each check belongs to one code), else by its code.
+fn cause(key: &str) -> &str {
+    match key.strip_prefix("429:") {
+        Some(rest) => rest.split_once(':').map_or(rest, |(_, check)| check),
+        None => key,
+    }
 }
 
 fn pct(x: f64) -> String {
@@ -430,8 +439,7 @@ mod tests {
                 ("5xx:503", 1),
                 ("broken_stream", 4),
             ])),
-            "broken_stream 4, capacity_overload:predicted_wait 3, \
-             queue_timeout:queue_timeout 2, other 2"
+            "broken_stream 4, predicted_wait 3, queue_timeout 2, other 2"
         );
     }
 }
