@@ -121,7 +121,8 @@ pub(crate) fn premium_over_quota(
 /// the context, the engine's own rule — an estimate independent of levee's, to weigh
 /// levee's own 400s against. `scenario` must be the one the run used (its schedule is
 /// rebuilt from its seed). Sessions' later turns are not in the schedule and are not
-/// counted, so the estimate errs low.
+/// counted (the estimate errs low there); a request both too long and over its tenant's
+/// quota counts in both estimates (high there, by at most those few).
 pub(crate) fn premium_over_context(scenario: &Scenario, max_model_len: u32) -> anyhow::Result<u64> {
     use levee_engine::tokenizer::{CHAT_TOKENS_PER_MESSAGE, CHAT_TOKENS_PER_PROMPT};
     let template = if scenario.request.path.ends_with("/chat/completions") {

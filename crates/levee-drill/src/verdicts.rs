@@ -140,7 +140,7 @@ pub fn crashes(total: u64, injected: u64) -> Check {
 
 /// Independent counts of the premium requests a gateway may rightly refuse, from the
 /// schedule: over the tenant's quota, and too long for the engines' context.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Copy)]
 pub struct PremiumExcuses {
     /// Premium requests a rate check of the schedule finds over quota.
     pub over_quota: u64,
@@ -418,7 +418,8 @@ pub fn tenant_quota_refusals(errors: &std::collections::BTreeMap<String, u64>) -
         .sum()
 }
 
-/// 4xx answers other than 429 that levee produced itself; never excused.
+/// 4xx answers other than 429 that levee produced itself (excused in the premium verdict
+/// only as far as the schedule has requests too long for the engines: [`premium`]).
 pub fn levee_client_errors(errors: &std::collections::BTreeMap<String, u64>) -> u64 {
     errors
         .iter()
