@@ -345,8 +345,8 @@ fn by_cause(errors: &std::collections::BTreeMap<String, u64>) -> String {
 /// An error key as a cause: a 429 by the check levee named (`429:rate_limit_exceeded:
 /// tenant_requests` → `tenant_requests`: each check belongs to one code), else by its code.
 fn cause(key: &str) -> &str {
-    match key.strip_prefix("429:") {
-        Some(rest) => rest.split_once(':').map_or(rest, |(_, check)| check),
+    match verdicts::refusal(key) {
+        Some((code, check)) => check.unwrap_or(code),
         None => key,
     }
 }

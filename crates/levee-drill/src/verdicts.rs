@@ -382,50 +382,51 @@ pub fn suspect_reference(knee_rps: f64, flood: &[(&str, Option<f64>)]) -> Option
 /// returned for an invalid request (e.g. a context overflow): the key `4xx:<status>`. A 4xx
 /// levee produced itself (`4xx:<status>:levee`) is not among them.
 pub fn engine_client_errors(errors: &std::collections::BTreeMap<String, u64>) -> u64 {
+    count_where(errors, |k| k.starts_with("4xx:") && !k.ends_with(":levee"))
+}
+
+/// A 429's error key read: `429:<code>`, or `429:<code>:<check>` when levee named the
+/// check that refused. `None` for any other key.
+pub fn refusal(key: &str) -> Option<(&str, Option<&str>)> {
+    let rest = key.strip_prefix("429:")?;
+    Some(match rest.split_once(':') {
+        Some((code, check)) => (code, Some(check)),
+        None => (rest, None),
+    })
+}
+
+/// The errors counted under the keys `keep` takes.
+fn count_where(
+    errors: &std::collections::BTreeMap<String, u64>,
+    keep: impl Fn(&str) -> bool,
+) -> u64 {
     errors
         .iter()
-        .filter(|(k, _)| k.starts_with("4xx:") && !k.ends_with(":levee"))
+        .filter(|(k, _)| keep(k))
         .map(|(_, v)| *v)
         .sum()
 }
 
-/// 429s with error code `code`: the key `429:<code>`, or `429:<code>:<check>` when levee
-/// named the check that refused.
+/// 429s with error code `code`, whether or not levee named the check.
 pub fn refusals_with_code(errors: &std::collections::BTreeMap<String, u64>, code: &str) -> u64 {
-    errors
-        .iter()
-        .filter(|(k, _)| {
-            k.strip_prefix("429:")
-                .and_then(|rest| rest.strip_prefix(code))
-                .is_some_and(|tail| tail.is_empty() || tail.starts_with(':'))
-        })
-        .map(|(_, v)| *v)
-        .sum()
+    count_where(errors, |k| refusal(k).is_some_and(|(c, _)| c == code))
 }
 
 /// 429s levee answered by a tenant's own quota (its request or token rate, its
 /// concurrency, or its heavy requests' share: the check levee names starts `tenant_` or
 /// `heavy_`): a contract the gateway keeps, not capacity it lacks.
 pub fn tenant_quota_refusals(errors: &std::collections::BTreeMap<String, u64>) -> u64 {
-    errors
-        .iter()
-        .filter(|(k, _)| {
-            k.strip_prefix("429:")
-                .and_then(|rest| rest.split(':').nth(1))
-                .is_some_and(|check| check.starts_with("tenant_") || check.starts_with("heavy_"))
-        })
-        .map(|(_, v)| *v)
-        .sum()
+    count_where(errors, |k| {
+        refusal(k)
+            .and_then(|(_, check)| check)
+            .is_some_and(|check| check.starts_with("tenant_") || check.starts_with("heavy_"))
+    })
 }
 
 /// 4xx answers other than 429 that levee produced itself (excused in the premium verdict
 /// only as far as the schedule has requests too long for the engines: [`premium`]).
 pub fn levee_client_errors(errors: &std::collections::BTreeMap<String, u64>) -> u64 {
-    errors
-        .iter()
-        .filter(|(k, _)| k.starts_with("4xx:") && k.ends_with(":levee"))
-        .map(|(_, v)| *v)
-        .sum()
+    count_where(errors, |k| k.starts_with("4xx:") && k.ends_with(":levee"))
 }
 
 /// With engines that preempt instead of crashing, overload shows as slowness: the p99 TTFT
