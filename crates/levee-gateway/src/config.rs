@@ -1012,6 +1012,12 @@ pub struct KvConfig {
     /// A backend's reported KV use and queue correct levee's own count only this long
     /// after the scrape that read them.
     pub report_max_age_ms: u64,
+    /// A streamed answer holds its prompt and the 99th percentile of the model's recent
+    /// completions (once 32 were seen), not its whole `max_tokens`, and its hold grows
+    /// ahead of its tokens as levee reads them; a stream whose backend has no room to grow
+    /// it is cut with `stream_kv_budget`. Off: every request holds its whole `max_tokens`
+    /// until it ends.
+    pub grow_streams: bool,
 }
 
 impl Default for KvConfig {
@@ -1019,6 +1025,7 @@ impl Default for KvConfig {
         KvConfig {
             headroom: 0.05,
             report_max_age_ms: 3_000,
+            grow_streams: true,
         }
     }
 }

@@ -160,6 +160,9 @@ pub enum ErrorCode {
     StreamIdleTimeout,
     /// A stream ran past `server.stream_timeout_ms`.
     StreamTimeout,
+    /// A stream's backend had no room in its KV budget to hold more of its answer
+    /// (`kv.grow_streams`).
+    StreamKvBudget,
     /// 500: a bug in the gateway.
     Internal,
 }
@@ -208,6 +211,7 @@ impl ErrorCode {
             StreamBroken => "stream_broken",
             StreamIdleTimeout => "stream_idle_timeout",
             StreamTimeout => "stream_timeout",
+            StreamKvBudget => "stream_kv_budget",
             Internal => "internal_error",
         }
     }
@@ -231,7 +235,8 @@ impl ErrorCode {
             | NoHealthyBackend
             | SharedStateUnavailable
             | TaskStoreUnavailable
-            | Draining => StatusCode::SERVICE_UNAVAILABLE,
+            | Draining
+            | StreamKvBudget => StatusCode::SERVICE_UNAVAILABLE,
             UpstreamError | UpstreamUnreachable | StreamBroken => StatusCode::BAD_GATEWAY,
             UpstreamTimeout | StreamIdleTimeout | StreamTimeout => StatusCode::GATEWAY_TIMEOUT,
             Internal => StatusCode::INTERNAL_SERVER_ERROR,
@@ -249,6 +254,7 @@ impl ErrorCode {
             | TaskStoreUnavailable
             | Draining
             | StreamTimeout
+            | StreamKvBudget
             | Internal => Origin::Gateway,
             CircuitOpen | NoHealthyBackend | UpstreamError | UpstreamUnreachable
             | UpstreamTimeout | StreamBroken | StreamIdleTimeout => Origin::Upstream,
@@ -269,7 +275,8 @@ impl ErrorCode {
             | NoHealthyBackend
             | SharedStateUnavailable
             | TaskStoreUnavailable
-            | Draining => "service_unavailable",
+            | Draining
+            | StreamKvBudget => "service_unavailable",
             UpstreamError | UpstreamUnreachable | UpstreamTimeout | StreamBroken
             | StreamIdleTimeout | StreamTimeout | Internal => "server_error",
             _ => "invalid_request_error",
@@ -644,6 +651,19 @@ impl GatewayError {
         Self::new(ErrorCode::StreamBroken, message)
     }
 
+    /// `stream_kv_budget`: the stream's backend has no room in its KV budget to hold more of
+    /// its answer after `generated` tokens.
+    pub fn stream_kv_budget(backend: &str, generated: u64) -> Self {
+        Self::new(
+            ErrorCode::StreamKvBudget,
+            format!(
+                "backend {backend} has no room in its KV cache budget to hold more of this \
+                 answer after {generated} tokens; the answer is incomplete, retry the request \
+                 (a lower max_tokens is held in full from the start)"
+            ),
+        )
+    }
+
     /// `stream_idle_timeout`: the backend sent nothing for `idle` in the middle of a stream.
     pub fn stream_idle_timeout(idle: Duration) -> Self {
         Self::new(
@@ -840,6 +860,7 @@ mod tests {
             StreamBroken,
             StreamIdleTimeout,
             StreamTimeout,
+            StreamKvBudget,
             Internal,
         ];
         let codes: std::collections::HashSet<_> = all.iter().map(|c| c.as_str()).collect();

@@ -17,8 +17,10 @@ use bytes::{Bytes, BytesMut};
 use http::{HeaderValue, StatusCode};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
+use levee_policy::OverBudget;
 use serde::Deserialize;
 use std::time::Duration;
+use tokio::sync::mpsc::error::TrySendError;
 use tokio::time::Instant;
 
 /// Token usage reported by the backend.
@@ -83,8 +85,12 @@ pub struct Outcome {
     /// answer). `None` for an answer the engine sent whole.
     pub engine_ttft: Option<Duration>,
     /// How a stream was cut after its head went out (the code of the SSE error event sent
-    /// to the client: `stream_broken`, `stream_idle_timeout`, `stream_timeout`).
-    pub stream_cut: Option<&'static str>,
+    /// to the client: `stream_broken`, `stream_idle_timeout`, `stream_timeout`,
+    /// `stream_kv_budget`).
+    pub stream_cut: Option<ErrorCode>,
+    /// Tokens read of a stream whose KV hold grows with its answer (`kv.grow_streams`), as
+    /// counted on the way (an event each).
+    pub generated: Option<u64>,
 }
 
 impl Outcome {
@@ -104,10 +110,19 @@ impl Outcome {
     }
 }
 
-/// Whoever admitted the request: told once how it ended.
+/// Whoever admitted the request: told once how it ended, and asked to hold more of the
+/// backend's KV cache as a stream's answer grows.
 pub trait Settle: Send + 'static {
     /// Frees the slot, reconciles tokens, feeds the breaker and metrics.
     fn settle(self: Box<Self>, outcome: Outcome);
+    /// The count of the answer's tokens at which its KV hold must grow; `None` when it
+    /// holds all it may need.
+    fn grows_at(&self) -> Option<u64>;
+    /// The answer has `generated` tokens: grows its hold where due; `Ok` with the next count
+    /// to ask at, `Err` when the backend has no room (cut the stream).
+    fn grow(&mut self, generated: u64) -> Result<Option<u64>, OverBudget>;
+    /// Holds the answer's whole completion budget; `Err` when the backend has no room.
+    fn hold_whole(&mut self) -> Result<(), OverBudget>;
 }
 
 /// Runs the settlement exactly once, on finish or on drop (client disconnect).
@@ -133,6 +148,21 @@ impl Settlement {
     /// ([`Settlement::finish`] with no transport error and no cut), closed otherwise.
     pub fn keep_alive(&mut self, lease: Lease) {
         self.lease = Some(lease);
+    }
+
+    /// See [`Settle::grows_at`]; `None` once settled.
+    pub fn grows_at(&self) -> Option<u64> {
+        self.inner.as_ref()?.grows_at()
+    }
+
+    /// See [`Settle::grow`].
+    fn grow(&mut self, generated: u64) -> Result<Option<u64>, OverBudget> {
+        self.inner.as_mut().map_or(Ok(None), |s| s.grow(generated))
+    }
+
+    /// See [`Settle::hold_whole`].
+    fn hold_whole(&mut self) -> Result<(), OverBudget> {
+        self.inner.as_mut().map_or(Ok(()), |s| s.hold_whole())
     }
 
     /// Settles now with the outcome so far: the answer's body was read to its end (or
@@ -497,11 +527,14 @@ pub fn stream_response(
         limits,
         backend: backend.to_string(),
     };
-    let stream = futures::stream::unfold(state, |mut st| async move {
-        let out = st.next_chunk().await?;
-        Some((Ok::<Bytes, std::io::Error>(out), st))
-    });
-    let mut out = Response::new(Body::from_stream(stream));
+    let body = match state.settlement.as_ref().and_then(Settlement::grows_at) {
+        Some(at) => pumped(state, at),
+        None => Body::from_stream(futures::stream::unfold(state, |mut st| async move {
+            let out = st.next_chunk().await?;
+            Some((Ok::<Bytes, std::io::Error>(out), st))
+        })),
+    };
+    let mut out = Response::new(body);
     *out.status_mut() = parts.status;
     copy_content_type(&parts.headers, out.headers_mut());
     out.headers_mut().insert(
@@ -514,7 +547,97 @@ pub fn stream_response(
     out
 }
 
+/// Chunks a stream whose KV hold grows keeps for a client that reads slower than its
+/// backend writes; past them the stream holds its whole completion budget.
+const PUMP_CHUNKS: usize = 16;
+
+/// A stream whose KV hold grows with its answer (`kv.grow_streams`), read by a task of its
+/// own ([`pump`]) so that its tokens are counted as the backend sends them, whether or not
+/// its client keeps up.
+fn pumped(state: StreamState, grows_at: u64) -> Body {
+    let (tx, rx) = tokio::sync::mpsc::channel(PUMP_CHUNKS);
+    tokio::spawn(pump(state, tx, grows_at));
+    Body::from_stream(futures::stream::unfold(rx, |mut rx| async move {
+        let chunk = rx.recv().await?;
+        Some((Ok::<Bytes, std::io::Error>(chunk), rx))
+    }))
+}
+
+/// Reads a stream ahead of its client: counts its tokens (an event each) as they come,
+/// grows its KV hold where due and cuts it (`stream_kv_budget`) when its backend has no
+/// room; once its client falls [`PUMP_CHUNKS`] behind, the tokens the engine makes meanwhile
+/// are out of sight, so it holds its whole completion budget (or is cut). A client gone
+/// ends it: the upstream body is dropped, and the settlement runs as for any stream.
+async fn pump(mut st: StreamState, tx: tokio::sync::mpsc::Sender<Bytes>, grows_at: u64) {
+    let mut grows_at = Some(grows_at);
+    let mut generated = 0u64;
+    loop {
+        let next = tokio::select! {
+            next = st.next_chunk() => next,
+            () = tx.closed() => return,
+        };
+        let Some(out) = next else { return };
+        generated += token_events(&out);
+        if let Some(s) = st.settlement.as_mut() {
+            s.outcome.generated = Some(generated);
+        }
+        if grows_at.is_some_and(|at| generated >= at) {
+            match st.grow(generated) {
+                Ok(next) => grows_at = next,
+                Err(OverBudget) => return cut_over_budget(st, &tx, out, generated).await,
+            }
+        }
+        let out = match tx.try_send(out) {
+            Ok(()) => continue,
+            Err(TrySendError::Closed(_)) => return,
+            Err(TrySendError::Full(out)) => out,
+        };
+        // The client fell behind: what the engine makes meanwhile is out of sight.
+        if grows_at.take().is_some() && st.hold_whole().is_err() {
+            return cut_over_budget(st, &tx, out, generated).await;
+        }
+        if tx.send(out).await.is_err() {
+            return;
+        }
+    }
+}
+
+/// Cuts a stream whose backend has no room to hold more of it: the upstream body goes at
+/// once (the engine stops), then the client gets what was read and the error event.
+async fn cut_over_budget(
+    mut st: StreamState,
+    tx: &tokio::sync::mpsc::Sender<Bytes>,
+    read: Bytes,
+    generated: u64,
+) {
+    let cut = st.cut(GatewayError::stream_kv_budget(&st.backend, generated));
+    if tx.send(read).await.is_ok() {
+        let _ = tx.send(cut).await;
+    }
+}
+
+/// Tokens in a run of whole SSE events as a stream's hold counts them: one per `data:`
+/// line (engines send a token an event; the role, finish and usage events count too,
+/// which errs high).
+fn token_events(events: &[u8]) -> u64 {
+    memchr::memmem::find_iter(events, b"data:").count() as u64
+}
+
 impl StreamState {
+    /// Grows the stream's KV hold for `generated` tokens (see [`Settle::grow`]).
+    fn grow(&mut self, generated: u64) -> Result<Option<u64>, OverBudget> {
+        self.settlement
+            .as_mut()
+            .map_or(Ok(None), |s| s.grow(generated))
+    }
+
+    /// Holds the stream's whole completion budget (see [`Settle::hold_whole`]).
+    fn hold_whole(&mut self) -> Result<(), OverBudget> {
+        self.settlement
+            .as_mut()
+            .map_or(Ok(()), Settlement::hold_whole)
+    }
+
     /// The next bytes for the client; `None` once the stream has ended.
     async fn next_chunk(&mut self) -> Option<Bytes> {
         loop {
@@ -593,9 +716,13 @@ impl StreamState {
         self.body = None;
         self.events.pending.clear();
         if let Some(mut s) = self.settlement.take() {
-            // A stream that outlived its total deadline is not the backend's failure.
-            s.outcome.transport_error = err.code() != ErrorCode::StreamTimeout;
-            s.outcome.stream_cut = Some(err.code().as_str());
+            // A stream that outlived its total deadline, or that its backend's KV budget
+            // could not hold, is not the backend's failure.
+            s.outcome.transport_error = !matches!(
+                err.code(),
+                ErrorCode::StreamTimeout | ErrorCode::StreamKvBudget
+            );
+            s.outcome.stream_cut = Some(err.code());
             s.finish();
         }
         tracing::warn!(backend = %self.backend, code = err.code().as_str(), "{}", err.message());

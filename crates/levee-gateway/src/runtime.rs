@@ -401,6 +401,7 @@ impl Runtime {
             max_sessions: a.max_sessions,
         });
         lane.kv_headroom = self.cfg.kv.headroom;
+        lane.grow_streams = self.cfg.kv.grow_streams;
         lane.report_max_age = Duration::from_millis(self.cfg.kv.report_max_age_ms);
         lane.breaker = self.cfg.breaker.to_policy();
         // The batch band's tasks run at their tier; its requests keep off a backend that may

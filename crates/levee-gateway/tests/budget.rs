@@ -226,3 +226,102 @@ async fn a_flood_on_one_model_leaves_another_alone() {
     assert_eq!(codes.iter().filter(|c| **c == 429).count(), 4, "{codes:?}");
     gw.shutdown().await;
 }
+
+/// A streamed chat of a short prompt asking `max_tokens`; with `to_the_end` the engine
+/// ignores its end of sequence and runs to `max_tokens`.
+fn streamed(tag: &str, max_tokens: u64, to_the_end: bool) -> Value {
+    serde_json::json!({"model": "m", "max_tokens": max_tokens, "stream": true,
+        "ignore_eos": to_the_end, "messages": [{"role": "user", "content": tag}]})
+}
+
+/// Sends `body` and reads its stream to the end: its text.
+async fn stream_text(c: reqwest::Client, url: String, body: Value) -> String {
+    let r = c
+        .post(format!("{url}/v1/chat/completions"))
+        .bearer_auth("key-s")
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    r.text().await.unwrap()
+}
+
+/// `kv.grow_streams`: streams that ask far more than their answers use hold what answers
+/// were seen to use, so more of them run at once; when some do run long, their holds grow
+/// with their tokens, and one whose engine has no room left is cut (`stream_kv_budget`)
+/// before the engine's cache overflows — an engine that crashes on overflow never does.
+#[tokio::test]
+async fn streams_hold_what_answers_use_and_grow_until_the_engine_has_no_room() {
+    let mut ecfg = levee_engine::EngineConfig::tiny_fast();
+    ecfg.model = "m".into();
+    ecfg.time_scale = 4.0;
+    ecfg.gpu.kv_capacity_tokens = 1_024;
+    ecfg.gpu.overload = levee_engine::OverloadMode::Crash;
+    let e = levee_engine::spawn(ecfg, "127.0.0.1:0".parse().unwrap())
+        .await
+        .unwrap();
+    let mut cfg = config(&[e.base_url()], 8);
+    cfg.scrape.interval_ms = 50;
+    let gw = start(cfg).await.unwrap();
+    let (c, url, admin) = (client(), gw.public_url(), gw.admin_url());
+    for _ in 0..200 {
+        if state(&c, &admin).await["models"][0]["backends"][0]["kv_tokens"] == 1024 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Answers of 8-16 tokens asked with max_tokens 400: the first 32 hold all 400 (about
+    // two fit the 972 usable tokens at once), and teach levee what answers use.
+    let learn: Vec<_> = (0..40)
+        .map(|i| {
+            tokio::spawn(stream_text(
+                c.clone(),
+                url.clone(),
+                streamed(&format!("q{i}"), 400, false),
+            ))
+        })
+        .collect();
+    for t in learn {
+        assert!(t.await.unwrap().contains("[DONE]"));
+    }
+    // Eight that run to all 400 tokens: 3,300 tokens if all ran, three times the cache.
+    let long: Vec<_> = (0..8)
+        .map(|i| {
+            tokio::spawn(stream_text(
+                c.clone(),
+                url.clone(),
+                streamed(&format!("long {i}"), 400, true),
+            ))
+        })
+        .collect();
+    let mut peak = 0;
+    while !long.iter().all(|t| t.is_finished()) {
+        let b = state(&c, &admin).await["models"][0]["backends"][0].clone();
+        peak = peak.max(b["in_flight"].as_u64().unwrap_or(0));
+        assert!(b["tokens_in_flight"].as_u64().unwrap_or(0) <= 972, "{b}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let (mut whole, mut cut) = (0, 0);
+    for t in long {
+        let text = t.await.unwrap();
+        if text.contains("[DONE]") {
+            whole += 1;
+        } else {
+            assert!(text.contains("\"code\":\"stream_kv_budget\""), "{text}");
+            cut += 1;
+        }
+    }
+    assert_eq!(e.stats().crashes, 0, "the engine's cache overflowed");
+    assert!(
+        peak >= 4,
+        "held whole, at most two would run at once; peak {peak}"
+    );
+    assert!(
+        whole >= 1 && cut >= 1,
+        "{whole} ran to their end, {cut} were cut"
+    );
+    let m = metrics_text(&gw).await;
+    assert!(m.contains("reason=\"stream_kv_budget\""), "{m}");
+    gw.shutdown().await;
+}

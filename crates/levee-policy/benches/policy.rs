@@ -249,6 +249,7 @@ impl<K: std::hash::Hash + Eq + Ord + Clone> Bench<K> {
         Completion {
             outcome: Outcome::Success,
             actual_tokens: Some(g.tokens() / 2),
+            generated: None,
         }
     }
 

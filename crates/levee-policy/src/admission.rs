@@ -24,6 +24,7 @@
 use crate::affinity::SessionKey;
 use crate::breaker::Outcome;
 use crate::clock::Timestamp;
+use crate::completions::{CompletionSizes, OverBudget, Reservation};
 use crate::concurrency::Permit;
 use crate::fasthash::FastState;
 use crate::lane::{BackendLimits, BackendReport, Lane, LaneConfig, Placement};
@@ -163,6 +164,9 @@ pub struct Grant<K> {
     tokens: u64,
     /// Its prompt's tokens (levee's estimate).
     prompt_tokens: u64,
+    /// Its completion tokens held in the KV budget (of its completion budget, `tokens` less
+    /// `prompt_tokens`); a `u32`, as `max_tokens` is, to keep the grant small.
+    held: u32,
     /// `(request rate, token rate)` charged at each scope (global, model, tenant, heavy).
     charged: [Charged; 4],
     admitted_at: Timestamp,
@@ -206,6 +210,23 @@ impl<K> Grant<K> {
     /// Its prompt's tokens (levee's estimate).
     pub fn prompt_tokens(&self) -> u64 {
         self.prompt_tokens
+    }
+    /// KV tokens it holds (or will hold, once placed): its prompt and the completion tokens
+    /// held ([`crate::LaneConfig::grow_streams`]).
+    pub fn kv_tokens(&self) -> u64 {
+        self.prompt_tokens.saturating_add(u64::from(self.held))
+    }
+    /// The count of generated tokens at which its hold must grow
+    /// ([`LaneAdmission::grow`]); `None` when it holds its whole completion budget.
+    pub fn grows_at(&self) -> Option<u64> {
+        self.completion().grows_at()
+    }
+    /// Its completion tokens held, of its completion budget.
+    fn completion(&self) -> Reservation {
+        Reservation {
+            held: u64::from(self.held),
+            budget: self.tokens.saturating_sub(self.prompt_tokens),
+        }
     }
     /// Its name among its lane's preemptible requests, while it is one
     /// ([`crate::LaneConfig::preempt`]).
@@ -267,6 +288,10 @@ pub struct Completion {
     /// Tokens really used (prompt + completion), if the backend said; `None` keeps the
     /// estimate charged.
     pub actual_tokens: Option<u64>,
+    /// Completion tokens its answer had (the backend's count, or those read of a stream cut
+    /// short: at least that many), to learn what streams hold at first
+    /// ([`crate::LaneConfig::grow_streams`]); `None` when unknown.
+    pub generated: Option<u64>,
 }
 
 /// A model's settings.
@@ -329,6 +354,8 @@ pub struct LaneAdmission<T, K> {
     displaced: Vec<Entry<Pending<T, K>, K>>,
     /// This lane's share of the global limits (see [`crate::share`]).
     share: GlobalShare,
+    /// Its answers' completion lengths, for what a stream holds at first.
+    completions: CompletionSizes,
 }
 
 impl<T, K: Hash + Eq + Ord + Clone> LaneAdmission<T, K> {
@@ -342,6 +369,7 @@ impl<T, K: Hash + Eq + Ord + Clone> LaneAdmission<T, K> {
             expired: Vec::new(),
             displaced: Vec::new(),
             share: GlobalShare::default(),
+            completions: CompletionSizes::default(),
             spec,
         }
     }
@@ -432,8 +460,16 @@ impl<T, K: Hash + Eq + Ord + Clone> LaneAdmission<T, K> {
             return refused(item, r);
         }
         let weight = tenant.weight();
-        let placed = match place_or_queue(&mut self.lane, self.retry, req, tier_budget, weight, now)
-        {
+        let held = self.first_hold(req);
+        let kv = req.prompt_tokens.saturating_add(u64::from(held));
+        let placed = match place_or_queue(
+            &mut self.lane,
+            self.retry,
+            (req, kv),
+            tier_budget,
+            weight,
+            now,
+        ) {
             Ok(p) => p,
             Err((reason, retry_after, position)) => {
                 self.share.trim(&shared.global, now);
@@ -459,6 +495,7 @@ impl<T, K: Hash + Eq + Ord + Clone> LaneAdmission<T, K> {
             tier: req.tier,
             tokens: est,
             prompt_tokens: req.prompt_tokens,
+            held,
             charged,
             admitted_at: now,
             session: req.session,
@@ -467,6 +504,19 @@ impl<T, K: Hash + Eq + Ord + Clone> LaneAdmission<T, K> {
             _permits: permits,
         };
         self.commit(shared, req, placed, grant, item, now)
+    }
+
+    /// What `req`'s completion holds in the KV budget at first: a stream, where the lane
+    /// grows streams, the quantile of recent answers ([`CompletionSizes::first_hold`]);
+    /// anything else its whole budget.
+    fn first_hold(&self, req: &AdmissionRequest<K>) -> u32 {
+        let budget = req.completion_tokens;
+        let held = if self.spec.lane.grow_streams && !req.answered_at_end {
+            self.completions.first_hold(budget)
+        } else {
+            budget
+        };
+        u32::try_from(held).unwrap_or(u32::MAX)
     }
 
     /// Refuses what this lane cannot serve at all, or what is larger than any backend.
@@ -492,7 +542,7 @@ impl<T, K: Hash + Eq + Ord + Clone> LaneAdmission<T, K> {
         item: T,
         now: Timestamp,
     ) -> Admit<T, K> {
-        let est = req.tokens();
+        let est = grant.kv_tokens();
         let lane = &mut self.lane;
         if let Some(ticket) = placed.displace {
             if let Some(e) = lane.cancel(ticket) {
@@ -752,7 +802,7 @@ impl<T, K: Hash + Eq + Ord + Clone> LaneAdmission<T, K> {
         let Some(i) = self.lane.can_dispatch(
             grant.tier,
             &grant.tenant,
-            grant.tokens,
+            grant.kv_tokens(),
             now,
             Some(&failed),
             None,
@@ -763,7 +813,7 @@ impl<T, K: Hash + Eq + Ord + Clone> LaneAdmission<T, K> {
             i,
             grant.tier,
             &grant.tenant,
-            grant.tokens,
+            grant.kv_tokens(),
             grant.prompt_tokens,
             now,
         );
@@ -814,7 +864,7 @@ impl<T, K: Hash + Eq + Ord + Clone> LaneAdmission<T, K> {
             .tiers
             .get(usize::from(grant.tier.0))
             .map_or(self.retry.min, |b| b.normal);
-        let (tier, tenant, cost) = (grant.tier, grant.tenant.clone(), grant.tokens);
+        let (tier, tenant, cost) = (grant.tier, grant.tenant.clone(), grant.kv_tokens());
         let pending = Pending {
             item,
             grant,
@@ -866,7 +916,61 @@ impl<T, K: Hash + Eq + Ord + Clone> LaneAdmission<T, K> {
         now: Timestamp,
     ) {
         let actual = done.actual_tokens.unwrap_or(grant.tokens);
+        if let Some(g) = done.generated {
+            self.completions.note(g);
+        }
         self.settle(shared, grant, done.outcome, actual, false, now);
+    }
+
+    /// A stream's answer has `generated` tokens so far: where that reaches its hold's
+    /// [`Grant::grows_at`], its backend holds more of its completion budget for it (double
+    /// the hold, or just enough to keep the lead, if only that fits). `Err` when its backend
+    /// has no room for even that: the caller cuts the stream short, before the engine's
+    /// cache holds more than levee reserved. `Ok` with the next count to call at (`None`:
+    /// it holds its whole budget).
+    pub fn grow(
+        &mut self,
+        grant: &mut Grant<K>,
+        generated: u64,
+        now: Timestamp,
+    ) -> Result<Option<u64>, OverBudget> {
+        let growths: Vec<u64> = grant.completion().growths(generated).collect();
+        self.hold(grant, growths, now)
+    }
+
+    /// Holds a stream's whole completion budget (its client stopped reading: its tokens
+    /// may pile up out of sight). `Err` when its backend has no room for it.
+    pub fn hold_whole(&mut self, grant: &mut Grant<K>, now: Timestamp) -> Result<(), OverBudget> {
+        let whole = grant.completion().whole();
+        if whole <= u64::from(grant.held) {
+            return Ok(());
+        }
+        self.hold(grant, vec![whole], now).map(|_| ())
+    }
+
+    /// Grows `grant`'s hold to the first of `holds` its backend has room for.
+    fn hold(
+        &mut self,
+        grant: &mut Grant<K>,
+        holds: Vec<u64>,
+        now: Timestamp,
+    ) -> Result<Option<u64>, OverBudget> {
+        if holds.is_empty() {
+            return Ok(grant.grows_at());
+        }
+        let Some(p) = grant.placement.as_mut() else {
+            return Err(OverBudget);
+        };
+        for h in holds {
+            // A hold past u32 (no context is that long) stays where it is.
+            let Ok(h32) = u32::try_from(h) else { continue };
+            let extra = h - u64::from(grant.held);
+            if self.lane.grow(&grant.tenant, p, extra, now) {
+                grant.held = h32;
+                return Ok(grant.grows_at());
+            }
+        }
+        Err(OverBudget)
     }
 
     fn settle(
@@ -909,16 +1013,16 @@ impl<T, K: Hash + Eq + Ord + Clone> LaneAdmission<T, K> {
 }
 
 /// The lane's decision, before anything is charged: the watermark, then a backend now
-/// or a place in the queue (with whom it displaces), or a refusal.
+/// or a place in the queue (with whom it displaces), or a refusal. `est` is the KV tokens
+/// the request holds ([`Grant::kv_tokens`]).
 fn place_or_queue<P, K: Hash + Eq + Ord + Clone>(
     lane: &mut Lane<P, K>,
     retry: RetryBounds,
-    req: &AdmissionRequest<K>,
+    (req, est): (&AdmissionRequest<K>, u64),
     tier_budget: WaitBudget,
     weight: u32,
     now: Timestamp,
 ) -> Result<Placed, (RefusalReason, Option<RetryAfter>, Option<usize>)> {
-    let est = req.tokens();
     lane.note_arrival(&req.tenant, req.tier, weight, now);
     let load = lane.load_for(req.tier);
     let watermarks = lane.config().watermarks;
@@ -984,7 +1088,7 @@ fn place_or_queue<P, K: Hash + Eq + Ord + Clone>(
         placed.raw_wait = raw;
         let predicted = raw.map(|w| lane.calibrated_wait(&req.tenant, w));
         if let Some((reason, retry_after)) =
-            queue_refusal(lane, req, &retry, &mut placed, predicted)
+            queue_refusal(lane, (req, est), &retry, &mut placed, predicted)
         {
             return Err((reason, retry_after, Some(pos)));
         }
@@ -1042,12 +1146,11 @@ struct Placed {
 /// predicted wait past its budget, or a full queue that no displacement frees.
 fn queue_refusal<P, K: Hash + Eq + Ord + Clone>(
     lane: &Lane<P, K>,
-    req: &AdmissionRequest<K>,
+    (req, est): (&AdmissionRequest<K>, u64),
     retry: &RetryBounds,
     placed: &mut Placed,
     predicted: Option<Duration>,
 ) -> Option<LimitRefusal> {
-    let est = req.tokens();
     let pos = placed.position;
     if placed.budget.is_zero() {
         return Some((
@@ -1348,6 +1451,27 @@ impl<T, K: Hash + Eq + Ord + Clone> Admission<T, K> {
     /// See [`LaneAdmission::preempt`].
     pub fn preempt(&mut self, model: &K, now: Timestamp) -> Option<RunId> {
         self.models.get_mut(model)?.preempt(now)
+    }
+
+    /// See [`LaneAdmission::grow`]; `Err` also for a model that is gone.
+    pub fn grow(
+        &mut self,
+        grant: &mut Grant<K>,
+        generated: u64,
+        now: Timestamp,
+    ) -> Result<Option<u64>, OverBudget> {
+        match self.models.get_mut(&grant.model) {
+            Some(m) => m.grow(grant, generated, now),
+            None => Err(OverBudget),
+        }
+    }
+
+    /// See [`LaneAdmission::hold_whole`]; `Err` also for a model that is gone.
+    pub fn hold_whole(&mut self, grant: &mut Grant<K>, now: Timestamp) -> Result<(), OverBudget> {
+        match self.models.get_mut(&grant.model) {
+            Some(m) => m.hold_whole(grant, now),
+            None => Err(OverBudget),
+        }
     }
 
     /// See [`LaneAdmission::answered`].

@@ -96,6 +96,12 @@ pub struct LaneConfig {
     /// requests that can be taken back instead of in idle slots. Off: no request is ever cut
     /// short, and the headroom idles.
     pub preempt: bool,
+    /// A stream (answered event by event, not at its end) holds in its backend's KV budget
+    /// its prompt and a high quantile of the lane's recent completions instead of its whole
+    /// completion budget, and grows ahead of its tokens as they are read
+    /// ([`crate::LaneAdmission::grow`]); one whose backend has no room to grow it is to be
+    /// cut short. Off: every request holds its whole completion budget until it ends.
+    pub grow_streams: bool,
 }
 
 impl LaneConfig {
@@ -145,6 +151,7 @@ impl LaneConfig {
             affinity: None,
             slo: Vec::new(),
             preempt: false,
+            grow_streams: false,
         }
     }
 }
@@ -1272,6 +1279,36 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
                 Some(m) => m + SERVICE_ALPHA * (secs - m),
             });
         }
+    }
+
+    /// Grows placement `p` of `tenant` by `extra` KV tokens if its backend has room for
+    /// them (levee's reservations, or the engine's own figure when larger, within the
+    /// usable budget); `false`, and nothing changed, if not.
+    pub(crate) fn grow(
+        &mut self,
+        tenant: &K,
+        p: &mut Placement,
+        extra: u64,
+        now: Timestamp,
+    ) -> bool {
+        let Some(b) = self.backends.iter().find(|b| b.id == p.backend) else {
+            return false;
+        };
+        if let Some(usable) = b.usable_tokens(self.cfg.kv_headroom) {
+            if b.tokens_in_use(now, &self.cfg).saturating_add(extra) > usable {
+                return false;
+            }
+        }
+        let Some(b) = self.placed_backend_mut(&p.backend) else {
+            return false;
+        };
+        b.tokens += extra;
+        if let Some(t) = b.by_tier.get_mut(usize::from(p.tier.0)) {
+            t.1 += extra;
+        }
+        p.kv_tokens += extra;
+        self.update_tenant(tenant, now, |u| u.tokens += extra);
+        true
     }
 
     /// Queues a payload.

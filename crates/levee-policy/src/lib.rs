@@ -16,6 +16,7 @@ mod affinity;
 mod autoscale;
 mod breaker;
 mod clock;
+mod completions;
 mod concurrency;
 mod correction;
 mod degrade;
@@ -55,6 +56,7 @@ pub use breaker::{
     Breaker, BreakerConfig, BreakerOpen, BreakerState, BreakerStats, BreakerTicket, Outcome,
 };
 pub use clock::{Clock, ManualClock, StdClock, SystemClock, Timestamp};
+pub use completions::OverBudget;
 pub use concurrency::{ConcurrencyLimit, KeyedConcurrency, Permit, Saturated};
 pub use correction::{PromptCorrection, PromptCorrections, TextKind};
 pub use degrade::{

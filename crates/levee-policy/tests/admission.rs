@@ -75,6 +75,7 @@ fn ok() -> Completion {
     Completion {
         outcome: Outcome::Success,
         actual_tokens: None,
+        generated: None,
     }
 }
 
@@ -497,6 +498,7 @@ fn token_debt_makes_an_overspending_tenant_wait() {
     let done = Completion {
         outcome: Outcome::Success,
         actual_tokens: Some(9_000),
+        generated: None,
     };
     a.complete(d.grant, done, clock.now());
     let r = refusal(a.admit(&req("a", 0, 100), 2, clock.now()));

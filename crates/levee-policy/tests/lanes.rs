@@ -90,6 +90,7 @@ fn race(quota: u64, per_thread: usize) -> (usize, usize) {
                             Completion {
                                 outcome: Outcome::Success,
                                 actual_tokens: None,
+                                generated: None,
                             },
                             now,
                         );
@@ -149,6 +150,7 @@ fn done() -> Completion {
     Completion {
         outcome: Outcome::Success,
         actual_tokens: None,
+        generated: None,
     }
 }
 

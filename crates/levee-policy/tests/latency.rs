@@ -120,6 +120,7 @@ impl Fleet {
             let done = Completion {
                 outcome: Outcome::Success,
                 actual_tokens: None,
+                generated: None,
             };
             adm.complete(run.grant, done, now);
         }

@@ -97,6 +97,7 @@ fn run(preempt: bool, ops: &[(u8, u8, bool, u64)]) {
                     let done = Completion {
                         outcome: Outcome::Success,
                         actual_tokens: None,
+                        generated: None,
                     };
                     a.complete(r.grant, done, t);
                 }

@@ -586,7 +586,7 @@ proptest! {
                 3 => {
                     if let Some(k) = in_flight.keys().next().copied() {
                         if let Some(g) = in_flight.remove(&k) {
-                            let done = Completion { outcome: Outcome::Success, actual_tokens: Some(size) };
+                            let done = Completion { outcome: Outcome::Success, actual_tokens: Some(size), generated: None };
                             a.complete(g, done, ts(now));
                         }
                     }
@@ -641,7 +641,7 @@ proptest! {
             now += 1_000_000;
             if release {
                 if let Some(g) = held.remove(&tenant) {
-                    a.complete(g, Completion { outcome: Outcome::Success, actual_tokens: Some(1) }, ts(now));
+                    a.complete(g, Completion { outcome: Outcome::Success, actual_tokens: Some(1), generated: None }, ts(now));
                 }
                 continue;
             }
@@ -938,7 +938,7 @@ proptest! {
         for (session, op) in ops {
             if op == 0 && !running.is_empty() {
                 let g = running.remove(session as usize % running.len());
-                a.complete(g, Completion { outcome: Outcome::Success, actual_tokens: None }, ts(1));
+                a.complete(g, Completion { outcome: Outcome::Success, actual_tokens: None, generated: None }, ts(1));
                 continue;
             }
             let load: Vec<u64> = names
@@ -1042,7 +1042,7 @@ proptest! {
             if op == 0 && !running_with.is_empty() {
                 prop_assert_eq!(running_with.len(), running_without.len());
                 let i = pick % running_with.len();
-                let done = Completion { outcome: Outcome::Success, actual_tokens: Some(tokens) };
+                let done = Completion { outcome: Outcome::Success, actual_tokens: Some(tokens), generated: None };
                 with.complete(running_with.remove(i), done, now);
                 without.complete(running_without.remove(i), done, now);
             } else {

@@ -13,8 +13,8 @@ use crate::error::{GatewayError, RateInfo};
 use crate::metrics::TierLabel;
 use crate::upstream::Backend;
 use levee_policy::{
-    AdmissionRequest, Admit, Clock, Completion, Expired, Grant, Key, Outcome, RateLimitHeaders,
-    Refusal, RefusalReason, Scope, TenantLimits, Ticket, Unservable,
+    AdmissionRequest, Admit, Clock, Completion, Expired, Grant, Key, Outcome, OverBudget,
+    RateLimitHeaders, Refusal, RefusalReason, Scope, TenantLimits, Ticket, Unservable,
 };
 use parking_lot::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -291,6 +291,32 @@ impl Admitted {
         self.lane.admission().observe(g, Some(ttft), tpot)
     }
 
+    /// The count of its stream's generated tokens at which its KV hold must grow
+    /// (`kv.grow_streams`); `None` when it holds its whole completion budget.
+    pub fn grows_at(&self) -> Option<u64> {
+        self.grant.as_ref()?.grows_at()
+    }
+
+    /// Its stream has `generated` tokens: its hold grows where they reach
+    /// [`Admitted::grows_at`]. `Err` when its backend has no room: cut the stream.
+    pub fn grow(&mut self, generated: u64) -> Result<Option<u64>, OverBudget> {
+        let Some(g) = self.grant.as_mut() else {
+            return Ok(None);
+        };
+        let now = self.lane.ctx.clock.now();
+        self.lane.admission().grow(g, generated, now)
+    }
+
+    /// Its stream's tokens may pile up out of levee's sight (its client stopped reading):
+    /// it holds its whole completion budget. `Err` when its backend has no room: cut it.
+    pub fn hold_whole(&mut self) -> Result<(), OverBudget> {
+        let Some(g) = self.grant.as_mut() else {
+            return Ok(());
+        };
+        let now = self.lane.ctx.clock.now();
+        self.lane.admission().hold_whole(g, now)
+    }
+
     /// Ends it with the backend's outcome and real usage.
     pub fn complete(mut self, done: Completion) {
         if let Some(g) = self.grant.take() {
@@ -339,6 +365,7 @@ impl Drop for Admitted {
             let done = Completion {
                 outcome: Outcome::Cancelled,
                 actual_tokens: None,
+                generated: None,
             };
             let mut adm = self.lane.admission();
             adm.complete(&ctx.limits, g, done, now);

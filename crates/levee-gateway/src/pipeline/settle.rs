@@ -5,6 +5,7 @@
 
 use super::forward::eject_if_due;
 use super::record_end;
+use crate::error::ErrorCode;
 use crate::gateway::Gateway;
 use crate::lane::Admitted;
 use crate::lane::Lane;
@@ -12,7 +13,7 @@ use crate::proxy::{Outcome, Settle};
 use crate::request_log::{ms, RequestId, RequestLine};
 use crate::runtime::Tenant;
 use crate::upstream::Backend;
-use levee_policy::{Completion, Key, Outcome as BreakerOutcome};
+use levee_policy::{Completion, Key, Outcome as BreakerOutcome, OverBudget};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::time::Instant;
@@ -39,6 +40,20 @@ pub(super) struct RequestSettle {
 }
 
 impl Settle for RequestSettle {
+    fn grows_at(&self) -> Option<u64> {
+        self.admitted.as_ref()?.grows_at()
+    }
+
+    fn grow(&mut self, generated: u64) -> Result<Option<u64>, OverBudget> {
+        self.admitted
+            .as_mut()
+            .map_or(Ok(None), |a| a.grow(generated))
+    }
+
+    fn hold_whole(&mut self) -> Result<(), OverBudget> {
+        self.admitted.as_mut().map_or(Ok(()), Admitted::hold_whole)
+    }
+
     fn settle(mut self: Box<Self>, outcome: Outcome) {
         let _settling = debug_span!(parent: &self.span, "settle").entered();
         let now = self.gw.now();
@@ -48,7 +63,9 @@ impl Settle for RequestSettle {
         }
         let breaker_outcome = verdict.breaker_outcome();
         if let Some(code) = outcome.stream_cut {
-            self.gw.metrics().stream_cut(&self.backend.id, code);
+            self.gw
+                .metrics()
+                .stream_cut(&self.backend.id, code.as_str());
         }
         let failed = breaker_outcome == BreakerOutcome::BackendFailure;
         let in_flight = self
@@ -62,6 +79,7 @@ impl Settle for RequestSettle {
             a.complete(Completion {
                 outcome: breaker_outcome,
                 actual_tokens: actual_tokens(&outcome),
+                generated: generated(&outcome),
             });
         }
         self.record_usage(&outcome, now);
@@ -72,6 +90,18 @@ impl Settle for RequestSettle {
         record_end(&self.span, label, outcome.status);
         self.gw.scaling().completion(&self.model);
         self.record_times(&outcome, label);
+    }
+}
+
+/// The answer's completion tokens, to learn what streams hold at first: the backend's count
+/// of a whole answer, or those read of a stream cut for want of KV room (at least that
+/// many); nothing of an answer cut short otherwise (a client gone early says nothing of how
+/// long answers run).
+fn generated(o: &Outcome) -> Option<u64> {
+    match (o.usage, o.stream_cut) {
+        (Some(u), _) => Some(u.completion_tokens),
+        (None, Some(ErrorCode::StreamKvBudget)) => o.generated,
+        _ => None,
     }
 }
 
@@ -103,7 +133,7 @@ fn prefilled(estimate: u64, o: &Outcome) -> u64 {
 /// How the request ended, as the `outcome` label of `levee_requests_total`.
 fn outcome_label(o: &Outcome) -> &'static str {
     if let Some(code) = o.stream_cut {
-        code
+        code.as_str()
     } else if o.client_gone {
         "client_gone"
     } else if o.transport_error {
@@ -211,7 +241,7 @@ impl RequestSettle {
                 client: id.peer,
                 outcome: label,
                 status: outcome.status,
-                code: outcome.stream_cut,
+                code: outcome.stream_cut.map(ErrorCode::as_str),
                 queue_ms: Some(ms(times.queued)),
                 ttft_ms: times.ttft.map(ms),
                 duration_ms: ms(times.total),
@@ -285,7 +315,7 @@ mod tests {
         assert_eq!(actual_tokens(&cut), None, "client left mid-stream");
         let broken = Outcome {
             transport_error: true,
-            stream_cut: Some("stream_broken"),
+            stream_cut: Some(ErrorCode::StreamBroken),
             ..cut
         };
         assert_eq!(actual_tokens(&broken), None, "backend broke off mid-stream");

@@ -47,6 +47,7 @@ impl Running {
                 let done = Completion {
                     outcome: Outcome::Success,
                     actual_tokens: None,
+                    generated: None,
                 };
                 adm.complete(g, done, now);
             }
