@@ -556,7 +556,9 @@ const PUMP_CHUNKS: usize = 16;
 /// its client keeps up.
 fn pumped(state: StreamState, grows_at: u64) -> Body {
     let (tx, rx) = tokio::sync::mpsc::channel(PUMP_CHUNKS);
-    tokio::spawn(pump(state, tx, grows_at));
+    tokio::spawn(tracing::Instrument::in_current_span(pump(
+        state, tx, grows_at,
+    )));
     Body::from_stream(futures::stream::unfold(rx, |mut rx| async move {
         let chunk = rx.recv().await?;
         Some((Ok::<Bytes, std::io::Error>(chunk), rx))

@@ -247,44 +247,60 @@ async fn stream_text(c: reqwest::Client, url: String, body: Value) -> String {
     r.text().await.unwrap()
 }
 
-/// `kv.grow_streams`: streams that ask far more than their answers use hold what answers
-/// were seen to use, so more of them run at once; when some do run long, their holds grow
-/// with their tokens, and one whose engine has no room left is cut (`stream_kv_budget`)
-/// before the engine's cache overflows — an engine that crashes on overflow never does.
-#[tokio::test]
-async fn streams_hold_what_answers_use_and_grow_until_the_engine_has_no_room() {
+/// A simulated engine of model "m" (`speed` × its simulated speed) with `kv` KV tokens and
+/// a context of `context`, in `overload` mode, behind levee with its budget learned.
+async fn engine_behind_levee(
+    (kv, context): (u32, u32),
+    overload: levee_engine::OverloadMode,
+    speed: f64,
+) -> (levee_engine::EngineHandle, levee_gateway::GatewayHandle) {
     let mut ecfg = levee_engine::EngineConfig::tiny_fast();
     ecfg.model = "m".into();
-    ecfg.time_scale = 4.0;
-    ecfg.gpu.kv_capacity_tokens = 1_024;
-    ecfg.gpu.overload = levee_engine::OverloadMode::Crash;
+    ecfg.time_scale = speed;
+    ecfg.gpu.kv_capacity_tokens = kv;
+    ecfg.gpu.max_model_len = context;
+    ecfg.gpu.overload = overload;
     let e = levee_engine::spawn(ecfg, "127.0.0.1:0".parse().unwrap())
         .await
         .unwrap();
     let mut cfg = config(&[e.base_url()], 8);
     cfg.scrape.interval_ms = 50;
     let gw = start(cfg).await.unwrap();
-    let (c, url, admin) = (client(), gw.public_url(), gw.admin_url());
+    let (c, admin) = (client(), gw.admin_url());
     for _ in 0..200 {
-        if state(&c, &admin).await["models"][0]["backends"][0]["kv_tokens"] == 1024 {
+        if state(&c, &admin).await["models"][0]["backends"][0]["kv_tokens"] == kv {
             break;
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    // Answers of 8-16 tokens asked with max_tokens 400: the first 32 hold all 400 (about
-    // two fit the 972 usable tokens at once), and teach levee what answers use.
+    (e, gw)
+}
+
+/// Serves 40 streams asking `max_tokens` whose answers end at the engine's 8-16 tokens:
+/// levee learns what answers use (the first 32 hold their whole `max_tokens`).
+async fn teach_short_answers(c: &reqwest::Client, url: &str, max_tokens: u64) {
     let learn: Vec<_> = (0..40)
         .map(|i| {
-            tokio::spawn(stream_text(
-                c.clone(),
-                url.clone(),
-                streamed(&format!("q{i}"), 400, false),
-            ))
+            let body = streamed(&format!("q{i}"), max_tokens, false);
+            tokio::spawn(stream_text(c.clone(), url.to_string(), body))
         })
         .collect();
     for t in learn {
         assert!(t.await.unwrap().contains("[DONE]"));
     }
+}
+
+/// `kv.grow_streams`: streams that ask far more than their answers use hold what answers
+/// were seen to use, so more of them run at once; when some do run long, their holds grow
+/// with their tokens, and one whose engine has no room left is cut (`stream_kv_budget`)
+/// before the engine's cache overflows — an engine that crashes on overflow never does.
+#[tokio::test]
+async fn streams_hold_what_answers_use_and_grow_until_the_engine_has_no_room() {
+    let (e, gw) = engine_behind_levee((1_024, 1_024), levee_engine::OverloadMode::Crash, 4.0).await;
+    let (c, url, admin) = (client(), gw.public_url(), gw.admin_url());
+    // Asked with max_tokens 400, the first 32 hold all of it (about two fit the 972 usable
+    // tokens at once).
+    teach_short_answers(&c, &url, 400).await;
     // Eight that run to all 400 tokens: 3,300 tokens if all ran, three times the cache.
     let long: Vec<_> = (0..8)
         .map(|i| {
@@ -323,5 +339,52 @@ async fn streams_hold_what_answers_use_and_grow_until_the_engine_has_no_room() {
     );
     let m = metrics_text(&gw).await;
     assert!(m.contains("reason=\"stream_kv_budget\""), "{m}");
+    gw.shutdown().await;
+}
+
+/// `kv.grow_streams`: a client that stops reading its stream leaves the engine's tokens out
+/// of levee's sight once its stream's buffers fill, so the stream holds its whole
+/// `max_tokens` from then on.
+#[tokio::test]
+async fn a_stream_whose_client_stops_reading_holds_its_whole_budget() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (_e, gw) =
+        engine_behind_levee((262_144, 200_000), levee_engine::OverloadMode::Preempt, 100.0).await;
+    let (c, url, admin) = (client(), gw.public_url(), gw.admin_url());
+    teach_short_answers(&c, &url, 100).await;
+    // A client with a 4 KB receive buffer that reads the head and then nothing: an answer
+    // of 150,000 tokens runs on.
+    let sock = tokio::net::TcpSocket::new_v4().unwrap();
+    sock.set_recv_buffer_size(4_096).unwrap();
+    let addr = url.trim_start_matches("http://").parse().unwrap();
+    let mut conn = sock.connect(addr).await.unwrap();
+    let body = streamed("never read", 150_000, true).to_string();
+    let req = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: levee\r\nauthorization: Bearer key-s\r\n\
+         content-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    conn.write_all(req.as_bytes()).await.unwrap();
+    let mut head = [0u8; 512];
+    let n = conn.read(&mut head).await.unwrap();
+    assert!(
+        head[..n].starts_with(b"HTTP/1.1 200"),
+        "{}",
+        String::from_utf8_lossy(&head[..n])
+    );
+    // Counted as it came, its hold would have doubled to at most twice what was read before
+    // the buffers on the way filled (the kernel's alone take megabytes: some 30,000 tokens
+    // here); held whole, it is all 150,000.
+    let mut held = 0;
+    for _ in 0..1_500 {
+        let b = state(&c, &admin).await["models"][0]["backends"][0].clone();
+        held = b["tokens_in_flight"].as_u64().unwrap_or(0);
+        if held >= 150_000 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(held >= 150_000, "the stream holds {held} tokens");
+    drop(conn);
     gw.shutdown().await;
 }
