@@ -236,13 +236,7 @@ fn streamed(tag: &str, max_tokens: u64, to_the_end: bool) -> Value {
 
 /// Sends `body` and reads its stream to the end: its text.
 async fn stream_text(c: reqwest::Client, url: String, body: Value) -> String {
-    let r = c
-        .post(format!("{url}/v1/chat/completions"))
-        .bearer_auth("key-s")
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
+    let r = post_chat(&c, &url, "s", &body).await;
     assert_eq!(r.status(), 200);
     r.text().await.unwrap()
 }
@@ -348,8 +342,12 @@ async fn streams_hold_what_answers_use_and_grow_until_the_engine_has_no_room() {
 #[tokio::test]
 async fn a_stream_whose_client_stops_reading_holds_its_whole_budget() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let (_e, gw) =
-        engine_behind_levee((262_144, 200_000), levee_engine::OverloadMode::Preempt, 100.0).await;
+    let (_e, gw) = engine_behind_levee(
+        (262_144, 200_000),
+        levee_engine::OverloadMode::Preempt,
+        100.0,
+    )
+    .await;
     let (c, url, admin) = (client(), gw.public_url(), gw.admin_url());
     teach_short_answers(&c, &url, 100).await;
     // A client with a 4 KB receive buffer that reads the head and then nothing: an answer

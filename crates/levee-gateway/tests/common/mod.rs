@@ -306,9 +306,19 @@ pub fn spawn_chat(
 
 /// Sends a chat completion as tenant `who`.
 pub async fn chat(c: &reqwest::Client, base: &str, who: &str, tag: &str) -> reqwest::Response {
+    post_chat(c, base, who, &chat_body(tag)).await
+}
+
+/// Sends the chat completion `body` as tenant `who`.
+pub async fn post_chat(
+    c: &reqwest::Client,
+    base: &str,
+    who: &str,
+    body: &Value,
+) -> reqwest::Response {
     c.post(format!("{base}/v1/chat/completions"))
         .bearer_auth(format!("key-{who}"))
-        .json(&chat_body(tag))
+        .json(body)
         .send()
         .await
         .unwrap()
