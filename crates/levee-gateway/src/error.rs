@@ -659,7 +659,8 @@ impl GatewayError {
             format!(
                 "backend {backend} has no room in its KV cache budget to hold more of this \
                  answer after {generated} tokens; the answer is incomplete, retry the request \
-                 (a lower max_tokens is held in full from the start)"
+                 (or send it unstreamed: a non-streamed request holds its whole max_tokens \
+                 from the start and waits for room instead)"
             ),
         )
     }

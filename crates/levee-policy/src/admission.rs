@@ -146,7 +146,8 @@ pub struct AdmissionRequest<K> {
 }
 
 impl<K> AdmissionRequest<K> {
-    /// Tokens charged to quotas and reserved in a backend's KV cache.
+    /// Tokens charged to quotas (prompt and whole completion budget); a backend's KV cache
+    /// holds as many, or less for a stream ([`Grant::kv_tokens`]).
     pub fn tokens(&self) -> u64 {
         self.prompt_tokens.saturating_add(self.completion_tokens)
     }
@@ -195,7 +196,8 @@ impl<K> Grant<K> {
     pub fn tier(&self) -> Tier {
         self.tier
     }
-    /// Tokens reserved (prompt estimate + completion budget).
+    /// Tokens charged to quotas (prompt estimate + completion budget); what its backend's KV
+    /// budget holds is [`Grant::kv_tokens`].
     pub fn tokens(&self) -> u64 {
         self.tokens
     }

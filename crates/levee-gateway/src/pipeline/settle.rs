@@ -341,4 +341,38 @@ mod tests {
         };
         assert_eq!(actual_tokens(&reported), Some(15));
     }
+
+    /// What a stream's hold learns from (`kv.grow_streams`): the backend's count whenever it
+    /// sent one, the tokens read of a stream cut for want of room (it ran at least that
+    /// long), and nothing of a stream its client or its backend cut short.
+    #[test]
+    fn answer_lengths_are_learned_from_usage_or_from_a_stream_cut_for_room() {
+        let read = Outcome {
+            status: 200,
+            ttft: Some(Duration::from_millis(30)),
+            generated: Some(300),
+            ..Outcome::default()
+        };
+        let for_room = Outcome {
+            stream_cut: Some(ErrorCode::StreamKvBudget),
+            ..read
+        };
+        assert_eq!(generated(&for_room), Some(300));
+        let gone = Outcome {
+            client_gone: true,
+            ..read
+        };
+        assert_eq!(generated(&gone), None, "the client left early");
+        let broken = Outcome {
+            stream_cut: Some(ErrorCode::StreamBroken),
+            transport_error: true,
+            ..read
+        };
+        assert_eq!(generated(&broken), None, "the backend broke off");
+        let whole = Outcome {
+            usage: serde_json::from_str(r#"{"prompt_tokens":5,"completion_tokens":42}"#).ok(),
+            ..gone
+        };
+        assert_eq!(generated(&whole), Some(42), "a reported usage wins");
+    }
 }
