@@ -665,6 +665,21 @@ impl GatewayError {
         )
     }
 
+    /// `stream_kv_budget` for a stream whose KV hold went to a stream of a tenant within its
+    /// fair share, its own tenant holding more than its share of `backend`'s cache.
+    pub fn stream_kv_taken(backend: &str, generated: u64) -> Self {
+        Self::new(
+            ErrorCode::StreamKvBudget,
+            format!(
+                "this answer was cut after {generated} tokens: its tenant held more than its \
+                 fair share of backend {backend}'s KV cache budget, and a tenant within its \
+                 share needed the room; the answer is incomplete, retry the request (or send \
+                 it unstreamed: a non-streamed request holds its whole max_tokens from the \
+                 start and waits for room instead)"
+            ),
+        )
+    }
+
     /// `stream_idle_timeout`: the backend sent nothing for `idle` in the middle of a stream.
     pub fn stream_idle_timeout(idle: Duration) -> Self {
         Self::new(

@@ -19,8 +19,10 @@ use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use levee_policy::OverBudget;
 use serde::Deserialize;
+use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::mpsc::error::TrySendError;
+use tokio::sync::Notify;
 use tokio::time::Instant;
 
 /// Token usage reported by the backend.
@@ -123,6 +125,9 @@ pub trait Settle: Send + 'static {
     fn grow(&mut self, generated: u64) -> Result<Option<u64>, OverBudget>;
     /// Holds the answer's whole completion budget; `Err` when the backend has no room.
     fn hold_whole(&mut self) -> Result<(), OverBudget>;
+    /// The signal that the answer's KV hold went to a stream of a tenant within its fair
+    /// share: cut it at once. `None` before it grew (or tried to).
+    fn taken_signal(&self) -> Option<Arc<Notify>>;
 }
 
 /// Runs the settlement exactly once, on finish or on drop (client disconnect).
@@ -163,6 +168,11 @@ impl Settlement {
     /// See [`Settle::hold_whole`].
     fn hold_whole(&mut self) -> Result<(), OverBudget> {
         self.inner.as_mut().map_or(Ok(()), |s| s.hold_whole())
+    }
+
+    /// See [`Settle::taken_signal`].
+    fn taken_signal(&self) -> Option<Arc<Notify>> {
+        self.inner.as_ref()?.taken_signal()
     }
 
     /// Settles now with the outcome so far: the answer's body was read to its end (or
@@ -567,16 +577,19 @@ fn pumped(state: StreamState, grows_at: u64) -> Body {
 
 /// Reads a stream ahead of its client: counts its tokens (an event each) as they come,
 /// grows its KV hold where due and cuts it (`stream_kv_budget`) when its backend has no
-/// room; once its client falls [`PUMP_CHUNKS`] behind, the tokens the engine makes meanwhile
-/// are out of sight, so it holds its whole completion budget (or is cut). A client gone
-/// ends it: the upstream body is dropped, and the settlement runs as for any stream.
+/// room, or at once when its hold went to a stream of a tenant within its share; once its
+/// client falls [`PUMP_CHUNKS`] behind, the tokens the engine makes meanwhile are out of
+/// sight, so it holds its whole completion budget (or is cut). A client gone ends it: the
+/// upstream body is dropped, and the settlement runs as for any stream.
 async fn pump(mut st: StreamState, tx: tokio::sync::mpsc::Sender<Bytes>, grows_at: u64) {
     let mut grows_at = Some(grows_at);
     let mut generated = 0u64;
+    let mut taken: Option<Arc<Notify>> = None;
     loop {
         let next = tokio::select! {
             next = st.next_chunk() => next,
             () = tx.closed() => return,
+            () = signalled(taken.as_deref()) => return cut_taken(st, &tx, None, generated).await,
         };
         let Some(out) = next else { return };
         generated += token_events(&out);
@@ -584,7 +597,9 @@ async fn pump(mut st: StreamState, tx: tokio::sync::mpsc::Sender<Bytes>, grows_a
             s.outcome.generated = Some(generated);
         }
         if grows_at.is_some_and(|at| generated >= at) {
-            match st.grow(generated) {
+            let grown = st.grow(generated);
+            taken = taken.or_else(|| st.taken_signal());
+            match grown {
                 Ok(next) => grows_at = next,
                 Err(OverBudget) => return cut_over_budget(st, &tx, out, generated).await,
             }
@@ -598,24 +613,66 @@ async fn pump(mut st: StreamState, tx: tokio::sync::mpsc::Sender<Bytes>, grows_a
         if grows_at.take().is_some() && st.hold_whole().is_err() {
             return cut_over_budget(st, &tx, out, generated).await;
         }
-        if tx.send(out).await.is_err() {
-            return;
+        let room = tokio::select! {
+            room = tx.reserve() => room,
+            () = signalled(taken.as_deref()) => {
+                return cut_taken(st, &tx, Some(out), generated).await;
+            }
+        };
+        match room {
+            Ok(room) => room.send(out),
+            Err(_) => return,
         }
+    }
+}
+
+/// Once `signal` (if any) fires; never without one.
+async fn signalled(signal: Option<&Notify>) {
+    match signal {
+        Some(s) => s.notified().await,
+        None => std::future::pending().await,
     }
 }
 
 /// Cuts a stream whose backend has no room to hold more of it: the upstream body goes at
 /// once (the engine stops), then the client gets what was read and the error event.
 async fn cut_over_budget(
-    mut st: StreamState,
+    st: StreamState,
     tx: &tokio::sync::mpsc::Sender<Bytes>,
     read: Bytes,
     generated: u64,
 ) {
-    let cut = st.cut(GatewayError::stream_kv_budget(&st.backend, generated));
-    if tx.send(read).await.is_ok() {
-        let _ = tx.send(cut).await;
+    let err = GatewayError::stream_kv_budget(&st.backend, generated);
+    cut_for_room(st, tx, Some(read), err).await;
+}
+
+/// Cuts a stream whose KV hold went to a stream of a tenant within its share, as
+/// [`cut_over_budget`] (`read`: what was read and not yet sent).
+async fn cut_taken(
+    st: StreamState,
+    tx: &tokio::sync::mpsc::Sender<Bytes>,
+    read: Option<Bytes>,
+    generated: u64,
+) {
+    let err = GatewayError::stream_kv_taken(&st.backend, generated);
+    cut_for_room(st, tx, read, err).await;
+}
+
+/// Drops the stream's upstream body at once (the engine stops), then sends its client what
+/// was `read` and the error event `err`.
+async fn cut_for_room(
+    mut st: StreamState,
+    tx: &tokio::sync::mpsc::Sender<Bytes>,
+    read: Option<Bytes>,
+    err: GatewayError,
+) {
+    let cut = st.cut(err);
+    if let Some(read) = read {
+        if tx.send(read).await.is_err() {
+            return;
+        }
     }
+    let _ = tx.send(cut).await;
 }
 
 /// Tokens in a run of whole SSE events as a stream's hold counts them: one per `data:`
@@ -638,6 +695,11 @@ impl StreamState {
         self.settlement
             .as_mut()
             .map_or(Ok(()), Settlement::hold_whole)
+    }
+
+    /// See [`Settle::taken_signal`].
+    fn taken_signal(&self) -> Option<Arc<Notify>> {
+        self.settlement.as_ref()?.taken_signal()
     }
 
     /// The next bytes for the client; `None` once the stream has ended.

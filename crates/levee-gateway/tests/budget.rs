@@ -386,3 +386,69 @@ async fn a_stream_whose_client_stops_reading_holds_its_whole_budget() {
     drop(conn);
     gw.shutdown().await;
 }
+
+/// `kv.grow_streams` keeps tenants apart: a tenant whose answers all run long (vLLM's
+/// `ignore_eos`) is admitted at what answers were seen to use, then held to its fair share
+/// as its streams grow; when a quiet tenant's long answer needs room the flooder took
+/// meanwhile, the flooder's youngest streams are cut for it, never the quiet one, and the
+/// engine (which crashes on overflow) never overflows.
+#[tokio::test]
+async fn a_tenant_whose_answers_run_long_cannot_cut_a_quiet_tenants_stream() {
+    let (e, gw) = engine_behind_levee((2_048, 2_048), levee_engine::OverloadMode::Crash, 4.0).await;
+    let (c, url, admin) = (client(), gw.public_url(), gw.admin_url());
+    // Tenant "s" learns the lane short answers; then "a" floods with answers that run to
+    // their 900 tokens, six at a time, sending again as each ends or is cut.
+    teach_short_answers(&c, &url, 900).await;
+    let (quiet_done, stop) = tokio::sync::watch::channel(false);
+    let flood: Vec<_> = (0..6)
+        .map(|i| {
+            let (c, url, mut stop) = (c.clone(), url.clone(), stop.clone());
+            tokio::spawn(async move {
+                let mut texts = Vec::new();
+                for n in 0..20 {
+                    let body = streamed(&format!("flood {i} {n}"), 900, true);
+                    let answer = async { post_chat(&c, &url, "a", &body).await.text().await };
+                    tokio::select! {
+                        text = answer => texts.push(text.unwrap()),
+                        _ = stop.wait_for(|done| *done) => break,
+                    }
+                }
+                texts
+            })
+        })
+        .collect();
+    // Once the flooder holds more than half the cache, the quiet tenant's answer of 800
+    // tokens starts.
+    for _ in 0..500 {
+        let b = state(&c, &admin).await["models"][0]["backends"][0].clone();
+        if b["tokens_in_flight"].as_u64().unwrap_or(0) > 1_000 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let quiet = tokio::spawn(stream_text(
+        c.clone(),
+        url.clone(),
+        streamed("quiet", 800, true),
+    ));
+    while !quiet.is_finished() {
+        let b = state(&c, &admin).await["models"][0]["backends"][0].clone();
+        assert!(b["tokens_in_flight"].as_u64().unwrap_or(0) <= 1_945, "{b}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let quiet = quiet.await.unwrap();
+    quiet_done.send_replace(true);
+    let mut taken = 0;
+    for t in flood {
+        for text in t.await.unwrap() {
+            taken += usize::from(text.contains("a tenant within its share needed the room"));
+        }
+    }
+    assert!(
+        quiet.contains("[DONE]"),
+        "the quiet tenant's stream was cut: {quiet}"
+    );
+    assert!(taken >= 1, "no flooder's stream gave its room back");
+    assert_eq!(e.stats().crashes, 0, "the engine's cache overflowed");
+    gw.shutdown().await;
+}

@@ -37,6 +37,7 @@ use crate::queue::{Entry, PushRefusal, Ticket, Tier};
 use crate::refusal::{RefusalReason, Scope};
 use crate::retry::{RetryAfter, RetryBounds};
 use crate::share::GlobalShare;
+use crate::streams::StreamId;
 use crate::watermark::{ConfigError, WaitBudget, WatermarkAction, WatermarkDecision};
 use std::collections::HashMap;
 use std::hash::Hash;
@@ -234,6 +235,11 @@ impl<K> Grant<K> {
     /// ([`crate::LaneConfig::preempt`]).
     pub fn run(&self) -> Option<RunId> {
         self.placement.as_ref().and_then(Placement::run)
+    }
+    /// Its name among its lane's growing streams, from its first growth on
+    /// ([`LaneAdmission::streams_to_cut`]).
+    pub fn stream(&self) -> Option<StreamId> {
+        self.placement.as_ref().and_then(Placement::stream)
     }
 }
 
@@ -846,6 +852,14 @@ impl<T, K: Hash + Eq + Ord + Clone> LaneAdmission<T, K> {
         self.lane.preempt(now).map(|(id, _)| id)
     }
 
+    /// The streams whose KV hold went to a stream of a tenant within its fair share since
+    /// the last call ([`LaneAdmission::grow`]): the caller cuts each short at once (as for a
+    /// backend with no room, `OverBudget`), which stops it at its engine's next step, within
+    /// the lead the growth kept; it never grows again.
+    pub fn streams_to_cut(&mut self) -> Vec<StreamId> {
+        self.lane.streams_to_cut()
+    }
+
     /// Queues again a request cut short ([`LaneAdmission::preempt`]): its backend slot
     /// comes back (its breaker counts nothing), its charges stand, and it waits with its
     /// tier's full wait budget from now, behind what its tenant already has queued. `Err`
@@ -926,10 +940,13 @@ impl<T, K: Hash + Eq + Ord + Clone> LaneAdmission<T, K> {
 
     /// A stream's answer has `generated` tokens so far: where that reaches its hold's
     /// [`Grant::grows_at`], its backend holds more of its completion budget for it (double
-    /// the hold, or just enough to keep the lead, if only that fits). `Err` when its backend
-    /// has no room for even that: the caller cuts the stream short, before the engine's
-    /// cache holds more than levee reserved. `Ok` with the next count to call at (`None`:
-    /// it holds its whole budget).
+    /// the hold, or just enough to keep the lead, if only that fits), as far as the
+    /// fair-share rule lets its tenant hold more. When the backend is full and its tenant
+    /// would stay within its share, the youngest streams of tenants over theirs give it the
+    /// room ([`LaneAdmission::streams_to_cut`]). `Err` when none of that gives it room: the
+    /// caller cuts the stream short, before the engine's cache holds more than levee
+    /// reserved (so is a stream whose own hold was taken). `Ok` with the next count to call
+    /// at (`None`: it holds its whole budget).
     pub fn grow(
         &mut self,
         grant: &mut Grant<K>,
@@ -963,11 +980,15 @@ impl<T, K: Hash + Eq + Ord + Clone> LaneAdmission<T, K> {
         let Some(p) = grant.placement.as_mut() else {
             return Err(OverBudget);
         };
-        for h in holds {
+        // Every hold on the room there is first; only then the least one on room taken from
+        // tenants over their share.
+        let least = holds.last().copied();
+        let tries = holds.into_iter().map(|h| (h, false));
+        for (h, take) in tries.chain(least.map(|h| (h, true))) {
             // A hold past u32 (no context is that long) stays where it is.
             let Ok(h32) = u32::try_from(h) else { continue };
             let extra = h - u64::from(grant.held);
-            if self.lane.grow(&grant.tenant, p, extra, now) {
+            if self.lane.grow(&grant.tenant, p, extra, take, now) {
                 grant.held = h32;
                 return Ok(grant.grows_at());
             }
@@ -1453,6 +1474,14 @@ impl<T, K: Hash + Eq + Ord + Clone> Admission<T, K> {
     /// See [`LaneAdmission::preempt`].
     pub fn preempt(&mut self, model: &K, now: Timestamp) -> Option<RunId> {
         self.models.get_mut(model)?.preempt(now)
+    }
+
+    /// See [`LaneAdmission::streams_to_cut`].
+    pub fn streams_to_cut(&mut self, model: &K) -> Vec<StreamId> {
+        self.models
+            .get_mut(model)
+            .map(LaneAdmission::streams_to_cut)
+            .unwrap_or_default()
     }
 
     /// See [`LaneAdmission::grow`]; `Err` also for a model that is gone.

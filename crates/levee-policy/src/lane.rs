@@ -42,6 +42,7 @@ use crate::latency::{LatencyFit, LatencySlo};
 use crate::preempt::{RunId, Runs};
 use crate::queue::{Entry, FairQueue, Pick, QueueLimits, QueueStats, Tier};
 use crate::retry::DrainRate;
+use crate::streams::{StreamId, Streams};
 use crate::units::ceil_u64;
 use crate::watermark::Watermarks;
 use std::cell::RefCell;
@@ -135,7 +136,7 @@ pub struct AffinityConfig {
 
 impl LaneConfig {
     /// A working configuration: watermarks at `safe`/`soft`/`hard`, no queue bounds besides
-    /// `hard`, 5% KV headroom, reports trusted 3 s, a 10 s fair-share window.
+    /// `hard`, 5% KV headroom, reports trusted 3 s, a 60 s fair-share window.
     pub fn new(watermarks: Watermarks) -> Self {
         LaneConfig {
             queue_max_len: usize::try_from(watermarks.hard).unwrap_or(usize::MAX),
@@ -527,6 +528,8 @@ pub struct Placement {
     run: Option<RunId>,
     /// Its answer reaches its client only when it ends ([`Lane::lend`]).
     lasting: bool,
+    /// Its name among the lane's growing streams, from its first growth on.
+    stream: Option<StreamId>,
 }
 
 impl Placement {
@@ -538,6 +541,11 @@ impl Placement {
     /// Its name among the lane's preemptible requests, while it is one.
     pub fn run(&self) -> Option<RunId> {
         self.run
+    }
+
+    /// Its name among the lane's growing streams, once it grew (or tried to).
+    pub fn stream(&self) -> Option<StreamId> {
+        self.stream
     }
 
     /// Whether its answer reaches its client only when it ends ([`Lane::lend`]).
@@ -600,6 +608,8 @@ pub struct Lane<P, K> {
     sessions: SessionMap,
     /// Its preemptible requests ([`LaneConfig::preempt`]).
     runs: Runs<K>,
+    /// Its growing streams ([`LaneConfig::grow_streams`]).
+    streams: Streams<K>,
 }
 
 /// What one tier takes into a lane, as rates: requests and their KV tokens per second.
@@ -698,6 +708,7 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
             service_secs: None,
             prefill_window: Duration::ZERO,
             runs: Runs::default(),
+            streams: Streams::default(),
         }
     }
 
@@ -1099,6 +1110,7 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
             predicted_ttft,
             run,
             lasting: false,
+            stream: None,
         })
     }
 
@@ -1249,6 +1261,7 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
             ticket,
             at,
             run,
+            stream,
             ..
         } = p;
         if let Some(id) = run {
@@ -1256,6 +1269,8 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
                 self.unlend(tenant);
             }
         }
+        // A hold taken for another stream was given back when it was taken.
+        let kv_tokens = kv_tokens.saturating_sub(stream.map_or(0, |id| self.streams.released(id)));
         if let Some(b) = self.placed_backend_mut(&backend) {
             b.in_flight = b.in_flight.saturating_sub(1);
             b.tokens = b.tokens.saturating_sub(kv_tokens);
@@ -1281,21 +1296,46 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
         }
     }
 
-    /// Grows placement `p` of `tenant` by `extra` KV tokens if its backend has room for
-    /// them (levee's reservations, or the engine's own figure when larger, within the
-    /// usable budget); `false`, and nothing changed, if not.
+    /// Grows placement `p` of `tenant` by `extra` KV tokens if the fair-share rule lets its
+    /// tenant hold them ([`LaneView::may_grow`]) and its backend has room for them (levee's
+    /// reservations, or the engine's own figure when larger, within the usable budget) —
+    /// or, for a tenant within its share, once streams of tenants over theirs give it that
+    /// room ([`Lane::take_room`], only if `take`); `false`, and nothing changed, if not. A
+    /// stream whose hold was taken never grows again.
     pub(crate) fn grow(
         &mut self,
         tenant: &K,
         p: &mut Placement,
         extra: u64,
+        take: bool,
         now: Timestamp,
     ) -> bool {
+        let id = match p.stream {
+            Some(id) => id,
+            None => {
+                let id = self.streams.register(
+                    tenant.clone(),
+                    p.tier,
+                    p.backend.clone(),
+                    p.at,
+                    p.kv_tokens,
+                );
+                p.stream = Some(id);
+                id
+            }
+        };
+        if self.streams.taken(id) || !self.view().may_grow(tenant, extra, now) {
+            return false;
+        }
         let Some(b) = self.backends.iter().find(|b| b.id == p.backend) else {
             return false;
         };
         if let Some(usable) = b.usable_tokens(self.cfg.kv_headroom) {
-            if b.tokens_in_use(now, &self.cfg).saturating_add(extra) > usable {
+            let short = b
+                .tokens_in_use(now, &self.cfg)
+                .saturating_add(extra)
+                .saturating_sub(usable);
+            if short > 0 && !(take && self.take_room(tenant, p, id, extra, short, now)) {
                 return false;
             }
         }
@@ -1307,8 +1347,64 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
             t.1 += extra;
         }
         p.kv_tokens += extra;
+        self.streams.grew(id, p.kv_tokens);
         self.update_tenant(tenant, now, |u| u.tokens += extra);
         true
+    }
+
+    /// Frees `short` KV tokens on `p`'s backend for stream `id` of `tenant` to grow by
+    /// `extra`: if `tenant` then stays within its weighted token share, the holds of the
+    /// youngest streams there of tenants over theirs, at its tier or below, are given back
+    /// at once and those streams named to be cut short ([`Lane::streams_to_cut`]); `false`,
+    /// and nothing taken, if that is not enough.
+    fn take_room(
+        &mut self,
+        tenant: &K,
+        p: &Placement,
+        id: StreamId,
+        extra: u64,
+        short: u64,
+        now: Timestamp,
+    ) -> bool {
+        let over: Vec<K> = {
+            let view = self.view();
+            if !view.within_token_share(tenant, extra, now) {
+                return false;
+            }
+            self.tenants
+                .keys()
+                .filter(|k| *k != tenant && view.over_token_share(k, now))
+                .cloned()
+                .collect()
+        };
+        if over.is_empty() {
+            return false;
+        }
+        let Some(taken) = self
+            .streams
+            .take(&p.backend, p.tier, short, id, |k| over.contains(k))
+        else {
+            return false;
+        };
+        for t in taken {
+            if let Some(b) = self.placed_backend_mut(&p.backend) {
+                b.tokens = b.tokens.saturating_sub(t.held);
+                if let Some(by) = b.by_tier.get_mut(usize::from(t.tier.0)) {
+                    by.1 = by.1.saturating_sub(t.held);
+                }
+            }
+            self.update_tenant(&t.tenant, now, |u| {
+                u.tokens = u.tokens.saturating_sub(t.held)
+            });
+        }
+        true
+    }
+
+    /// The streams whose hold went to a stream of a tenant within its share since the last
+    /// call ([`Lane::grow`]): the caller cuts them short at once, which stops them at their
+    /// engine's next step.
+    pub(crate) fn streams_to_cut(&mut self) -> Vec<StreamId> {
+        self.streams.take_cuts()
     }
 
     /// Queues a payload.
@@ -2278,6 +2374,74 @@ impl<K: Hash + Eq> LaneView<'_, K> {
         .unwrap_or(true)
     }
 
+    /// Whether `tenant` may grow a stream's KV hold by `extra` tokens under the fair-share
+    /// rule: within its token limit (share, and burst allowance while not backlogged)
+    /// always; beyond it only if what stays free afterwards covers the other active
+    /// tenants' waiting tokens and pooled burst headroom, as for a dispatch
+    /// ([`LaneView::share_allows`]). Its request is running already: only tokens are judged.
+    fn may_grow(&self, tenant: &K, extra: u64, now: Timestamp) -> bool {
+        let Some(me) = self.tenants.get(tenant) else {
+            return true;
+        };
+        self.with_share(me.tier, me.weight, now, |sums, f| {
+            if sums.active < 2 {
+                return true;
+            }
+            let own = me.demand(f, me.over_share(f));
+            me.tokens.saturating_add(extra) <= own.limit_tokens
+                || self.tokens_beside(sums, &own, extra, now)
+        })
+        .unwrap_or(true)
+    }
+
+    /// Whether `tenant` holding `extra` more KV tokens stays within its weighted token
+    /// share at its priority (no burst allowance); `false` where budgets are unknown.
+    fn within_token_share(&self, tenant: &K, extra: u64, now: Timestamp) -> bool {
+        let Some(me) = self.tenants.get(tenant) else {
+            return false;
+        };
+        self.with_share(me.tier, me.weight, now, |_, f| {
+            f.tokens
+                .is_some_and(|t| me.tokens.saturating_add(extra) <= t)
+        })
+        .unwrap_or(false)
+    }
+
+    /// Whether `tenant` holds more KV tokens than its weighted share at its priority, beside
+    /// another active tenant there.
+    fn over_token_share(&self, tenant: &K, now: Timestamp) -> bool {
+        let Some(me) = self.tenants.get(tenant) else {
+            return false;
+        };
+        self.with_share(me.tier, me.weight, now, |sums, f| {
+            sums.active >= 2 && f.tokens.is_some_and(|t| me.tokens > t)
+        })
+        .unwrap_or(false)
+    }
+
+    /// The other active tenants' outstanding requests (up to their limits) beside a
+    /// tenant's `own` demand, and their pooled burst headroom in requests.
+    fn others_burst(sums: &TierSums, own: &Demand) -> (u64, u64) {
+        let others = sums.active.saturating_sub(1) as u64;
+        let their_demand = sums.demand_requests.saturating_sub(own.requests);
+        let burst = ceil_u64(BURST_Z * ((their_demand + others) as f64).sqrt());
+        (their_demand, burst)
+    }
+
+    /// Whether a tenant with demand `own` taking `kv_cost` KV tokens beyond its limit leaves
+    /// free what the others need: their waiting tokens plus their burst headroom of their
+    /// average request (or of this one when they have nothing outstanding), never more than
+    /// the room left under their own limits.
+    fn tokens_beside(&self, sums: &TierSums, own: &Demand, kv_cost: u64, now: Timestamp) -> bool {
+        let (their_demand, burst) = Self::others_burst(sums, own);
+        let their_tokens = sums.demand_tokens.saturating_sub(own.tokens);
+        let per_request = their_tokens.checked_div(their_demand).unwrap_or(kv_cost);
+        let need = (sums.waiting_tokens.saturating_sub(own.waiting_tokens)
+            + burst.saturating_mul(per_request))
+        .min(sums.room_tokens.saturating_sub(own.room_tokens));
+        self.free(now).1.saturating_sub(kv_cost) >= need
+    }
+
     /// [`LaneView::within_share`] for tenant `me`, with a request running, from the sums at
     /// its priority and the share figures of its weight.
     fn share_allows(
@@ -2313,10 +2477,7 @@ impl<K: Hash + Eq> LaneView<'_, K> {
             let need = (u.waiting_requests + burst).min(u.room_requests);
             return self.room_beside(me, waiting, need, now);
         }
-        let others = (sums.active - 1) as u64;
-        let their_demand = sums.demand_requests.saturating_sub(own.requests);
-        let burst = ceil_u64(BURST_Z * ((their_demand + others) as f64).sqrt());
-        let (_, free_tokens) = self.free(now);
+        let (_, burst) = Self::others_burst(sums, &own);
         // The others never need more than the room left under their own limits.
         let requests_ok = within_requests || {
             let room = sums.room_requests.saturating_sub(own.room_requests);
@@ -2328,16 +2489,7 @@ impl<K: Hash + Eq> LaneView<'_, K> {
                 self.free(now).0.saturating_sub(1) >= need
             }
         };
-        let tokens_ok = within_tokens || {
-            let their_tokens = sums.demand_tokens.saturating_sub(own.tokens);
-            // The headroom in tokens: `burst` of their average request (or of this one when
-            // they have nothing outstanding).
-            let per_request = their_tokens.checked_div(their_demand).unwrap_or(kv_cost);
-            let need = (sums.waiting_tokens.saturating_sub(own.waiting_tokens)
-                + burst.saturating_mul(per_request))
-            .min(sums.room_tokens.saturating_sub(own.room_tokens));
-            free_tokens.saturating_sub(kv_cost) >= need
-        };
+        let tokens_ok = within_tokens || self.tokens_beside(sums, &own, kv_cost, now);
         requests_ok && tokens_ok
     }
 

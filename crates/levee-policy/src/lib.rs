@@ -35,6 +35,7 @@ mod queue;
 mod refusal;
 mod retry;
 mod share;
+mod streams;
 mod tokens;
 mod units;
 mod watermark;
@@ -84,6 +85,7 @@ pub use queue::{
 };
 pub use refusal::{RefusalReason, Scope};
 pub use retry::{DrainRate, RetryAfter, RetryBounds};
+pub use streams::StreamId;
 pub use tokens::{Refused, Reservation, TokenBucket, TokenLimiter, TokenQuota};
 pub use watermark::{
     ConfigError, LoadZone, WaitBudget, WatermarkAction, WatermarkDecision, Watermarks,

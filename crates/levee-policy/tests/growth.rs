@@ -1,6 +1,7 @@
 //! Streams that hold what answers use and grow as their tokens come
-//! (`LaneConfig::grow_streams`), with a manual clock: the first hold, growth, refusal, and
-//! the engine's cache never holding more than the budget under random streams.
+//! (`LaneConfig::grow_streams`), with a manual clock: the first hold, growth, refusal, a
+//! tenant whose answers run long held to its share, and the engine's cache never holding
+//! more than the budget under random streams of two tenants.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use levee_policy::*;
@@ -8,8 +9,12 @@ use proptest::prelude::*;
 use std::sync::Arc;
 
 fn stream(prompt: u64, max_tokens: u64) -> AdmissionRequest<&'static str> {
+    stream_of("a", prompt, max_tokens)
+}
+
+fn stream_of(tenant: &'static str, prompt: u64, max_tokens: u64) -> AdmissionRequest<&'static str> {
     AdmissionRequest {
-        tenant: "a",
+        tenant,
         model: "m",
         tier: Tier(0),
         prompt_tokens: prompt,
@@ -141,6 +146,82 @@ fn a_stream_whose_backend_has_no_room_is_refused_its_growth_and_holds_what_it_he
     assert_eq!(held(&a, &clock), 0);
 }
 
+/// Grows `g` as its tokens come, up to `to` tokens: `Err` with the tokens read when a growth
+/// was refused.
+fn grow_until(
+    a: &mut Admission<u32, &'static str>,
+    clock: &ManualClock,
+    g: &mut Grant<&'static str>,
+    to: u64,
+) -> Result<u64, u64> {
+    while let Some(at) = g.grows_at().filter(|&at| at < to) {
+        a.grow(g, at, clock.now()).map_err(|_| at)?;
+    }
+    Ok(to)
+}
+
+#[test]
+fn a_tenant_whose_answers_run_long_is_held_to_its_share_and_gives_room_back() {
+    let clock = ManualClock::new();
+    let mut a = admission(1, 4_000);
+    learn(&mut a, &clock, 32, 100);
+    // The learning tenant leaves the fair-share window: two tenants share the lane.
+    clock.advance(std::time::Duration::from_secs(61));
+    // A quiet tenant's stream, then a flooder's twelve, all at the answers' 99th
+    // percentile (110 each): 1,430 of 4,000.
+    let mut quiet = dispatched(a.admit(&stream_of("quiet", 10, 1_500), 0, clock.now()));
+    let mut flood: Vec<_> = (1..=12)
+        .map(|i| dispatched(a.admit(&stream_of("flood", 10, 2_000), i, clock.now())))
+        .collect();
+    // The flooder's answers run to their whole budget: its streams grow until the
+    // fair-share rule stops them, well before the backend is full — the quiet tenant's
+    // burst headroom stays free.
+    let mut refused = 0;
+    for g in &mut flood {
+        if grow_until(&mut a, &clock, g, 2_000).is_err() {
+            refused += 1;
+        }
+    }
+    let flood_held: u64 = flood.iter().map(Grant::kv_tokens).sum();
+    assert!(refused > 0, "the flooder's growth was never refused");
+    assert!(
+        held(&a, &clock) + 500 <= 4_000,
+        "the flooder left no room beside it: {} of 4,000 held",
+        held(&a, &clock)
+    );
+    assert!(
+        flood_held > 2_000,
+        "the flooder took room beyond its share while it could"
+    );
+    assert!(a.streams_to_cut(&"m").is_empty(), "nobody was cut for it");
+    // The quiet tenant's answer runs long too: within its share (2,000), it grows on the
+    // room left, then on room the flooder's youngest streams give back.
+    assert_eq!(grow_until(&mut a, &clock, &mut quiet, 1_450), Ok(1_450));
+    let cut = a.streams_to_cut(&"m");
+    assert!(
+        !cut.is_empty(),
+        "the quiet stream grew without taking room back"
+    );
+    let named: Vec<usize> = (0..flood.len())
+        .filter(|&i| flood[i].stream().is_some_and(|s| cut.contains(&s)))
+        .collect();
+    assert_eq!(named.len(), cut.len(), "only the flooder's streams are cut");
+    assert!(
+        named.iter().all(|&i| i >= flood.len() - named.len()),
+        "the youngest go first: {named:?}"
+    );
+    assert!(held(&a, &clock) <= 4_000);
+    // A stream whose hold was taken never grows again; its end gives nothing back twice.
+    let mut victim = flood.remove(named[0]);
+    assert_eq!(a.grow(&mut victim, 10_000, clock.now()), Err(OverBudget));
+    a.complete(victim, done(500), clock.now());
+    a.complete(quiet, done(1_450), clock.now());
+    for g in flood {
+        a.complete(g, done(500), clock.now());
+    }
+    assert_eq!(held(&a, &clock), 0, "every hold is given back once");
+}
+
 /// One stream on the simulated engine: its grant, its prompt, the tokens it has generated
 /// and the length its answer will have.
 struct Running {
@@ -153,15 +234,17 @@ struct Running {
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(64))]
 
-    /// Streams of random prompts, budgets and answer lengths arrive on a two-backend lane;
-    /// each engine step every running stream makes up to 16 tokens (the least lead), which
-    /// levee reads after the step and grows its hold for, cutting the stream when its
-    /// backend has no room. After every step, the prompts and the tokens generated on each
-    /// backend stay within its budget.
+    /// Streams of random prompts, budgets and answer lengths, of two tenants, arrive on a
+    /// two-backend lane; each engine step every running stream makes up to 16 tokens (the
+    /// least lead), which levee reads after the step and grows its hold for, cutting the
+    /// stream when its backend has no room, and cutting the streams whose hold went to a
+    /// tenant within its share (their connection dropped: the engine stops them before its
+    /// next step). After every step, the prompts and the tokens generated on each backend
+    /// stay within its budget.
     #[test]
     fn an_engines_cache_never_holds_more_than_its_budget(
         arrivals in prop::collection::vec(
-            (1u64..400, 16u64..2_048, 0.0f64..1.0, 0usize..3), 20..160),
+            (1u64..400, 16u64..2_048, 0.0f64..1.0, 0usize..3, any::<bool>()), 20..160),
         steps_per_token in prop::collection::vec(1u64..=16, 1..50),
         learned in 1u64..600,
         kv in 3_000u64..20_000,
@@ -172,11 +255,12 @@ proptest! {
         let mut running: Vec<Running> = Vec::new();
         let mut lengths = std::collections::HashMap::new();
         let mut cuts = 0;
-        for (step, (prompt, max_tokens, share, arrive)) in arrivals.into_iter().enumerate() {
+        for (step, (prompt, max_tokens, share, arrive, second)) in arrivals.into_iter().enumerate() {
             for i in 0..arrive {
                 let id = (step * 3 + i) as u32;
                 lengths.insert(id, ((max_tokens as f64 * share) as u64).max(1));
-                let r = stream(prompt, max_tokens);
+                let tenant = if second { "b" } else { "a" };
+                let r = stream_of(tenant, prompt, max_tokens);
                 if let Admit::Dispatch(d) = a.admit(&r, id, clock.now()) {
                     let length = lengths[&d.item];
                     running.push(Running { grant: d.grant, prompt, generated: 0, length });
@@ -222,7 +306,15 @@ proptest! {
                 }
                 still.push(s);
             }
-            running = still;
+            let taken = a.streams_to_cut(&"m");
+            for s in still.drain(..) {
+                if s.grant.stream().is_some_and(|id| taken.contains(&id)) {
+                    cuts += 1;
+                    a.complete(s.grant, done(s.generated), clock.now());
+                } else {
+                    running.push(s);
+                }
+            }
             clock.advance(std::time::Duration::from_millis(20));
         }
     }

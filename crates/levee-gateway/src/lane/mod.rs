@@ -88,6 +88,9 @@ pub(crate) struct Lane {
     /// The signal that cuts each preemptible request short, by its run
     /// (`queue.preempt_over_share`; empty while it is off).
     cuts: Mutex<std::collections::HashMap<u64, Arc<Notify>>>,
+    /// The signal that cuts each growing stream short when its KV hold goes to a stream of a
+    /// tenant within its share, by its stream (`kv.grow_streams`).
+    taken: Mutex<std::collections::HashMap<u64, Arc<Notify>>>,
 }
 
 #[derive(Debug, Default)]
@@ -142,6 +145,7 @@ impl Lane {
             prompt: Mutex::new(levee_policy::PromptCorrections::default()),
             series: crate::metrics::ModelMetrics::default(),
             cuts: Mutex::new(std::collections::HashMap::new()),
+            taken: Mutex::new(std::collections::HashMap::new()),
         });
         let stop = lane.ctx.stopped.clone();
         spawn_pump(lane.clone(), |l| &l.wake, stop, |l| l.pump());
@@ -243,6 +247,36 @@ impl Lane {
     /// Its request can no longer be cut short (its answer started, or it ended).
     fn forget_cut(&self, run: levee_policy::RunId) {
         self.cuts.lock().remove(&run.get());
+    }
+
+    /// Registers a growing stream's signal, to be cut short when its hold is taken
+    /// ([`Lane::cut_taken`]).
+    pub(crate) fn register_stream(&self, id: levee_policy::StreamId) {
+        self.taken.lock().insert(id.get(), Arc::new(Notify::new()));
+    }
+
+    /// The signal that cuts growing stream `id` short, registered while it runs.
+    pub(crate) fn stream_signal(&self, id: levee_policy::StreamId) -> Option<Arc<Notify>> {
+        self.taken.lock().get(&id.get()).cloned()
+    }
+
+    /// Its stream ended: its signal goes.
+    pub(crate) fn forget_stream(&self, id: levee_policy::StreamId) {
+        self.taken.lock().remove(&id.get());
+    }
+
+    /// Signals the streams whose hold went to a stream of a tenant within its share to cut
+    /// themselves short (their tasks drop the upstream at once).
+    pub(crate) fn cut_taken(&self, ids: Vec<levee_policy::StreamId>) {
+        if ids.is_empty() {
+            return;
+        }
+        let taken = self.taken.lock();
+        for id in ids {
+            if let Some(signal) = taken.get(&id.get()) {
+                signal.notify_one();
+            }
+        }
     }
 
     /// Counts a request out of the queue.

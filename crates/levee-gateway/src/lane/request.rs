@@ -271,6 +271,10 @@ impl Admitted {
         if let Some(run) = g.run() {
             self.lane.forget_cut(run);
         }
+        // On another backend it is a new stream.
+        if let Some(id) = g.stream() {
+            self.lane.forget_stream(id);
+        }
         let moved = self.lane.admission().redispatch(g, outcome, now);
         self.lane.wake();
         if let Some(run) = g.run() {
@@ -300,29 +304,54 @@ impl Admitted {
     /// Its stream has `generated` tokens: its hold grows where they reach
     /// [`Admitted::grows_at`]. `Err` when its backend has no room: cut the stream.
     pub fn grow(&mut self, generated: u64) -> Result<Option<u64>, OverBudget> {
-        let Some(g) = self.grant.as_mut() else {
-            return Ok(None);
-        };
-        let now = self.lane.ctx.clock.now();
-        self.lane.admission().grow(g, generated, now)
+        self.hold(|adm, g, now| adm.grow(g, generated, now))
+            .unwrap_or(Ok(None))
     }
 
     /// Its stream's tokens may pile up out of levee's sight (its client stopped reading):
     /// it holds its whole completion budget. `Err` when its backend has no room: cut it.
     pub fn hold_whole(&mut self) -> Result<(), OverBudget> {
-        let Some(g) = self.grant.as_mut() else {
-            return Ok(());
-        };
+        self.hold(|adm, g, now| adm.hold_whole(g, now))
+            .unwrap_or(Ok(()))
+    }
+
+    /// Changes its stream's KV hold through `change`, under the lane's lock: a stream that
+    /// grew (or tried to) gets its signal ([`Admitted::taken_signal`]) before the lock goes,
+    /// and the streams whose hold went to it are signalled to cut themselves short. `None`
+    /// once it ended.
+    fn hold<R>(
+        &mut self,
+        change: impl FnOnce(
+            &mut levee_policy::LaneAdmission<super::Waiter, Key>,
+            &mut Grant<Key>,
+            levee_policy::Timestamp,
+        ) -> R,
+    ) -> Option<R> {
+        let g = self.grant.as_mut()?;
         let now = self.lane.ctx.clock.now();
-        self.lane.admission().hold_whole(g, now)
+        let named = g.stream().is_some();
+        let (out, cut) = {
+            let mut adm = self.lane.admission();
+            let out = change(&mut adm, g, now);
+            if let Some(id) = g.stream().filter(|_| !named) {
+                self.lane.register_stream(id);
+            }
+            (out, adm.streams_to_cut())
+        };
+        self.lane.cut_taken(cut);
+        Some(out)
+    }
+
+    /// The signal that its stream's KV hold went to a stream of a tenant within its fair
+    /// share: cut it short at once (once it grew, or tried to; `None` before).
+    pub fn taken_signal(&self) -> Option<Arc<Notify>> {
+        self.lane.stream_signal(self.grant.as_ref()?.stream()?)
     }
 
     /// Ends it with the backend's outcome and real usage.
     pub fn complete(mut self, done: Completion) {
         if let Some(g) = self.grant.take() {
-            if let Some(run) = g.run() {
-                self.lane.forget_cut(run);
-            }
+            self.forget_signals(&g);
             let ctx = &self.lane.ctx;
             let now = ctx.clock.now();
             let waiting = {
@@ -340,6 +369,16 @@ impl Admitted {
         }
     }
 
+    /// It ends: its signals go.
+    fn forget_signals(&self, g: &Grant<Key>) {
+        if let Some(run) = g.run() {
+            self.lane.forget_cut(run);
+        }
+        if let Some(id) = g.stream() {
+            self.lane.forget_stream(id);
+        }
+    }
+
     /// Counts it out of flight; the dispatcher runs only if the room it freed may go to a
     /// waiting request (waking it for nothing would cost a task switch per request).
     fn finish(&self, waiting: bool) {
@@ -354,9 +393,7 @@ impl Admitted {
 impl Drop for Admitted {
     fn drop(&mut self) {
         let Some(g) = self.grant.take() else { return };
-        if let Some(run) = g.run() {
-            self.lane.forget_cut(run);
-        }
+        self.forget_signals(&g);
         let ctx = &self.lane.ctx;
         let now = ctx.clock.now();
         let waiting = if self.sent {

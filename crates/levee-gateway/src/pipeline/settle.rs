@@ -16,6 +16,7 @@ use crate::upstream::Backend;
 use levee_policy::{Completion, Key, Outcome as BreakerOutcome, OverBudget};
 use std::sync::Arc;
 use std::time::Duration;
+use tokio::sync::Notify;
 use tokio::time::Instant;
 use tracing::{debug_span, Span};
 
@@ -52,6 +53,10 @@ impl Settle for RequestSettle {
 
     fn hold_whole(&mut self) -> Result<(), OverBudget> {
         self.admitted.as_mut().map_or(Ok(()), Admitted::hold_whole)
+    }
+
+    fn taken_signal(&self) -> Option<Arc<Notify>> {
+        self.admitted.as_ref()?.taken_signal()
     }
 
     fn settle(mut self: Box<Self>, outcome: Outcome) {
