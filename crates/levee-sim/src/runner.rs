@@ -458,7 +458,7 @@ fn build_ctx(
             .clone()
             .unwrap_or_else(|| scenario.request.model.clone());
         head.insert("model".into(), serde_json::Value::String(model));
-        for (k, v) in &scenario.request.extra {
+        for (k, v) in scenario.request.extra.iter().chain(&c.extra) {
             head.insert(k.clone(), v.clone());
         }
         let mut text = serde_json::to_string(&serde_json::Value::Object(head))

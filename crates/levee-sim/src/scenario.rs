@@ -588,6 +588,9 @@ pub struct Class {
     /// or weights such as `{ cjk = 0.8, english = 0.2 }`); a tenant's own `text` wins.
     /// Default: English.
     pub text: Option<TextMix>,
+    /// Extra JSON fields merged into this class's request bodies after `request.extra`
+    /// (e.g. `ignore_eos = true`: the engine runs every answer to its `max_tokens`).
+    pub extra: BTreeMap<String, serde_json::Value>,
 }
 
 impl Default for Class {
@@ -604,6 +607,7 @@ impl Default for Class {
             model: None,
             behaviour: None,
             text: None,
+            extra: BTreeMap::new(),
         }
     }
 }

@@ -44,6 +44,10 @@ pub const BUILTIN: &[(&str, &str)] = &[
         include_str!("../../../scenarios/habitual-max-tokens.toml"),
     ),
     (
+        "long-answers",
+        include_str!("../../../scenarios/long-answers.toml"),
+    ),
+    (
         "async-batch",
         include_str!("../../../scenarios/async-batch.toml"),
     ),

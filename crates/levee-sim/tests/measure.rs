@@ -27,6 +27,8 @@ struct Server {
     /// `(api key, prompt words, time)` of each call.
     seen: Mutex<Vec<(String, usize, Instant)>>,
     faults: Mutex<Vec<serde_json::Value>>,
+    /// `(api key, ignore_eos)` of each call.
+    flags: Mutex<Vec<(String, Option<bool>)>>,
     /// Signalled on every call.
     called: tokio::sync::Notify,
 }
@@ -57,6 +59,8 @@ async fn completions(
         .lock()
         .unwrap()
         .push((key.clone(), words, Instant::now()));
+    let ignore_eos = body["ignore_eos"].as_bool();
+    s.flags.lock().unwrap().push((key.clone(), ignore_eos));
     if s.stall_at == Some(n) {
         *s.stall_until.lock().unwrap() = Some(Instant::now() + Duration::from_secs(1));
     }
@@ -608,4 +612,55 @@ async fn sessions_grow_prompts_and_metrics_and_faults_are_recorded() {
             serde_json::json!({"path": "/admin/clear", "body": {}}),
         ]
     );
+}
+
+/// A class's own `extra` fields reach its requests' bodies, and only theirs.
+#[tokio::test]
+async fn a_class_sends_its_own_extra_fields() {
+    let (url, server) = serve(Server::default()).await;
+    let scenario = Scenario::from_toml_str(
+        r#"
+        [arrival]
+        process = "constant"
+        [[phases]]
+        kind = "steady"
+        duration_s = 1
+        rps = 20
+        [request]
+        extra = { temperature = 0.0 }
+        [[classes]]
+        name = "chat"
+        stream = false
+        [[classes]]
+        name = "long"
+        weight = 0.0
+        stream = false
+        extra = { ignore_eos = true }
+        [[tenants]]
+        name = "plain"
+        api_key = "sk-plain"
+        share = 1
+        [[tenants]]
+        name = "long"
+        api_key = "sk-long"
+        share = 1
+        class = "long"
+        "#,
+    )
+    .unwrap();
+    levee_sim::run(&scenario, &Target::new(&url), &quiet())
+        .await
+        .unwrap();
+    let flags = server.flags.lock().unwrap().clone();
+    let of = |key: &'static str| -> Vec<Option<bool>> {
+        flags
+            .iter()
+            .filter(|(k, _)| k == key)
+            .map(|f| f.1)
+            .collect()
+    };
+    let (long, plain) = (of("sk-long"), of("sk-plain"));
+    assert!(!long.is_empty() && !plain.is_empty(), "{flags:?}");
+    assert!(long.iter().all(|f| *f == Some(true)), "{flags:?}");
+    assert!(plain.iter().all(Option::is_none), "{flags:?}");
 }
