@@ -610,8 +610,12 @@ async fn pump(mut st: StreamState, tx: tokio::sync::mpsc::Sender<Bytes>, grows_a
             Err(TrySendError::Full(out)) => out,
         };
         // The client fell behind: what the engine makes meanwhile is out of sight.
-        if grows_at.take().is_some() && st.hold_whole().is_err() {
-            return cut_over_budget(st, &tx, out, generated).await;
+        if grows_at.take().is_some() {
+            let held = st.hold_whole();
+            taken = taken.or_else(|| st.taken_signal());
+            if held.is_err() {
+                return cut_over_budget(st, &tx, out, generated).await;
+            }
         }
         let room = tokio::select! {
             room = tx.reserve() => room,

@@ -515,12 +515,13 @@ impl<T, K: Hash + Eq + Ord + Clone> LaneAdmission<T, K> {
     }
 
     /// What `req`'s completion holds in the KV budget at first: a stream, where the lane
-    /// grows streams, the quantile of recent answers ([`CompletionSizes::first_hold`]);
-    /// anything else its whole budget.
+    /// grows streams, the quantile of recent answers or its tenant's longest recent one
+    /// ([`CompletionSizes::first_hold`]); anything else its whole budget.
     fn first_hold(&self, req: &AdmissionRequest<K>) -> u32 {
         let budget = req.completion_tokens;
         let held = if self.spec.lane.grow_streams && !req.answered_at_end {
-            self.completions.first_hold(budget)
+            let longest = self.lane.longest_answer(&req.tenant);
+            self.completions.first_hold(budget, longest)
         } else {
             budget
         };
@@ -934,6 +935,7 @@ impl<T, K: Hash + Eq + Ord + Clone> LaneAdmission<T, K> {
         let actual = done.actual_tokens.unwrap_or(grant.tokens);
         if let Some(g) = done.generated {
             self.completions.note(g);
+            self.lane.note_answer(&grant.tenant, g);
         }
         self.settle(shared, grant, done.outcome, actual, false, now);
     }

@@ -49,15 +49,53 @@ impl CompletionSizes {
     }
 
     /// What a stream with a completion budget of `budget` tokens holds at first: the
-    /// [`QUANTILE`] of the answers seen (at least [`MIN_HOLD`]), never more than `budget`;
-    /// the whole budget until [`MIN_SAMPLES`] answers were seen.
-    pub fn first_hold(&self, budget: u64) -> u64 {
+    /// [`QUANTILE`] of the answers seen (at least [`MIN_HOLD`]), or its tenant's
+    /// `tenant_longest` recent answer ([`LongestAnswers`]) if longer, never more than
+    /// `budget`; the whole budget until [`MIN_SAMPLES`] answers were seen.
+    pub fn first_hold(&self, budget: u64, tenant_longest: Option<u64>) -> u64 {
         if self.samples.len() < MIN_SAMPLES {
             return budget;
         }
         let q = self.sorted.nearest_rank(QUANTILE).unwrap_or(f64::MAX);
         // The cast saturates: a quantile beyond u64 is the budget.
-        (q.ceil() as u64).max(MIN_HOLD).min(budget)
+        (q.ceil() as u64)
+            .max(tenant_longest.unwrap_or(0))
+            .max(MIN_HOLD)
+            .min(budget)
+    }
+}
+
+/// Answers of one tenant remembered.
+const TENANT_ANSWERS: usize = 8;
+/// Answers of a tenant seen before its longest counts.
+const TENANT_MIN: u8 = 4;
+
+/// The completion lengths of one tenant's last answers, so that a tenant whose answers run
+/// longer than the lane's (on purpose, as with vLLM's `ignore_eos`, or by its prompts) is
+/// admitted holding what its own answers use: judged by the fair-share rule at admission,
+/// as a whole budget is, rather than growing past its share and being cut midway.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct LongestAnswers {
+    last: [u32; TENANT_ANSWERS],
+    seen: u8,
+    next: u8,
+}
+
+impl LongestAnswers {
+    /// Records an answer of `tokens` completion tokens (or one cut short after `tokens`).
+    pub(crate) fn note(&mut self, tokens: u64) {
+        let i = usize::from(self.next) % TENANT_ANSWERS;
+        if let Some(slot) = self.last.get_mut(i) {
+            *slot = u32::try_from(tokens).unwrap_or(u32::MAX);
+        }
+        self.next = ((i + 1) % TENANT_ANSWERS) as u8;
+        self.seen = self.seen.saturating_add(1);
+    }
+
+    /// The longest of the last answers, once [`TENANT_MIN`] were seen.
+    pub(crate) fn longest(&self) -> Option<u64> {
+        let n = usize::from(self.seen).min(TENANT_ANSWERS);
+        (self.seen >= TENANT_MIN).then(|| self.last.iter().take(n).copied().max().map(u64::from))?
     }
 }
 
@@ -139,10 +177,10 @@ mod tests {
         for _ in 0..MIN_SAMPLES - 1 {
             s.note(100);
         }
-        assert_eq!(s.first_hold(2048), 2048);
+        assert_eq!(s.first_hold(2048, None), 2048);
         s.note(100);
-        assert_eq!(s.first_hold(2048), 100);
-        assert_eq!(s.first_hold(64), 64, "never past the budget");
+        assert_eq!(s.first_hold(2048, None), 100);
+        assert_eq!(s.first_hold(64, None), 64, "never past the budget");
     }
 
     #[test]
@@ -152,12 +190,35 @@ mod tests {
             s.note(t * 10);
         }
         // 99th percentile of 10..=1000 by nearest rank.
-        assert_eq!(s.first_hold(4096), 990);
+        assert_eq!(s.first_hold(4096, None), 990);
         // The window forgets the oldest.
         for _ in 0..MAX_SAMPLES {
             s.note(5);
         }
-        assert_eq!(s.first_hold(4096), MIN_HOLD);
+        assert_eq!(s.first_hold(4096, None), MIN_HOLD);
+    }
+
+    #[test]
+    fn a_tenants_longest_recent_answer_raises_its_first_hold_once_a_few_were_seen() {
+        let mut s = CompletionSizes::default();
+        for _ in 0..MIN_SAMPLES {
+            s.note(100);
+        }
+        let mut t = LongestAnswers::default();
+        for _ in 0..TENANT_MIN - 1 {
+            t.note(1_000);
+        }
+        assert_eq!(t.longest(), None, "too few of its answers seen");
+        t.note(1_000);
+        assert_eq!(s.first_hold(2_048, t.longest()), 1_000);
+        assert_eq!(s.first_hold(512, t.longest()), 512, "never past the budget");
+        // Shorter than the lane's: the lane's quantile stands.
+        assert_eq!(s.first_hold(2_048, Some(50)), 100);
+        // Its last eight answers are what count.
+        for _ in 0..TENANT_ANSWERS {
+            t.note(20);
+        }
+        assert_eq!(t.longest(), Some(20));
     }
 
     #[test]

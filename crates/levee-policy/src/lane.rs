@@ -36,6 +36,7 @@
 use crate::affinity::{self, SessionKey, SessionMap};
 use crate::breaker::{Breaker, BreakerConfig, BreakerState, BreakerStats, BreakerTicket, Outcome};
 use crate::clock::Timestamp;
+use crate::completions::LongestAnswers;
 use crate::fasthash::FastState;
 use crate::fleet::Budget;
 use crate::latency::{LatencyFit, LatencySlo};
@@ -610,6 +611,9 @@ pub struct Lane<P, K> {
     runs: Runs<K>,
     /// Its growing streams ([`LaneConfig::grow_streams`]).
     streams: Streams<K>,
+    /// The lengths of each active tenant's last answers (kept apart from `tenants`, whose
+    /// figures are copied on every change).
+    answers: HashMap<K, LongestAnswers, FastState>,
 }
 
 /// What one tier takes into a lane, as rates: requests and their KV tokens per second.
@@ -709,6 +713,7 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
             prefill_window: Duration::ZERO,
             runs: Runs::default(),
             streams: Streams::default(),
+            answers: HashMap::default(),
         }
     }
 
@@ -941,6 +946,8 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
                 if self.tenants.len() >= 1024 {
                     let window = self.cfg.fair_share_window;
                     self.tenants.retain(|_, u| u.active(now, window));
+                    let tenants = &self.tenants;
+                    self.answers.retain(|k, _| tenants.contains_key(k));
                 }
                 self.tenants
                     .insert(tenant.clone(), TenantUse::new(tier, weight, now));
@@ -1398,6 +1405,19 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
             });
         }
         true
+    }
+
+    /// Records an answer of `tenant` of `tokens` completion tokens ([`LongestAnswers`]),
+    /// while it is active.
+    pub(crate) fn note_answer(&mut self, tenant: &K, tokens: u64) {
+        if self.tenants.contains_key(tenant) {
+            self.answers.entry(tenant.clone()).or_default().note(tokens);
+        }
+    }
+
+    /// The longest of `tenant`'s recent answers, once a few were seen.
+    pub(crate) fn longest_answer(&self, tenant: &K) -> Option<u64> {
+        self.answers.get(tenant)?.longest()
     }
 
     /// The streams whose hold went to a stream of a tenant within its share since the last

@@ -146,6 +146,27 @@ fn a_stream_whose_backend_has_no_room_is_refused_its_growth_and_holds_what_it_he
     assert_eq!(held(&a, &clock), 0);
 }
 
+#[test]
+fn a_tenant_whose_answers_run_long_is_admitted_holding_their_length() {
+    let clock = ManualClock::new();
+    let mut a = admission(1, 100_000);
+    learn(&mut a, &clock, 500, 100);
+    // Four answers of a tenant run to 1,000 tokens: its next stream holds that from the
+    // start (judged by the fair share at admission, never growing past it), where the
+    // lane's other tenants still hold the lane's 99th percentile (4 answers in 504 do not
+    // move it).
+    for i in 0..4 {
+        let g = dispatched(a.admit(&stream_of("long", 10, 2_000), i, clock.now()));
+        a.complete(g, done(1_000), clock.now());
+    }
+    let long = dispatched(a.admit(&stream_of("long", 10, 2_000), 4, clock.now()));
+    assert_eq!(long.kv_tokens(), 1_010);
+    let short = dispatched(a.admit(&stream(10, 2_000), 5, clock.now()));
+    assert_eq!(short.kv_tokens(), 110);
+    a.complete(long, done(1_000), clock.now());
+    a.complete(short, done(100), clock.now());
+}
+
 /// Grows `g` as its tokens come, up to `to` tokens: `Err` with the tokens read when a growth
 /// was refused.
 fn grow_until(
