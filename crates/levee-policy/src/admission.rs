@@ -935,7 +935,16 @@ impl<T, K: Hash + Eq + Ord + Clone> LaneAdmission<T, K> {
         let actual = done.actual_tokens.unwrap_or(grant.tokens);
         if let Some(g) = done.generated {
             self.completions.note(g);
-            self.lane.note_answer(&grant.tenant, g);
+            // A stream cut for want of room ran at least `g` tokens, and its tenant's may
+            // run to their end: its next ones hold their whole budget until its answers
+            // show otherwise.
+            let cut = grant
+                .placement
+                .as_ref()
+                .is_some_and(|p| self.lane.cut_for_room(p));
+            let budget = grant.completion().budget;
+            self.lane
+                .note_answer(&grant.tenant, if cut { budget.max(g) } else { g });
         }
         self.settle(shared, grant, done.outcome, actual, false, now);
     }
@@ -995,6 +1004,7 @@ impl<T, K: Hash + Eq + Ord + Clone> LaneAdmission<T, K> {
                 return Ok(grant.grows_at());
             }
         }
+        self.lane.growth_refused(p);
         Err(OverBudget)
     }
 

@@ -68,7 +68,7 @@ impl CompletionSizes {
 /// Answers of one tenant remembered.
 const TENANT_ANSWERS: usize = 8;
 /// Answers of a tenant seen before its longest counts.
-const TENANT_MIN: u8 = 4;
+const TENANT_MIN: u8 = 2;
 
 /// The completion lengths of one tenant's last answers, so that a tenant whose answers run
 /// longer than the lane's (on purpose, as with vLLM's `ignore_eos`, or by its prompts) is

@@ -1407,6 +1407,19 @@ impl<P, K: Hash + Eq + Ord + Clone> Lane<P, K> {
         true
     }
 
+    /// A growth of placement `p`'s stream was refused: the caller cuts it short.
+    pub(crate) fn growth_refused(&mut self, p: &Placement) {
+        if let Some(id) = p.stream {
+            self.streams.refuse(id);
+        }
+    }
+
+    /// Whether placement `p`'s stream was cut short for want of room (its hold taken, or a
+    /// growth refused).
+    pub(crate) fn cut_for_room(&self, p: &Placement) -> bool {
+        p.stream.is_some_and(|id| self.streams.cut(id))
+    }
+
     /// Records an answer of `tenant` of `tokens` completion tokens ([`LongestAnswers`]),
     /// while it is active.
     pub(crate) fn note_answer(&mut self, tenant: &K, tokens: u64) {

@@ -37,6 +37,8 @@ struct Growing<K> {
     held: u64,
     /// Its hold went to another stream: it is to be cut short, and never grows again.
     taken: bool,
+    /// A growth of it was refused: it is cut short.
+    refused: bool,
 }
 
 /// A stream whose hold was taken ([`Streams::take`]): its tenant, tier and the tokens it
@@ -89,6 +91,7 @@ impl<K> Streams<K> {
             at,
             held,
             taken: false,
+            refused: false,
         });
         StreamId(id)
     }
@@ -100,6 +103,18 @@ impl<K> Streams<K> {
     /// Whether its hold was taken (it is to be cut short).
     pub(crate) fn taken(&self, id: StreamId) -> bool {
         self.find(id).is_some_and(|s| s.taken)
+    }
+
+    /// A growth of it was refused (it is cut short).
+    pub(crate) fn refuse(&mut self, id: StreamId) {
+        if let Some(s) = self.streams.iter_mut().find(|s| s.id == id.0) {
+            s.refused = true;
+        }
+    }
+
+    /// Whether it is cut short for want of room: its hold was taken, or a growth refused.
+    pub(crate) fn cut(&self, id: StreamId) -> bool {
+        self.find(id).is_some_and(|s| s.taken || s.refused)
     }
 
     /// It holds `held` KV tokens now.
@@ -218,6 +233,9 @@ mod tests {
         );
         assert_eq!(s.take_cuts(), vec![low, young]);
         assert!(s.taken(low) && s.taken(young) && !s.taken(old));
+        assert!(s.cut(young) && !s.cut(old));
+        s.refuse(old);
+        assert!(s.cut(old) && !s.taken(old), "refused, not taken");
         // A taken stream gives back nothing more when it ends; an untaken one nothing.
         assert_eq!(s.released(young), 100);
         assert_eq!(s.released(old), 0);

@@ -144,6 +144,11 @@ fn a_stream_whose_backend_has_no_room_is_refused_its_growth_and_holds_what_it_he
         a.complete(g, done(100), clock.now());
     }
     assert_eq!(held(&a, &clock), 0);
+    // A stream cut for want of room teaches its tenant its whole budget: its answers may
+    // run to their end, so its next stream holds all of it (until eight answers say less).
+    let next = dispatched(a.admit(&stream(10, 500), 9, clock.now()));
+    assert_eq!(next.kv_tokens(), 510);
+    a.complete(next, done(100), clock.now());
 }
 
 #[test]
