@@ -991,8 +991,8 @@ impl<T, K: Hash + Eq + Ord + Clone> LaneAdmission<T, K> {
         let Some(p) = grant.placement.as_mut() else {
             return Err(OverBudget);
         };
-        // Every hold on the room there is first; only then the least one on room taken from
-        // tenants over their share.
+        // Each hold is tried on the backend's free room first; only then the least of them
+        // on room taken from tenants over their share.
         let least = holds.last().copied();
         let tries = holds.into_iter().map(|h| (h, false));
         for (h, take) in tries.chain(least.map(|h| (h, true))) {

@@ -94,8 +94,11 @@ impl LongestAnswers {
 
     /// The longest of the last answers, once [`TENANT_MIN`] were seen.
     pub(crate) fn longest(&self) -> Option<u64> {
+        if self.seen < TENANT_MIN {
+            return None;
+        }
         let n = usize::from(self.seen).min(TENANT_ANSWERS);
-        (self.seen >= TENANT_MIN).then(|| self.last.iter().take(n).copied().max().map(u64::from))?
+        self.last.iter().take(n).copied().max().map(u64::from)
     }
 }
 

@@ -87,10 +87,41 @@ pub(crate) struct Lane {
     pub series: crate::metrics::ModelMetrics,
     /// The signal that cuts each preemptible request short, by its run
     /// (`queue.preempt_over_share`; empty while it is off).
-    cuts: Mutex<std::collections::HashMap<u64, Arc<Notify>>>,
+    cuts: Signals,
     /// The signal that cuts each growing stream short when its KV hold goes to a stream of a
     /// tenant within its share, by its stream (`kv.grow_streams`).
-    taken: Mutex<std::collections::HashMap<u64, Arc<Notify>>>,
+    taken: Signals,
+}
+
+/// Signals that cut running requests short, by the policy's number for them (a run or a
+/// stream): registered while a request may be cut, looked up by its task, sent by whoever
+/// holds the lane's decision that named it.
+#[derive(Default)]
+struct Signals(Mutex<std::collections::HashMap<u64, Arc<Notify>>>);
+
+impl Signals {
+    fn register(&self, id: u64) {
+        self.0.lock().insert(id, Arc::new(Notify::new()));
+    }
+
+    fn get(&self, id: u64) -> Option<Arc<Notify>> {
+        self.0.lock().get(&id).cloned()
+    }
+
+    fn forget(&self, id: u64) {
+        self.0.lock().remove(&id);
+    }
+
+    /// Signals each of `ids` still registered (one that ended meanwhile has none left: what
+    /// it held came back anyway).
+    fn send(&self, ids: impl IntoIterator<Item = u64>) {
+        let signals = self.0.lock();
+        for id in ids {
+            if let Some(signal) = signals.get(&id) {
+                signal.notify_one();
+            }
+        }
+    }
 }
 
 #[derive(Debug, Default)]
@@ -144,8 +175,8 @@ impl Lane {
             prefill: Mutex::new(PrefillFit::new()),
             prompt: Mutex::new(levee_policy::PromptCorrections::default()),
             series: crate::metrics::ModelMetrics::default(),
-            cuts: Mutex::new(std::collections::HashMap::new()),
-            taken: Mutex::new(std::collections::HashMap::new()),
+            cuts: Signals::default(),
+            taken: Signals::default(),
         });
         let stop = lane.ctx.stopped.clone();
         spawn_pump(lane.clone(), |l| &l.wake, stop, |l| l.pump());
@@ -208,13 +239,7 @@ impl Lane {
             (gone, ready, cut, adm.next_deadline(now))
         };
         if !cut.is_empty() {
-            let cuts = self.cuts.lock();
-            for run in cut {
-                // One that ended meanwhile has no signal left: its slot came back anyway.
-                if let Some(signal) = cuts.get(&run.get()) {
-                    signal.notify_one();
-                }
-            }
+            self.cuts.send(cut.into_iter().map(|run| run.get()));
         }
         for e in gone {
             self.left_queue(&e.item.tier);
@@ -232,51 +257,6 @@ impl Lane {
             d.item.answer(Ok(admitted));
         }
         next.map(|t| ctx.clock.instant_at(t))
-    }
-
-    /// The signal that cuts the request of `run` short, registered while it may be.
-    pub(crate) fn cut_signal(&self, run: levee_policy::RunId) -> Option<Arc<Notify>> {
-        self.cuts.lock().get(&run.get()).cloned()
-    }
-
-    /// Registers a preemptible request's signal (see [`Lane::cut_signal`]).
-    fn register_cut(&self, run: levee_policy::RunId) {
-        self.cuts.lock().insert(run.get(), Arc::new(Notify::new()));
-    }
-
-    /// Its request can no longer be cut short (its answer started, or it ended).
-    fn forget_cut(&self, run: levee_policy::RunId) {
-        self.cuts.lock().remove(&run.get());
-    }
-
-    /// Registers a growing stream's signal, to be cut short when its hold is taken
-    /// ([`Lane::cut_taken`]).
-    pub(crate) fn register_stream(&self, id: levee_policy::StreamId) {
-        self.taken.lock().insert(id.get(), Arc::new(Notify::new()));
-    }
-
-    /// The signal that cuts growing stream `id` short, registered while it runs.
-    pub(crate) fn stream_signal(&self, id: levee_policy::StreamId) -> Option<Arc<Notify>> {
-        self.taken.lock().get(&id.get()).cloned()
-    }
-
-    /// Its stream ended: its signal goes.
-    pub(crate) fn forget_stream(&self, id: levee_policy::StreamId) {
-        self.taken.lock().remove(&id.get());
-    }
-
-    /// Signals the streams whose hold went to a stream of a tenant within its share to cut
-    /// themselves short (their tasks drop the upstream at once).
-    pub(crate) fn cut_taken(&self, ids: Vec<levee_policy::StreamId>) {
-        if ids.is_empty() {
-            return;
-        }
-        let taken = self.taken.lock();
-        for id in ids {
-            if let Some(signal) = taken.get(&id.get()) {
-                signal.notify_one();
-            }
-        }
     }
 
     /// Counts a request out of the queue.

@@ -147,7 +147,7 @@ impl Admitted {
         lane.ctx.in_flight.fetch_add(1, Ordering::AcqRel);
         lane.ctx.metrics.in_flight.inc();
         if let Some(run) = grant.run() {
-            lane.register_cut(run);
+            lane.cuts.register(run.get());
         }
         Admitted {
             lane: lane.clone(),
@@ -182,7 +182,7 @@ impl Admitted {
     /// The signal that it is to be cut short, while it may be (`queue.preempt_over_share`).
     pub fn cut_signal(&self) -> Option<Arc<Notify>> {
         let run = self.grant.as_ref()?.run()?;
-        self.lane.cut_signal(run)
+        self.lane.cuts.get(run.get())
     }
 
     /// Its answer started reaching the client: it can no longer be cut short.
@@ -190,7 +190,7 @@ impl Admitted {
         let Some(g) = self.grant.as_mut() else { return };
         let Some(run) = g.run() else { return };
         self.lane.admission().answered(g);
-        self.lane.forget_cut(run);
+        self.lane.cuts.forget(run.get());
     }
 
     /// Gives its backend slot back and queues it again, its charges kept, after it was cut
@@ -204,7 +204,7 @@ impl Admitted {
             return Err(GatewayError::internal("a request was queued again twice"));
         };
         if let Some(run) = g.run() {
-            self.lane.forget_cut(run);
+            self.lane.cuts.forget(run.get());
         }
         let now = ctx.clock.now();
         let (tx, rx) = oneshot::channel();
@@ -269,16 +269,16 @@ impl Admitted {
             return false;
         };
         if let Some(run) = g.run() {
-            self.lane.forget_cut(run);
+            self.lane.cuts.forget(run.get());
         }
         // On another backend it is a new stream.
         if let Some(id) = g.stream() {
-            self.lane.forget_stream(id);
+            self.lane.taken.forget(id.get());
         }
         let moved = self.lane.admission().redispatch(g, outcome, now);
         self.lane.wake();
         if let Some(run) = g.run() {
-            self.lane.register_cut(run);
+            self.lane.cuts.register(run.get());
         }
         if moved {
             // Not sent to the new backend yet.
@@ -334,18 +334,18 @@ impl Admitted {
             let mut adm = self.lane.admission();
             let out = change(&mut adm, g, now);
             if let Some(id) = g.stream().filter(|_| !named) {
-                self.lane.register_stream(id);
+                self.lane.taken.register(id.get());
             }
             (out, adm.streams_to_cut())
         };
-        self.lane.cut_taken(cut);
+        self.lane.taken.send(cut.into_iter().map(|id| id.get()));
         Some(out)
     }
 
     /// The signal that its stream's KV hold went to a stream of a tenant within its fair
     /// share: cut it short at once (once it grew, or tried to; `None` before).
     pub fn taken_signal(&self) -> Option<Arc<Notify>> {
-        self.lane.stream_signal(self.grant.as_ref()?.stream()?)
+        self.lane.taken.get(self.grant.as_ref()?.stream()?.get())
     }
 
     /// Ends it with the backend's outcome and real usage.
@@ -372,10 +372,10 @@ impl Admitted {
     /// It ends: its signals go.
     fn forget_signals(&self, g: &Grant<Key>) {
         if let Some(run) = g.run() {
-            self.lane.forget_cut(run);
+            self.lane.cuts.forget(run.get());
         }
         if let Some(id) = g.stream() {
-            self.lane.forget_stream(id);
+            self.lane.taken.forget(id.get());
         }
     }
 
