@@ -134,14 +134,16 @@ impl Scaling {
 
     /// Counts a request for `model` that reaches admission.
     pub fn arrival(&self, model: &str) {
-        if let Some(m) = self.model(model) {
+        // Counted under the map's read lock: a clone of the `Arc` would cost every request
+        // two more atomic writes to a count both workers share.
+        if let Some(m) = self.models.read().get(model) {
             m.arrivals.fetch_add(1, Ordering::Relaxed);
         }
     }
 
     /// Counts a request of `model` that a backend finished (any outcome).
     pub fn completion(&self, model: &str) {
-        if let Some(m) = self.model(model) {
+        if let Some(m) = self.models.read().get(model) {
             m.completions.fetch_add(1, Ordering::Relaxed);
         }
     }

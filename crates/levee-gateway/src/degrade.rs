@@ -20,6 +20,33 @@ pub struct DegradeDecision {
     pub shed_from_priority: Option<u8>,
 }
 
+impl DegradeDecision {
+    /// The decision in one word, for a lane to publish to its requests without a lock
+    /// ([`DegradeDecision::unpack`]): the level in bits 0–7, the fallback in bit 8, the tier
+    /// shed from in bits 16–23 (bit 9: any), the `max_tokens` cap in bits 32–63 (bit 10: any).
+    pub(crate) fn pack(self) -> u64 {
+        let mut w = u64::from(self.level) | (u64::from(self.use_fallback) << 8);
+        if let Some(p) = self.shed_from_priority {
+            w |= 1 << 9 | u64::from(p) << 16;
+        }
+        if let Some(cap) = self.max_tokens_cap {
+            w |= 1 << 10 | u64::from(cap) << 32;
+        }
+        w
+    }
+
+    /// The decision [`DegradeDecision::pack`] made `w` of.
+    pub(crate) fn unpack(w: u64) -> Self {
+        let byte = |shift: u32| (w >> shift) as u8;
+        DegradeDecision {
+            level: byte(0),
+            use_fallback: w & 1 << 8 != 0,
+            shed_from_priority: (w & 1 << 9 != 0).then_some(byte(16)),
+            max_tokens_cap: (w & 1 << 10 != 0).then_some((w >> 32) as u32),
+        }
+    }
+}
+
 #[derive(Debug)]
 struct LaneState {
     planner: DegradePlanner,
@@ -172,5 +199,24 @@ fn decision_of(planner: &DegradePlanner) -> DegradeDecision {
         max_tokens_cap: plan.step.max_tokens_cap,
         use_fallback: plan.step.use_fallback,
         shed_from_priority: plan.step.shed_from_tier.map(|Tier(t)| t),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #[test]
+        fn a_decision_packed_in_one_word_unpacks_the_same(
+            level in any::<u8>(),
+            max_tokens_cap in any::<Option<u32>>(),
+            use_fallback in any::<bool>(),
+            shed_from_priority in any::<Option<u8>>(),
+        ) {
+            let d = DegradeDecision { level, max_tokens_cap, use_fallback, shed_from_priority };
+            prop_assert_eq!(DegradeDecision::unpack(d.pack()), d);
+        }
     }
 }

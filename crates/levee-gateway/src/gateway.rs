@@ -7,7 +7,7 @@
 
 use crate::config::{Config, StateBackend};
 use crate::conn_pool::Connector;
-use crate::degrade::{DegradeDecision, Degrader};
+use crate::degrade::Degrader;
 use crate::lane::{Lane, LaneContext};
 use crate::metrics::Metrics;
 use crate::runtime::{admission_config, Runtime};
@@ -113,6 +113,7 @@ impl Gateway {
         });
         gw.set_tenant_series();
         gw.sync_lanes();
+        gw.publish_degradation();
         Ok(gw)
     }
 
@@ -171,9 +172,14 @@ impl Gateway {
         self.shared.as_ref()
     }
 
-    /// The degradation measures in force for `model`.
-    pub(crate) fn degradation(&self, model: &str) -> DegradeDecision {
-        self.degrader.lock().decision(model)
+    /// Publishes each lane's degradation measures to its requests, which read them without
+    /// taking the degrader's lock (see [`Lane::degradation`]).
+    fn publish_degradation(&self) {
+        let lanes = self.lanes();
+        let degrader = self.degrader.lock();
+        for lane in lanes {
+            lane.set_degradation(degrader.decision(&lane.model));
+        }
     }
 
     /// The degradation state (`/admin/state`'s `degradation`).
@@ -184,6 +190,7 @@ impl Gateway {
     /// Forces a degradation level (`None`: back to automatic).
     pub(crate) fn force_degradation(&self, level: Option<usize>) {
         self.degrader.lock().force(level);
+        self.publish_degradation();
     }
 
     /// The highest degradation level configured.
@@ -191,14 +198,18 @@ impl Gateway {
         self.degrader.lock().max_level()
     }
 
-    /// Feeds a lane's signals to degradation; returns its level.
+    /// Feeds a lane's signals to degradation and publishes the measures they lead to; returns
+    /// its level.
     pub(crate) fn observe_degradation(
         &self,
-        model: &str,
+        lane: &Lane,
         signals: levee_policy::LoadSignals,
         now: Timestamp,
     ) -> u8 {
-        self.degrader.lock().observe(model, signals, now)
+        let mut degrader = self.degrader.lock();
+        let level = degrader.observe(&lane.model, signals, now);
+        lane.set_degradation(degrader.decision(&lane.model));
+        level
     }
 
     /// The lane of a model.
@@ -268,6 +279,7 @@ impl Gateway {
         }
         self.set_tenant_series();
         self.sync_lanes();
+        self.publish_degradation();
         Ok(())
     }
 

@@ -14,6 +14,7 @@
 use crate::gateway::Gateway;
 use crate::lane::QueueSpot;
 use crate::pipeline;
+use crate::runtime::Runtime;
 use axum::extract::Request;
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
@@ -29,6 +30,7 @@ const MAX_ERROR_BYTES: usize = 64 * 1024;
 /// position comments before dispatch.
 pub(crate) async fn watched(
     gw: Arc<Gateway>,
+    rt: Arc<Runtime>,
     arrival: pipeline::Arrival,
     req: Box<Request>,
     path: &'static str,
@@ -36,7 +38,9 @@ pub(crate) async fn watched(
     let spot = Arc::new(QueueSpot::default());
     let inner = spot.clone();
     let mut work =
-        Box::pin(async move { pipeline::serve_client(gw, arrival, req, path, Some(&inner)).await });
+        Box::pin(
+            async move { pipeline::serve_client(gw, rt, arrival, req, path, Some(&inner)).await },
+        );
     loop {
         tokio::select! {
             r = &mut work => return r,

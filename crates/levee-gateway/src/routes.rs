@@ -127,12 +127,13 @@ fn handle(
     // Position comments are opt-in (header, or a tier's `queue_updates`): only then does the
     // request run beside a watcher that may start the response before dispatch. Decided
     // here, not in an async body: the request's future is then just the path it takes.
-    let watch = pipeline::wants_queue_updates(req.headers())
-        || gw.config().tiers.values().any(|t| t.queue_updates);
+    // The runtime it starts with is the one it keeps, whatever reloads meanwhile.
+    let rt = gw.runtime();
+    let watch = pipeline::wants_queue_updates(req.headers()) || rt.queue_updates;
     if watch {
-        Either::Left(crate::queue_updates::watched(gw, arrival, req, path))
+        Either::Left(crate::queue_updates::watched(gw, rt, arrival, req, path))
     } else {
-        Either::Right(pipeline::serve_client(gw, arrival, req, path, None))
+        Either::Right(pipeline::serve_client(gw, rt, arrival, req, path, None))
     }
 }
 

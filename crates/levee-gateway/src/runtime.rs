@@ -101,6 +101,8 @@ pub struct Runtime {
     pub models: HashMap<String, Arc<Model>, FastState>,
     /// Each tenant's scopes in the shared limit store (`[state] backend = "redis"` only).
     pub shared_scopes: HashMap<Key, Arc<[levee_store::ScopeLimits]>>,
+    /// Some tier's waiting streams get position comments without asking.
+    pub queue_updates: bool,
     /// Keys already matched → their tenant, so a known key costs a map lookup instead of a
     /// SHA-256 per request. Only keys that matched a digest are kept, so it holds at most
     /// as many entries as there are configured keys, whatever clients send.
@@ -331,6 +333,7 @@ impl Runtime {
             }
         }
         Ok(Runtime {
+            queue_updates: cfg.tiers.values().any(|t| t.queue_updates),
             cfg: Arc::new(cfg),
             keys,
             tenants,

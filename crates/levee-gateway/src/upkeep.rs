@@ -191,7 +191,7 @@ impl Gateway {
         for lane in self.lanes() {
             let slo = rt.models.get(&*lane.model).and_then(|m| m.ttft_slo);
             let signals = lane.signals(hard, slo, now);
-            let level = self.observe_degradation(&lane.model, signals, now);
+            let level = self.observe_degradation(&lane, signals, now);
             self.metrics().degrade_level(&lane.model, level);
             top = top.max(level);
         }

@@ -17,6 +17,7 @@ mod request;
 pub(crate) use request::{decide, rate_info, Admitted, Decision, QueueSpot, Waiter};
 
 use crate::clock::TokioClock;
+use crate::degrade::DegradeDecision;
 use crate::error::GatewayError;
 use crate::metrics::{Metrics, TierLabel};
 use crate::upstream::{Backend, ReportedLoad};
@@ -27,7 +28,7 @@ use levee_policy::{
 use parking_lot::{Mutex, MutexGuard, RwLock};
 use request::expired_error;
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::Notify;
@@ -77,6 +78,10 @@ pub(crate) struct Lane {
     backends: RwLock<Vec<Arc<Backend>>>,
     wake: Notify,
     retired: AtomicBool,
+    /// The degradation decision in force for its requests, packed
+    /// ([`crate::degrade::DegradeDecision::pack`]): published by the gateway whenever the
+    /// degrader changes it, read by every request without a lock.
+    degradation: AtomicU64,
     /// Recent TTFTs (seconds) and capacity refusals, for the degradation signals.
     recent: Mutex<Recent>,
     /// Time to first token over prompt tokens of the last streamed responses.
@@ -171,6 +176,7 @@ impl Lane {
             backends: RwLock::new(Vec::new()),
             wake: Notify::new(),
             retired: AtomicBool::new(false),
+            degradation: AtomicU64::new(DegradeDecision::default().pack()),
             recent: Mutex::new(Recent::default()),
             prefill: Mutex::new(PrefillFit::new()),
             prompt: Mutex::new(levee_policy::PromptCorrections::default()),
@@ -257,6 +263,16 @@ impl Lane {
             d.item.answer(Ok(admitted));
         }
         next.map(|t| ctx.clock.instant_at(t))
+    }
+
+    /// The degradation decision in force for its requests.
+    pub(crate) fn degradation(&self) -> DegradeDecision {
+        DegradeDecision::unpack(self.degradation.load(Ordering::Relaxed))
+    }
+
+    /// Publishes the degradation decision its requests follow from now on.
+    pub(crate) fn set_degradation(&self, d: DegradeDecision) {
+        self.degradation.store(d.pack(), Ordering::Relaxed);
     }
 
     /// Counts a request out of the queue.

@@ -64,7 +64,7 @@ pub(super) fn classify(
     // The request keeps a copy of the body in an allocation of its own: the body read from
     // hyper is a view into the connection's read buffer, and a queued request holding it
     // would keep that buffer alive (the caller drops its view once classified).
-    let affinity = gw.config().affinity.enabled;
+    let affinity = rt.cfg.affinity.enabled;
     let (parsed, prompt) = ClientRequest::parse_keyed(body, affinity)?;
     let Some(model) = rt.models.get(&parsed.model).cloned() else {
         // Never a metric label from an unvalidated client string.
@@ -73,18 +73,22 @@ pub(super) fn classify(
     };
     ctx.model = model.name.clone();
     let mut degraded: Vec<String> = Vec::new();
-    let decision = gw.degradation(&model.name);
+    let Some(mut lane) = gw.lane(&model.name) else {
+        return Err(GatewayError::unknown_model(&model.name));
+    };
+    let decision = lane.degradation();
     shed(gw, seat, &model.name, &decision)?;
     let mut target = model.clone();
     if decision.use_fallback {
         if let Some(fb) = model.fallback.as_ref().and_then(|f| rt.models.get(f)) {
             target = fb.clone();
             degraded.push(format!("fallback={}", fb.name));
+            let Some(fb_lane) = gw.lane(&fb.name) else {
+                return Err(GatewayError::unknown_model(&fb.name));
+            };
+            lane = fb_lane;
         }
     }
-    let Some(lane) = gw.lane(&target.name) else {
-        return Err(GatewayError::unknown_model(&target.name));
-    };
     ctx.lane = Some(lane.clone());
     let (prompt_estimate, prompt_kind) = target.counter.measure(&prompt);
     drop(prompt);

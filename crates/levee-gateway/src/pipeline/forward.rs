@@ -62,6 +62,7 @@ pub(super) async fn forward(
         outlier: rt.cfg.outlier.clone(),
         judged,
         request: c.request.clone(),
+        log_sample: rt.cfg.observe.request_log_sample,
         span: c.span.clone(),
     };
     let mut settlement = Settlement::new(Box::new(settle));

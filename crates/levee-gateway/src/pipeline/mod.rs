@@ -44,7 +44,7 @@ use crate::gateway::Gateway;
 use crate::lane::QueueSpot;
 use crate::lane::{self, Lane};
 use crate::request_log::{ms, RequestId, RequestLine};
-use crate::runtime::Tenant;
+use crate::runtime::{Runtime, Tenant};
 use axum::extract::Request;
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
@@ -224,6 +224,7 @@ impl Seat {
 )]
 pub(crate) fn serve_client<'a>(
     gw: Arc<Gateway>,
+    rt: Arc<Runtime>,
     mut arrival: Arrival,
     req: Box<Request>,
     path: &'static str,
@@ -235,24 +236,23 @@ pub(crate) fn serve_client<'a>(
         let span = ctx.span.clone();
         let run = async {
             let tenant = debug_span!("authenticate")
-                .in_scope(|| authenticate(&gw, arrival.peer(), req.headers()))?;
+                .in_scope(|| authenticate(&gw, &rt, arrival.peer(), req.headers()))?;
             let asked_updates = wants_queue_updates(req.headers());
-            let affinity = &gw.config().affinity;
+            let affinity = &rt.cfg.affinity;
             if affinity.enabled {
                 ctx.session = crate::session::from_header(req.headers(), &affinity.session_header);
             }
             let seat = Seat::of(&tenant);
             ctx.set_tenant(&tenant, &seat);
             let (limit, timeout) = {
-                let cfg = gw.config();
-                let ms = cfg.server.body_read_timeout_ms;
-                (cfg.server.max_body_bytes, Duration::from_millis(ms))
+                let ms = rt.cfg.server.body_read_timeout_ms;
+                (rt.cfg.server.max_body_bytes, Duration::from_millis(ms))
             };
             let body = Box::pin(read_body(unbox(req), limit, timeout))
                 .instrument(debug_span!("read_body"))
                 .await?;
             let updates = asked_updates || seat.queue_updates;
-            let served = serve(&gw, tenant, seat, body, &mut ctx, spot, |stream| {
+            let served = serve(&gw, &rt, tenant, seat, body, &mut ctx, spot, |stream| {
                 stream && updates
             });
             Box::pin(served).await
@@ -263,8 +263,8 @@ pub(crate) fn serve_client<'a>(
             Ok(resp) => resp,
             Err(e) => {
                 account_error(&gw, &ctx, &e);
-                log_error(&gw, &ctx, &e);
-                if e.code() == ErrorCode::CapacityOverload && gw.config().tasks.enabled {
+                log_error(&rt, &ctx, &e);
+                if e.code() == ErrorCode::CapacityOverload && rt.cfg.tasks.enabled {
                     // A long job need not hold a connection open.
                     return e
                         .with_advice(
@@ -294,7 +294,8 @@ pub(crate) async fn serve_task(
     ctx.set_tenant(&tenant, &seat);
     let span = ctx.span.clone();
     let body = Bytes::copy_from_slice(body);
-    let served = serve(gw, tenant, seat, body, &mut ctx, Some(spot), |_| false);
+    let rt = gw.runtime();
+    let served = serve(gw, &rt, tenant, seat, body, &mut ctx, Some(spot), |_| false);
     let r = Box::pin(served.instrument(span)).await;
     ctx.phase = Phase::Answered;
     if let Err(e) = &r {
@@ -312,8 +313,13 @@ pub(crate) async fn serve_task(
     clippy::manual_async_fn,
     reason = "an async fn keeps its arguments twice while a request waits"
 )]
+#[expect(
+    clippy::too_many_arguments,
+    reason = "the request's parts as the phases before it leave them"
+)]
 fn serve<'a>(
     gw: &'a Arc<Gateway>,
+    rt: &'a Arc<Runtime>,
     tenant: Arc<Tenant>,
     seat: Seat,
     body: Bytes,
@@ -322,8 +328,7 @@ fn serve<'a>(
     wants_updates: impl FnOnce(bool) -> bool + 'a,
 ) -> impl std::future::Future<Output = Result<Response, GatewayError>> + 'a {
     async move {
-        let rt = gw.runtime();
-        let c = debug_span!("classify").in_scope(|| classify::classify(gw, &rt, &seat, &body, ctx));
+        let c = debug_span!("classify").in_scope(|| classify::classify(gw, rt, &seat, &body, ctx));
         drop(body);
         record(&ctx.span, "model", &*ctx.model);
         let mut c = c?;
@@ -350,7 +355,7 @@ fn serve<'a>(
             let (admitted, backend) =
                 debug_span!("dispatch").in_scope(|| admit::dispatch(admitted, &c))?;
             Box::pin(
-                forward::forward(gw, &rt, tenant, c, admitted, backend, ctx.path)
+                forward::forward(gw, rt, tenant, c, admitted, backend, ctx.path)
                     .instrument(debug_span!("proxy")),
             )
         };
@@ -406,22 +411,29 @@ pub(crate) fn wants_queue_updates(headers: &HeaderMap) -> bool {
 /// lookup each), then the API key decides tenant and tier; no client header can.
 fn authenticate(
     gw: &Gateway,
+    rt: &Runtime,
     peer: SocketAddr,
     headers: &HeaderMap,
 ) -> Result<Arc<Tenant>, GatewayError> {
     if gw.is_draining() {
         return Err(GatewayError::draining(Duration::from_millis(
-            gw.config().server.drain_retry_after_ms,
+            rt.cfg.server.drain_retry_after_ms,
         )));
     }
-    if let Err(wait) = gw.check_ip(peer.ip()) {
+    // The guard's lock is every request's: not taken while the guard is off.
+    let guarded = if rt.cfg.ip_guard.enabled {
+        gw.check_ip(peer.ip())
+    } else {
+        Ok(())
+    };
+    if let Err(wait) = guarded {
         return Err(GatewayError::rate_limited(
             "per-IP request rate",
             wait,
             RateInfo::default(),
         ));
     }
-    tenant_of(gw, headers)
+    tenant_in(rt, headers)
 }
 
 /// The key or token of `Authorization: Bearer ...` (or `api-key`).
@@ -439,12 +451,16 @@ pub(crate) fn bearer(headers: &HeaderMap) -> Option<&str> {
 
 /// The tenant whose API key the request carries.
 pub(crate) fn tenant_of(gw: &Gateway, headers: &HeaderMap) -> Result<Arc<Tenant>, GatewayError> {
+    tenant_in(&gw.runtime(), headers)
+}
+
+/// The tenant whose API key the request carries, in runtime `rt`.
+fn tenant_in(rt: &Runtime, headers: &HeaderMap) -> Result<Arc<Tenant>, GatewayError> {
     let key = bearer(headers).ok_or_else(|| GatewayError::unauthorized(true))?;
     if key.is_empty() {
         return Err(GatewayError::unauthorized(true));
     }
-    gw.runtime()
-        .tenant_for_key(key)
+    rt.tenant_for_key(key)
         .ok_or_else(|| GatewayError::unauthorized(false))
 }
 
@@ -662,7 +678,7 @@ fn account_error(gw: &Gateway, ctx: &RequestCtx, e: &GatewayError) {
 }
 
 /// The request log line of a request that ended in an error.
-fn log_error(gw: &Gateway, ctx: &RequestCtx, e: &GatewayError) {
+fn log_error(rt: &Runtime, ctx: &RequestCtx, e: &GatewayError) {
     if let Some(id) = &ctx.request {
         RequestLine {
             request_id: id.as_str(),
@@ -680,7 +696,7 @@ fn log_error(gw: &Gateway, ctx: &RequestCtx, e: &GatewayError) {
             prompt_tokens: None,
             completion_tokens: None,
         }
-        .emit(id.seq, gw.config().observe.request_log_sample);
+        .emit(id.seq, rt.cfg.observe.request_log_sample);
     }
 }
 
@@ -696,7 +712,8 @@ mod tests {
         let req = Box::new(Request::new(axum::body::Body::empty()));
         let peer = "127.0.0.1:1".parse().unwrap();
         let arrival = Arrival::new(&gw, RequestId::for_request(&HeaderMap::new(), Some(peer)));
-        let f = serve_client(gw, arrival, req, "/v1/chat/completions", None);
+        let rt = gw.runtime();
+        let f = serve_client(gw, rt, arrival, req, "/v1/chat/completions", None);
         let size = std::mem::size_of_val(&f);
         eprintln!("serve_client future: {size} bytes");
         // 424 bytes with rustc 1.95. What a request allocates is this future with the

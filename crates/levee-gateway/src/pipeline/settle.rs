@@ -36,6 +36,8 @@ pub(super) struct RequestSettle {
     /// The outcome already went to outlier ejection (see `proxy_phase`).
     pub judged: bool,
     pub request: Option<Arc<RequestId>>,
+    /// The share of requests whose line goes to the request log (`observe.request_log_sample`).
+    pub log_sample: f64,
     /// The request's span: it ends when this is dropped, at the end of `settle`.
     pub span: Span,
 }
@@ -253,7 +255,7 @@ impl RequestSettle {
                 prompt_tokens: outcome.usage.map(|u| u.prompt_tokens),
                 completion_tokens: outcome.usage.map(|u| u.completion_tokens),
             }
-            .emit(id.seq, self.gw.config().observe.request_log_sample);
+            .emit(id.seq, self.log_sample);
         }
     }
 }
