@@ -338,7 +338,9 @@ impl Admitted {
             }
             (out, adm.streams_to_cut())
         };
-        self.lane.taken.send(cut.into_iter().map(|id| id.get()));
+        if !cut.is_empty() {
+            self.lane.taken.send(cut.into_iter().map(|id| id.get()));
+        }
         Some(out)
     }
 
