@@ -392,8 +392,25 @@ async fn a_stream_whose_client_stops_reading_holds_its_whole_budget() {
 /// as its streams grow; when a quiet tenant's long answer needs room the flooder took
 /// meanwhile, the flooder's youngest streams are cut for it, never the quiet one, and the
 /// engine (which crashes on overflow) never overflows.
+///
+/// Whether the quiet stream's growth finds the flooder holding its room, or the flooder's
+/// own growth is refused first (freeing room), is a matter of timing: each run must keep the
+/// quiet stream whole and the engine under its cache, and within three runs a flooder's
+/// stream must have been cut for the quiet one (a run without it was seen once in six).
 #[tokio::test]
 async fn a_tenant_whose_answers_run_long_cannot_cut_a_quiet_tenants_stream() {
+    for run in 1..=3 {
+        if quiet_stream_beside_a_long_flood().await >= 1 {
+            return;
+        }
+        eprintln!("run {run}: no flooder's stream was cut for the quiet one; again");
+    }
+    panic!("no flooder's stream gave its room back in three runs");
+}
+
+/// One run of [`a_tenant_whose_answers_run_long_cannot_cut_a_quiet_tenants_stream`]: the
+/// flooder's streams cut for the quiet one.
+async fn quiet_stream_beside_a_long_flood() -> usize {
     let (e, gw) = engine_behind_levee((2_048, 2_048), levee_engine::OverloadMode::Crash, 4.0).await;
     let (c, url, admin) = (client(), gw.public_url(), gw.admin_url());
     // Tenant "s" learns the lane short answers; then "a" floods with answers that run to
@@ -450,7 +467,7 @@ async fn a_tenant_whose_answers_run_long_cannot_cut_a_quiet_tenants_stream() {
         quiet.contains("[DONE]"),
         "the quiet tenant's stream was cut: {quiet}"
     );
-    assert!(taken >= 1, "no flooder's stream gave its room back");
     assert_eq!(e.stats().crashes, 0, "the engine's cache overflowed");
     gw.shutdown().await;
+    taken
 }
