@@ -118,8 +118,12 @@ impl Signals {
     }
 
     /// Signals each of `ids` still registered (one that ended meanwhile has none left: what
-    /// it held came back anyway).
+    /// it held came back anyway); with none, the map's lock is not taken.
     fn send(&self, ids: impl IntoIterator<Item = u64>) {
+        let mut ids = ids.into_iter().peekable();
+        if ids.peek().is_none() {
+            return;
+        }
         let signals = self.0.lock();
         for id in ids {
             if let Some(signal) = signals.get(&id) {
@@ -244,9 +248,7 @@ impl Lane {
             }
             (gone, ready, cut, adm.next_deadline(now))
         };
-        if !cut.is_empty() {
-            self.cuts.send(cut.into_iter().map(|run| run.get()));
-        }
+        self.cuts.send(cut.into_iter().map(|run| run.get()));
         for e in gone {
             self.left_queue(&e.item.tier);
             let err = expired_error(&self.model, &e);

@@ -338,9 +338,7 @@ impl Admitted {
             }
             (out, adm.streams_to_cut())
         };
-        if !cut.is_empty() {
-            self.lane.taken.send(cut.into_iter().map(|id| id.get()));
-        }
+        self.lane.taken.send(cut.into_iter().map(|id| id.get()));
         Some(out)
     }
 
